@@ -1,0 +1,14 @@
+"""The `Agent` protocol: play one episode against an async env and return its trajectories."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from areal_agents.envs.async_env import AsyncEnv
+from areal_agents.types import Trajectory
+
+
+class Agent(Protocol):
+    """One async method, as in AReaL's workflow API. Returns one trajectory per segment (usually one)."""
+
+    async def run_episode(self, env: AsyncEnv, *, seed: int | None, episode_id: str) -> list[Trajectory]: ...

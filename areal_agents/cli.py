@@ -1,0 +1,127 @@
+"""`areal-agents` command line: tiny-model, sft, train, envs.
+
+User mistakes (a missing config file, an unknown key or env id, a bad model path) print one line and
+exit with code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from collections.abc import Sequence
+
+from areal_agents.errors import ArealAgentsError
+
+
+def _config_help(cls: type, prefix: str = "") -> list[str]:
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines += _config_help(hints[f.name], f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        lines.append(f"  {prefix}{f.name} = {default!r}    # {f.metadata.get('help', '')}")
+    return lines
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> None:
+    from areal_agents.models.tiny import save_tiny_model
+
+    _quiet_transformers()
+    out = save_tiny_model(args.out_dir, seed=args.seed)
+    print(f"tiny model and tokenizer saved to {out}")
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from areal_agents.config import TrainConfig, load_config
+
+    cfg = load_config(TrainConfig, args.config, args.overrides)
+    from areal_agents.trainers.rl_recipe import run_train
+
+    _quiet_transformers()
+    run_train(cfg, progress=not args.no_progress)
+
+
+def cmd_sft(args: argparse.Namespace) -> None:
+    from areal_agents.config import SFTConfig, load_config
+
+    cfg = load_config(SFTConfig, args.config, args.overrides)
+    from areal_agents.trainers.sft_recipe import run_sft
+
+    _quiet_transformers()
+    run_sft(cfg, progress=not args.no_progress)
+
+
+def cmd_envs(args: argparse.Namespace) -> None:
+    import gymnasium as gym
+
+    import areal_agents.envs  # noqa: F401  (registers the built-in ids)
+
+    for env_id in sorted(k for k in gym.registry if k.startswith("areal_agents/")):
+        print(env_id)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from areal_agents.config import SFTConfig, TrainConfig
+
+    parser = argparse.ArgumentParser(prog="areal-agents", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("tiny-model", help="build a tiny Llama model + char tokenizer for CPU runs and tests")
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_tiny_model)
+
+    for name, fn, cls, text in (
+        ("train", cmd_train, TrainConfig, "RL with decoupled PPO"),
+        ("sft", cmd_sft, SFTConfig, "supervised fine-tuning on chat JSONL"),
+    ):
+        p = sub.add_parser(
+            name,
+            help=text,
+            description=f"{text}. Config keys (set in the YAML file or as key=value):\n"
+            + "\n".join(_config_help(cls)),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.add_argument("config", help="YAML config file")
+        p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. ppo.lr=3e-4")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+        p.set_defaults(fn=fn)
+
+    p = sub.add_parser("envs", help="list the registered areal_agents env ids")
+    p.set_defaults(fn=cmd_envs)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may come before or after flags: `train cfg.yaml --no-progress ppo.lr=1e-4`.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    try:
+        args.fn(args)
+    except ArealAgentsError as e:
+        print(f"areal-agents {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"areal-agents {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""Typed config dataclasses, loaded from a YAML file plus ``a.b=c`` command-line overrides.
+
+Every key is checked against the dataclasses: an unknown key or a value of the wrong type is a
+`ConfigError` that names the key and where it came from (the file, or the override), with a
+near-match suggestion. Hand-written rather than OmegaConf for exactly these messages and for
+``Literal`` choices, which OmegaConf's structured configs do not support.
+
+    cfg = load_config(TrainConfig, "examples/arithmetic/rl.yaml", ["ppo.lr=3e-4"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from areal_agents.errors import ConfigError, did_you_mean
+
+T = TypeVar("T")
+
+
+def _help(text: str, **kw: Any) -> Any:
+    """A dataclass field with a one-line help text (shown by ``areal-agents CMD --help-config``)."""
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    path: str = _help("directory of a transformers checkpoint (config, weights, tokenizer)", default="")
+    dtype: Literal["float32", "bfloat16", "float16"] = _help(
+        "parameter dtype; float32 on CPU (bf16 is ~6x slower there)", default="float32"
+    )
+
+
+@dataclass
+class EnvConfig:
+    id: str = _help("gymnasium env id, e.g. areal_agents/Arithmetic-v0", default="areal_agents/Arithmetic-v0")
+    kwargs: dict[str, Any] = _help("keyword arguments for gymnasium.make", default_factory=dict)
+    module: str = _help("module to import first so that a user env registers itself", default="")
+
+
+@dataclass
+class RolloutConfig:
+    batch_size: int = _help("prompts per training step", default=16)
+    group_size: int = _help("episodes per prompt (a GRPO group)", default=8)
+    max_new_tokens: int = _help("generation budget per turn", default=32)
+    temperature: float = _help("sampling temperature (the trainer scales logits by the same)", default=1.0)
+    top_p: float = _help("nucleus sampling", default=1.0)
+    top_k: int = _help("top-k sampling; 0 disables", default=0)
+    max_concurrent_rollouts: int = _help("episodes in flight at once", default=256)
+    system_prompt: str = _help("optional system message placed before the first observation", default="")
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "batch_size", "group_size", "max_new_tokens", "max_concurrent_rollouts")
+
+
+@dataclass
+class PPOConfig:
+    lr: float = _help("AdamW learning rate", default=1e-4)
+    weight_decay: float = _help("AdamW weight decay", default=0.0)
+    warmup_steps: int = _help("linear learning-rate warm-up, in optimizer steps", default=0)
+    max_grad_norm: float = _help("gradient-norm clip", default=1.0)
+    eps_clip: float = _help("PPO clip range below 1 (and above, unless eps_clip_higher)", default=0.2)
+    eps_clip_higher: float | None = _help("PPO clip range above 1 (DAPO clip-higher)", default=None)
+    dual_clip: float | None = _help("dual-clip bound c > 1 for negative advantages", default=None)
+    behav_imp_weight_cap: float | None = _help(
+        "tokens whose exp(logp_prox - logp_behav) exceeds this are masked", default=5.0
+    )
+    advantage: Literal["grpo", "rloo"] = _help("group baseline for the advantages", default="grpo")
+    ppo_epochs: int = _help("passes over each batch", default=1)
+    num_minibatches: int = _help("optimizer steps per epoch", default=1)
+    micro_batch_tokens: int = _help("token budget of one forward/backward micro-batch", default=16384)
+    filter_zero_variance_groups: bool = _help("drop groups whose rewards are all equal", default=True)
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "lr", "eps_clip", "ppo_epochs", "num_minibatches", "micro_batch_tokens")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip: expects a value > 1, got {self.dual_clip}")
+
+
+@dataclass
+class EvalConfig:
+    num_problems: int = _help("held-out problems, greedy, one episode each", default=200)
+    seed: int = _help("seed of the held-out set (fixed across runs)", default=0)
+    every: int = _help("evaluate every N steps; 0 = only before and after training", default=0)
+    env_kwargs: dict[str, Any] = _help(
+        "overrides of env.kwargs for evaluation (e.g. split: test)", default_factory=dict
+    )
+
+
+@dataclass
+class TrainConfig:
+    """`areal-agents train`: decoupled-PPO RL on an env."""
+
+    run_dir: str = _help("where checkpoints, TensorBoard logs and the summary go", default="runs/train")
+    seed: int = _help("seed for torch, sampling and training prompts", default=1)
+    steps: int = _help("training steps (one rollout batch each)", default=100)
+    save_every: int = _help("checkpoint every N steps; 0 = only at the end", default=0)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "steps")
+
+
+@dataclass
+class SFTConfig:
+    """`areal-agents sft`: supervised fine-tuning on chat conversations (the RL warm start)."""
+
+    run_dir: str = _help("where the fine-tuned model, logs and summary go", default="runs/sft")
+    seed: int = _help("seed for torch and data order", default=1)
+    data: str = _help("JSONL file, one {'messages': [{'role', 'content'}, ...]} per line", default="")
+    steps: int = _help("optimizer steps", default=200)
+    batch_size: int = _help("conversations per step", default=64)
+    lr: float = _help("AdamW learning rate", default=1e-3)
+    weight_decay: float = _help("AdamW weight decay", default=0.0)
+    warmup_steps: int = _help("linear learning-rate warm-up", default=10)
+    max_grad_norm: float = _help("gradient-norm clip", default=1.0)
+    micro_batch_tokens: int = _help("token budget of one forward/backward micro-batch", default=16384)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    max_new_tokens: int = _help("generation budget per turn during evaluation", default=32)
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "steps", "batch_size", "lr", "micro_batch_tokens")
+
+
+def _check_positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value <= 0:
+            raise ValueError(f"{name}: expects a value > 0, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> T:
+    """Build ``cls`` from a YAML file and ``a.b=c`` overrides; raise `ConfigError` naming the key."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}".replace("\n", " ")) from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expects a mapping at the top level, got {type(loaded).__name__}")
+        data = loaded or {}
+        _check_keys(cls, data, "", f"in {path}")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expects the form key.sub=value")
+        where = f"in override {item!r}"
+        _check_keys(cls, _nest(key.split("."), None), "", where)
+        _set_nested(data, key.split("."), yaml.safe_load(raw) if raw != "" else "")
+        source = f"{source} + overrides"
+    return _build(cls, data, "", f"in {source}")
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain-dict view of a config, for saving next to a run."""
+    return dataclasses.asdict(cfg)
+
+
+def _nest(keys: list[str], value: Any) -> dict[str, Any]:
+    out: Any = value
+    for k in reversed(keys):
+        out = {k: out}
+    return out
+
+
+def _set_nested(data: dict[str, Any], keys: list[str], value: Any) -> None:
+    for k in keys[:-1]:
+        if not isinstance(data.get(k), dict):
+            data[k] = {}
+        data = data[k]
+    data[keys[-1]] = value
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _check_keys(cls: type, data: dict[str, Any], prefix: str, where: str) -> None:
+    """Reject unknown keys anywhere below ``cls`` (free-form dict fields excepted)."""
+    hints = typing.get_type_hints(cls)
+    fields = _fields(cls)
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            choices = [f"{prefix}{name}" for name in fields]
+            raise ConfigError(f"unknown config key {full!r} {where}.{did_you_mean(full, choices)}")
+        if dataclasses.is_dataclass(hints[key]):
+            if isinstance(value, dict):
+                _check_keys(hints[key], value, f"{full}.", where)
+            elif value is not None:
+                raise ConfigError(f"config key {full!r} {where}: expects a mapping, got {value!r}")
+
+
+def _build(cls: type[T], data: dict[str, Any], prefix: str, where: str) -> T:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _convert(value, hints[name], f"{prefix}{name}", where)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ConfigError(f"config key {prefix}{e} ({where})") from None
+
+
+def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"config key {key!r} {where}: expects {expected}, got {value!r}")
+
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise bad("a mapping")
+        return _build(tp, value, f"{key}.", where)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(value, inner, key, where)
+    if origin is Literal:
+        if value not in args:
+            raise bad("one of " + ", ".join(repr(a) for a in args))
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad("a list")
+        return [_convert(v, args[0], f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad("a mapping")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad("a number") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise bad("a string")
+        return str(value)
+    if tp is Any:
+        return value
+    raise TypeError(f"config field {key!r} has unsupported type {tp!r}")

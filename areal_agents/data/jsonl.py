@@ -1,0 +1,53 @@
+"""Read JSONL files with errors that name the file and line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from areal_agents.errors import ArealAgentsError
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """One JSON object per non-empty line."""
+    p = Path(path)
+    if not p.is_file():
+        raise ArealAgentsError(f"data file not found: {p}")
+    rows = []
+    with p.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ArealAgentsError(f"{p}:{lineno}: not valid JSON: {e}") from None
+            if not isinstance(row, dict):
+                raise ArealAgentsError(f"{p}:{lineno}: expects a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    if not rows:
+        raise ArealAgentsError(f"data file is empty: {p}")
+    return rows
+
+
+def read_chat_jsonl(path: str | Path) -> list[list[dict[str, str]]]:
+    """Conversations from ``{"messages": [{"role": ..., "content": ...}, ...]}`` rows."""
+    conversations = []
+    for lineno, row in enumerate(read_jsonl(path), 1):
+        messages = row.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ArealAgentsError(f"{path}: row {lineno}: expects a non-empty list under key 'messages'")
+        for m in messages:
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                raise ArealAgentsError(
+                    f"{path}: row {lineno}: each message needs string 'role' and 'content', got {m!r}"
+                )
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ArealAgentsError(f"{path}: row {lineno}: no assistant message to learn from")
+        conversations.append(messages)
+    return conversations

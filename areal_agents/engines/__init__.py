@@ -1,0 +1,6 @@
+"""Inference engines behind one protocol: token ids in, token ids + logprobs + versions out."""
+
+from areal_agents.engines.base import InferenceEngine
+from areal_agents.engines.hf_engine import HFEngine
+
+__all__ = ["HFEngine", "InferenceEngine"]

@@ -1,0 +1,45 @@
+"""Per-row sampling from next-token logits, with the behavior logprob of each sampled token.
+
+The behavior logprob is ``log softmax(logits / T)`` at the sampled token (``T = 1`` for greedy rows),
+over the full vocabulary: the same quantity the trainer recomputes, so the importance ratio is exact.
+Top-k / top-p only restrict which tokens may be drawn.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits [B, V]``; return ``(tokens [B], logprobs [B])``.
+
+    ``temperature``, ``top_p`` (floats) and ``top_k`` (ints, 0 = off) are ``[B]`` tensors; a row with
+    temperature 0 is greedy.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logprobs_all = torch.log_softmax(logits / scale[:, None], dim=-1)
+
+    filtered = logprobs_all.clone()
+    vocab = logits.shape[-1]
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = torch.sort(filtered, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if bool((top_p < 1).any()):
+        sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)
+        probs = sorted_lp.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        filtered = filtered.scatter(1, order, sorted_lp.masked_fill(drop, float("-inf")))
+
+    sampled = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(1)
+    tokens = torch.where(greedy, logprobs_all.argmax(-1), sampled)
+    return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)

@@ -1,0 +1,31 @@
+"""Make envs by gymnasium id, with a clear error and a near-match suggestion for unknown ids."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import gymnasium as gym
+
+from areal_agents.errors import ArealAgentsError, UnknownEnvError, did_you_mean
+
+
+def import_env_module(module: str) -> None:
+    """Import a user module whose import registers env ids (``env.module`` in config)."""
+    if not module:
+        return
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise ArealAgentsError(f"env.module {module!r} cannot be imported: {e}") from None
+
+
+def make_env(env_id: str, **kwargs: Any) -> gym.Env:
+    """``gymnasium.make(env_id, **kwargs)``; an unknown id raises `UnknownEnvError`, bad kwargs
+    `ArealAgentsError`."""
+    if env_id not in gym.registry:
+        raise UnknownEnvError(f"unknown env id {env_id!r}.{did_you_mean(env_id, gym.registry)}")
+    try:
+        return gym.make(env_id, disable_env_checker=True, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ArealAgentsError(f"cannot make env {env_id!r} with kwargs {kwargs}: {e}") from None

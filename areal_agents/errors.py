@@ -1,0 +1,32 @@
+"""The exception hierarchy. The CLI turns any `ArealAgentsError` into one line and exit code 2."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ArealAgentsError(Exception):
+    """A user-facing error: the message names the thing, what was expected and what was got."""
+
+
+class ConfigError(ArealAgentsError):
+    """A config file or override is missing, malformed, has an unknown key or a wrong type."""
+
+
+class UnknownEnvError(ArealAgentsError):
+    """An env id that is not registered with gymnasium."""
+
+
+class ModelLoadError(ArealAgentsError):
+    """A model or tokenizer path that does not exist or cannot be loaded."""
+
+
+class EngineError(ArealAgentsError):
+    """An inference engine failed to serve a request."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """Return ' Did you mean X?' for the closest choice, or '' when nothing is close."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""

@@ -1,0 +1,46 @@
+"""Load any transformers checkpoint (the tiny one or a real one) with a clear error on a bad path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from areal_agents.errors import ModelLoadError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check_path(path: str | Path) -> Path:
+    p = Path(path)
+    if not str(path):
+        raise ModelLoadError("model.path is empty: set it to a checkpoint directory")
+    if not p.is_dir():
+        raise ModelLoadError(f"model path does not exist: {p}")
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"model path {p} has no config.json: is it a transformers checkpoint?")
+    return p
+
+
+def load_model(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained`` from a local directory, offline."""
+    p = _check_path(path)
+    try:
+        return AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype], local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load model from {p}: {e}".splitlines()[0]) from None
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer.from_pretrained`` from a local directory; it must have a chat template."""
+    p = _check_path(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load tokenizer from {p}: {e}".splitlines()[0]) from None
+    if not tok.chat_template:
+        raise ModelLoadError(f"tokenizer in {p} has no chat_template; agents need one")
+    if tok.eos_token_id is None:
+        raise ModelLoadError(f"tokenizer in {p} has no eos_token; generation needs one to stop")
+    return tok

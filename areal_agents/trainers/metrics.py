@@ -1,0 +1,28 @@
+"""Metrics to TensorBoard with namespaced keys (``rollout/``, ``train/``, ``eval/``, ``perf/``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch.utils.tensorboard import SummaryWriter
+
+
+class MetricsWriter:
+    """``log(step, {"train/loss": 0.1, ...})`` writes scalars; keeps the latest value of each key."""
+
+    def __init__(self, log_dir: str | Path) -> None:
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.latest: dict[str, float] = {}
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+            self.latest[key] = value
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()
+
+
+def prefixed(prefix: str, stats: dict[str, float]) -> dict[str, float]:
+    return {f"{prefix}/{k}": v for k, v in stats.items()}

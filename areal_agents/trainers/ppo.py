@@ -1,0 +1,118 @@
+"""One decoupled-PPO training step on a batch of trajectories (GRPO groups).
+
+Steps, in order: group advantages -> drop zero-variance groups -> proximal logprobs with the current
+weights -> ``ppo_epochs`` x ``num_minibatches`` optimizer steps, each accumulating gradients over
+token-budgeted micro-batches with the loss normalised by the minibatch's loss tokens.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from transformers import PreTrainedModel
+
+from areal_agents.config import PPOConfig
+from areal_agents.trainers.advantages import group_advantages, zero_variance_groups
+from areal_agents.trainers.batching import make_micro_batches, token_logprobs
+from areal_agents.trainers.ppo_loss import decoupled_ppo_loss
+from areal_agents.types import Trajectory
+
+
+@torch.no_grad()
+def proximal_logprobs(
+    model: PreTrainedModel, trajectories: list[Trajectory], temperature: float, max_tokens: int, pad: int
+) -> list[torch.Tensor]:
+    """π_prox logprobs of every token of every trajectory, with the weights as they are now."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(trajectories)
+    for mb in make_micro_batches(trajectories, max_tokens, pad_token_id=pad):
+        logp = token_logprobs(model, mb, temperature)
+        for row, i in enumerate(mb.index):
+            out[i] = logp[row, : len(trajectories[i])].clone()
+    return out
+
+
+def ppo_update(
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    trajectories: list[Trajectory],
+    cfg: PPOConfig,
+    *,
+    temperature: float,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """Train on one batch; return namespaced-ready stats (loss, clip fraction, weights, grad norm)."""
+    rewards = [t.reward for t in trajectories]
+    group_ids = [t.group_id for t in trajectories]
+    advantages = group_advantages(rewards, group_ids, cfg.advantage)
+    flat = zero_variance_groups(rewards, group_ids)
+    stats: dict[str, float] = {
+        "zero_variance_group_fraction": len(flat) / max(len(set(group_ids)), 1),
+        "advantage_abs_mean": float(advantages.abs().mean()) if len(advantages) else 0.0,
+    }
+    keep = [i for i, g in enumerate(group_ids) if not (cfg.filter_zero_variance_groups and g in flat)]
+    stats["trained_trajectories"] = float(len(keep))
+    if not keep:
+        stats["skipped"] = 1.0
+        return stats
+    trajs = [trajectories[i] for i in keep]
+    adv = advantages[keep].tolist()
+
+    model.train()
+    prox = proximal_logprobs(model, trajs, temperature, cfg.micro_batch_tokens, pad_token_id)
+    sums: dict[str, float] = defaultdict(float)
+    steps = 0
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(len(trajs), generator=generator).tolist()
+        for chunk in torch.tensor_split(torch.tensor(order), cfg.num_minibatches):
+            idx = chunk.tolist()
+            if not idx:
+                continue
+            mbs = make_micro_batches(
+                [trajs[i] for i in idx],
+                cfg.micro_batch_tokens,
+                [adv[i] for i in idx],
+                pad_token_id,
+                [prox[i] for i in idx],
+            )
+            total = sum(mb.num_loss_tokens for mb in mbs)
+            optimizer.zero_grad(set_to_none=True)
+            for mb in mbs:
+                logp = token_logprobs(model, mb, temperature)
+                loss, st = decoupled_ppo_loss(
+                    logp,
+                    mb.prox_logprobs,
+                    mb.logprobs,
+                    mb.advantages,
+                    mb.loss_mask,
+                    eps_clip=cfg.eps_clip,
+                    eps_clip_higher=cfg.eps_clip_higher,
+                    dual_clip=cfg.dual_clip,
+                    behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+                    num_tokens=total,
+                )
+                loss.backward()
+                sums["loss"] += float(loss.detach())
+                weight = st["loss_tokens"] / max(total, 1)
+                for key in (
+                    "clip_fraction",
+                    "dual_clip_fraction",
+                    "capped_fraction",
+                    "approx_kl",
+                    "ratio_mean",
+                    "behav_weight_mean",
+                ):
+                    sums[key] += st[key] * weight
+                sums["behav_weight_max"] = max(sums["behav_weight_max"], st["behav_weight_max"])
+            sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+            optimizer.step()
+            scheduler.step()
+            steps += 1
+    for key, value in sums.items():
+        stats[key] = value if key == "behav_weight_max" else value / max(steps, 1)
+    stats["optimizer_steps"] = float(steps)
+    stats["lr"] = scheduler.get_last_lr()[0]
+    stats["loss_tokens"] = float(sum(sum(t.loss_mask) for t in trajs))
+    return stats

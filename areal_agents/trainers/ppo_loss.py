@@ -1,0 +1,77 @@
+"""Decoupled PPO loss (AReaL): clip against the proximal policy, weight by the behavior importance ratio.
+
+Notation: π_θ the policy being trained, π_prox the proximal policy (the weights at the start of this
+update, logprobs recomputed by the trainer), π_behav the behavior policy (the possibly older weights
+that generated the tokens, logprobs reported by the engine). For each generated token t with
+advantage A_t:
+
+    r_t   = π_θ(a_t) / π_prox(a_t)                                   (the PPO ratio)
+    w_t   = π_prox(a_t) / π_behav(a_t)                               (behavior importance weight)
+    L_t   = w_t · max(-A_t · r_t, -A_t · clip(r_t, 1 - ε, 1 + ε_high))
+    (dual clip, A_t < 0:  L_t = min(L_t, w_t · (-A_t) · c))
+    L     = Σ_t m_t L_t / N        m_t = 0 where w_t > cap (stale or off-policy tokens are dropped)
+
+N is the number of loss tokens (token-weighted mean); pass ``num_tokens`` to normalise several
+micro-batches by their shared total. When π_behav = π_prox (on-policy) w_t = 1 and this is PPO; when
+also π_θ = π_prox (first step) the gradient is the plain policy gradient -A_t ∇log π_θ(a_t).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def decoupled_ppo_loss(
+    logp: torch.Tensor,
+    logp_prox: torch.Tensor,
+    logp_behav: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+    dual_clip: float | None = None,
+    behav_imp_weight_cap: float | None = None,
+    num_tokens: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Return ``(loss, stats)``; every tensor argument has the same shape (tokens, any layout)."""
+    mask = loss_mask.bool()
+    ratio = torch.exp(logp - logp_prox)
+    clipped_ratio = ratio.clamp(
+        1.0 - eps_clip, 1.0 + (eps_clip if eps_clip_higher is None else eps_clip_higher)
+    )
+    pg_unclipped = -advantages * ratio
+    pg_clipped = -advantages * clipped_ratio
+    pg_loss = torch.maximum(pg_unclipped, pg_clipped)
+    clipped = pg_clipped > pg_unclipped
+    if dual_clip is not None:
+        dual_bound = -advantages * dual_clip
+        dual_clipped = (advantages < 0) & (pg_loss > dual_bound)
+        pg_loss = torch.where(advantages < 0, torch.minimum(pg_loss, dual_bound), pg_loss)
+    else:
+        dual_clipped = torch.zeros_like(mask)
+
+    behav_weight = torch.exp(logp_prox - logp_behav).detach()
+    if behav_imp_weight_cap is not None:
+        capped = mask & (behav_weight > behav_imp_weight_cap)
+        mask = mask & ~capped
+    else:
+        capped = torch.zeros_like(mask)
+
+    n = float(num_tokens) if num_tokens is not None else float(loss_mask.bool().sum().clamp(min=1))
+    loss = (pg_loss * behav_weight * mask).sum() / n
+
+    valid = loss_mask.bool()
+    count = max(int(valid.sum()), 1)
+    with torch.no_grad():
+        stats = {
+            "loss_tokens": float(valid.sum()),
+            "clip_fraction": float((clipped & mask).sum()) / count,
+            "dual_clip_fraction": float((dual_clipped & mask).sum()) / count,
+            "capped_fraction": float(capped.sum()) / count,
+            "approx_kl": float(((logp_prox - logp) * valid).sum()) / count,  # KL(π_prox || π_θ), k1
+            "ratio_mean": float((ratio * valid).sum()) / count,
+            "behav_weight_mean": float((behav_weight * valid).sum()) / count,
+            "behav_weight_max": float(behav_weight[valid].max()) if valid.any() else 0.0,
+        }
+    return loss, stats

@@ -1,0 +1,181 @@
+"""`areal-agents train`: RL with decoupled PPO, read top to bottom.
+
+Each step: roll out ``batch_size`` prompts x ``group_size`` episodes with the engine -> one PPO update
+on the trainer's copy of the policy -> push the new weights to the engine (version + 1). Held-out
+greedy accuracy is measured before and after (and every ``eval.every`` steps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from areal_agents.agents.chat_agent import ChatAgent
+from areal_agents.config import TrainConfig
+from areal_agents.engines.hf_engine import HFEngine
+from areal_agents.envs.async_env import LocalAsyncEnv
+from areal_agents.models.loading import load_model, load_tokenizer
+from areal_agents.rollout.episodes import RolloutLedger, run_groups
+from areal_agents.rollout.evaluate import evaluate
+from areal_agents.trainers.checkpoint import save_checkpoint
+from areal_agents.trainers.metrics import MetricsWriter, prefixed
+from areal_agents.trainers.ppo import ppo_update
+from areal_agents.trainers.setup import (
+    env_factories,
+    held_out_seeds,
+    make_optimizer,
+    prepare_run_dir,
+    seed_everything,
+)
+from areal_agents.types import SamplingParams
+
+
+def run_train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
+    """Run RL as configured; return the summary also written to ``run_dir/summary.json``."""
+    make_train_env, make_eval_env = env_factories(cfg.env, cfg.eval)
+    tokenizer = load_tokenizer(cfg.model.path)
+    policy = load_model(cfg.model.path, cfg.model.dtype)  # the trainer's copy
+    engine = HFEngine(load_model(cfg.model.path, cfg.model.dtype), seed=cfg.seed)  # the rollout copy
+    run_dir = prepare_run_dir(cfg.run_dir, cfg)
+    seed_everything(cfg.seed)
+    return asyncio.run(
+        _train(cfg, tokenizer, policy, engine, make_train_env, make_eval_env, run_dir, progress)
+    )
+
+
+async def _train(cfg, tokenizer, policy, engine, make_train_env, make_eval_env, run_dir, progress):
+    r = cfg.rollout
+    sampling = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+    agent = ChatAgent(engine, tokenizer, sampling, system_prompt=r.system_prompt)
+    greedy = ChatAgent(
+        engine, tokenizer, SamplingParams(r.max_new_tokens, temperature=0.0), system_prompt=r.system_prompt
+    )
+    eval_seeds = held_out_seeds(make_eval_env, cfg.eval)
+    optimizer, scheduler = make_optimizer(policy, cfg.ppo.lr, cfg.ppo.weight_decay, cfg.ppo.warmup_steps)
+    metrics = MetricsWriter(run_dir / "tensorboard")
+    ledger = RolloutLedger()
+    rng = np.random.default_rng(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def make_env() -> LocalAsyncEnv:
+        return LocalAsyncEnv(make_train_env())
+
+    async def run_eval(step: int) -> dict[str, float]:
+        result = await evaluate(greedy, make_eval_env, eval_seeds, r.max_concurrent_rollouts)
+        metrics.log(step, prefixed("eval", result))
+        return result
+
+    start = time.perf_counter()
+    before = await run_eval(0)
+    print(f"held-out greedy accuracy before RL: {before['accuracy']:.1%} ({len(eval_seeds)} problems)")
+    totals = {"trained_samples": 0, "generated_tokens": 0, "rollout_seconds": 0.0, "train_seconds": 0.0}
+    bar = tqdm(range(1, cfg.steps + 1), desc="rl", disable=not progress, dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        seeds = rng.integers(0, 2**31 - 1, size=r.batch_size).tolist()
+        groups = await run_groups(
+            agent,
+            make_env,
+            seeds,
+            r.group_size,
+            max_concurrent=r.max_concurrent_rollouts,
+            ledger=ledger,
+            tag=f"s{step}",
+        )
+        trajectories = [t for g in groups for t in g]
+        t1 = time.perf_counter()
+        stats = ppo_update(
+            policy,
+            optimizer,
+            scheduler,
+            trajectories,
+            cfg.ppo,
+            temperature=r.temperature,
+            pad_token_id=pad,
+            generator=generator,
+        )
+        await engine.update_weights(policy.state_dict())  # pause, swap, version + 1, resume
+        t2 = time.perf_counter()
+
+        generated = sum(t.num_generated for t in trajectories)
+        rewards = [t.reward for t in trajectories]
+        rollout_stats = {
+            "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
+            "accuracy": float(np.mean([x >= 1.0 for x in rewards])) if rewards else 0.0,
+            "generated_tokens": float(generated),
+            "episodes_failed": float(ledger.failed),
+        }
+        perf = {
+            "gen_tokens_per_s": generated / max(t1 - t0, 1e-9),
+            "trained_samples_per_s": stats.get("trained_trajectories", 0.0) / max(t2 - t1, 1e-9),
+            "step_seconds": t2 - t0,
+        }
+        totals["trained_samples"] += int(stats.get("trained_trajectories", 0))
+        totals["generated_tokens"] += generated
+        totals["rollout_seconds"] += t1 - t0
+        totals["train_seconds"] += t2 - t1
+        metrics.log(
+            step,
+            {
+                **prefixed("rollout", rollout_stats),
+                **prefixed("train", stats),
+                **prefixed("perf", perf),
+                "engine/version": float(engine.get_version()),
+            },
+        )
+        bar.set_postfix(
+            reward=f"{rollout_stats['reward_mean']:.3f}",
+            acc=f"{rollout_stats['accuracy']:.2f}",
+            tok_s=f"{perf['gen_tokens_per_s']:.0f}",
+            refresh=False,
+        )
+        if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
+            result = await run_eval(step)
+            bar.write(f"step {step}: held-out greedy accuracy {result['accuracy']:.1%}")
+        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+            save_checkpoint(run_dir, step, policy, tokenizer, optimizer, scheduler, _state(engine, ledger))
+    bar.close()
+
+    after = await run_eval(cfg.steps)
+    ckpt = save_checkpoint(
+        run_dir, cfg.steps, policy, tokenizer, optimizer, scheduler, _state(engine, ledger)
+    )
+    metrics.close()
+    await engine.aclose()
+    wall = time.perf_counter() - start
+    summary = {
+        "accuracy_before": before["accuracy"],
+        "accuracy_after": after["accuracy"],
+        "eval_problems": len(eval_seeds),
+        "steps": cfg.steps,
+        "engine_version": engine.get_version(),
+        "wall_seconds": wall,
+        "trained_samples_per_s": totals["trained_samples"] / max(totals["train_seconds"], 1e-9),
+        "generated_tokens_per_s": totals["generated_tokens"] / max(totals["rollout_seconds"], 1e-9),
+        "episodes": {"submitted": ledger.submitted, "accepted": ledger.accepted, "failed": ledger.failed},
+        "checkpoint": str(ckpt),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(
+        f"held-out greedy accuracy after RL:  {after['accuracy']:.1%}  "
+        f"(before {before['accuracy']:.1%}, {summary['eval_problems']} problems)\n"
+        f"{cfg.steps} steps in {wall:.0f}s | {summary['trained_samples_per_s']:.0f} trained samples/s | "
+        f"{summary['generated_tokens_per_s']:.0f} generated tokens/s | "
+        f"engine version {summary['engine_version']}\n"
+        f"checkpoint: {ckpt}\ntensorboard: {run_dir / 'tensorboard'}"
+    )
+    return summary
+
+
+def _state(engine: HFEngine, ledger: RolloutLedger) -> dict[str, Any]:
+    return {
+        "version": engine.get_version(),
+        "ledger": {"submitted": ledger.submitted, "accepted": ledger.accepted, "failed": ledger.failed},
+    }

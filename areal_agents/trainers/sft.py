@@ -1,0 +1,63 @@
+"""Supervised fine-tuning on the same data path as RL: conversations become trajectories.
+
+Assistant messages become loss tokens (exactly as a generation would: content tokens + EOS); system,
+user and tool messages and the template's scaffolding are prompt tokens. Loss: mean negative
+log-likelihood over loss tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from areal_agents.agents.chat_tokens import ChatTokens
+from areal_agents.trainers.batching import make_micro_batches, token_logprobs
+from areal_agents.types import Trajectory
+
+
+def conversation_to_trajectory(
+    messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase
+) -> Trajectory:
+    """Tokenize a conversation the way `ChatAgent` would have produced it, loss on assistant turns."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    chat = ChatTokens(tokenizer)
+    chat.start(messages[:first])
+    for m in messages[first:]:
+        if m["role"] == "assistant":
+            tokens = tokenizer.encode(m["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
+            chat.append_generation(tokens, [0.0] * len(tokens), [-1] * len(tokens))
+        elif not chat.append_message(m["role"], m["content"]):
+            break  # the template rewrites history here; train on the prefix
+    return Trajectory(chat.input_ids, chat.loss_mask, chat.logprobs, chat.versions)
+
+
+def sft_update(
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    trajectories: list[Trajectory],
+    *,
+    micro_batch_tokens: int,
+    max_grad_norm: float,
+    pad_token_id: int,
+) -> dict[str, float]:
+    """One optimizer step of token-weighted NLL over the loss tokens of ``trajectories``."""
+    model.train()
+    mbs = make_micro_batches(trajectories, micro_batch_tokens, pad_token_id=pad_token_id)
+    total = sum(mb.num_loss_tokens for mb in mbs)
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = 0.0
+    for mb in mbs:
+        logp = token_logprobs(model, mb)
+        loss = -(logp * mb.loss_mask).sum() / max(total, 1)
+        loss.backward()
+        loss_sum += float(loss.detach())
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    optimizer.step()
+    scheduler.step()
+    return {
+        "loss": loss_sum,
+        "grad_norm": grad_norm,
+        "lr": scheduler.get_last_lr()[0],
+        "loss_tokens": float(total),
+    }

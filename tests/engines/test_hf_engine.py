@@ -1,0 +1,109 @@
+import asyncio
+
+import torch
+
+from areal_agents.engines import HFEngine, InferenceEngine
+from areal_agents.types import GenRequest, SamplingParams
+
+
+def prompt(tokenizer, text="12+34="):
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+    )
+
+
+def forward_logprobs(model, ids, n_out, temperature=1.0):
+    """Logprobs of the last n_out tokens of ids by a fresh full forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float() / temperature
+    logp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    return logp[-n_out:]
+
+
+def test_is_an_inference_engine(model):
+    assert isinstance(HFEngine(model), InferenceEngine)
+
+
+def test_greedy_matches_transformers_generate(model, tokenizer):
+    ids = prompt(tokenizer)
+    engine = HFEngine(model)
+    resp = asyncio.run(
+        engine.agenerate(GenRequest("r", ids, SamplingParams(max_new_tokens=12, temperature=0)))
+    )
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
+    assert resp.output_tokens == ref
+    assert resp.stop_reason == ("stop" if ref[-1] == tokenizer.eos_token_id else "length")
+
+
+def test_batched_sampling_logprobs_match_a_forward_pass(model, tokenizer):
+    engine = HFEngine(model, seed=1)
+    prompts = [prompt(tokenizer, t) for t in ("1+2=", "34+56=", "7+800=")]  # different lengths: padding
+
+    async def run():
+        reqs = [
+            GenRequest(str(i), p, SamplingParams(max_new_tokens=10, temperature=0.7))
+            for i, p in enumerate(prompts)
+        ]
+        return await asyncio.gather(*[engine.agenerate(r) for r in reqs])
+
+    responses = asyncio.run(run())
+    assert engine.stats.batches == 1  # concurrent requests were decoded together
+    for p, r in zip(prompts, responses):
+        ref = forward_logprobs(model, p + r.output_tokens, len(r.output_tokens), temperature=0.7)
+        assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=1e-4)
+        assert r.output_versions == [0] * len(r.output_tokens)
+
+
+def test_weight_update_mid_generation_resumes_with_new_version(model, tokenizer, tiny_dir):
+    from areal_agents.models import load_model
+
+    engine = HFEngine(model, eos_token_ids=[], seed=0)  # no EOS: every request runs its full length
+    new_weights = load_model(tiny_dir)
+    with torch.no_grad():
+        for p in new_weights.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    n_tokens = 120
+    prompts = [prompt(tokenizer, f"{i}+{i}=") for i in range(6)]
+
+    async def run():
+        tasks = [
+            asyncio.ensure_future(
+                engine.agenerate(GenRequest(str(i), p, SamplingParams(max_new_tokens=n_tokens)))
+            )
+            for i, p in enumerate(prompts)
+        ]
+        while engine.stats.batches == 0 and engine._current is None:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)  # let the batch decode some tokens
+        await engine.update_weights(new_weights.state_dict())
+        return await asyncio.gather(*tasks)
+
+    responses = asyncio.run(run())
+    assert engine.get_version() == 1
+    assert engine.stats.interrupted_requests == len(prompts)
+    for p, r in zip(prompts, responses):
+        assert len(r.output_tokens) == n_tokens and r.stop_reason == "length"  # complete, nothing lost
+        v = r.output_versions
+        assert v == sorted(v) and v[0] == 0 and v[-1] == 1  # switches exactly once, at the update
+        switch = v.index(1)
+        assert 0 < switch < n_tokens
+        after = forward_logprobs(new_weights, p + r.output_tokens, n_tokens - switch)
+        assert torch.allclose(torch.tensor(r.output_logprobs[switch:]), after, atol=1e-4)
+        before = forward_logprobs(
+            model.__class__.from_pretrained(tiny_dir), p + r.output_tokens[:switch], switch
+        )
+        assert torch.allclose(torch.tensor(r.output_logprobs[:switch]), before, atol=1e-4)
+
+
+def test_paused_engine_waits_for_resume(model, tokenizer):
+    engine = HFEngine(model)
+
+    async def run():
+        await engine.pause()
+        task = asyncio.ensure_future(engine.agenerate(GenRequest("r", prompt(tokenizer), SamplingParams(4))))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        await engine.resume()
+        return await task
+
+    assert len(asyncio.run(run()).output_tokens) >= 1

@@ -1,0 +1,44 @@
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from areal_agents.errors import ModelLoadError
+from areal_agents.models import load_model, load_tokenizer, save_tiny_model
+
+
+def test_default_tiny_model_is_under_one_million_parameters(tmp_path):
+    model = load_model(save_tiny_model(tmp_path))
+    assert 100_000 < sum(p.numel() for p in model.parameters()) < 1_000_000
+
+
+def test_loads_through_auto_classes(tiny_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    assert model.config.model_type == "llama"
+    assert "Qwen2" not in type(tok).__name__  # the pitfall: a reload that changes splitting
+    assert json.loads((tiny_dir / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"
+
+
+@pytest.mark.parametrize(
+    "text", ["12+34=", "Wrong. Try again:  7*8=\n", "def f(x):\n\treturn {'a': x}", " ~`|\\"]
+)
+def test_decode_encode_round_trip_after_reload(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text)  # one token per character
+    assert tokenizer.decode(ids) == text
+
+
+def test_chat_template_renders_chatml(tokenizer):
+    msgs = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False)
+    assert text == "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n2<|im_end|>\n"
+    ids = tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True, return_dict=False)
+    assert tokenizer.decode(ids) == "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_bad_model_paths(tmp_path):
+    with pytest.raises(ModelLoadError, match="model path does not exist: .*missing"):
+        load_model(tmp_path / "missing")
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_tokenizer(tmp_path)

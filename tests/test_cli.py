@@ -1,0 +1,103 @@
+"""The CLI as a user runs it: a 2-step SFT and RL smoke run, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from areal_agents.cli import main
+
+
+def write_configs(tmp_path, tiny_dir):
+    data = tmp_path / "sft.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"{a}+1="},
+                        {"role": "assistant", "content": str(a + 1)},
+                    ]
+                }
+            )
+            + "\n"
+            for a in range(20)
+        )
+    )
+    common = f"""
+model: {{path: {tiny_dir}}}
+env: {{id: areal_agents/Arithmetic-v0, kwargs: {{digits: 1, max_turns: 2}}}}
+eval: {{num_problems: 8, env_kwargs: {{split: test}}}}
+"""
+    sft = tmp_path / "sft.yaml"
+    sft.write_text(
+        f"run_dir: {tmp_path / 'sft'}\ndata: {data}\nsteps: 2\nbatch_size: 8\nmax_new_tokens: 4\n{common}"
+    )
+    rl = tmp_path / "rl.yaml"
+    rl.write_text(
+        f"run_dir: {tmp_path / 'rl'}\nsteps: 2\n"
+        "rollout: {batch_size: 4, group_size: 4, max_new_tokens: 4}\n"
+        f"ppo: {{filter_zero_variance_groups: false}}\n{common}"
+    )
+    return sft, rl
+
+
+def test_sft_then_two_rl_steps_write_artefacts(tmp_path, tiny_dir, capsys):
+    sft, rl = write_configs(tmp_path, tiny_dir)
+    assert main(["sft", str(sft), "--no-progress"]) == 0
+    model_dir = tmp_path / "sft" / "model"
+    assert (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file()
+
+    assert main(["train", str(rl), f"model.path={model_dir}", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out greedy accuracy before RL" in out and "after RL" in out
+    run = tmp_path / "rl"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["engine_version"] == 2  # one weight push per step
+    assert summary["episodes"] == {"submitted": 32, "accepted": 32, "failed": 0}
+    ckpt = run / "checkpoints" / "step_2"
+    assert (ckpt / "model" / "model.safetensors").is_file() and (ckpt / "trainer_state.pt").is_file()
+    events = list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = EventAccumulator(str(run / "tensorboard")).Reload().Tags()["scalars"]
+    for key in (
+        "rollout/reward_mean",
+        "train/loss",
+        "train/clip_fraction",
+        "train/behav_weight_mean",
+        "perf/gen_tokens_per_s",
+        "eval/accuracy",
+        "engine/version",
+    ):
+        assert key in tags
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "areal_agents.cli", *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "missing.yaml"], "config file not found: missing.yaml"),
+        (["train", "{rl}", "env.id=areal_agents/Arithmetc-v0"], "unknown env id 'areal_agents/Arithmetc-v0'"),
+        (["train", "{rl}", "model.path=/nonexistent/model"], "model path does not exist: /nonexistent/model"),
+        (["train", "{rl}", "ppo.lrr=1"], "unknown config key 'ppo.lrr'"),
+        (["sft", "{sft}", "data=/nonexistent.jsonl"], "data file not found: /nonexistent.jsonl"),
+    ],
+)
+def test_user_errors_are_one_line_exit_2(tmp_path, tiny_dir, args, message):
+    sft, rl = write_configs(tmp_path, tiny_dir)
+    result = run_cli(*[a.format(rl=rl, sft=sft) for a in args])
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_tiny_model_command(tmp_path):
+    assert main(["tiny-model", str(tmp_path / "m")]) == 0
+    assert (tmp_path / "m" / "model.safetensors").is_file()

@@ -1,0 +1,55 @@
+import pytest
+
+from areal_agents.config import TrainConfig, load_config
+from areal_agents.errors import ConfigError
+
+
+def write(tmp_path, text):
+    p = tmp_path / "cfg.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_file_and_overrides_are_typed(tmp_path):
+    p = write(tmp_path, "steps: 3\nppo:\n  lr: 1e-3\nenv:\n  kwargs: {digits: 3}\n")
+    cfg = load_config(TrainConfig, p, ["ppo.eps_clip_higher=0.28", "rollout.group_size=4", "model.path=x"])
+    assert cfg.steps == 3 and cfg.ppo.lr == 1e-3  # "1e-3" is a YAML 1.1 string; converted to float
+    assert cfg.ppo.eps_clip_higher == 0.28 and cfg.rollout.group_size == 4
+    assert cfg.env.kwargs == {"digits": 3} and cfg.model.path == "x"
+
+
+def test_unknown_key_names_key_file_and_suggestion(tmp_path):
+    p = write(tmp_path, "ppo:\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, p)
+    assert "'ppo.lrr'" in str(e.value) and str(p) in str(e.value) and "'ppo.lr'" in str(e.value)
+
+
+def test_unknown_override_names_the_override(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout.grop_size' in override .*group_size"):
+        load_config(TrainConfig, write(tmp_path, "steps: 1\n"), ["rollout.grop_size=4"])
+
+
+def test_wrong_type_names_key(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"'rollout.batch_size' in .*cfg.yaml: expects an integer, got 'many'"
+    ):
+        load_config(TrainConfig, write(tmp_path, "rollout:\n  batch_size: many\n"))
+    with pytest.raises(ConfigError, match=r"'ppo.filter_zero_variance_groups'.*true or false"):
+        load_config(TrainConfig, None, ["ppo.filter_zero_variance_groups=3"])
+
+
+def test_choice_and_range_are_validated():
+    with pytest.raises(ConfigError, match=r"'ppo.advantage'.*one of 'grpo', 'rloo'"):
+        load_config(TrainConfig, None, ["ppo.advantage=gae"])
+    with pytest.raises(ConfigError, match=r"config key ppo.lr: expects a value > 0"):
+        load_config(TrainConfig, None, ["ppo.lr=-1"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        load_config(TrainConfig, tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(TrainConfig, write(tmp_path, "steps: [1\n"))
+    with pytest.raises(ConfigError, match="expects the form key.sub=value"):
+        load_config(TrainConfig, None, ["steps"])

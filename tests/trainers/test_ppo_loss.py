@@ -1,0 +1,90 @@
+import math
+
+import pytest
+import torch
+
+from areal_agents.trainers.ppo_loss import decoupled_ppo_loss
+
+
+def loss_of(logp, prox, behav, adv, mask=None, **kw):
+    logp = torch.tensor(logp, requires_grad=True)
+    mask = torch.ones_like(logp) if mask is None else torch.tensor(mask, dtype=torch.float)
+    loss, stats = decoupled_ppo_loss(
+        logp, torch.tensor(prox), torch.tensor(behav), torch.tensor(adv), mask, **kw
+    )
+    loss.backward()
+    return loss.item(), logp.grad, stats
+
+
+def test_ratio_one_no_cap_is_plain_policy_gradient():
+    # π_θ = π_prox = π_behav: ratio 1, weight 1, so L = -mean(A) and dL/dlogp_t = -A_t / N.
+    lp = [-0.5, -1.0, -2.0]
+    adv = [1.0, -2.0, 0.5]
+    loss, grad, stats = loss_of(lp, lp, lp, adv)
+    assert loss == pytest.approx(-(1.0 - 2.0 + 0.5) / 3)
+    assert torch.allclose(grad, -torch.tensor(adv) / 3)
+    assert stats["clip_fraction"] == 0.0 and stats["capped_fraction"] == 0.0
+
+
+def test_clipping_above_for_positive_advantage():
+    # ratio = e^{ln 1.5} = 1.5 > 1.2 with A = 2: loss = -2 * 1.2 = -2.4, gradient zero (clipped).
+    loss, grad, stats = loss_of([math.log(1.5)], [0.0], [0.0], [2.0], eps_clip=0.2)
+    assert loss == pytest.approx(-2.4)
+    assert grad.abs().sum() == 0
+    assert stats["clip_fraction"] == 1.0
+
+
+def test_clipping_below_for_negative_advantage():
+    # ratio 0.5 < 0.8 with A = -1: max(0.5, 0.8) = 0.8 is the clipped branch, gradient zero.
+    loss, grad, stats = loss_of([math.log(0.5)], [0.0], [0.0], [-1.0], eps_clip=0.2)
+    assert loss == pytest.approx(0.8)
+    assert grad.abs().sum() == 0
+    assert stats["clip_fraction"] == 1.0
+
+
+def test_no_clipping_when_ratio_moves_against_advantage():
+    # ratio 0.5 with A = +1: max(-0.5, -0.8) = -0.5 is unclipped; dL/dlogp = -A * ratio = -0.5.
+    loss, grad, stats = loss_of([math.log(0.5)], [0.0], [0.0], [1.0], eps_clip=0.2)
+    assert loss == pytest.approx(-0.5)
+    assert grad.item() == pytest.approx(-0.5)
+    assert stats["clip_fraction"] == 0.0
+
+
+def test_clip_higher_widens_upper_bound_only():
+    # eps_clip_higher 0.28: ratio 1.5 clipped to 1.28 for A > 0.
+    loss, _, _ = loss_of([math.log(1.5)], [0.0], [0.0], [1.0], eps_clip=0.2, eps_clip_higher=0.28)
+    assert loss == pytest.approx(-1.28)
+
+
+def test_dual_clip_bounds_negative_advantage_loss():
+    # ratio 5 with A = -1: PPO loss max(5, 1.2) = 5; dual clip c = 3 bounds it to 3.
+    loss, grad, stats = loss_of([math.log(5.0)], [0.0], [0.0], [-1.0], eps_clip=0.2, dual_clip=3.0)
+    assert loss == pytest.approx(3.0)
+    assert grad.abs().sum() == 0
+    assert stats["dual_clip_fraction"] == 1.0
+
+
+def test_behavior_weight_multiplies_loss():
+    # logp_prox - logp_behav = ln 2: w = 2, ratio 1, A = 1 -> loss = -2.
+    loss, grad, stats = loss_of([0.0], [0.0], [-math.log(2.0)], [1.0], behav_imp_weight_cap=5.0)
+    assert loss == pytest.approx(-2.0)
+    assert grad.item() == pytest.approx(-2.0)
+    assert stats["behav_weight_mean"] == pytest.approx(2.0)
+
+
+def test_cap_masks_tokens_beyond_it():
+    # Token 0: w = 2 (kept); token 1: w = 10 > cap 5 (masked). N stays 2 (all loss tokens).
+    loss, grad, stats = loss_of(
+        [0.0, 0.0], [0.0, 0.0], [-math.log(2.0), -math.log(10.0)], [1.0, 1.0], behav_imp_weight_cap=5.0
+    )
+    assert loss == pytest.approx(-2.0 / 2)
+    assert grad[1].item() == 0.0 and grad[0].item() == pytest.approx(-1.0)
+    assert stats["capped_fraction"] == pytest.approx(0.5)
+    assert stats["behav_weight_max"] == pytest.approx(10.0)
+
+
+def test_loss_mask_and_shared_token_count():
+    # Masked tokens contribute nothing; num_tokens overrides the normaliser (micro-batch accumulation).
+    loss, grad, _ = loss_of([0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [1.0, 5.0], mask=[1, 0], num_tokens=4)
+    assert loss == pytest.approx(-1.0 / 4)
+    assert grad[1].item() == 0.0
