@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: .venv with areal-agents (+ dev extra) and bubblewrap, the local sandbox's
+# isolation layer. Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+# torch first and pinned: pip then takes the local CPU wheel and never a multi-GB CUDA build.
+.venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+.venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev]"
+
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null) \
+      || echo "setup: warning: could not install bubblewrap; the local code sandbox will be unavailable" >&2
+  else
+    echo "setup: warning: bubblewrap (bwrap) is missing; install it: sudo apt-get install -y bubblewrap" >&2
+  fi
+fi
+echo "setup: ready ($(.venv/bin/python -c 'import areal_agents, torch, transformers; print(f"areal-agents {areal_agents.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")'))"
