@@ -8,9 +8,14 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
+pip_install() {
+  # This machine's pip config names local wheel folders that may be absent; drop only those warnings.
+  .venv/bin/pip install --quiet --disable-pip-version-check "$@" \
+    2> >(grep -v "is neither a file nor a directory" >&2)
+}
 # torch first and pinned: pip then takes the local CPU wheel and never a multi-GB CUDA build.
-.venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
-.venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev]"
+pip_install torch==2.13.0
+pip_install -e ".[dev]"
 
 if ! command -v bwrap >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
