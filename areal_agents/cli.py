@@ -63,12 +63,28 @@ def cmd_sft(args: argparse.Namespace) -> None:
 
 
 def cmd_envs(args: argparse.Namespace) -> None:
-    import gymnasium as gym
+    from areal_agents.envs.registry import describe_envs, import_env_module
 
-    import areal_agents.envs  # noqa: F401  (registers the built-in ids)
+    for module in args.module:
+        import_env_module(module)
+    rows = describe_envs(include_gymnasium=args.all)
+    width = max((len(i) for i, _ in rows), default=0)
+    for env_id, description in rows:
+        print(f"{env_id:<{width}}  {description}")
 
-    for env_id in sorted(k for k in gym.registry if k.startswith("areal_agents/")):
-        print(env_id)
+
+def cmd_serve_env(args: argparse.Namespace) -> None:
+    from areal_agents.envs.registry import import_env_module
+    from areal_agents.envs.server import ServerConfig, serve
+
+    for module in args.module:
+        import_env_module(module)
+    cfg = ServerConfig(
+        host=args.host, port=args.port, mode=args.mode, workers=args.workers, step_timeout=args.step_timeout,
+        idle_timeout=args.idle_timeout, max_sessions=args.max_sessions, max_action_chars=args.max_action_chars,
+        max_body_bytes=args.max_body_bytes, modules=list(args.module),
+    )
+    serve(cfg)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,8 +114,24 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
         p.set_defaults(fn=fn)
 
-    p = sub.add_parser("envs", help="list the registered areal_agents env ids")
+    p = sub.add_parser("envs", help="list registered env ids with a one-line description")
+    p.add_argument("--module", action="append", default=[], help="import this module first (registers ids)")
+    p.add_argument("--all", action="store_true", help="include gymnasium's own envs")
     p.set_defaults(fn=cmd_envs)
+
+    p = sub.add_parser("serve-env", help="run the env-step HTTP server (docs/env-protocol.md)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--mode", choices=["inline", "thread", "process"], default="thread",
+                   help="how env calls run: on the event loop, in threads, or in worker processes")
+    p.add_argument("--workers", type=int, default=4, help="threads or processes running env calls")
+    p.add_argument("--step-timeout", type=float, default=60.0, help="seconds before a reset/step is a timeout")
+    p.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session expires")
+    p.add_argument("--max-sessions", type=int, default=4096, help="open sessions before 429")
+    p.add_argument("--max-action-chars", type=int, default=65536, help="longest accepted action")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest accepted request body")
+    p.add_argument("--module", action="append", default=[], help="import this module first (registers ids)")
+    p.set_defaults(fn=cmd_serve_env)
     return parser
 
 

@@ -30,3 +30,16 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """Return ' Did you mean X?' for the closest choice, or '' when nothing is close."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f" Did you mean {close[0]!r}?" if close else ""
+
+
+class EnvError(ArealAgentsError):
+    """An env failed during an episode; the episode ends and counts as an env failure, not a policy one.
+
+    ``kind`` is ``env_error`` (the env raised), ``timeout`` (a call overran its limit) or
+    ``worker_died`` (the process running the env died).
+    """
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.detail = message

@@ -29,3 +29,24 @@ def make_env(env_id: str, **kwargs: Any) -> gym.Env:
         return gym.make(env_id, disable_env_checker=True, **kwargs)
     except (TypeError, ValueError) as e:
         raise ArealAgentsError(f"cannot make env {env_id!r} with kwargs {kwargs}: {e}") from None
+
+
+def describe_envs(include_gymnasium: bool = False) -> list[tuple[str, str]]:
+    """``(id, first docstring line of its class)`` for registered ids, without gymnasium's own
+    (CartPole, ...) unless ``include_gymnasium``."""
+    out = []
+    for env_id, spec in sorted(gym.registry.items()):
+        entry = spec.entry_point
+        module = entry.split(":")[0] if isinstance(entry, str) else getattr(entry, "__module__", "")
+        if not include_gymnasium and module.startswith(("gymnasium.", "shimmy", "ale_py")):
+            continue
+        description = ""
+        try:
+            creator = spec.entry_point
+            if isinstance(creator, str):
+                creator = gym.envs.registration.load_env_creator(creator)
+            description = ((creator.__doc__ or "").strip().splitlines() or [""])[0]
+        except Exception:  # an unimportable user env still gets listed
+            description = "(entry point cannot be imported)"
+        out.append((env_id, description))
+    return out

@@ -1,0 +1,132 @@
+"""`LocalEnvPool`: async envs from sync gymnasium envs, run inline, in threads or in worker processes.
+
+- ``inline``: calls run on the event loop (cheapest; only for envs that never block).
+- ``thread``: calls run in a thread pool with a per-call timeout (a hung call ends its episode with a
+  ``timeout`` error; the thread itself cannot be killed and finishes in the background).
+- ``process``: the env's state is pickled and each call runs in any worker process of a `WorkerPool`,
+  so a call that hangs is killed and a worker that dies fails only that episode. The env must be
+  picklable; its state travels with every call.
+
+    pool = LocalEnvPool(mode="thread", workers=4, step_timeout=30)
+    env = pool.make("areal_agents/Arithmetic-v0", digits=2)
+    obs, info = await env.areset(seed=0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+import gymnasium as gym
+
+from areal_agents.envs.registry import import_env_module, make_env
+from areal_agents.errors import ArealAgentsError, EnvError
+from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerPool
+
+PoolMode = Literal["inline", "thread", "process"]
+
+
+def _worker_make(modules: tuple[str, ...], env_id: str, kwargs: dict) -> gym.Env:
+    importlib.import_module("areal_agents.envs")
+    for m in modules:
+        importlib.import_module(m)
+    return make_env(env_id, **kwargs)
+
+
+def _process_reset(state: bytes | None, spec: tuple, seed: int | None, options: dict | None) -> tuple:
+    env = pickle.loads(state) if state is not None else _worker_make(*spec)
+    result = env.reset(seed=seed, options=options)
+    return pickle.dumps(env), result
+
+
+def _process_step(state: bytes, action: str) -> tuple:
+    env = pickle.loads(state)
+    result = env.step(action)
+    return pickle.dumps(env), result
+
+
+class PooledEnv:
+    """One env session of a `LocalEnvPool`; implements the `AsyncEnv` interface."""
+
+    def __init__(self, pool: LocalEnvPool, env_id: str, kwargs: dict[str, Any]) -> None:
+        self.pool, self.env_id, self.kwargs = pool, env_id, kwargs
+        self.env: gym.Env | None = None
+        self._state: bytes | None = None  # process mode: the pickled env between calls
+        if pool.mode != "process":
+            self.env = make_env(env_id, **kwargs)
+
+    async def _run(self, name: str, fn: Any, *args: Any) -> Any:
+        pool = self.pool
+        try:
+            if pool.mode == "inline":
+                return fn(*args)
+            if pool.mode == "thread":
+                async with asyncio.timeout(pool.step_timeout):
+                    return await asyncio.get_running_loop().run_in_executor(pool.threads, fn, *args)
+            return await pool.workers.call(fn, *args, timeout=pool.step_timeout)
+        except (TimeoutError, CallTimeout):
+            raise EnvError("timeout", f"{self.env_id} {name} exceeded {pool.step_timeout}s") from None
+        except WorkerDied as e:
+            raise EnvError("worker_died", f"{self.env_id} {name}: {e}") from None
+        except RemoteError as e:
+            raise EnvError("env_error", f"{self.env_id} {name} raised {e}") from None
+        except ArealAgentsError:
+            raise
+        except Exception as e:
+            raise EnvError("env_error", f"{self.env_id} {name} raised {type(e).__name__}: {e}") from e
+
+    async def areset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+        if self.pool.mode != "process":
+            return await self._run("reset", lambda: self.env.reset(seed=seed, options=options))
+        spec = (self.pool.modules, self.env_id, self.kwargs)
+        self._state, result = await self._run("reset", _process_reset, self._state, spec, seed, options)
+        return result
+
+    async def astep(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self.pool.mode != "process":
+            return await self._run("step", self.env.step, action)
+        if self._state is None:
+            raise EnvError("env_error", f"{self.env_id}: step() before reset()")
+        self._state, result = await self._run("step", _process_step, self._state, action)
+        return result
+
+    async def aclose(self) -> None:
+        if self.env is not None:
+            self.env.close()
+        self._state = None
+
+
+class LocalEnvPool:
+    """Make `PooledEnv` sessions sharing one thread pool or one `WorkerPool`."""
+
+    def __init__(
+        self,
+        mode: PoolMode = "thread",
+        workers: int = 4,
+        step_timeout: float | None = 60.0,
+        modules: tuple[str, ...] | list[str] = (),
+    ) -> None:
+        if mode not in ("inline", "thread", "process"):
+            raise ValueError(f"Expects mode 'inline', 'thread' or 'process', got {mode!r}")
+        self.mode: PoolMode = mode
+        self.step_timeout = step_timeout
+        self.modules = tuple(m for m in modules if m)
+        for m in self.modules:
+            import_env_module(m)
+        self.threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") if mode == "thread" else None
+        self.workers = WorkerPool(workers) if mode == "process" else None
+
+    def make(self, env_id: str, **kwargs: Any) -> PooledEnv:
+        """A new env session; unknown ids and bad kwargs fail here, before any episode starts."""
+        if self.mode == "process":
+            make_env(env_id, **kwargs).close()  # validate in this process too
+        return PooledEnv(self, env_id, kwargs)
+
+    async def aclose(self) -> None:
+        if self.threads is not None:
+            self.threads.shutdown(wait=False, cancel_futures=True)
+        if self.workers is not None:
+            self.workers.close()
