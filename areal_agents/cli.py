@@ -80,9 +80,16 @@ def cmd_serve_env(args: argparse.Namespace) -> None:
     for module in args.module:
         import_env_module(module)
     cfg = ServerConfig(
-        host=args.host, port=args.port, mode=args.mode, workers=args.workers, step_timeout=args.step_timeout,
-        idle_timeout=args.idle_timeout, max_sessions=args.max_sessions, max_action_chars=args.max_action_chars,
-        max_body_bytes=args.max_body_bytes, modules=list(args.module),
+        host=args.host,
+        port=args.port,
+        mode=args.mode,
+        workers=args.workers,
+        step_timeout=args.step_timeout,
+        idle_timeout=args.idle_timeout,
+        max_sessions=args.max_sessions,
+        max_action_chars=args.max_action_chars,
+        max_body_bytes=args.max_body_bytes,
+        modules=list(args.module),
     )
     serve(cfg)
 
@@ -105,8 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(
             name,
             help=text,
-            description=f"{text}. Config keys (set in the YAML file or as key=value):\n"
-            + "\n".join(_config_help(cls)),
+            description=f"{text}. Config keys (set in the YAML file or as key=value):\n" + "\n".join(_config_help(cls)),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.add_argument("config", help="YAML config file")
@@ -122,8 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve-env", help="run the env-step HTTP server (docs/env-protocol.md)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8765)
-    p.add_argument("--mode", choices=["inline", "thread", "process"], default="thread",
-                   help="how env calls run: on the event loop, in threads, or in worker processes")
+    p.add_argument(
+        "--mode",
+        choices=["inline", "thread", "process"],
+        default="thread",
+        help="how env calls run: on the event loop, in threads, or in worker processes",
+    )
     p.add_argument("--workers", type=int, default=4, help="threads or processes running env calls")
     p.add_argument("--step-timeout", type=float, default=60.0, help="seconds before a reset/step is a timeout")
     p.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session expires")

@@ -39,9 +39,24 @@ class ModelConfig:
 
 @dataclass
 class EnvConfig:
-    id: str = _help("gymnasium env id, e.g. areal_agents/Arithmetic-v0", default="areal_agents/Arithmetic-v0")
+    id: str = _help(
+        "gymnasium env id (areal_agents/Arithmetic-v0) or module:Class", default="areal_agents/Arithmetic-v0"
+    )
     kwargs: dict[str, Any] = _help("keyword arguments for gymnasium.make", default_factory=dict)
     module: str = _help("module to import first so that a user env registers itself", default="")
+    backend: Literal["local", "server"] = _help(
+        "local: envs in this process; server: through the env-step server (HTTP)", default="local"
+    )
+    mode: Literal["inline", "thread", "process"] = _help(
+        "how env calls run (locally, or in the launched server): event loop, threads, worker processes",
+        default="thread",
+    )
+    workers: int = _help("threads or processes running env calls", default=4)
+    step_timeout: float = _help("seconds before a reset/step ends its episode as a timeout", default=60.0)
+    server_url: str = _help("backend server: its URL; empty launches a local server for the run", default="")
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "workers", "step_timeout")
 
 
 @dataclass

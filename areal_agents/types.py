@@ -91,9 +91,7 @@ class Trajectory:
         n = len(self.input_ids)
         lengths = (len(self.loss_mask), len(self.logprobs), len(self.versions))
         if any(length != n for length in lengths):
-            raise ValueError(
-                f"Expects input_ids, loss_mask, logprobs, versions of equal length, got {(n, *lengths)}"
-            )
+            raise ValueError(f"Expects input_ids, loss_mask, logprobs, versions of equal length, got {(n, *lengths)}")
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -155,4 +155,3 @@ class WorkerPool:
     def pids(self) -> list[int]:
         with self._lock:
             return [w.process.pid for w in self._all if w.process.pid is not None]
-

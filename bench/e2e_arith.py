@@ -39,11 +39,13 @@ def main() -> None:
     save_tiny_model(out / "tiny")
     data = out / "sft_data.jsonl"
     subprocess.run(
-        [sys.executable, str(RECIPE / "make_sft_data.py"), str(data), "--n", "20000"], check=True,
+        [sys.executable, str(RECIPE / "make_sft_data.py"), str(data), "--n", "20000"],
+        check=True,
         stdout=subprocess.DEVNULL,
     )
     sft_cfg = load_config(
-        SFTConfig, RECIPE / "sft.yaml",
+        SFTConfig,
+        RECIPE / "sft.yaml",
         [f"run_dir={out / 'sft'}", f"data={data}", f"model.path={out / 'tiny'}", f"seed={args.seed}"],
     )
     t_sft = time.perf_counter()

@@ -10,9 +10,7 @@ transformers.utils.logging.disable_progress_bar()
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A freshly built tiny model + tokenizer, saved as a real checkpoint directory."""
-    return save_tiny_model(
-        tmp_path_factory.mktemp("tiny"), hidden_size=64, num_layers=2, intermediate_size=128
-    )
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"), hidden_size=64, num_layers=2, intermediate_size=128)
 
 
 @pytest.fixture

@@ -31,9 +31,7 @@ env: {{id: areal_agents/Arithmetic-v0, kwargs: {{digits: 1, max_turns: 2}}}}
 eval: {{num_problems: 8, env_kwargs: {{split: test}}}}
 """
     sft = tmp_path / "sft.yaml"
-    sft.write_text(
-        f"run_dir: {tmp_path / 'sft'}\ndata: {data}\nsteps: 2\nbatch_size: 8\nmax_new_tokens: 4\n{common}"
-    )
+    sft.write_text(f"run_dir: {tmp_path / 'sft'}\ndata: {data}\nsteps: 2\nbatch_size: 8\nmax_new_tokens: 4\n{common}")
     rl = tmp_path / "rl.yaml"
     rl.write_text(
         f"run_dir: {tmp_path / 'rl'}\nsteps: 2\n"
@@ -55,7 +53,7 @@ def test_sft_then_two_rl_steps_write_artefacts(tmp_path, tiny_dir, capsys):
     run = tmp_path / "rl"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["engine_version"] == 2  # one weight push per step
-    assert summary["episodes"] == {"submitted": 32, "accepted": 32, "failed": 0}
+    assert summary["episodes"] == {"submitted": 32, "accepted": 32, "failed": 0, "env_failed": 0}
     ckpt = run / "checkpoints" / "step_2"
     assert (ckpt / "model" / "model.safetensors").is_file() and (ckpt / "trainer_state.pt").is_file()
     events = list((run / "tensorboard").glob("events.out.tfevents.*"))
@@ -101,3 +99,45 @@ def test_user_errors_are_one_line_exit_2(tmp_path, tiny_dir, args, message):
 def test_tiny_model_command(tmp_path):
     assert main(["tiny-model", str(tmp_path / "m")]) == 0
     assert (tmp_path / "m" / "model.safetensors").is_file()
+
+
+def test_rl_through_the_env_server(tmp_path, tiny_dir):
+    """env.backend=server launches a local env-step server for the run and stops it at the end."""
+    _, rl = write_configs(tmp_path, tiny_dir)
+    assert main(["train", str(rl), "env.backend=server", "env.workers=2", "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
+    assert summary["engine_version"] == 2 and summary["episodes"]["accepted"] == 32
+
+
+USER_ENV = '''
+import gymnasium as gym
+from areal_agents.envs import TextEnv
+
+
+class Parrot(TextEnv):
+    """Repeat the word; reward 1 for an exact repeat."""
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.word = str(self.np_random.choice(["cat", "dog", "sun"]))
+        return self.word, {}
+
+    def step(self, action):
+        return "", float(action.strip() == self.word), True, False, {}
+
+
+gym.register(id="user_envs/Parrot-v0", entry_point=Parrot)
+'''
+
+
+@pytest.mark.parametrize("how", ["module", "class"])
+def test_user_env_from_its_own_module_trains(tmp_path, tiny_dir, monkeypatch, how):
+    (tmp_path / "my_user_envs.py").write_text(USER_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _, rl = write_configs(tmp_path, tiny_dir)
+    env_args = (
+        ["env.module=my_user_envs", "env.id=user_envs/Parrot-v0"] if how == "module" else ["env.id=my_user_envs:Parrot"]
+    )
+    args = ["train", str(rl), *env_args, "env.kwargs={}", "eval.env_kwargs={}", "eval.num_problems=3", "--no-progress"]
+    assert main(args) == 0
+    assert json.loads((tmp_path / "rl" / "summary.json").read_text())["engine_version"] == 2

@@ -31,9 +31,7 @@ def test_unknown_override_names_the_override(tmp_path):
 
 
 def test_wrong_type_names_key(tmp_path):
-    with pytest.raises(
-        ConfigError, match=r"'rollout.batch_size' in .*cfg.yaml: expects an integer, got 'many'"
-    ):
+    with pytest.raises(ConfigError, match=r"'rollout.batch_size' in .*cfg.yaml: expects an integer, got 'many'"):
         load_config(TrainConfig, write(tmp_path, "rollout:\n  batch_size: many\n"))
     with pytest.raises(ConfigError, match=r"'ppo.filter_zero_variance_groups'.*true or false"):
         load_config(TrainConfig, None, ["ppo.filter_zero_variance_groups=3"])

@@ -59,9 +59,7 @@ class ChatAgent:
                 f"{episode_id}/t{turn}", list(chat.input_ids), replace(self.sampling, max_new_tokens=budget)
             )
             response = await self.engine.agenerate(request)
-            action = chat.append_generation(
-                response.output_tokens, response.output_logprobs, response.output_versions
-            )
+            action = chat.append_generation(response.output_tokens, response.output_logprobs, response.output_versions)
             observation, reward, terminated, truncated, info = await env.astep(action)
             turn_rewards.append(float(reward))
             if terminated or truncated:
@@ -69,9 +67,7 @@ class ChatAgent:
             if not chat.append_message(info.get("role", "user"), observation):
                 segments.append(chat)  # the template rewrote history: start a new segment
                 chat = ChatTokens(self.tokenizer)
-                chat.start(
-                    [*segments[-1].messages, {"role": info.get("role", "user"), "content": observation}]
-                )
+                chat.start([*segments[-1].messages, {"role": info.get("role", "user"), "content": observation}])
         else:
             truncated_by_agent = True
         segments.append(chat)

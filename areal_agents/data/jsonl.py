@@ -39,11 +39,7 @@ def read_chat_jsonl(path: str | Path) -> list[list[dict[str, str]]]:
         if not isinstance(messages, list) or not messages:
             raise ArealAgentsError(f"{path}: row {lineno}: expects a non-empty list under key 'messages'")
         for m in messages:
-            if (
-                not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ArealAgentsError(
                     f"{path}: row {lineno}: each message needs string 'role' and 'content', got {m!r}"
                 )

@@ -55,9 +55,7 @@ def sample_problem(rng: np.random.Generator, digits: int, operators: str, split:
 class ArithmeticEnv(TextEnv):
     """Answer ``a op b =`` with the exact integer; optional retries with feedback."""
 
-    def __init__(
-        self, digits: int = 2, operators: str = "+", max_turns: int = 1, split: Split = "all"
-    ) -> None:
+    def __init__(self, digits: int = 2, operators: str = "+", max_turns: int = 1, split: Split = "all") -> None:
         if not isinstance(digits, int) or not 1 <= digits <= 9:
             raise ValueError(f"Expects digits to be an int in [1, 9], got {digits!r}")
         if not operators or set(operators) - set(OPERATORS):

@@ -122,7 +122,12 @@ class LocalEnvPool:
     def make(self, env_id: str, **kwargs: Any) -> PooledEnv:
         """A new env session; unknown ids and bad kwargs fail here, before any episode starts."""
         if self.mode == "process":
-            make_env(env_id, **kwargs).close()  # validate in this process too
+            env = make_env(env_id, **kwargs)  # validate here; workers import the env's module
+            entry = env.spec.entry_point if env.spec is not None else None
+            module = entry.split(":")[0] if isinstance(entry, str) else getattr(entry, "__module__", "")
+            env.close()
+            if module and module not in self.modules and module != "__main__":
+                self.modules = (*self.modules, module)
         return PooledEnv(self, env_id, kwargs)
 
     async def aclose(self) -> None:

@@ -20,13 +20,31 @@ def import_env_module(module: str) -> None:
         raise ArealAgentsError(f"env.module {module!r} cannot be imported: {e}") from None
 
 
+def _resolve(env_id: str) -> str:
+    """Registered id for ``env_id``; ``module:Name`` imports ``module`` and takes its id or Env class."""
+    if env_id in gym.registry or ":" not in env_id:
+        return env_id
+    module, attr = env_id.split(":", 1)
+    import_env_module(module)
+    if attr in gym.registry:
+        return attr
+    target = getattr(importlib.import_module(module), attr, None)
+    if isinstance(target, type) and issubclass(target, gym.Env):
+        gym.register(id=env_id, entry_point=target)  # "module:Class" is a valid gymnasium id
+        return env_id
+    raise UnknownEnvError(f"{env_id!r}: module {module!r} has no registered id or gymnasium.Env class {attr!r}")
+
+
 def make_env(env_id: str, **kwargs: Any) -> gym.Env:
-    """``gymnasium.make(env_id, **kwargs)``; an unknown id raises `UnknownEnvError`, bad kwargs
-    `ArealAgentsError`."""
-    if env_id not in gym.registry:
+    """``gymnasium.make(env_id, **kwargs)``; ``env_id`` may be ``module:Class`` or ``module:RegisteredId``.
+
+    An unknown id raises `UnknownEnvError` (with a near match), bad kwargs `ArealAgentsError`.
+    """
+    resolved = _resolve(env_id)
+    if resolved not in gym.registry:
         raise UnknownEnvError(f"unknown env id {env_id!r}.{did_you_mean(env_id, gym.registry)}")
     try:
-        return gym.make(env_id, disable_env_checker=True, **kwargs)
+        return gym.make(gym.registry[resolved], disable_env_checker=True, **kwargs)
     except (TypeError, ValueError) as e:
         raise ArealAgentsError(f"cannot make env {env_id!r} with kwargs {kwargs}: {e}") from None
 

@@ -21,11 +21,10 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any
-
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -67,7 +66,9 @@ def _step_tuple(result: dict[str, Any]) -> tuple[str, float, bool, bool, dict[st
     if err:
         if err["type"] in _EPISODE_ERRORS:
             raise EnvError(err["type"], err["message"])
-        raise EnvServerError(409 if err["type"] in ("episode_over", "session_busy") else 404, err["type"], err["message"])
+        raise EnvServerError(
+            409 if err["type"] in ("episode_over", "session_busy") else 404, err["type"], err["message"]
+        )
     return result["observation"], result["reward"], result["terminated"], result["truncated"], result["info"]
 
 
@@ -197,8 +198,8 @@ def free_port() -> int:
 class EnvServerProcess:
     """Launch ``areal-agents serve-env`` as a child process, wait for /health, stop it on exit.
 
-        with EnvServerProcess(workers=2) as server:
-            pool = RemoteEnvPool(server.url)
+    with EnvServerProcess(workers=2) as server:
+        pool = RemoteEnvPool(server.url)
     """
 
     def __init__(self, *, port: int | None = None, startup_timeout: float = 60.0, **options: Any) -> None:

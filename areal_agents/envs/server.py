@@ -113,7 +113,8 @@ class EnvServer:
     async def create(self, req: CreateSession) -> dict[str, Any]:
         if len(self.sessions) >= self.cfg.max_sessions:
             raise HTTPError(
-                429, "too_many_sessions",
+                429,
+                "too_many_sessions",
                 f"{len(self.sessions)} sessions are open, the cap is {self.cfg.max_sessions}; "
                 "close finished sessions or start the server with a larger --max-sessions",
             )
@@ -144,11 +145,14 @@ class EnvServer:
         session = self._get(sid)
         if len(action) > self.cfg.max_action_chars:
             raise HTTPError(
-                400, "action_too_long",
+                400,
+                "action_too_long",
                 f"action is {len(action)} characters; the limit is {self.cfg.max_action_chars} (--max-action-chars)",
             )
         if session.done:
-            raise HTTPError(409, "episode_over", f"the episode of session {sid} has ended; close it or create a new one")
+            raise HTTPError(
+                409, "episode_over", f"the episode of session {sid} has ended; close it or create a new one"
+            )
         if session.busy:
             raise HTTPError(409, "session_busy", f"session {sid} is already running a step")
         session.busy = True
@@ -167,8 +171,13 @@ class EnvServer:
             session.done = True
             self.metrics.counters["episodes_completed"] += 1
         return {
-            "session_id": sid, "observation": observation, "reward": float(reward),
-            "terminated": bool(terminated), "truncated": bool(truncated), "info": info, "error": None,
+            "session_id": sid,
+            "observation": observation,
+            "reward": float(reward),
+            "terminated": bool(terminated),
+            "truncated": bool(truncated),
+            "info": info,
+            "error": None,
         }
 
     async def step_batch(self, req: BatchStepRequest) -> dict[str, Any]:

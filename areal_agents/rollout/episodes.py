@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from areal_agents.agents.base import Agent
 from areal_agents.envs.async_env import AsyncEnv
+from areal_agents.errors import EnvError
 from areal_agents.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -20,15 +21,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RolloutLedger:
-    """Every submitted episode ends accepted or failed; nothing is silently lost."""
+    """Every submitted episode ends accepted, failed (agent/engine) or env_failed; nothing is lost."""
 
     submitted: int = 0
     accepted: int = 0
     failed: int = 0
+    env_failed: int = 0
 
     @property
     def running(self) -> int:
-        return self.submitted - self.accepted - self.failed
+        return self.submitted - self.accepted - self.failed - self.env_failed
 
 
 async def run_groups(
@@ -43,7 +45,8 @@ async def run_groups(
 ) -> list[list[Trajectory]]:
     """Run ``group_size`` episodes for each seed; return the trajectories of each group.
 
-    An episode that raises is logged and counted as failed; its group keeps the episodes that finished.
+    An episode that raises is logged and counted (``env_failed`` for `EnvError`, else ``failed``); its
+    group keeps the episodes that finished.
     """
     ledger = ledger if ledger is not None else RolloutLedger()
     gate = asyncio.Semaphore(max_concurrent)
@@ -54,6 +57,10 @@ async def run_groups(
             episode_id = f"{group_id}/e{k}"
             try:
                 trajectories = await agent.run_episode(make_env(), seed=seed, episode_id=episode_id)
+            except EnvError as e:  # the env's fault, not the policy's
+                ledger.env_failed += 1
+                log.warning("episode %s: env failure %s", episode_id, e)
+                return []
             except Exception:
                 ledger.failed += 1
                 log.exception("episode %s failed", episode_id)
@@ -63,9 +70,7 @@ async def run_groups(
                 t.group_id = group_id
             return trajectories
 
-    tasks = [
-        [asyncio.ensure_future(one(seed, f"{tag}g{seed}", k)) for k in range(group_size)] for seed in seeds
-    ]
+    tasks = [[asyncio.ensure_future(one(seed, f"{tag}g{seed}", k)) for k in range(group_size)] for seed in seeds]
     groups = []
     for group_tasks in tasks:
         results = await asyncio.gather(*group_tasks)

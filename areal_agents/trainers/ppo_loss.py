@@ -37,9 +37,7 @@ def decoupled_ppo_loss(
     """Return ``(loss, stats)``; every tensor argument has the same shape (tokens, any layout)."""
     mask = loss_mask.bool()
     ratio = torch.exp(logp - logp_prox)
-    clipped_ratio = ratio.clamp(
-        1.0 - eps_clip, 1.0 + (eps_clip if eps_clip_higher is None else eps_clip_higher)
-    )
+    clipped_ratio = ratio.clamp(1.0 - eps_clip, 1.0 + (eps_clip if eps_clip_higher is None else eps_clip_higher))
     pg_unclipped = -advantages * ratio
     pg_clipped = -advantages * clipped_ratio
     pg_loss = torch.maximum(pg_unclipped, pg_clipped)

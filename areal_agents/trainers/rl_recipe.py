@@ -19,7 +19,7 @@ from tqdm import tqdm
 from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.config import TrainConfig
 from areal_agents.engines.hf_engine import HFEngine
-from areal_agents.envs.async_env import LocalAsyncEnv
+from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.models.loading import load_model, load_tokenizer
 from areal_agents.rollout.episodes import RolloutLedger, run_groups
 from areal_agents.rollout.evaluate import evaluate
@@ -27,9 +27,9 @@ from areal_agents.trainers.checkpoint import save_checkpoint
 from areal_agents.trainers.metrics import MetricsWriter, prefixed
 from areal_agents.trainers.ppo import ppo_update
 from areal_agents.trainers.setup import (
-    env_factories,
     held_out_seeds,
     make_optimizer,
+    open_checked_backend,
     prepare_run_dir,
     seed_everything,
 )
@@ -38,25 +38,31 @@ from areal_agents.types import SamplingParams
 
 def run_train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """Run RL as configured; return the summary also written to ``run_dir/summary.json``."""
-    make_train_env, make_eval_env = env_factories(cfg.env, cfg.eval)
     tokenizer = load_tokenizer(cfg.model.path)
     policy = load_model(cfg.model.path, cfg.model.dtype)  # the trainer's copy
     engine = HFEngine(load_model(cfg.model.path, cfg.model.dtype), seed=cfg.seed)  # the rollout copy
     run_dir = prepare_run_dir(cfg.run_dir, cfg)
     seed_everything(cfg.seed)
-    return asyncio.run(
-        _train(cfg, tokenizer, policy, engine, make_train_env, make_eval_env, run_dir, progress)
-    )
+    return asyncio.run(_train(cfg, tokenizer, policy, engine, run_dir, progress))
 
 
-async def _train(cfg, tokenizer, policy, engine, make_train_env, make_eval_env, run_dir, progress):
+async def _train(cfg, tokenizer, policy, engine, run_dir, progress):
+    backend = await open_checked_backend(cfg.env, cfg.eval)  # a bad env id or kwargs fail here
+    try:
+        return await _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress)
+    finally:
+        await backend.aclose()
+        await engine.aclose()
+
+
+async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress):
     r = cfg.rollout
     sampling = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
     agent = ChatAgent(engine, tokenizer, sampling, system_prompt=r.system_prompt)
     greedy = ChatAgent(
         engine, tokenizer, SamplingParams(r.max_new_tokens, temperature=0.0), system_prompt=r.system_prompt
     )
-    eval_seeds = held_out_seeds(make_eval_env, cfg.eval)
+    eval_seeds = await held_out_seeds(backend, cfg.eval)
     optimizer, scheduler = make_optimizer(policy, cfg.ppo.lr, cfg.ppo.weight_decay, cfg.ppo.warmup_steps)
     metrics = MetricsWriter(run_dir / "tensorboard")
     ledger = RolloutLedger()
@@ -64,8 +70,8 @@ async def _train(cfg, tokenizer, policy, engine, make_train_env, make_eval_env, 
     generator = torch.Generator().manual_seed(cfg.seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    def make_env() -> LocalAsyncEnv:
-        return LocalAsyncEnv(make_train_env())
+    def make_eval_env() -> AsyncEnv:
+        return backend.make(**cfg.eval.env_kwargs)
 
     async def run_eval(step: int) -> dict[str, float]:
         result = await evaluate(greedy, make_eval_env, eval_seeds, r.max_concurrent_rollouts)
@@ -82,7 +88,7 @@ async def _train(cfg, tokenizer, policy, engine, make_train_env, make_eval_env, 
         seeds = rng.integers(0, 2**31 - 1, size=r.batch_size).tolist()
         groups = await run_groups(
             agent,
-            make_env,
+            backend.make,
             seeds,
             r.group_size,
             max_concurrent=r.max_concurrent_rollouts,
@@ -111,6 +117,7 @@ async def _train(cfg, tokenizer, policy, engine, make_train_env, make_eval_env, 
             "accuracy": float(np.mean([x >= 1.0 for x in rewards])) if rewards else 0.0,
             "generated_tokens": float(generated),
             "episodes_failed": float(ledger.failed),
+            "episodes_env_failed": float(ledger.env_failed),
         }
         perf = {
             "gen_tokens_per_s": generated / max(t1 - t0, 1e-9),
@@ -144,11 +151,8 @@ async def _train(cfg, tokenizer, policy, engine, make_train_env, make_eval_env, 
     bar.close()
 
     after = await run_eval(cfg.steps)
-    ckpt = save_checkpoint(
-        run_dir, cfg.steps, policy, tokenizer, optimizer, scheduler, _state(engine, ledger)
-    )
+    ckpt = save_checkpoint(run_dir, cfg.steps, policy, tokenizer, optimizer, scheduler, _state(engine, ledger))
     metrics.close()
-    await engine.aclose()
     wall = time.perf_counter() - start
     summary = {
         "accuracy_before": before["accuracy"],
@@ -159,7 +163,7 @@ async def _train(cfg, tokenizer, policy, engine, make_train_env, make_eval_env, 
         "wall_seconds": wall,
         "trained_samples_per_s": totals["trained_samples"] / max(totals["train_seconds"], 1e-9),
         "generated_tokens_per_s": totals["generated_tokens"] / max(totals["rollout_seconds"], 1e-9),
-        "episodes": {"submitted": ledger.submitted, "accepted": ledger.accepted, "failed": ledger.failed},
+        "episodes": _ledger(ledger),
         "checkpoint": str(ckpt),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -177,5 +181,14 @@ async def _train(cfg, tokenizer, policy, engine, make_train_env, make_eval_env, 
 def _state(engine: HFEngine, ledger: RolloutLedger) -> dict[str, Any]:
     return {
         "version": engine.get_version(),
-        "ledger": {"submitted": ledger.submitted, "accepted": ledger.accepted, "failed": ledger.failed},
+        "ledger": _ledger(ledger),
+    }
+
+
+def _ledger(ledger: RolloutLedger) -> dict[str, int]:
+    return {
+        "submitted": ledger.submitted,
+        "accepted": ledger.accepted,
+        "failed": ledger.failed,
+        "env_failed": ledger.env_failed,
     }

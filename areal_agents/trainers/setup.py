@@ -1,21 +1,18 @@
-"""Pieces both recipes share: seeding, env factories, the held-out set, optimizer, run directory."""
+"""Pieces both recipes share: seeding, the env backend, the held-out set, optimizer, run directory."""
 
 from __future__ import annotations
 
-import functools
 import json
 import random
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import gymnasium as gym
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from areal_agents.config import EnvConfig, EvalConfig, config_to_dict
-from areal_agents.envs.registry import import_env_module, make_env
+from areal_agents.envs.backends import EnvBackend, open_env_backend
 from areal_agents.rollout.evaluate import distinct_seeds
 
 
@@ -25,20 +22,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def env_factories(
-    env: EnvConfig, eval_cfg: EvalConfig
-) -> tuple[Callable[[], gym.Env], Callable[[], gym.Env]]:
-    """(train, eval) env constructors; makes one env of each now so bad ids and kwargs fail at start-up."""
-    import_env_module(env.module)
-    make_train = functools.partial(make_env, env.id, **env.kwargs)
-    make_eval = functools.partial(make_env, env.id, **{**env.kwargs, **eval_cfg.env_kwargs})
-    make_train().close()
-    make_eval().close()
-    return make_train, make_eval
+async def open_checked_backend(env: EnvConfig, eval_cfg: EvalConfig) -> EnvBackend:
+    """The configured env backend, with one train and one eval env reset now so mistakes fail early."""
+    backend = open_env_backend(env)
+    try:
+        await backend.check()
+        await backend.check(**eval_cfg.env_kwargs)
+    except BaseException:
+        await backend.aclose()
+        raise
+    return backend
 
 
-def held_out_seeds(make_eval: Callable[[], gym.Env], eval_cfg: EvalConfig) -> list[int]:
-    return distinct_seeds(make_eval, eval_cfg.num_problems, start=eval_cfg.seed)
+async def held_out_seeds(backend: EnvBackend, eval_cfg: EvalConfig) -> list[int]:
+    return await distinct_seeds(lambda: backend.make(**eval_cfg.env_kwargs), eval_cfg.num_problems, start=eval_cfg.seed)
 
 
 def make_optimizer(

@@ -15,9 +15,7 @@ from areal_agents.trainers.batching import make_micro_batches, token_logprobs
 from areal_agents.types import Trajectory
 
 
-def conversation_to_trajectory(
-    messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase
-) -> Trajectory:
+def conversation_to_trajectory(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase) -> Trajectory:
     """Tokenize a conversation the way `ChatAgent` would have produced it, loss on assistant turns."""
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     chat = ChatTokens(tokenizer)

@@ -23,9 +23,9 @@ from areal_agents.rollout.evaluate import evaluate
 from areal_agents.trainers.checkpoint import save_model
 from areal_agents.trainers.metrics import MetricsWriter, prefixed
 from areal_agents.trainers.setup import (
-    env_factories,
     held_out_seeds,
     make_optimizer,
+    open_checked_backend,
     prepare_run_dir,
     seed_everything,
 )
@@ -41,7 +41,18 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, Any]:
         raise ConfigError("config key 'data' is empty: set it to a chat JSONL file")
     conversations = read_chat_jsonl(cfg.data)
     evaluating = cfg.eval.num_problems > 0
-    make_eval_env = env_factories(cfg.env, cfg.eval)[1] if evaluating else None
+    loop = asyncio.new_event_loop()  # one loop for every evaluation (the env backend is bound to it)
+    backend = loop.run_until_complete(open_checked_backend(cfg.env, cfg.eval)) if evaluating else None
+    try:
+        return _sft(cfg, conversations, backend, loop, progress)
+    finally:
+        if backend is not None:
+            loop.run_until_complete(backend.aclose())
+        loop.close()
+
+
+def _sft(cfg, conversations, backend, loop, progress):
+    evaluating = backend is not None
     tokenizer = load_tokenizer(cfg.model.path)
     model = load_model(cfg.model.path, cfg.model.dtype)
     run_dir = prepare_run_dir(cfg.run_dir, cfg)
@@ -50,17 +61,15 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, Any]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     engine = HFEngine(load_model(cfg.model.path, cfg.model.dtype), seed=cfg.seed) if evaluating else None
-    greedy = (
-        ChatAgent(engine, tokenizer, SamplingParams(cfg.max_new_tokens, temperature=0.0)) if engine else None
-    )
-    seeds = held_out_seeds(make_eval_env, cfg.eval) if evaluating else []
+    greedy = ChatAgent(engine, tokenizer, SamplingParams(cfg.max_new_tokens, temperature=0.0)) if engine else None
+    seeds = loop.run_until_complete(held_out_seeds(backend, cfg.eval)) if evaluating else []
     metrics = MetricsWriter(run_dir / "tensorboard")
 
     def run_eval(step: int) -> dict[str, float] | None:
         if engine is None:
             return None
-        asyncio.run(engine.update_weights(model.state_dict()))
-        result = asyncio.run(evaluate(greedy, make_eval_env, seeds))
+        loop.run_until_complete(engine.update_weights(model.state_dict()))
+        result = loop.run_until_complete(evaluate(greedy, lambda: backend.make(**cfg.eval.env_kwargs), seeds))
         metrics.log(step, prefixed("eval", result))
         return result
 
@@ -99,6 +108,8 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, Any]:
     after = run_eval(cfg.steps)
     model_dir = save_model(run_dir / "model", model, tokenizer)
     metrics.close()
+    if engine is not None:
+        loop.run_until_complete(engine.aclose())
     summary = {
         "accuracy_before": before["accuracy"] if before else None,
         "accuracy_after": after["accuracy"] if after else None,

@@ -27,9 +27,7 @@ def test_is_an_inference_engine(model):
 def test_greedy_matches_transformers_generate(model, tokenizer):
     ids = prompt(tokenizer)
     engine = HFEngine(model)
-    resp = asyncio.run(
-        engine.agenerate(GenRequest("r", ids, SamplingParams(max_new_tokens=12, temperature=0)))
-    )
+    resp = asyncio.run(engine.agenerate(GenRequest("r", ids, SamplingParams(max_new_tokens=12, temperature=0))))
     ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
     assert resp.output_tokens == ref
     assert resp.stop_reason == ("stop" if ref[-1] == tokenizer.eos_token_id else "length")
@@ -41,8 +39,7 @@ def test_batched_sampling_logprobs_match_a_forward_pass(model, tokenizer):
 
     async def run():
         reqs = [
-            GenRequest(str(i), p, SamplingParams(max_new_tokens=10, temperature=0.7))
-            for i, p in enumerate(prompts)
+            GenRequest(str(i), p, SamplingParams(max_new_tokens=10, temperature=0.7)) for i, p in enumerate(prompts)
         ]
         return await asyncio.gather(*[engine.agenerate(r) for r in reqs])
 
@@ -67,9 +64,7 @@ def test_weight_update_mid_generation_resumes_with_new_version(model, tokenizer,
 
     async def run():
         tasks = [
-            asyncio.ensure_future(
-                engine.agenerate(GenRequest(str(i), p, SamplingParams(max_new_tokens=n_tokens)))
-            )
+            asyncio.ensure_future(engine.agenerate(GenRequest(str(i), p, SamplingParams(max_new_tokens=n_tokens))))
             for i, p in enumerate(prompts)
         ]
         while engine.stats.batches == 0 and engine._current is None:
@@ -89,9 +84,7 @@ def test_weight_update_mid_generation_resumes_with_new_version(model, tokenizer,
         assert 0 < switch < n_tokens
         after = forward_logprobs(new_weights, p + r.output_tokens, n_tokens - switch)
         assert torch.allclose(torch.tensor(r.output_logprobs[switch:]), after, atol=1e-4)
-        before = forward_logprobs(
-            model.__class__.from_pretrained(tiny_dir), p + r.output_tokens[:switch], switch
-        )
+        before = forward_logprobs(model.__class__.from_pretrained(tiny_dir), p + r.output_tokens[:switch], switch)
         assert torch.allclose(torch.tensor(r.output_logprobs[:switch]), before, atol=1e-4)
 
 

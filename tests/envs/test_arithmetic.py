@@ -10,11 +10,22 @@ from areal_agents.envs.arithmetic import ArithmeticEnv
 from areal_agents.errors import ArealAgentsError, UnknownEnvError
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"max_turns": 3, "operators": "+-*", "digits": 3}, {"split": "test"}])
-def test_check_env_passes_without_warnings(kwargs):
+@pytest.mark.parametrize(
+    "env_id, kwargs",
+    [
+        ("areal_agents/Arithmetic-v0", {}),
+        ("areal_agents/Arithmetic-v0", {"max_turns": 3, "operators": "+-*", "digits": 3}),
+        ("areal_agents/Arithmetic-v0", {"split": "test"}),
+        ("areal_agents_testing/Echo-v0", {}),
+        ("areal_agents_testing/Faulty-v0", {}),
+    ],
+)
+def test_check_env_passes_without_warnings(env_id, kwargs):
+    import areal_agents.envs.testing  # noqa: F401
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_env(gym.make("areal_agents/Arithmetic-v0", **kwargs).unwrapped)
+        check_env(gym.make(env_id, **kwargs).unwrapped)
 
 
 def test_seeded_and_reproducible():

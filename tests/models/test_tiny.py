@@ -20,9 +20,7 @@ def test_loads_through_auto_classes(tiny_dir):
     assert json.loads((tiny_dir / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"
 
 
-@pytest.mark.parametrize(
-    "text", ["12+34=", "Wrong. Try again:  7*8=\n", "def f(x):\n\treturn {'a': x}", " ~`|\\"]
-)
+@pytest.mark.parametrize("text", ["12+34=", "Wrong. Try again:  7*8=\n", "def f(x):\n\treturn {'a': x}", " ~`|\\"])
 def test_decode_encode_round_trip_after_reload(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) == len(text)  # one token per character

@@ -9,9 +9,7 @@ from areal_agents.trainers.ppo_loss import decoupled_ppo_loss
 def loss_of(logp, prox, behav, adv, mask=None, **kw):
     logp = torch.tensor(logp, requires_grad=True)
     mask = torch.ones_like(logp) if mask is None else torch.tensor(mask, dtype=torch.float)
-    loss, stats = decoupled_ppo_loss(
-        logp, torch.tensor(prox), torch.tensor(behav), torch.tensor(adv), mask, **kw
-    )
+    loss, stats = decoupled_ppo_loss(logp, torch.tensor(prox), torch.tensor(behav), torch.tensor(adv), mask, **kw)
     loss.backward()
     return loss.item(), logp.grad, stats
 

@@ -1,0 +1,61 @@
+"""Envs for testing clients, servers and fault handling; registered when this module is imported.
+
+    areal-agents serve-env --module areal_agents.envs.testing
+
+- ``areal_agents_testing/Echo-v0``: the observation is the last action; reward 1 when the action equals
+  ``target``; ends after ``max_turns``. The cheapest possible env (benchmarks, protocol tests).
+- ``areal_agents_testing/Faulty-v0``: like Echo, but the action ``raise`` raises, ``hang`` sleeps for
+  ``hang_seconds``, ``die`` kills the process running the env; ``error_rate`` makes a seeded fraction
+  of steps raise (soak tests).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import gymnasium as gym
+
+from areal_agents.envs.base import TextEnv
+
+
+class EchoEnv(TextEnv):
+    """Echo the action back; reward 1 when it equals ``target`` (a trivial env for protocol tests)."""
+
+    def __init__(self, target: str = "hi", max_turns: int = 1) -> None:
+        super().__init__(max_observation_length=4096, max_action_length=4096)
+        self.target, self.max_turns, self.turn = target, max_turns, 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
+        super().reset(seed=seed)
+        self.turn = 0
+        return f"Say {self.target}.", {"role": "user"}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self.turn += 1
+        reward = float(action.strip() == self.target)
+        done = bool(reward) or self.turn >= self.max_turns
+        return action[-200:], reward, done, False, {"turn": self.turn}
+
+
+class FaultyEnv(EchoEnv):
+    """Echo, with injected faults: actions ``raise``, ``hang``, ``die``; a seeded ``error_rate``."""
+
+    def __init__(self, max_turns: int = 3, hang_seconds: float = 30.0, error_rate: float = 0.0) -> None:
+        super().__init__(target="hi", max_turns=max_turns)
+        self.hang_seconds, self.error_rate = hang_seconds, error_rate
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if action == "raise" or (self.error_rate and self.np_random.random() < self.error_rate):
+            raise RuntimeError("injected env failure")
+        if action == "hang":
+            time.sleep(self.hang_seconds)
+        if action == "die":
+            os._exit(13)
+        return super().step(action)
+
+
+for _id, _cls in (("areal_agents_testing/Echo-v0", EchoEnv), ("areal_agents_testing/Faulty-v0", FaultyEnv)):
+    if _id not in gym.registry:
+        gym.register(id=_id, entry_point=_cls)
