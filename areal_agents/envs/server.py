@@ -162,7 +162,7 @@ class EnvServer:
         except EnvError as e:  # the episode ends with a typed record; nothing else is affected
             self.metrics.errors[e.kind] += 1
             await self._close(sid, "sessions_failed")
-            return {"session_id": sid, "terminated": True, "error": {"type": e.kind, "message": e.detail}}
+            return _failed(sid, e.kind, e.detail)
         finally:
             session.busy = False
         self.metrics.step_done(time.perf_counter() - start)
@@ -189,7 +189,7 @@ class EnvServer:
             try:
                 return await self.step(item.session_id, item.action)
             except HTTPError as e:
-                return {"session_id": item.session_id, "error": {"type": e.type, "message": e.message}}
+                return _failed(item.session_id, e.type, e.message)
 
         return {"results": await asyncio.gather(*(one(item) for item in req.steps))}
 
@@ -220,6 +220,19 @@ class EnvServer:
         for sid in list(self.sessions):
             await self._close(sid, "sessions_closed")
         await self.pool.aclose()
+
+
+def _failed(sid: str, type_: str, message: str) -> dict[str, Any]:
+    """A `StepResult` for a step that did not happen normally; the episode is over."""
+    return {
+        "session_id": sid,
+        "observation": "",
+        "reward": 0.0,
+        "terminated": True,
+        "truncated": False,
+        "info": {},
+        "error": {"type": type_, "message": message},
+    }
 
 
 def _json(payload: Any, status: int = 200) -> Response:

@@ -1,0 +1,108 @@
+"""`MultiAgentTextEnv`: several agents acting at once, PettingZoo's parallel API with text spaces.
+
+``reset -> (observations, infos)`` and ``step(actions) -> (observations, rewards, terminations,
+truncations, infos)``, every value a dict keyed by agent id; ``agents`` lists the agents still acting.
+
+    class Guess(MultiAgentTextEnv):
+        possible_agents = ["a", "b"]
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            return {a: "Pick a number." for a in self.agents}, {a: {} for a in self.agents}
+        def step(self, actions):
+            done = {a: True for a in self.agents}
+            rewards = {a: float(actions[a] == "7") for a in self.agents}
+            self.agents = []
+            return {a: "" for a in done}, rewards, done, {a: False for a in done}, {a: {} for a in done}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+from gymnasium.utils import seeding
+
+from areal_agents.envs.base import text_space
+
+Dicts = tuple[dict[str, str], dict[str, float], dict[str, bool], dict[str, bool], dict[str, dict[str, Any]]]
+
+
+class MultiAgentTextEnv:
+    """Parallel multi-agent text env; subclasses set ``possible_agents`` and implement reset/step."""
+
+    possible_agents: list[str] = []
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self, max_observation_length: int = 8192, max_action_length: int = 8192) -> None:
+        self.agents: list[str] = []
+        self._obs_space = text_space(max_observation_length)
+        self._act_space = text_space(max_action_length)
+        self.np_random: np.random.Generator = np.random.default_rng()
+
+    def observation_space(self, agent: str) -> spaces.Text:
+        return self._obs_space
+
+    def action_space(self, agent: str) -> spaces.Text:
+        return self._act_space
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
+        """Seed ``np_random`` (when a seed is given) and reactivate every agent; subclasses return the dicts."""
+        if seed is not None:
+            self.np_random, _ = seeding.np_random(seed)
+        self.agents = list(self.possible_agents)
+        return {}, {}
+
+    def step(self, actions: dict[str, str]) -> Dicts:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release resources; the default has none."""
+
+
+def check_multi_agent_env(env: MultiAgentTextEnv, seed: int = 0) -> None:
+    """Gymnasium-style checks of the parallel API; raises AssertionError naming what is wrong."""
+    _check_reset(env, seed)
+    _check_determinism(env, seed)
+    _check_step(env, seed)
+
+
+def _check_keys(name: str, d: Any, agents: list[str]) -> None:
+    assert isinstance(d, dict), f"Expects {name} to be a dict keyed by agent id, got {type(d).__name__}"
+    assert set(d) == set(agents), f"Expects {name} keys {sorted(agents)}, got {sorted(d)}"
+
+
+def _check_reset(env: MultiAgentTextEnv, seed: int) -> None:
+    assert env.possible_agents, "Expects possible_agents to list at least one agent id"
+    out = env.reset(seed=seed)
+    assert isinstance(out, tuple) and len(out) == 2, "Expects reset() to return (observations, infos)"
+    observations, infos = out
+    assert env.agents, "Expects env.agents to be non-empty after reset()"
+    _check_keys("reset() observations", observations, env.agents)
+    _check_keys("reset() infos", infos, env.agents)
+    for agent, obs in observations.items():
+        assert env.observation_space(agent).contains(obs), f"Observation of {agent!r} is not in its space: {obs!r}"
+
+
+def _check_determinism(env: MultiAgentTextEnv, seed: int) -> None:
+    first = env.reset(seed=seed)[0]
+    second = env.reset(seed=seed)[0]
+    assert first == second, "Expects reset(seed=s) twice to give the same observations"
+
+
+def _check_step(env: MultiAgentTextEnv, seed: int) -> None:
+    env.reset(seed=seed)
+    acting = list(env.agents)
+    actions = {a: env.action_space(a).sample() for a in acting}
+    out = env.step(actions)
+    assert isinstance(out, tuple) and len(out) == 5, "Expects step() to return 5 dicts"
+    names = ("observations", "rewards", "terminations", "truncations", "infos")
+    for name, d in zip(names, out):
+        _check_keys(f"step() {name}", d, acting)
+    for agent in acting:
+        assert isinstance(out[1][agent], (int, float)), f"Expects a number as the reward of {agent!r}"
+        assert isinstance(out[2][agent], bool) and isinstance(out[3][agent], bool), (
+            f"Expects bool termination and truncation for {agent!r}"
+        )
