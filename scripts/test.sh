@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Set up, then run the test suite. Extra arguments go to pytest (e.g. -m slow, -k engine).
+# Set up, then run the whole test suite, slow tests included (~2 minutes). Arguments replace that
+# selection and go to pytest (e.g. `bash scripts/test.sh -k engine`; plain `pytest` skips slow tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
+if [ "$#" -eq 0 ]; then
+  set -- -m "slow or not slow"
+fi
 .venv/bin/python -m pytest "$@"
 rc=$?
 if [ "$rc" = 5 ]; then

@@ -71,28 +71,35 @@ class Session:
 
 
 class Metrics:
-    """Counters plus a window of recent step latencies and completion times."""
+    """Counters, the last 10,000 step latencies and per-second step counts: bounded memory."""
+
+    WINDOW_S = 10
 
     def __init__(self) -> None:
         self.counters: collections.Counter[str] = collections.Counter()
         self.errors: collections.Counter[str] = collections.Counter()
         self.latencies: collections.deque[float] = collections.deque(maxlen=10_000)
-        self.step_times: collections.deque[float] = collections.deque(maxlen=100_000)
+        self.per_second: collections.deque[list[int]] = collections.deque(maxlen=self.WINDOW_S + 1)
         self.started = time.time()
 
     def step_done(self, seconds: float) -> None:
         self.counters["steps"] += 1
         self.latencies.append(seconds)
-        self.step_times.append(time.monotonic())
+        now = int(time.monotonic())
+        if self.per_second and self.per_second[-1][0] == now:
+            self.per_second[-1][1] += 1
+        else:
+            self.per_second.append([now, 1])
 
     def snapshot(self, sessions_open: int) -> dict[str, Any]:
-        now = time.monotonic()
-        recent = sum(1 for t in self.step_times if t > now - 10.0)
+        now = int(time.monotonic())
+        recent = sum(count for second, count in self.per_second if now - self.WINDOW_S <= second < now)
+        window = min(self.WINDOW_S, max(time.time() - self.started, 1e-9))
         lat = np.array(self.latencies) * 1000 if self.latencies else np.zeros(1)
         return {
             "sessions_open": sessions_open,
             **{k: v for k, v in sorted(self.counters.items())},
-            "steps_per_s": recent / min(10.0, max(time.time() - self.started, 1e-9)),
+            "steps_per_s": recent / window,
             "errors": dict(self.errors),
             "step_latency_ms": {f"p{q}": float(np.percentile(lat, q)) for q in (50, 90, 99)},
             "uptime_s": time.time() - self.started,
