@@ -42,6 +42,36 @@ class ChatAgent:
         self.max_total_tokens = max_total_tokens
 
     async def run_episode(self, env: AsyncEnv, *, seed: int | None, episode_id: str) -> list[Trajectory]:
+        try:
+            segments, turn_rewards, truncated_by_agent = await self._play(env, seed, episode_id)
+        finally:
+            await env.aclose()  # also when the env or the engine failed mid-episode
+        total = sum(turn_rewards)
+        return [
+            Trajectory(
+                input_ids=seg.input_ids,
+                loss_mask=seg.loss_mask,
+                logprobs=seg.logprobs,
+                versions=seg.versions,
+                reward=total,
+                turn_rewards=list(turn_rewards),
+                agent_id=self.agent_id,
+                episode_id=episode_id,
+                metadata={
+                    "segment": i,
+                    "num_turns": len(turn_rewards),
+                    "truncated_by_agent": truncated_by_agent,
+                    "messages": seg.messages,
+                },
+            )
+            for i, seg in enumerate(segments)
+            if sum(seg.loss_mask) > 0
+        ]
+
+    async def _play(
+        self, env: AsyncEnv, seed: int | None, episode_id: str
+    ) -> tuple[list[ChatTokens], list[float], bool]:
+        """The turn loop: returns the token segments, the reward of each turn, and whether the agent cut it off."""
         observation, info = await env.areset(seed=seed)
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         messages.append({"role": info.get("role", "user"), "content": observation})
@@ -71,25 +101,4 @@ class ChatAgent:
         else:
             truncated_by_agent = True
         segments.append(chat)
-        await env.aclose()
-        total = sum(turn_rewards)
-        return [
-            Trajectory(
-                input_ids=seg.input_ids,
-                loss_mask=seg.loss_mask,
-                logprobs=seg.logprobs,
-                versions=seg.versions,
-                reward=total,
-                turn_rewards=list(turn_rewards),
-                agent_id=self.agent_id,
-                episode_id=episode_id,
-                metadata={
-                    "segment": i,
-                    "num_turns": len(turn_rewards),
-                    "truncated_by_agent": truncated_by_agent,
-                    "messages": seg.messages,
-                },
-            )
-            for i, seg in enumerate(segments)
-            if sum(seg.loss_mask) > 0
-        ]
+        return segments, turn_rewards, truncated_by_agent
