@@ -1,0 +1,138 @@
+"""Math answer verification: a fast exact path for plain numbers, math-verify for everything else.
+
+    verify_math("... so the answer is $\\boxed{\\frac{1}{2}}$", "0.5")      # True
+
+Plain integers, decimals and fractions (most AIME / MATH answers) are settled with `fractions.Fraction`
+without sympy. Anything else goes to math-verify (LaTeX and expression extraction, sympy equivalence of
+sets, intervals, matrices, equations, units in text, percentages). Parsed gold answers are cached.
+math-verify's own timeouts use signals (main thread only) and are off; run this in a `RewardService` (a
+worker pool with a hard per-call timeout) whenever completions are untrusted.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from areal_agents.rewards.extract import extract_answer, last_boxed, strip_thinking
+
+
+@dataclass(frozen=True)
+class MathVerifyConfig:
+    """How completions and gold answers are compared (math-verify's knobs)."""
+
+    targets: tuple[str, ...] = ("latex", "expr")  # extractors for the answer: LaTeX and/or plain expressions
+    float_rounding: int = 6  # decimal places numbers are rounded to before comparing
+    strict: bool = True  # False: variables and function names may differ (f(x) ~ f(y))
+    allow_set_relation_comp: bool = False  # True: "x in [a, b]" ~ "a <= x <= b"
+    boxed_match_priority: int = 0  # 0: a \boxed{} answer wins over other matches
+    fast_path: bool = True
+
+
+DEFAULT = MathVerifyConfig()
+
+_INT = re.compile(r"[-+]?\d+")
+_DECIMAL = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+)")
+_SLASH = re.compile(r"([-+]?\d+)\s*/\s*(\d+)")
+_TEX_FRAC = re.compile(r"([-+]?)\\[dt]?frac\s*\{\s*([-+]?\d+)\s*\}\s*\{\s*(\d+)\s*\}")
+
+
+def _plain_number(text: str | None) -> tuple[Fraction, bool] | None:
+    """(value, is_integer_literal) for a bare integer, decimal or fraction; None for anything else."""
+    if text is None:
+        return None
+    s = text.strip().strip("$").strip().rstrip(".").replace("\\!", "")
+    if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+", s):
+        s = s.replace(",", "")
+    try:
+        if _INT.fullmatch(s):
+            return Fraction(int(s)), True
+        if _DECIMAL.fullmatch(s):
+            return Fraction(s), False
+        if m := _SLASH.fullmatch(s):
+            return (Fraction(int(m.group(1)), int(m.group(2))), False) if int(m.group(2)) else None
+        if m := _TEX_FRAC.fullmatch(s):
+            value = Fraction(int(m.group(2)), int(m.group(3))) if int(m.group(3)) else None
+            return (-value if m.group(1) == "-" else value, False) if value is not None else None
+    except (ValueError, ZeroDivisionError):
+        return None
+    return None
+
+
+def _extraction_config(config: MathVerifyConfig) -> list[Any]:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    out: list[Any] = []
+    for target in config.targets:
+        if target == "latex":
+            out.append(LatexExtractionConfig(boxed_match_priority=config.boxed_match_priority))
+        elif target == "expr":
+            out.append(ExprExtractionConfig())
+        else:
+            raise ValueError(f"Expects targets among 'latex', 'expr', got {target!r}")
+    return out
+
+
+def _gold_text(gold: str, config: MathVerifyConfig) -> str:
+    """Gold answers are written bare in datasets ("\\frac{1}{2}"); parse them as LaTeX inside \\boxed{}."""
+    if "latex" in config.targets and not any(d in gold for d in ("$", "\\(", "\\[", "\\boxed")):
+        return f"$\\boxed{{{gold}}}$"
+    return gold
+
+
+@functools.lru_cache(maxsize=65536)
+def parse_gold(gold: str, config: MathVerifyConfig = DEFAULT) -> list[Any]:
+    """math-verify's parse of a gold answer, cached: a dataset's golds are parsed once per process."""
+    from math_verify import parse
+
+    return parse(_gold_text(gold, config), _extraction_config(config), parsing_timeout=None)
+
+
+@dataclass
+class MathCheck:
+    correct: bool
+    answer: str | None  # what the fast path extracted (None when it found nothing)
+    method: str  # "fast", "math_verify" or "no_answer"
+
+
+def check_math(completion: str, gold: str, config: MathVerifyConfig = DEFAULT) -> MathCheck:
+    """`verify_math` with details: the extracted answer and which path decided."""
+    text = strip_thinking(completion)
+    answer = extract_answer(text)
+    if config.fast_path:
+        # Only where math-verify would read the same answer: the whole text is a number, or the last
+        # \boxed{} is one and no "answer is" follows it (math-verify prefers that anchor).
+        g, whole = _plain_number(gold), _plain_number(text)
+        if g is not None and whole is not None:
+            if g[0] == whole[0]:
+                return MathCheck(True, answer, "fast")
+            if g[1] and whole[1]:  # two different integers: nothing to round or reinterpret
+                return MathCheck(False, answer, "fast")
+        if g is not None and "latex" in config.targets and "\\boxed" in text:
+            tail = text[text.rfind("\\boxed") :]
+            boxed = _plain_number(last_boxed(tail))
+            if boxed is not None and boxed[0] == g[0] and not re.search(r"answer", tail, re.IGNORECASE):
+                return MathCheck(True, answer, "fast")
+    from math_verify import parse, verify
+
+    gold_parsed = parse_gold(gold, config)
+    pred_parsed = parse(text, _extraction_config(config), parsing_timeout=None)
+    if not gold_parsed or not pred_parsed:
+        return MathCheck(False, answer, "no_answer")
+    ok = verify(
+        gold_parsed,
+        pred_parsed,
+        float_rounding=config.float_rounding,
+        strict=config.strict,
+        allow_set_relation_comp=config.allow_set_relation_comp,
+        timeout_seconds=None,
+    )
+    return MathCheck(bool(ok), answer, "math_verify")
+
+
+def verify_math(completion: str, gold: str, config: MathVerifyConfig = DEFAULT) -> bool:
+    """True when the final answer of ``completion`` equals ``gold`` (plain or LaTeX, as datasets write it)."""
+    return check_math(completion, gold, config).correct
