@@ -41,7 +41,9 @@ class RemoteError(ArealAgentsError):
         self.type_name, self.remote_traceback = type_name, tb
 
 
-def _worker_main(conn: Connection) -> None:
+def _worker_main(conn: Connection, initializer: Callable[[], Any] | None) -> None:
+    if initializer is not None:
+        initializer()
     while True:
         try:
             fn, args, kwargs = conn.recv()
@@ -71,10 +73,12 @@ class WorkerPoolStats:
 class WorkerPool:
     """``workers`` processes (spawned, so no threads or locks are inherited) serving one call at a time."""
 
-    def __init__(self, workers: int = 2, context: str = "spawn") -> None:
+    def __init__(self, workers: int = 2, context: str = "spawn", initializer: Callable[[], Any] | None = None) -> None:
+        """``initializer`` runs once in each new worker (e.g. heavy imports), replacements included."""
         if workers < 1:
             raise ValueError(f"Expects workers >= 1, got {workers}")
         self._ctx = mp.get_context(context)
+        self._initializer = initializer
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._all: list[_Worker] = []
         self._lock = threading.Lock()
@@ -86,7 +90,7 @@ class WorkerPool:
 
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        process = self._ctx.Process(target=_worker_main, args=(child, self._initializer), daemon=True)
         process.start()
         child.close()
         worker = _Worker(process, parent)

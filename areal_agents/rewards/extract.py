@@ -15,7 +15,7 @@ AnswerMode = Literal["auto", "boxed", "answer_is", "last_number"]
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 _ANSWER_IS = re.compile(
-    r"(?:final\s+answer|answer)\s*(?:is|:|=)\s*:?\s*(.+?)\s*(?:$|\n|(?<=[^\d])\.(?:\s|$)|\.\s)", re.IGNORECASE
+    r"(?:final\s+answer|answer)\s*(?:is|:|=)\s*:?\s*(.+?)\s*(?:\.?\s*$|\n|(?<=[^\d])\.(?:\s|$)|\.\s)", re.IGNORECASE
 )
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 

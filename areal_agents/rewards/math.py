@@ -30,6 +30,9 @@ class MathVerifyConfig:
     allow_set_relation_comp: bool = False  # True: "x in [a, b]" ~ "a <= x <= b"
     boxed_match_priority: int = 0  # 0: a \boxed{} answer wins over other matches
     fast_path: bool = True
+    # If math-verify finds no equal answer, also try the extracted answer and the last line as LaTeX
+    # ("the answer is \frac{\pi}{2}." without $ delimiters). Off = math-verify's exact semantics.
+    fallback_extraction: bool = True
 
 
 DEFAULT = MathVerifyConfig()
@@ -78,7 +81,8 @@ def _extraction_config(config: MathVerifyConfig) -> list[Any]:
 
 def _gold_text(gold: str, config: MathVerifyConfig) -> str:
     """Gold answers are written bare in datasets ("\\frac{1}{2}"); parse them as LaTeX inside \\boxed{}."""
-    if "latex" in config.targets and not any(d in gold for d in ("$", "\\(", "\\[", "\\boxed")):
+    delimited = re.search(r"(?<!\\)\$", gold) or any(d in gold for d in ("\\(", "\\[", "\\boxed"))
+    if "latex" in config.targets and not delimited:  # "\$18.90" is an escaped dollar, not a delimiter
         return f"$\\boxed{{{gold}}}$"
     return gold
 
@@ -119,18 +123,33 @@ def check_math(completion: str, gold: str, config: MathVerifyConfig = DEFAULT) -
     from math_verify import parse, verify
 
     gold_parsed = parse_gold(gold, config)
-    pred_parsed = parse(text, _extraction_config(config), parsing_timeout=None)
-    if not gold_parsed or not pred_parsed:
+    if not gold_parsed:
+        return MathCheck(False, answer, "no_gold")
+
+    def equal(pred_text: str) -> bool | None:
+        pred = parse(pred_text, _extraction_config(config), parsing_timeout=None)
+        if not pred:
+            return None
+        return bool(
+            verify(
+                gold_parsed,
+                pred,
+                float_rounding=config.float_rounding,
+                strict=config.strict,
+                allow_set_relation_comp=config.allow_set_relation_comp,
+                timeout_seconds=None,
+            )
+        )
+
+    ok = equal(text)
+    if not ok and config.fallback_extraction and "latex" in config.targets:
+        lines = [line.strip().rstrip(".").strip() for line in text.strip().splitlines() if line.strip()]
+        for candidate in dict.fromkeys(c for c in (answer, lines[-1] if lines else None) if c):
+            if len(candidate) < 1000 and equal(f"$\\boxed{{{candidate}}}$"):
+                return MathCheck(True, answer, "math_verify_extracted")
+    if ok is None:
         return MathCheck(False, answer, "no_answer")
-    ok = verify(
-        gold_parsed,
-        pred_parsed,
-        float_rounding=config.float_rounding,
-        strict=config.strict,
-        allow_set_relation_comp=config.allow_set_relation_comp,
-        timeout_seconds=None,
-    )
-    return MathCheck(bool(ok), answer, "math_verify")
+    return MathCheck(ok, answer, "math_verify")
 
 
 def verify_math(completion: str, gold: str, config: MathVerifyConfig = DEFAULT) -> bool:

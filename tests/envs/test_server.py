@@ -230,8 +230,15 @@ def test_unreachable_server_is_a_typed_error():
 def test_openapi_documents_every_route(server):
     status, spec = request(server, "GET", "/openapi.json")
     assert status == 200
-    for path in ("/v1/sessions", "/v1/sessions/{session_id}/step", "/v1/sessions/{session_id}", "/v1/step",
-                 "/v1/envs", "/health", "/metrics"):
+    for path in (
+        "/v1/sessions",
+        "/v1/sessions/{session_id}/step",
+        "/v1/sessions/{session_id}",
+        "/v1/step",
+        "/v1/envs",
+        "/health",
+        "/metrics",
+    ):
         assert path in spec["paths"], path
     schemas = spec["components"]["schemas"]
     assert {"CreateSession", "StepResult", "BatchStepRequest", "ErrorResponse"} <= set(schemas)

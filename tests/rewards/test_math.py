@@ -1,0 +1,125 @@
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_agents.rewards import verify_math
+from areal_agents.rewards.math import check_math
+from areal_agents.rewards.math_reward import MathReward, warm_up
+from areal_agents.rewards.service import RewardService
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
+
+
+@pytest.mark.parametrize(
+    "completion, gold, expected",
+    [
+        ("\\boxed{0.5}", "\\frac{1}{2}", True),
+        ("The answer is $\\frac{1}{2}$.", "0.5", True),
+        ("\\boxed{\\frac{2}{4}}", "1/2", True),
+        ("\\boxed{50\\%}", "50", True),
+        ("\\boxed{[1, 3)}", "[1,3)", True),
+        ("\\boxed{(1, 3]}", "[1,3)", False),
+        ("\\boxed{\\{1,2,3\\}}", "\\{3,2,1\\}", True),
+        ("\\boxed{x=2}", "2", True),
+        ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", True),
+        ("\\boxed{025}", "25", True),
+        ("\\boxed{24}", "25", False),
+        ("\\boxed{12 \\text{ cm}}", "12", True),
+        ("<think>It is 7</think> \\boxed{8}", "7", False),
+        ("I give up.", "3", False),
+    ],
+)
+def test_verify_math(completion, gold, expected):
+    assert verify_math(completion, gold) is expected
+
+
+def test_fast_path_settles_plain_numbers_without_sympy():
+    assert check_math("\\boxed{1,000}", "1000").method == "fast"
+    assert check_math("42", "42").method == "fast"
+    assert check_math("\\boxed{\\sqrt{2}}", "\\sqrt{2}").method == "math_verify"
+
+
+@needs_data
+@pytest.mark.slow
+def test_agreement_on_math_verify_cases():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from math_reward import case_config
+
+    cases = [json.loads(line) for line in open(DATA / "mathverify_cases.jsonl")]
+    agree = sum(check_math(c["pred"], c["gold"], case_config(c)).correct == c["expected"] for c in cases)
+    assert agree >= 268
+
+
+STYLES = ("Thus the result is $\\boxed{{{}}}$.", "After simplifying, the answer is {}.", "Work above.\n{}")
+
+
+@needs_data
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["math500", "aime24", "aime25"])
+def test_gold_answers_verify_against_themselves_in_three_styles(name):
+    rows = [json.loads(line) for line in open(DATA / f"{name}.jsonl")]
+    items = [(style.format(r["answer"]), {"answer": r["answer"]}) for r in rows for style in STYLES]
+
+    async def run():
+        service = RewardService(workers=2, timeout=30.0, chunk_size=16, initializer=warm_up)
+        try:
+            return await service.score_batch(MathReward(), items)
+        finally:
+            await service.aclose()
+
+    results = asyncio.run(run())
+    failures = [(c, r.details) for (c, _), r in zip(items, results) if r.reward != 1.0]
+    assert not failures, failures[:5]
+
+
+ADVERSARIAL = {
+    "huge power": "\\boxed{10^{10^{10^{10^{10}}}}}",
+    "huge factorial": "\\boxed{(10^{10})!}",
+    "deep braces": "\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}",
+    "100 KB": "x + " * 25_000 + "\\boxed{3}",
+    "malformed": "\\boxed{\\frac{1}{ \\sqrt{ \\left( }",
+    "unicode": "答案是 π ∞ 𝔸 \\boxed{½}",
+}
+
+
+def test_adversarial_inputs_stay_within_the_timeout_and_the_pool_survives():
+    timeout = 3.0
+
+    async def run():
+        service = RewardService(workers=2, timeout=timeout, initializer=warm_up)
+        try:
+            await service.score(MathReward(), "\\boxed{1}", {"answer": "1"})  # workers up
+            timings = {}
+            for name, completion in ADVERSARIAL.items():
+                start = time.perf_counter()
+                result = await service.score(MathReward(), completion, {"answer": "10^{10^{10}}"})
+                timings[name] = (time.perf_counter() - start, result)
+            healthy = await service.score(MathReward(), "\\boxed{\\frac{1}{2}}", {"answer": "0.5"})
+            return timings, healthy, service.metrics()
+        finally:
+            await service.aclose()
+
+    timings, healthy, metrics = asyncio.run(run())
+    for name, (seconds, result) in timings.items():
+        assert seconds < timeout + 2.0, (name, seconds)  # the timeout plus worker replacement
+        assert result.reward == 0.0, (name, result)
+    assert healthy.reward == 1.0  # the pool kept serving
+    assert metrics["calls"] == len(ADVERSARIAL) + 2
+
+
+def test_reward_errors_and_missing_keys_are_typed():
+    async def run():
+        service = RewardService(workers=1, timeout=5.0)
+        try:
+            return await service.score(MathReward(answer_key="solution"), "\\boxed{1}", {"answer": "1"})
+        finally:
+            await service.aclose()
+
+    result = asyncio.run(run())
+    assert result.reward == 0.0 and result.details["error"] == "reward_error"
+    assert "key 'solution'" in result.details["message"]
