@@ -7,6 +7,9 @@ later, reward verification.
     pool = WorkerPool(workers=2)
     result = await pool.call(math.factorial, 20, timeout=5.0)
     await pool.aclose()
+
+Workers are spawned (no inherited threads or locks), so, as with any spawn-based multiprocessing, the
+main program must be importable: a script file, a module or a notebook, not ``python - <<EOF``.
 """
 
 from __future__ import annotations
@@ -133,6 +136,13 @@ class WorkerPool:
             self.stats.errors += 1
             raise RemoteError(*payload)
         return payload
+
+    def call_sync(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """The blocking form of `call`, for sync code (e.g. a gymnasium env's step); thread-safe."""
+        if self._closed:
+            raise ArealAgentsError("WorkerPool is closed")
+        self.stats.calls += 1
+        return self._roundtrip(fn, args, kwargs, timeout)
 
     async def call(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` in a worker; raise `CallTimeout`, `WorkerDied` or `RemoteError`."""

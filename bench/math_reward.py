@@ -16,8 +16,6 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
-
 from areal_agents.rewards.math import MathVerifyConfig
 from areal_agents.rewards.math_reward import MathReward, warm_up
 from areal_agents.rewards.service import RewardService
@@ -93,9 +91,10 @@ def main() -> None:
 
     n = len(cases) * args.repeats
     raw_rate, service_rate = n / raw_seconds, n / service_seconds
-    methods = {}
+    methods: dict[str, int] = {}
     for r in results:
-        methods[r.details.get("method", r.details.get("error"))] = methods.get(r.details.get("method"), 0) + 1
+        key = r.details.get("method", r.details.get("error", "?"))
+        methods[key] = methods.get(key, 0) + 1
     print("== bench/math_reward ==")
     print(f"agreement:       {agree}/{len(cases)} (raw math-verify defaults: {raw_agree // args.repeats}/{len(cases)})")
     print(f"decided by:      {methods}")
@@ -105,10 +104,32 @@ def main() -> None:
     print(f"raw math-verify: {raw_rate:8.1f} pairs/s (1 process)")
     print(f"reward service:  {service_rate:8.1f} pairs/s ({args.workers} workers) = {service_rate / raw_rate:.1f}x raw")
     print(
-        f"service latency: p50 {metrics['latency_p50_ms']:.1f} ms  p99 {metrics['latency_p99_ms']:.1f} ms (per batch)"
+        f"service latency: p50 {metrics['latency_p50_ms']:.1f} ms  p99 {metrics['latency_p99_ms']:.1f} ms "
+        "(per worker round trip)"
     )
     print(f"timeouts {metrics['timeouts']:.0f}, errors {metrics['errors']:.0f}")
-    _ = np
+
+    # An RL-shaped load: AIME answers (integers) in boxed completions, 8 samples per problem, half wrong.
+    data = Path(args.cases).parent
+    aime = [json.loads(line) for name in ("aime24", "aime25") for line in open(data / f"{name}.jsonl")]
+    rl_items = [
+        {
+            "gold": r["answer"],
+            "pred": f"Reasoning... so the answer is $\\boxed{{{int(r['answer']) + k % 2}}}$.",
+            "expected": k % 2 == 0,
+            "config": {"call": "verify(parse(gold), parse(pred))"},
+        }
+        for r in aime
+        for k in range(8)
+    ]
+    raw_agree, raw_seconds = raw_math_verify(rl_items)
+    rl_results, rl_seconds, rl_metrics = asyncio.run(through_service(rl_items, args.workers))
+    rl_agree = sum(bool(r.details.get("correct")) == c["expected"] for r, c in zip(rl_results, rl_items))
+    print(
+        f"AIME-shaped load ({len(rl_items)} boxed integer answers): raw {len(rl_items) / raw_seconds:.1f} pairs/s, "
+        f"service {len(rl_items) / rl_seconds:.1f} pairs/s = {raw_seconds / rl_seconds:.1f}x raw "
+        f"(agreement raw {raw_agree}, service {rl_agree}); p99 {rl_metrics['latency_p99_ms']:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

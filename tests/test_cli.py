@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -141,3 +142,26 @@ def test_user_env_from_its_own_module_trains(tmp_path, tiny_dir, monkeypatch, ho
     args = ["train", str(rl), *env_args, "env.kwargs={}", "eval.env_kwargs={}", "eval.num_problems=3", "--no-progress"]
     assert main(args) == 0
     assert json.loads((tmp_path / "rl" / "summary.json").read_text())["engine_version"] == 2
+
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="shared data not found")
+def test_math_recipe_runs_on_the_tiny_model(tmp_path, tiny_dir):
+    recipe = Path(__file__).resolve().parents[1] / "examples" / "math" / "rl.yaml"
+    args = [
+        "train",
+        str(recipe),
+        f"run_dir={tmp_path / 'math'}",
+        f"model.path={tiny_dir}",
+        "steps=2",
+        f"env.kwargs.dataset={DATA / 'aime24.jsonl'}",
+        "rollout.batch_size=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=8",
+        "eval.num_problems=4",
+        "--no-progress",
+    ]
+    assert main(args) == 0
+    assert json.loads((tmp_path / "math" / "summary.json").read_text())["engine_version"] == 2

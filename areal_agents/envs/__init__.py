@@ -13,8 +13,12 @@ from areal_agents.envs.multi_agent import MultiAgentTextEnv, check_multi_agent_e
 from areal_agents.envs.pool import LocalEnvPool
 from areal_agents.envs.registry import describe_envs, import_env_module, make_env
 
-if "areal_agents/Arithmetic-v0" not in gym.registry:
-    gym.register(id="areal_agents/Arithmetic-v0", entry_point="areal_agents.envs.arithmetic:ArithmeticEnv")
+for _id, _entry in (
+    ("areal_agents/Arithmetic-v0", "areal_agents.envs.arithmetic:ArithmeticEnv"),
+    ("areal_agents/Math-v0", "areal_agents.envs.math:MathEnv"),
+):
+    if _id not in gym.registry:
+        gym.register(id=_id, entry_point=_entry)
 
 __all__ = [
     "AsyncEnv",

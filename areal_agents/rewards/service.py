@@ -38,7 +38,10 @@ def _score_chunk(fn: RewardFunction, items: list[tuple[str, dict]]) -> list[tupl
 
 
 class RewardService:
-    """A pool of ``workers`` processes scoring completions; counters and latency percentiles in `metrics`."""
+    """A pool of ``workers`` processes scoring completions; counters and latency percentiles in `metrics`.
+
+    Latency is per worker round trip (a chunk of up to ``chunk_size`` items), as a caller waits for it.
+    """
 
     def __init__(
         self,
@@ -57,23 +60,23 @@ class RewardService:
         return (await self.score_batch(fn, [(completion, row)]))[0]
 
     async def score_batch(self, fn: RewardFunction, items: Sequence[tuple[str, dict[str, Any]]]) -> list[RewardResult]:
-        start = time.perf_counter()
-        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
             results = await asyncio.gather(*(self._score_async(fn, c, r) for c, r in items))
         else:
             size = max(1, min(self.chunk_size, -(-len(items) // self.workers)))  # spread over the workers
             chunks = [list(items[i : i + size]) for i in range(0, len(items), size)]
             nested = await asyncio.gather(*(self._score_chunk(fn, chunk) for chunk in chunks))
             results = [r for chunk in nested for r in chunk]
-        elapsed = time.perf_counter() - start
         self.counters["calls"] += len(items)
-        self.latencies.extend([elapsed] * len(items))
         return results
 
     async def _score_async(self, fn: Any, completion: str, row: dict) -> RewardResult:
+        start = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout):
-                return as_result(await fn(completion, row))
+                result = as_result(await fn(completion, row))
+            self.latencies.append(time.perf_counter() - start)
+            return result
         except TimeoutError:
             self.counters["timeouts"] += 1
             return RewardResult(0.0, {"error": "timeout"})
@@ -82,20 +85,16 @@ class RewardService:
             return RewardResult(0.0, {"error": "reward_error", "message": f"{type(e).__name__}: {e}"})
 
     async def _score_chunk(self, fn: RewardFunction, chunk: list[tuple[str, dict]]) -> list[RewardResult]:
+        start = time.perf_counter()
         try:
             raw = await self.pool.call(_score_chunk, fn, chunk, timeout=self.timeout)
         except (CallTimeout, WorkerDied, RemoteError) as e:
             if len(chunk) > 1:  # find the slow or fatal item: retry one by one
                 return [r for item in chunk for r in await self._score_chunk(fn, [item])]
-            kind = (
-                "timeout"
-                if isinstance(e, CallTimeout)
-                else "worker_died"
-                if isinstance(e, WorkerDied)
-                else "reward_error"
-            )
+            kind = {CallTimeout: "timeout", WorkerDied: "worker_died", RemoteError: "reward_error"}[type(e)]
             self.counters["timeouts" if kind == "timeout" else "errors"] += 1
             return [RewardResult(0.0, {"error": kind, "message": str(e)})]
+        self.latencies.extend([time.perf_counter() - start] * len(chunk))  # one round trip per chunk
         out = []
         for reward, details in raw:
             if reward is None:

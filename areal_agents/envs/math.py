@@ -1,0 +1,118 @@
+"""`areal_agents/Math-v0`: math problems from a dataset, rewarded by answer verification.
+
+    env = gymnasium.make("areal_agents/Math-v0", dataset="../shared/data/aime24.jsonl", max_turns=2)
+    obs, info = env.reset(seed=0)                       # the problem, with the answer-format instruction
+    obs, reward, terminated, truncated, info = env.step("... \\boxed{204}")
+
+Single-turn: reward 1 for a correct final answer (plus ``format_reward`` for a boxed one). Multi-turn
+(``max_turns > 1``): a wrong answer gets ``feedback`` and another try; a correct answer on turn t earns
+``turn_discount ** (t - 1)``. Verification runs in a process-wide pool of worker processes with a hard
+``verify_timeout`` (``reward_mode="pool"``), or in the calling process (``"inline"``, e.g. when the env
+itself already runs in a killable worker).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Literal
+
+from areal_agents.data.base import load_task_dataset
+from areal_agents.envs.base import TextEnv
+from areal_agents.rewards.base import RewardResult
+from areal_agents.rewards.math_reward import MathReward, warm_up
+from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerPool
+
+DEFAULT_TEMPLATE = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+
+_pool: WorkerPool | None = None
+_pool_lock = threading.Lock()
+
+
+def reward_pool(workers: int = 2) -> WorkerPool:
+    """The process-wide verification pool, started on first use and shared by every Math env."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = WorkerPool(workers, initializer=warm_up)
+        return _pool
+
+
+class MathEnv(TextEnv):
+    """Answer a math problem from a dataset; reward by `verify_math` against the row's answer."""
+
+    def __init__(
+        self,
+        dataset: str,
+        *,
+        split: str = "test",
+        prompt_key: str = "problem",
+        answer_key: str = "answer",
+        prompt_template: str = DEFAULT_TEMPLATE,
+        max_turns: int = 1,
+        feedback: str = "Your answer is incorrect. Please check your work and try again.",
+        turn_discount: float = 1.0,
+        format_reward: float = 0.0,
+        reward_mode: Literal["pool", "inline"] = "pool",
+        verify_timeout: float = 10.0,
+    ) -> None:
+        super().__init__(max_observation_length=65536, max_action_length=1_000_000)
+        if not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"Expects max_turns to be an int >= 1, got {max_turns!r}")
+        if not 0 < turn_discount <= 1:
+            raise ValueError(f"Expects 0 < turn_discount <= 1, got {turn_discount!r}")
+        if reward_mode not in ("pool", "inline"):
+            raise ValueError(f"Expects reward_mode 'pool' or 'inline', got {reward_mode!r}")
+        if "{prompt}" not in prompt_template:
+            raise ValueError("Expects prompt_template to contain {prompt}")
+        self._data_args = (dataset, split, prompt_key)
+        self.data = load_task_dataset(dataset, split=split, prompt_key=prompt_key)
+        if answer_key not in self.data[0]:
+            raise ValueError(f"Expects rows of {dataset} to have key {answer_key!r}; they have {sorted(self.data[0])}")
+        self.template, self.max_turns, self.feedback = prompt_template, max_turns, feedback
+        self.turn_discount, self.reward_mode, self.verify_timeout = turn_discount, reward_mode, verify_timeout
+        self.reward_fn = MathReward(answer_key=answer_key, format_reward=format_reward)
+        self.row: dict[str, Any] | None = None
+        self.turn = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the dataset (process-mode pools ship the env with every call); reloaded from cache."""
+        state = self.__dict__.copy()
+        state["data"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        dataset, split, prompt_key = self._data_args
+        self.data = load_task_dataset(dataset, split=split, prompt_key=prompt_key)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
+        super().reset(seed=seed)
+        index = (
+            int(options["index"]) if options and "index" in options else int(self.np_random.integers(len(self.data)))
+        )
+        if not 0 <= index < len(self.data):
+            raise ValueError(f"options['index'] must be in [0, {len(self.data)}), got {index}")
+        self.row, self.turn = self.data[index], 0
+        return self.template.format(prompt=self.row["prompt"]), {"role": "user", "index": index, "id": self.row["id"]}
+
+    def _score(self, action: str) -> RewardResult:
+        if self.reward_mode == "inline":
+            return self.reward_fn(action, self.row)
+        try:
+            return reward_pool().call_sync(self.reward_fn, action, self.row, timeout=self.verify_timeout)
+        except CallTimeout:
+            return RewardResult(0.0, {"correct": False, "error": "timeout"})
+        except (WorkerDied, RemoteError) as e:
+            return RewardResult(0.0, {"correct": False, "error": type(e).__name__, "message": str(e)})
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self.row is None:
+            raise RuntimeError("Cannot call step() before reset()")
+        self.turn += 1
+        result = self._score(action)
+        correct = bool(result.details.get("correct"))
+        reward = result.reward * (self.turn_discount ** (self.turn - 1)) if correct else result.reward
+        info = {"role": "user", "turn": self.turn, "id": self.row["id"], **result.details}
+        if correct or self.turn >= self.max_turns:
+            return "", float(reward), True, False, info
+        return self.feedback, float(reward), False, False, info

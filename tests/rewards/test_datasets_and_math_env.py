@@ -1,0 +1,76 @@
+import json
+import warnings
+from pathlib import Path
+
+import gymnasium as gym
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+import areal_agents  # noqa: F401
+from areal_agents.data import BaseDataset, load_task_dataset
+from areal_agents.errors import ArealAgentsError
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
+
+
+def test_jsonl_dataset_rows_have_id_and_prompt(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    ds = load_task_dataset(str(path), prompt_key="problem")
+    assert ds[0] == {"problem": "1+1?", "answer": "2", "id": "0", "prompt": "1+1?"}
+    with pytest.raises(ArealAgentsError, match="no key 'question'"):
+        load_task_dataset(str(path), prompt_key="question")
+
+
+def test_hf_id_without_datasets_package_is_a_clear_error():
+    with pytest.raises(ArealAgentsError, match="Hugging Face|datasets"):
+        load_task_dataset("someone/some-dataset-that-is-not-a-file")
+
+
+class Upper(BaseDataset):
+    def to_row(self, index, raw):
+        row = super().to_row(index, raw)
+        return {**row, "prompt": row["prompt"].upper()}
+
+
+def test_subclass_reshapes_rows(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "hi", "id": "a"}) + "\n")
+    assert load_task_dataset(str(path), cls=Upper)[0]["prompt"] == "HI"
+
+
+@needs_data
+def test_math_env_single_and_multi_turn():
+    env = gym.make("areal_agents/Math-v0", dataset=str(DATA / "aime24.jsonl"), max_turns=2, turn_discount=0.5)
+    obs, info = env.reset(seed=1)
+    answer = env.unwrapped.row["answer"]
+    assert env.unwrapped.row["problem"] in obs and obs.endswith("within \\boxed{}.")
+    obs, reward, terminated, _, step_info = env.step("\\boxed{-1}")
+    assert (reward, terminated) == (0.0, False) and obs.startswith("Your answer is incorrect")
+    _, reward, terminated, _, step_info = env.step(f"Thus \\boxed{{{answer}}}.")
+    assert (reward, terminated, step_info["correct"]) == (0.5, True, True)
+
+    single = gym.make("areal_agents/Math-v0", dataset=str(DATA / "math500.jsonl"), format_reward=0.1)
+    single.reset(options={"index": 0})
+    gold = single.unwrapped.row["answer"]
+    assert single.step(f"The answer is $\\boxed{{{gold}}}$")[1] == pytest.approx(1.1)
+
+
+@needs_data
+def test_math_env_passes_check_env():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_env(gym.make("areal_agents/Math-v0", dataset=str(DATA / "aime25.jsonl"), reward_mode="inline").unwrapped)
+
+
+@needs_data
+def test_math_env_pickles_small_and_restores():
+    import pickle
+
+    env = gym.make("areal_agents/Math-v0", dataset=str(DATA / "math500.jsonl"))
+    env.reset(seed=3)
+    blob = pickle.dumps(env)
+    assert len(blob) < 20_000  # the 500 rows stay behind
+    restored = pickle.loads(blob)
+    assert len(restored.unwrapped.data) == 500 and restored.unwrapped.row == env.unwrapped.row
