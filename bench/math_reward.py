@@ -25,6 +25,8 @@ DEFAULT_CASES = Path(__file__).resolve().parents[1].parent / "shared" / "data" /
 
 def case_config(case: dict) -> MathVerifyConfig:
     c = case["config"]
+    if c["call"] == "default":  # MathReward's defaults, as the Math env uses them
+        return MathVerifyConfig()
     # These cases pin math-verify's exact semantics, so no fallback extraction.
     if c["call"].startswith("verify("):  # math-verify's library defaults
         return MathVerifyConfig(boxed_match_priority=50, fallback_extraction=False)
@@ -117,7 +119,7 @@ def main() -> None:
             "gold": r["answer"],
             "pred": f"Reasoning... so the answer is $\\boxed{{{int(r['answer']) + k % 2}}}$.",
             "expected": k % 2 == 0,
-            "config": {"call": "verify(parse(gold), parse(pred))"},
+            "config": {"call": "default"},
         }
         for r in aime
         for k in range(8)

@@ -16,9 +16,10 @@ from __future__ import annotations
 import threading
 from typing import Any, Literal
 
-from areal_agents.data.base import load_task_dataset
+from areal_agents.data.base import BaseDataset, load_task_dataset
 from areal_agents.envs.base import TextEnv
-from areal_agents.rewards.base import RewardResult
+from areal_agents.importing import load_object
+from areal_agents.rewards.base import RewardFunction, RewardResult, as_result
 from areal_agents.rewards.math_reward import MathReward, warm_up
 from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerPool
 
@@ -35,6 +36,21 @@ def reward_pool(workers: int = 2) -> WorkerPool:
         if _pool is None:
             _pool = WorkerPool(workers, initializer=warm_up)
         return _pool
+
+
+def _load(dataset: str, split: str, prompt_key: str, dataset_class: str) -> BaseDataset:
+    cls = load_object(dataset_class, "env kwarg dataset_class") if dataset_class else BaseDataset
+    if not (isinstance(cls, type) and issubclass(cls, BaseDataset)):
+        raise ValueError(f"Expects dataset_class to name a BaseDataset subclass, got {dataset_class!r}")
+    return load_task_dataset(dataset, split=split, prompt_key=prompt_key, cls=cls)
+
+
+def _reward(spec: str) -> RewardFunction:
+    target = load_object(spec, "env kwarg reward")
+    fn = target() if isinstance(target, type) else target
+    if not callable(fn):
+        raise ValueError(f"Expects reward to name a reward function or class, got {spec!r}")
+    return fn
 
 
 class MathEnv(TextEnv):
@@ -54,7 +70,11 @@ class MathEnv(TextEnv):
         format_reward: float = 0.0,
         reward_mode: Literal["pool", "inline"] = "pool",
         verify_timeout: float = 10.0,
+        reward: str = "",
+        dataset_class: str = "",
     ) -> None:
+        """``reward``: a ``module:Class`` (constructed with no arguments) or ``module:function`` replacing
+        `MathReward`; ``dataset_class``: a ``module:Class`` subclass of `BaseDataset` that reshapes rows."""
         super().__init__(max_observation_length=65536, max_action_length=1_000_000)
         if not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"Expects max_turns to be an int >= 1, got {max_turns!r}")
@@ -64,13 +84,13 @@ class MathEnv(TextEnv):
             raise ValueError(f"Expects reward_mode 'pool' or 'inline', got {reward_mode!r}")
         if "{prompt}" not in prompt_template:
             raise ValueError("Expects prompt_template to contain {prompt}")
-        self._data_args = (dataset, split, prompt_key)
-        self.data = load_task_dataset(dataset, split=split, prompt_key=prompt_key)
+        self._data_args = (dataset, split, prompt_key, dataset_class)
+        self.data = _load(*self._data_args)
         if answer_key not in self.data[0]:
             raise ValueError(f"Expects rows of {dataset} to have key {answer_key!r}; they have {sorted(self.data[0])}")
         self.template, self.max_turns, self.feedback = prompt_template, max_turns, feedback
         self.turn_discount, self.reward_mode, self.verify_timeout = turn_discount, reward_mode, verify_timeout
-        self.reward_fn = MathReward(answer_key=answer_key, format_reward=format_reward)
+        self.reward_fn = _reward(reward) if reward else MathReward(answer_key=answer_key, format_reward=format_reward)
         self.row: dict[str, Any] | None = None
         self.turn = 0
 
@@ -82,8 +102,7 @@ class MathEnv(TextEnv):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        dataset, split, prompt_key = self._data_args
-        self.data = load_task_dataset(dataset, split=split, prompt_key=prompt_key)
+        self.data = _load(*self._data_args)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
         super().reset(seed=seed)
@@ -97,9 +116,9 @@ class MathEnv(TextEnv):
 
     def _score(self, action: str) -> RewardResult:
         if self.reward_mode == "inline":
-            return self.reward_fn(action, self.row)
+            return as_result(self.reward_fn(action, self.row))
         try:
-            return reward_pool().call_sync(self.reward_fn, action, self.row, timeout=self.verify_timeout)
+            return as_result(reward_pool().call_sync(self.reward_fn, action, self.row, timeout=self.verify_timeout))
         except CallTimeout:
             return RewardResult(0.0, {"correct": False, "error": "timeout"})
         except (WorkerDied, RemoteError) as e:

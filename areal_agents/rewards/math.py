@@ -118,8 +118,13 @@ def check_math(completion: str, gold: str, config: MathVerifyConfig = DEFAULT) -
         if g is not None and "latex" in config.targets and "\\boxed" in text:
             tail = text[text.rfind("\\boxed") :]
             boxed = _plain_number(last_boxed(tail))
-            if boxed is not None and boxed[0] == g[0] and not re.search(r"answer", tail, re.IGNORECASE):
-                return MathCheck(True, answer, "fast")
+            if boxed is not None and not re.search(r"answer", tail, re.IGNORECASE):
+                if boxed[0] == g[0]:
+                    return MathCheck(True, answer, "fast")
+                # With boxed answers first (priority 0), math-verify reads this same box: two different
+                # integers are unequal whatever the rounding.
+                if boxed[1] and g[1] and config.boxed_match_priority == 0:
+                    return MathCheck(False, answer, "fast")
     from math_verify import parse, verify
 
     gold_parsed = parse_gold(gold, config)

@@ -47,7 +47,7 @@ class RewardService:
         self,
         workers: int = 2,
         timeout: float = 10.0,
-        chunk_size: int = 8,
+        chunk_size: int = 64,
         initializer: Callable[[], Any] | None = None,
     ) -> None:
         self.timeout, self.chunk_size = timeout, chunk_size
@@ -63,7 +63,8 @@ class RewardService:
         if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
             results = await asyncio.gather(*(self._score_async(fn, c, r) for c, r in items))
         else:
-            size = max(1, min(self.chunk_size, -(-len(items) // self.workers)))  # spread over the workers
+            # ~4 chunks per worker: few round trips for cheap items, still balanced for slow ones.
+            size = max(1, min(self.chunk_size, -(-len(items) // (4 * self.workers))))
             chunks = [list(items[i : i + size]) for i in range(0, len(items), size)]
             nested = await asyncio.gather(*(self._score_chunk(fn, chunk) for chunk in chunks))
             results = [r for chunk in nested for r in chunk]

@@ -74,3 +74,20 @@ def test_math_env_pickles_small_and_restores():
     assert len(blob) < 20_000  # the 500 rows stay behind
     restored = pickle.loads(blob)
     assert len(restored.unwrapped.data) == 500 and restored.unwrapped.row == env.unwrapped.row
+
+
+@needs_data
+def test_reward_and_dataset_class_named_from_config(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    env = gym.make(
+        "areal_agents/Math-v0",
+        dataset=str(DATA / "aime24.jsonl"),
+        reward="user_plugins:LengthReward",
+        dataset_class="user_plugins:Shouting",
+        reward_mode="inline",
+    )
+    obs, _ = env.reset(seed=0)
+    assert env.unwrapped.row["prompt"].isupper() or not any(c.isalpha() for c in env.unwrapped.row["prompt"])
+    assert env.step("12")[1] == 1.0
+    with pytest.raises(ArealAgentsError, match="has no attribute 'Nope'"):
+        gym.make("areal_agents/Math-v0", dataset=str(DATA / "aime24.jsonl"), reward="user_plugins:Nope")

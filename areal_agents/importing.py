@@ -1,0 +1,24 @@
+"""Resolve ``module:attr`` strings from config (user envs, reward functions, dataset classes)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from areal_agents.errors import ArealAgentsError
+
+
+def load_object(spec: str, what: str = "object") -> Any:
+    """The attribute ``attr`` of module ``module`` for ``spec = "module:attr"`` (dots allowed in attr)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ArealAgentsError(f"{what} {spec!r}: expects the form 'package.module:Name'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ArealAgentsError(f"{what} {spec!r}: cannot import module {module_name!r}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ArealAgentsError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
