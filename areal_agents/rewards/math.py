@@ -12,12 +12,23 @@ worker pool with a hard per-call timeout) whenever completions are untrusted.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 from areal_agents.rewards.extract import extract_answer, last_boxed, strip_thinking
+
+
+class _DropTimeoutNotice(logging.Filter):
+    """math-verify warns once that its (signal-based) timeouts are off; ours are enforced by worker processes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+logging.getLogger("math_verify.parser").addFilter(_DropTimeoutNotice())
 
 
 @dataclass(frozen=True)
