@@ -17,6 +17,7 @@ truncations, infos)``, every value a dict keyed by agent id; ``agents`` lists th
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ from areal_agents.envs.base import text_space
 Dicts = tuple[dict[str, str], dict[str, float], dict[str, bool], dict[str, bool], dict[str, dict[str, Any]]]
 
 
-class MultiAgentTextEnv:
+class MultiAgentTextEnv(abc.ABC):
     """Parallel multi-agent text env; subclasses set ``possible_agents`` and implement reset/step."""
 
     possible_agents: list[str] = []
@@ -55,10 +56,11 @@ class MultiAgentTextEnv:
         self.agents = list(self.possible_agents)
         return {}, {}
 
+    @abc.abstractmethod
     def step(self, actions: dict[str, str]) -> Dicts:
-        raise NotImplementedError
+        """Apply every acting agent's action; return the five per-agent dicts and update ``agents``."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (an optional hook, not abstract)
         """Release resources; the default has none."""
 
 

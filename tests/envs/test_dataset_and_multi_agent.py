@@ -57,3 +57,11 @@ def test_multi_agent_checker_accepts_a_correct_env_and_names_mistakes():
     check_multi_agent_env(Guess())
     with pytest.raises(AssertionError, match=r"step\(\) rewards keys \['alice', 'bob'\], got \['alice'\]"):
         check_multi_agent_env(WrongKeys())
+
+
+def test_a_multi_agent_env_without_step_cannot_be_made():
+    class NoStep(MultiAgentTextEnv):
+        possible_agents = ["a"]
+
+    with pytest.raises(TypeError, match="abstract method 'step'|abstract methods? step"):
+        NoStep()
