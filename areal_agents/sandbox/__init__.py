@@ -1,0 +1,6 @@
+"""Run untrusted code: the `Sandbox` API and its backends (local bubblewrap; e2b to come)."""
+
+from areal_agents.sandbox.base import ExecResult, Sandbox, Status
+from areal_agents.sandbox.local import LocalSandbox, SandboxUnavailable
+
+__all__ = ["ExecResult", "LocalSandbox", "Sandbox", "SandboxUnavailable", "Status"]
