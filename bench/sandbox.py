@@ -14,7 +14,13 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import json
+from pathlib import Path
+
+from areal_agents.rewards.code import CodeJudge
 from areal_agents.sandbox import LocalSandbox
+
+HUMANEVAL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "humaneval.jsonl"
 
 PYTHON = "/usr/bin/python3"
 
@@ -53,6 +59,14 @@ def main() -> None:
         print(
             f"{c} concurrent: bare python3 -c {base[c]:6.1f}/s | isolated sandbox {r:6.1f}/s = {r / base[c]:.2f}x bare"
         )
+
+    if HUMANEVAL.is_file():
+        rows = [json.loads(line) for line in open(HUMANEVAL)]
+        judge = CodeJudge(sandbox)
+        start = time.perf_counter()
+        passed = sum(judge.judge_humaneval(r["canonical_solution"], r).all_passed for r in rows)
+        elapsed = time.perf_counter() - start
+        print(f"judge on HumanEval: {len(rows) / elapsed:.1f} problems/s, 1 worker ({passed}/{len(rows)} canonical pass)")
 
 
 if __name__ == "__main__":
