@@ -49,8 +49,10 @@ class _StrOnly(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a test-case payload")
 
 
-def decode_tests(field_value: str | list) -> list[dict[str, Any]]:
+def decode_tests(field_value: str | list | None) -> list[dict[str, Any]]:
     """Test cases as a list of dicts, from plain JSON or LiveCodeBench's base64(zlib(pickle(json)))."""
+    if field_value is None:
+        return []
     if isinstance(field_value, list):
         return field_value
     text = field_value.strip()
@@ -119,7 +121,7 @@ class CodeJudge:
     def judge_lcb(self, completion: str, row: dict[str, Any], *, code_is_raw: bool = False) -> JudgeResult:
         """Public + private tests of a LiveCodeBench row against the completion's last code block."""
         code = completion if code_is_raw else extract_code(completion)
-        tests = decode_tests(row.get("public_test_cases", "[]")) + decode_tests(row.get("private_test_cases", "[]"))
+        tests = decode_tests(row.get("public_test_cases")) + decode_tests(row.get("private_test_cases"))
         if not tests:
             return JudgeResult(0, 0, message="the row has no tests")
         if code is None:

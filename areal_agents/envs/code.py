@@ -1,0 +1,134 @@
+"""`areal_agents/Code-v0`: solve a programming problem in turns: run code on the public tests, then submit.
+
+Each action is read for its last fenced code block:
+- a block whose info string ends in ``run`` (e.g. ```` ```python run ````) is executed in the sandbox on
+  the problem's public tests (or with no input when there are none); the observation reports each test's
+  verdict and the program's output. At most ``max_runs`` runs per episode.
+- any other code block is the submission: judged on public + private tests with LiveCodeBench's semantics;
+  reward 1 if all pass (or the fraction passed with ``partial_reward``); the episode ends.
+- no code block: the agent is told so, and it costs a turn.
+
+    env = gymnasium.make("areal_agents/Code-v0", dataset="lcb.jsonl", max_turns=4, max_runs=2)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from areal_agents.data.base import load_task_dataset
+from areal_agents.envs.base import TextEnv
+from areal_agents.rewards.code import CodeJudge, decode_tests, stdout_matches
+from areal_agents.rewards.extract import strip_thinking
+from areal_agents.sandbox import LocalSandbox
+
+_BLOCK = re.compile(r"```[ \t]*([^\n`]*)\n(.*?)```", re.DOTALL)
+
+STDIN_INSTRUCTION = "Read the input from standard input, solve the problem and write the answer to standard output."
+FUNCTIONAL_INSTRUCTION = "Complete this starter code:\n```python\n{starter}\n```"
+HOW_TO = (
+    "To test your code on the examples first, put it in a block opened with ```python run. "
+    "Submit your final solution in a plain ```python block."
+)
+
+
+def _last_block(text: str) -> tuple[str, str] | None:
+    blocks = _BLOCK.findall(strip_thinking(text))
+    return (blocks[-1][0].strip().lower(), blocks[-1][1]) if blocks else None
+
+
+class CodeEnv(TextEnv):
+    """A LiveCodeBench-style problem per episode, with code runs as tool calls before the submission."""
+
+    def __init__(
+        self,
+        dataset: str,
+        *,
+        split: str = "test",
+        max_turns: int = 4,
+        max_runs: int = 3,
+        partial_reward: bool = False,
+        timeout_s: float = 6.0,
+        memory_mb: int = 1024,
+        max_feedback_chars: int = 2000,
+    ) -> None:
+        super().__init__(max_observation_length=200_000, max_action_length=1_000_000)
+        if not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"Expects max_turns to be an int >= 1, got {max_turns!r}")
+        if not isinstance(max_runs, int) or max_runs < 0:
+            raise ValueError(f"Expects max_runs to be an int >= 0, got {max_runs!r}")
+        self._data_args = (dataset, split)
+        self.data = load_task_dataset(dataset, split=split, prompt_key="question_content", id_key="question_id")
+        self.max_turns, self.max_runs, self.partial_reward = max_turns, max_runs, partial_reward
+        self.max_feedback_chars = max_feedback_chars
+        self.judge = CodeJudge(LocalSandbox(), timeout_s=timeout_s, memory_mb=memory_mb)
+        self.row: dict[str, Any] | None = None
+        self.turn = self.runs = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["data"] = None  # reloaded from the per-process cache; process-mode pools pickle per call
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        dataset, split = self._data_args
+        self.data = load_task_dataset(dataset, split=split, prompt_key="question_content", id_key="question_id")
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
+        super().reset(seed=seed)
+        if options and "index" in options:
+            index = int(options["index"])
+        else:
+            index = int(self.np_random.integers(len(self.data)))
+        self.row, self.turn, self.runs = self.data[index], 0, 0
+        starter = (self.row.get("starter_code") or "").strip()
+        instruction = FUNCTIONAL_INSTRUCTION.format(starter=starter) if starter else STDIN_INSTRUCTION
+        runs = f" {HOW_TO} You have {self.max_runs} runs." if self.max_runs else ""
+        return f"{self.row['prompt']}\n\n{instruction}{runs}", {"role": "user", "index": index, "id": self.row["id"]}
+
+    def _run_feedback(self, code: str) -> str:
+        tests = decode_tests(self.row.get("public_test_cases"))
+        lines = [f"Run {self.runs} of {self.max_runs}."]
+        if not tests:
+            r = self.judge.sandbox.run(code, timeout_s=self.judge.timeout_s, memory_mb=self.judge.memory_mb)
+            lines.append(f"status: {r.status}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}")
+        elif tests[0].get("testtype") == "functional":
+            func = json.loads(self.row.get("metadata") or "{}").get("func_name", "")
+            every_test = CodeJudge(self.judge.sandbox, timeout_s=self.judge.timeout_s, stop_on_first_failure=False)
+            verdicts = every_test.judge_functional(code, func, tests).statuses
+            lines += [f"example {i + 1}: {v}" for i, v in enumerate(verdicts)]
+        else:
+            for i, test in enumerate(tests):
+                r = self.judge.sandbox.run(code, stdin=test["input"], timeout_s=self.judge.timeout_s)
+                verdict = r.status
+                if r.status == "ok":
+                    verdict = "pass" if stdout_matches(r.stdout, test["output"]) else "wrong_answer"
+                lines.append(f"example {i + 1}: {verdict}\ninput:\n{test['input']}\nyour output:\n{r.stdout}")
+                if r.stderr:
+                    lines.append(f"stderr:\n{r.stderr}")
+        text = "\n".join(lines)
+        return text if len(text) <= self.max_feedback_chars else text[: self.max_feedback_chars] + "\n[truncated]"
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self.row is None:
+            raise RuntimeError("Cannot call step() before reset()")
+        self.turn += 1
+        info: dict[str, Any] = {"role": "user", "turn": self.turn, "id": self.row["id"], "runs": self.runs}
+        block = _last_block(action)
+        last_turn = self.turn >= self.max_turns
+        if block is not None and block[0].endswith("run") and not last_turn:
+            if self.runs >= self.max_runs:
+                return "No runs left: submit your solution in a plain ```python block.", 0.0, False, False, info
+            self.runs += 1
+            info["runs"] = self.runs
+            return self._run_feedback(block[1]), 0.0, False, False, info
+        if block is None:
+            if last_turn:
+                return "", 0.0, True, False, {**info, "passed": 0, "total": 0}
+            return "No code block found. Put your solution in a ```python block.", 0.0, False, False, info
+        result = self.judge.judge_lcb(block[1], self.row, code_is_raw=True)
+        reward = result.fraction if self.partial_reward else float(result.all_passed)
+        info.update(passed=result.passed, total=result.total, statuses=result.statuses)
+        return "", reward, True, False, info

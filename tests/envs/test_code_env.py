@@ -1,0 +1,71 @@
+"""Code-v0 as an agent plays it: run on the examples, read the feedback, submit, get judged."""
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import gymnasium as gym
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+import areal_agents  # noqa: F401
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+pytestmark = [
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed"),
+    pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}"),
+]
+LEAP = "y = int(input())\nprint(366 if (y % 4 == 0 and y % 100 != 0) or y % 400 == 0 else 365)\n"
+
+
+def index_of(qid):
+    rows = [json.loads(line) for line in open(DATA / "lcb_subset.jsonl")]
+    return next(i for i, r in enumerate(rows) if r["question_id"] == qid)
+
+
+def test_run_then_submit_stdin_problem():
+    env = gym.make("areal_agents/Code-v0", dataset=str(DATA / "lcb_subset.jsonl"), max_turns=4, max_runs=1)
+    obs, info = env.reset(options={"index": index_of("abc365_a")})
+    assert "standard input" in obs and "```python run" in obs
+    wrong = "print(365)\n"
+    obs, reward, terminated, _, info = env.step(f"Let me test:\n```python run\n{wrong}```")
+    assert (reward, terminated, info["runs"]) == (0.0, False, 1)
+    assert "example 1: pass" in obs and "example 2: wrong_answer" in obs
+    obs, reward, terminated, _, _ = env.step(f"```python run\n{LEAP}```")
+    assert obs.startswith("No runs left") and not terminated
+    _, reward, terminated, _, info = env.step(f"Final:\n```python\n{LEAP}```")
+    assert (reward, terminated) == (1.0, True) and info["passed"] == info["total"] > 0
+
+
+def test_functional_problem_and_partial_reward():
+    env = gym.make("areal_agents/Code-v0", dataset=str(DATA / "lcb_sandboxfusion3.jsonl"), partial_reward=True)
+    rows = [json.loads(line) for line in open(DATA / "lcb_sandboxfusion3.jsonl")]
+    obs, _ = env.reset(options={"index": next(i for i, r in enumerate(rows) if r["question_id"] == "2727")})
+    assert "class Solution" in obs
+    solution = (
+        "class Solution:\n    def countSeniors(self, details):\n"
+        "        return sum(int(d[11:13]) > 60 for d in details)\n"
+    )
+    _, reward, terminated, _, info = env.step(f"```python\n{solution}```")
+    assert (reward, terminated) == (1.0, True)
+
+
+def test_no_code_then_out_of_turns():
+    env = gym.make("areal_agents/Code-v0", dataset=str(DATA / "lcb_subset.jsonl"), max_turns=2)
+    env.reset(seed=0)
+    obs, reward, terminated, _, _ = env.step("I think it is easy.")
+    assert obs.startswith("No code block") and not terminated
+    _, reward, terminated, _, _ = env.step("Still no code.")
+    assert (reward, terminated) == (0.0, True)
+
+
+def test_check_env_and_pickling():
+    import pickle
+
+    env = gym.make("areal_agents/Code-v0", dataset=str(DATA / "lcb_subset.jsonl"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_env(env.unwrapped)
+    env.reset(seed=1)
+    assert len(pickle.dumps(env)) < 50_000
