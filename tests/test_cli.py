@@ -172,9 +172,17 @@ def test_math_recipe_runs_on_the_tiny_model(tmp_path, tiny_dir):
 def test_code_recipe_runs_on_the_tiny_model(tmp_path, tiny_dir):
     recipe = Path(__file__).resolve().parents[1] / "examples" / "code" / "rl.yaml"
     args = [
-        "train", str(recipe), f"run_dir={tmp_path / 'code'}", f"model.path={tiny_dir}", "steps=2",
-        f"env.kwargs.dataset={DATA / 'lcb_subset.jsonl'}", "rollout.batch_size=2", "rollout.group_size=2",
-        "rollout.max_new_tokens=8", "eval.num_problems=4", "--no-progress",
+        "train",
+        str(recipe),
+        f"run_dir={tmp_path / 'code'}",
+        f"model.path={tiny_dir}",
+        "steps=2",
+        f"env.kwargs.dataset={DATA / 'lcb_subset.jsonl'}",
+        "rollout.batch_size=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=8",
+        "eval.num_problems=4",
+        "--no-progress",
     ]
     assert main(args) == 0
     assert json.loads((tmp_path / "code" / "summary.json").read_text())["engine_version"] == 2
