@@ -31,6 +31,7 @@ from typing import Any
 
 import gymnasium as gym
 
+from areal_agents.envs.base import text_space
 from areal_agents.sandbox import LocalSandbox, Sandbox
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -85,17 +86,24 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     }
 
 
-class ToolEnv(gym.Wrapper):
+class ToolEnv(gym.Wrapper, gym.utils.RecordConstructorArgs):
     """Wraps a text env; tool calls are answered here, other actions step the wrapped env."""
 
     def __init__(
         self, env: gym.Env, tools: list[Callable[..., Any]], *, max_tool_calls: int = 8, max_result_chars: int = 4000
     ) -> None:
-        super().__init__(env)
+        gym.utils.RecordConstructorArgs.__init__(
+            self, tools=tools, max_tool_calls=max_tool_calls, max_result_chars=max_result_chars
+        )
+        gym.Wrapper.__init__(self, env)
         self.tools = {fn.__name__: fn for fn in tools}
         self.schemas = [tool_schema(fn) for fn in tools]
         self.max_tool_calls, self.max_result_chars = max_tool_calls, max_result_chars
         self.tool_calls = 0
+        # Observations now carry the tool list, or up to max_tool_calls responses.
+        inner = getattr(env.observation_space, "max_length", 4096)
+        widest = max(inner + len(self.tools_prompt()) + 2, (max_result_chars + 64) * max_tool_calls)
+        self.observation_space = text_space(widest)
 
     def tools_prompt(self) -> str:
         listed = "\n".join(json.dumps(s) for s in self.schemas)
