@@ -1,4 +1,4 @@
-"""Run untrusted code: the `Sandbox` API and its backends (local bubblewrap; e2b to come)."""
+"""Run untrusted code: the `Sandbox` API and its backends (local bubblewrap; e2b cloud in `sandbox.e2b`)."""
 
 from areal_agents.sandbox.base import ExecResult, Sandbox, Status
 from areal_agents.sandbox.local import LocalSandbox, SandboxUnavailable
