@@ -148,41 +148,15 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 @pytest.mark.skipif(not DATA.is_dir(), reason="shared data not found")
-def test_math_recipe_runs_on_the_tiny_model(tmp_path, tiny_dir):
-    recipe = Path(__file__).resolve().parents[1] / "examples" / "math" / "rl.yaml"
+@pytest.mark.parametrize("recipe, dataset", [("math", "aime24.jsonl"), ("code", "lcb_subset.jsonl")])
+def test_math_and_code_recipes_run_on_the_tiny_model(tmp_path, tiny_dir, recipe, dataset):
+    if recipe == "code" and __import__("shutil").which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    path = Path(__file__).resolve().parents[1] / "examples" / recipe / "rl.yaml"
     args = [
-        "train",
-        str(recipe),
-        f"run_dir={tmp_path / 'math'}",
-        f"model.path={tiny_dir}",
-        "steps=2",
-        f"env.kwargs.dataset={DATA / 'aime24.jsonl'}",
-        "rollout.batch_size=2",
-        "rollout.group_size=2",
-        "rollout.max_new_tokens=8",
-        "eval.num_problems=4",
-        "--no-progress",
-    ]
+        "train", str(path), f"run_dir={tmp_path / recipe}", f"model.path={tiny_dir}", "steps=2",
+        f"env.kwargs.dataset={DATA / dataset}", "rollout.batch_size=2", "rollout.group_size=2",
+        "rollout.max_new_tokens=8", "eval.num_problems=4", "--no-progress",
+    ]  # fmt: skip
     assert main(args) == 0
-    assert json.loads((tmp_path / "math" / "summary.json").read_text())["engine_version"] == 2
-
-
-@pytest.mark.skipif(not DATA.is_dir(), reason="shared data not found")
-@pytest.mark.skipif(__import__("shutil").which("bwrap") is None, reason="bubblewrap is not installed")
-def test_code_recipe_runs_on_the_tiny_model(tmp_path, tiny_dir):
-    recipe = Path(__file__).resolve().parents[1] / "examples" / "code" / "rl.yaml"
-    args = [
-        "train",
-        str(recipe),
-        f"run_dir={tmp_path / 'code'}",
-        f"model.path={tiny_dir}",
-        "steps=2",
-        f"env.kwargs.dataset={DATA / 'lcb_subset.jsonl'}",
-        "rollout.batch_size=2",
-        "rollout.group_size=2",
-        "rollout.max_new_tokens=8",
-        "eval.num_problems=4",
-        "--no-progress",
-    ]
-    assert main(args) == 0
-    assert json.loads((tmp_path / "code" / "summary.json").read_text())["engine_version"] == 2
+    assert json.loads((tmp_path / recipe / "summary.json").read_text())["engine_version"] == 2
