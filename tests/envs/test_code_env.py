@@ -69,3 +69,24 @@ def test_check_env_and_pickling():
         check_env(env.unwrapped)
     env.reset(seed=1)
     assert len(pickle.dumps(env)) < 50_000
+
+
+def test_code_env_through_the_env_server_in_worker_processes():
+    import asyncio
+
+    from areal_agents.envs.remote import EnvServerProcess, RemoteEnvPool
+
+    async def play(url):
+        pool = RemoteEnvPool(url)
+        try:
+            env = pool.make("areal_agents/Code-v0", dataset=str(DATA / "lcb_subset.jsonl"))
+            await env.areset(options={"index": index_of("abc365_a")})
+            result = await env.astep(f"```python\n{LEAP}```")
+            await env.aclose()
+            return result
+        finally:
+            await pool.aclose()
+
+    with EnvServerProcess(mode="process", workers=2) as server:
+        _, reward, terminated, _, info = asyncio.run(play(server.url))
+    assert (reward, terminated) == (1.0, True) and info["passed"] == info["total"]
