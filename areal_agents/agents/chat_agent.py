@@ -18,7 +18,7 @@ class ChatAgent:
     The conversation is kept as token ids; the loss mask covers exactly the generated tokens.
 
         agent = ChatAgent(engine, tokenizer, SamplingParams(max_new_tokens=16))
-        trajectories = await agent.run_episode(LocalAsyncEnv(env), seed=0, episode_id="ep0")
+        trajectories = await agent.run_episode(LocalEnvPool("inline").make(env_id), seed=0, episode_id="ep0")
     """
 
     def __init__(

@@ -6,7 +6,7 @@ an env from rows; `LocalEnvPool` and `RemoteEnvPool` give the `AsyncEnv` interfa
 
 import gymnasium as gym
 
-from areal_agents.envs.async_env import AsyncEnv, LocalAsyncEnv
+from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.envs.base import TextEnv, text_space
 from areal_agents.envs.dataset_env import DatasetEnv
 from areal_agents.envs.multi_agent import MultiAgentTextEnv, check_multi_agent_env
@@ -24,7 +24,6 @@ for _id, _entry in (
 __all__ = [
     "AsyncEnv",
     "DatasetEnv",
-    "LocalAsyncEnv",
     "LocalEnvPool",
     "MultiAgentTextEnv",
     "TextEnv",

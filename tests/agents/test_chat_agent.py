@@ -2,7 +2,7 @@ import asyncio
 
 from areal_agents.agents import ChatAgent
 from areal_agents.engines import HFEngine
-from areal_agents.envs import LocalAsyncEnv, make_env
+from areal_agents.envs import LocalEnvPool
 from areal_agents.trainers.sft import conversation_to_trajectory
 from areal_agents.types import SamplingParams
 
@@ -23,7 +23,7 @@ class RecordingEngine(HFEngine):
 def run_episode(model, tokenizer, max_turns=3, seed=0):
     engine = RecordingEngine(model, seed=seed)
     agent = ChatAgent(engine, tokenizer, SamplingParams(max_new_tokens=6))
-    env = LocalAsyncEnv(make_env("areal_agents/Arithmetic-v0", max_turns=max_turns))
+    env = LocalEnvPool("inline").make("areal_agents/Arithmetic-v0", max_turns=max_turns)
     (traj,) = asyncio.run(agent.run_episode(env, seed=seed, episode_id="ep"))
     return traj, engine.responses
 
