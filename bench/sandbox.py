@@ -3,18 +3,18 @@
     .venv/bin/python bench/sandbox.py [--seconds 5]
 
 Bare: ``subprocess.run([python3, "-c", "print(1)"])`` with no isolation at all. Sandbox: the same
-program, fully isolated (bwrap namespaces, rlimits, unprivileged uid), at 1 and 2 concurrent runs.
-Target (issue 5): >= 3x the bare spawn rate, fully isolated.
+program, fully isolated (bwrap namespaces, rlimits, no capabilities, unprivileged uid), at 1 and 2
+concurrent runs: warm (the default: a fork server per slot clones each run) and cold (bwrap + python
+started per run). Target (issue 5): >= 3x the bare spawn rate, fully isolated.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-
-import json
 from pathlib import Path
 
 from areal_agents.rewards.code import CodeJudge
@@ -44,20 +44,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
-    sandbox = LocalSandbox()
+    sandbox, cold = LocalSandbox(), LocalSandbox(warm=False)
 
     def bare() -> None:
         subprocess.run([PYTHON, "-c", "print(1)"], capture_output=True, check=True)
 
-    def isolated() -> None:
-        assert sandbox.run("print(1)").stdout == "1\n"
+    def isolated(box: LocalSandbox = sandbox) -> None:
+        result = box.run("print(1)")
+        assert result.stdout == "1\n", result
 
     print("== bench/sandbox ==")
-    base = {c: rate(bare, args.seconds, c) for c in (1, 2)}
+    isolated()  # starts the fork servers' first slot
     for c in (1, 2):
-        r = rate(isolated, args.seconds, c)
+        base = rate(bare, args.seconds, c)
+        warm = rate(isolated, args.seconds, c)
+        slow = rate(lambda: isolated(cold), args.seconds, c)
         print(
-            f"{c} concurrent: bare python3 -c {base[c]:6.1f}/s | isolated sandbox {r:6.1f}/s = {r / base[c]:.2f}x bare"
+            f"{c} concurrent: bare python3 -c {base:6.1f}/s | isolated warm {warm:6.1f}/s = {warm / base:.2f}x bare"
+            f" | isolated cold {slow:5.1f}/s = {slow / base:.2f}x"
         )
 
     if HUMANEVAL.is_file():
@@ -66,7 +70,8 @@ def main() -> None:
         start = time.perf_counter()
         passed = sum(judge.judge_humaneval(r["canonical_solution"], r).all_passed for r in rows)
         elapsed = time.perf_counter() - start
-        print(f"judge on HumanEval: {len(rows) / elapsed:.1f} problems/s, 1 worker ({passed}/{len(rows)} canonical pass)")
+        rate_s = len(rows) / elapsed
+        print(f"judge on HumanEval: {rate_s:.1f} problems/s, 1 worker ({passed}/{len(rows)} canonical pass)")
 
 
 if __name__ == "__main__":

@@ -13,19 +13,19 @@ from areal_agents.sandbox.local import _HOST_UID_BASE
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
 
-@pytest.fixture(scope="module")
-def sandbox():
-    return LocalSandbox(max_output_bytes=1 << 20)
+@pytest.fixture(scope="module", params=[True, False], ids=["warm", "cold"])
+def sandbox(request):
+    """Every attack runs against the warm fork server (the default) and a fresh bwrap per run."""
+    return LocalSandbox(max_output_bytes=1 << 20, warm=request.param)
 
 
 def leftover_sandbox_processes() -> list[str]:
-    """Live processes of the sandbox host uids (zombies awaiting their reaper are not running)."""
-    out = subprocess.run(["ps", "-eo", "uid=,pid=,stat=,args="], capture_output=True, text=True).stdout
-    return [
-        line
-        for line in out.splitlines()
-        if _HOST_UID_BASE <= int(line.split()[0]) < _HOST_UID_BASE + 1000 and not line.split()[2].startswith("Z")
-    ]
+    """Live processes of the sandbox host uids other than the warm fork servers (bwrap and its python child)."""
+    out = subprocess.run(["ps", "-eo", "uid=,pid=,ppid=,stat=,comm=,args="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 5) for line in out.splitlines()]
+    ours = [r for r in rows if _HOST_UID_BASE <= int(r[0]) < _HOST_UID_BASE + 1000 and not r[3].startswith("Z")]
+    bwraps = {r[1] for r in ours if r[4] == "bwrap"}
+    return [" ".join(r) for r in ours if r[4] != "bwrap" and not (r[2] in bwraps and "forkserver.py" in r[5])]
 
 
 def test_ok_with_stdin_and_files(sandbox):
@@ -127,3 +127,45 @@ def test_async_run(sandbox):
         return await asyncio.gather(*(sandbox.arun(f"print({i})") for i in range(4)))
 
     assert [r.stdout for r in asyncio.run(run())] == ["0\n", "1\n", "2\n", "3\n"]
+
+
+def test_runs_leave_nothing_for_the_next_run(sandbox):
+    leave = (
+        "for p in ('/tmp/x', '/dev/shm/x', '/dev/x'):\n"
+        "    try:\n"
+        "        open(p, 'w').write('secret')\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
+    assert sandbox.run(leave).status == "ok"
+    r = sandbox.run("import os; print([p for p in ('/tmp/x', '/dev/shm/x', '/dev/x') if os.path.exists(p)])")
+    assert r.stdout == "[]\n"
+
+
+def test_the_fork_server_is_out_of_reach():
+    """A run sees the fork server in /proc but cannot signal, read or trace it; the slot keeps working."""
+    sandbox = LocalSandbox()
+    code = (
+        "import os, signal\n"
+        "pids = [int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]\n"
+        "for pid in pids:\n"
+        "    for attack in (lambda: os.kill(pid, signal.SIGKILL), lambda: open(f'/proc/{pid}/mem', 'rb').read(1),\n"
+        "                   lambda: open(f'/proc/{pid}/environ', 'rb').read()):\n"
+        "        try:\n"
+        "            attack()\n"
+        "            print('reached', pid)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "print(len(pids), 'out of reach')\n"
+    )
+    r = sandbox.run(code)
+    assert r.status == "ok" and "reached" not in r.stdout and "out of reach" in r.stdout, r
+    assert sandbox.run("print(2 + 2)").stdout == "4\n"
+
+
+def test_no_capabilities_and_an_unprivileged_uid(sandbox):
+    r = sandbox.run(
+        "import os\nprint(os.getuid(), [l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')])"
+    )
+    uid, caps = r.stdout.split(" ", 1)
+    assert uid == "65534" and set(eval(caps)) == {"0000000000000000"}, r.stdout
