@@ -24,7 +24,6 @@ import signal
 import socket
 import struct
 import sys
-import traceback
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID = 0x00020000, 0x04000000, 0x08000000, 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
@@ -103,7 +102,7 @@ def _run_program(rlimits: dict[str, int], stdio: list[int]) -> None:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else (print(e.code, file=sys.stderr) or 1))
     except BaseException:  # noqa: BLE001  (what the interpreter itself would print)
-        traceback.print_exc()
+        __import__("traceback").print_exc()  # imported here: a smaller server forks faster
         code = 1
     try:
         atexit._run_exitfuncs()
