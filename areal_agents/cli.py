@@ -94,6 +94,23 @@ def cmd_serve_env(args: argparse.Namespace) -> None:
     serve(cfg)
 
 
+def cmd_serve_model(args: argparse.Namespace) -> None:
+    from areal_agents.engines.serve_model import ModelServerConfig, serve_model
+
+    serve_model(
+        ModelServerConfig(
+            model_path=args.model_path,
+            tokenizer_path=args.tokenizer_path,
+            host=args.host,
+            port=args.port,
+            weight_version=args.weight_version,
+            dtype=args.dtype,
+            max_running_requests=args.max_running_requests,
+            seed=args.seed,
+        )
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from areal_agents.config import SFTConfig, TrainConfig
 
@@ -142,6 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest accepted request body")
     p.add_argument("--module", action="append", default=[], help="import this module first (registers ids)")
     p.set_defaults(fn=cmd_serve_env)
+
+    p = sub.add_parser("serve-model", help="serve a model over SGLang's native HTTP API on CPU (docs/serve-model.md)")
+    p.add_argument("--model-path", required=True, help="transformers checkpoint directory")
+    p.add_argument("--tokenizer-path", default=None, help="default: the model path")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--weight-version", default="default", help="the initial weight_version, as in SGLang")
+    p.add_argument("--max-running-requests", type=int, default=256, help="requests decoded together")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.set_defaults(fn=cmd_serve_model)
     return parser
 
 

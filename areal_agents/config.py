@@ -109,6 +109,29 @@ class EvalConfig:
 
 
 @dataclass
+class EngineConfig:
+    backend: Literal["hf", "serve-model", "sglang"] = _help(
+        "hf: in-process engine; serve-model / sglang: launch that many HTTP model servers", default="hf"
+    )
+    urls: list[str] = _help("connect to these running SGLang-protocol servers instead", default_factory=list)
+    num_servers: int = _help("servers to launch", default=1)
+    host: str = _help("host the launched servers listen on", default="127.0.0.1")
+    base_port: int = _help("port of the first launched server (0: free ports)", default=0)
+    tp: int = _help("sglang: tensor-parallel GPUs per server", default=1)
+    mem_fraction: float = _help("sglang: --mem-fraction-static", default=0.8)
+    extra_args: list[str] = _help("more command-line flags for each launched server", default_factory=list)
+    max_running_requests: int = _help("requests decoded together by the hf engine / serve-model", default=256)
+    startup_timeout_s: float = _help("seconds to wait for a launched server's /health", default=600.0)
+    request_timeout_s: float = _help("seconds before a /generate call is retried", default=3600.0)
+    max_retries: int = _help("retries (exponential backoff) of a call on connection errors and 5xx", default=5)
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "num_servers")
+        _check_positive(self, "tp")
+        _check_positive(self, "max_running_requests")
+
+
+@dataclass
 class TrainConfig:
     """`areal-agents train`: decoupled-PPO RL on an env."""
 
@@ -121,6 +144,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         _check_positive(self, "steps")

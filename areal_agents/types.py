@@ -32,6 +32,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k
     stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # stop only at stop_token_ids or max_new_tokens
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -160,3 +160,15 @@ def test_math_and_code_recipes_run_on_the_tiny_model(tmp_path, tiny_dir, recipe,
     ]  # fmt: skip
     assert main(args) == 0
     assert json.loads((tmp_path / recipe / "summary.json").read_text())["engine_version"] == 2
+
+
+def test_rl_through_serve_model_and_the_sglang_client(tmp_path, tiny_dir, capsys):
+    """The remote path: the run launches serve-model, generates over HTTP and pushes weights from disk."""
+    _, rl = write_configs(tmp_path, tiny_dir)
+    assert main(["train", str(rl), "engine.backend=serve-model", "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
+    assert summary["engine_version"] == 2
+    assert summary["episodes"] == {"submitted": 32, "accepted": 32, "failed": 0, "env_failed": 0}
+    assert (tmp_path / "rl" / "servers" / "serve-model-0.log").is_file()
+    weights = sorted(p.name for p in (tmp_path / "rl" / "engine_weights").iterdir())
+    assert weights == ["v1", "v2"]  # older pushes are pruned

@@ -1,9 +1,12 @@
-"""`HFEngine`: an in-process transformers engine that batches concurrent requests and can be interrupted.
+"""`HFEngine`: an in-process transformers engine with continuous batching, interruptible between steps.
 
-Concurrent ``agenerate`` calls that arrive together are decoded as one left-padded batch with a KV
-cache. ``pause()`` stops the running batch at the next token boundary; its requests come back
-``abort`` internally and are resubmitted (prompt + tokens so far) once ``resume()`` is called, so callers
-always get complete responses whose tokens carry the version of the weights that produced them.
+Concurrent requests share one running batch: new ones are prefilled and merged into the left-padded KV
+cache between decode steps, finished ones leave it. ``pause()`` stops at a step boundary;
+``update_weights`` then swaps the weights, which invalidates the cache, so on ``resume()`` every running
+sequence is re-prefilled (prompt + tokens so far) and its later tokens carry the new version.
+``abort()`` ends requests early with stop reason ``abort`` and the tokens so far (what ``serve-model``'s
+/pause_generation and /abort_request do); ``generate_once`` may return such a partial response, while
+``agenerate`` resubmits prompt + tokens so far until the request completes, as the SGLang client does.
 
     engine = HFEngine(load_model("runs/tiny"))
     resp = await engine.agenerate(GenRequest("r1", prompt_ids, SamplingParams(max_new_tokens=8)))
@@ -19,35 +22,52 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
 
 from areal_agents.engines.sampling import sample_tokens
-from areal_agents.types import GenRequest, GenResponse, SamplingParams
-
-
-@dataclass
-class _Pending:
-    input_ids: list[int]
-    sampling: SamplingParams
-    max_new_tokens: int
-    future: asyncio.Future
-
-
-@dataclass
-class _Chunk:
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    stop_reason: str = "length"
-    version: int = 0
+from areal_agents.errors import EngineError
+from areal_agents.types import GenRequest, GenResponse, SamplingParams, StopReason
 
 
 @dataclass
 class EngineStats:
     requests: int = 0
-    batches: int = 0
+    prefills: int = 0
+    decode_steps: int = 0
     generated_tokens: int = 0
-    interrupted_requests: int = 0
-    generate_seconds: float = 0.0
+    aborted: int = 0  # submissions ended early by abort() (agenerate resubmits them)
+    weight_updates: int = 0
+    max_running: int = 0
+    busy_seconds: float = 0.0
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """One submission: shared between the caller's event loop and the decode thread."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    stops: set[int]
+    future: asyncio.Future
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    stop_reason: StopReason | None = None
+    abort: bool = False
+    start: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Batch:
+    """The running batch (decode thread only): rows, their left-padded KV cache and next input token."""
+
+    rows: list[_Sequence] = field(default_factory=list)
+    cache: DynamicCache | None = None
+    attention: torch.Tensor | None = None  # [B, L] 1 = real token
+    positions: torch.Tensor | None = None  # [B] position of each row's next input
+    pending: torch.Tensor | None = None  # [B] sampled, not yet fed
 
 
 class HFEngine:
@@ -59,7 +79,7 @@ class HFEngine:
         *,
         eos_token_ids: list[int] | None = None,
         pad_token_id: int | None = None,
-        max_batch_size: int = 512,
+        max_batch_size: int = 256,
         seed: int = 0,
         version: int = 0,
     ) -> None:
@@ -73,12 +93,16 @@ class HFEngine:
         self.generator = torch.Generator().manual_seed(seed)
         self.stats = EngineStats()
         self._version = version
-        self._queue: list[_Pending] = []
-        self._interrupt = threading.Event()  # read by the decode thread at token boundaries
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._serve_task: asyncio.Task | None = None
-        self._current: asyncio.Future | None = None
+        self._cv = threading.Condition()  # guards everything below, shared with the decode thread
+        self._incoming: list[_Sequence] = []
+        self._running: list[_Sequence] = []
         self._paused = False
+        self._at_boundary = True  # the decode thread is waiting, not touching the model
+        self._stale_cache = False
+        self._aborts = False  # abort() marked something: hand it back even while paused
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     # ---- protocol ---------------------------------------------------------------------------
 
@@ -88,164 +112,323 @@ class HFEngine:
     def set_version(self, version: int) -> None:
         self._version = version
 
+    async def generate_once(self, request: GenRequest) -> GenResponse:
+        """One submission; ends ``abort`` with the tokens so far if `abort` hits it."""
+        seq = self._submit(request)
+        try:
+            return await asyncio.shield(seq.future)
+        except asyncio.CancelledError:
+            seq.abort = True  # the caller went away: free its row at the next step
+            raise
+
     async def agenerate(self, request: GenRequest) -> GenResponse:
-        self._ensure_serving()
         start = time.perf_counter()
         sp = request.sampling
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
-        self.stats.requests += 1
-        while True:  # resubmit prompt + tokens so far after every interruption
-            future = asyncio.get_running_loop().create_future()
-            remaining = sp.max_new_tokens - len(tokens)
-            self._queue.append(_Pending(request.input_ids + tokens, sp, remaining, future))
-            self._wakeup.set()
-            chunk: _Chunk = await future
-            tokens += chunk.tokens
-            logprobs += chunk.logprobs
-            versions += [chunk.version] * len(chunk.tokens)
-            if chunk.stop_reason != "abort":
-                break
-            self.stats.interrupted_requests += 1
-        return GenResponse(tokens, logprobs, versions, chunk.stop_reason, time.perf_counter() - start)
+        while True:  # resubmit prompt + tokens so far after every abort
+            remaining = SamplingParams(**{**sp.__dict__, "max_new_tokens": sp.max_new_tokens - len(tokens)})
+            part = await self.generate_once(GenRequest(request.rid, request.input_ids + tokens, remaining))
+            tokens += part.output_tokens
+            logprobs += part.output_logprobs
+            versions += part.output_versions
+            if part.stop_reason != "abort" or len(tokens) >= sp.max_new_tokens:
+                reason = part.stop_reason if part.stop_reason != "abort" else "length"
+                return GenResponse(tokens, logprobs, versions, reason, time.perf_counter() - start)
+            await self._wait_unpaused()
 
     async def pause(self) -> None:
-        """Stop generating at the next token boundary; in-flight requests wait for `resume`."""
-        self._ensure_serving()
-        self._paused = True
-        self._resumed.clear()
-        self._interrupt.set()
-        if self._current is not None:
-            await asyncio.wait([self._current])
-        self._interrupt.clear()
+        """Stop at the next step boundary; running requests keep their place and continue on `resume`."""
+        with self._cv:
+            self._paused = True
+            self._cv.notify_all()
+        await asyncio.to_thread(self._wait_for_boundary)
 
     async def resume(self) -> None:
-        self._ensure_serving()
-        self._paused = False
-        self._resumed.set()
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    async def abort(self, rid: str | None = None) -> int:
+        """End queued and running requests (all, or those whose rid is ``rid``) now, as ``abort``."""
+        with self._cv:
+            hit = [s for s in self._incoming + self._running if rid is None or s.rid == rid]
+            for seq in hit:
+                seq.abort = True
+            self._aborts = bool(hit)
+            self._cv.notify_all()
+        return len(hit)
 
     async def update_weights(self, state_dict: dict[str, Any], version: int | None = None) -> None:
-        """Load new weights between token boundaries and set the version (default: version + 1)."""
-        was_paused = self._paused
-        if not was_paused:
-            await self.pause()
-        self.model.load_state_dict(state_dict)
-        self._version = self._version + 1 if version is None else version
-        if not was_paused:
-            await self.resume()
+        """Load new weights at a step boundary and set the version (default: version + 1)."""
+        await self._swap_weights(lambda: self.model.load_state_dict(state_dict), version)
+
+    async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
+        """Load the weights of a saved checkpoint (a `save_pretrained` directory) in place."""
+        from safetensors.torch import load_file  # noqa: PLC0415  (only this path needs it)
+
+        def load() -> None:
+            from pathlib import Path  # noqa: PLC0415
+
+            files = sorted(Path(model_path).glob("*.safetensors"))
+            if not files:
+                raise EngineError(f"update_weights_from_disk: no *.safetensors in {model_path!r}")
+            state: dict[str, torch.Tensor] = {}
+            for f in files:
+                state.update(load_file(str(f)))
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+                raise EngineError(
+                    f"update_weights_from_disk: {model_path!r} does not match the served model "
+                    f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+                )
+            if self.model.config.tie_word_embeddings:
+                self.model.tie_weights()
+
+        await self._swap_weights(load, version)
 
     async def aclose(self) -> None:
-        if self._serve_task is not None:
-            self._serve_task.cancel()
-            await asyncio.gather(self._serve_task, return_exceptions=True)
-            self._serve_task = None
+        self.close()
 
-    # ---- serving loop -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the decode thread; requests still queued or running fail with `EngineError`."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
 
-    def _ensure_serving(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._loop is loop and self._serve_task is not None and not self._serve_task.done():
-            return
-        # First use, or a new event loop (e.g. a second asyncio.run): bind fresh primitives to it.
-        self._loop = loop
-        self._wakeup = asyncio.Event()
-        self._resumed = asyncio.Event()
-        if not self._paused:
-            self._resumed.set()
-        self._serve_task = loop.create_task(self._serve())
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch whose caller is still waiting."""
+        with self._cv:
+            return sum(not seq.future.done() for seq in self._running)
 
-    async def _serve(self) -> None:
-        while True:
-            await self._resumed.wait()
-            if not self._queue:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            # Let requests that become ready in the same burst join this batch.
-            size = -1
-            while size != len(self._queue):
-                size = len(self._queue)
-                for _ in range(3):
-                    await asyncio.sleep(0)
-            if not self._resumed.is_set():
-                continue
-            batch, self._queue = self._queue[: self.max_batch_size], self._queue[self.max_batch_size :]
-            self._current = asyncio.ensure_future(asyncio.to_thread(self._generate_batch, batch))
-            try:
-                chunks = await self._current
-            except Exception as e:  # a model error fails these requests, not the engine
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(e)
-                continue
-            finally:
-                self._current = None
-            for p, chunk in zip(batch, chunks):
-                if not p.future.done():
-                    p.future.set_result(chunk)
+    # ---- caller side ------------------------------------------------------------------------
 
-    # ---- decoding (runs in a worker thread) ---------------------------------------------------
+    def _submit(self, request: GenRequest) -> _Sequence:
+        stops = (set() if request.sampling.ignore_eos else self.eos_token_ids) | set(request.sampling.stop_token_ids)
+        future = asyncio.get_running_loop().create_future()
+        seq = _Sequence(request.rid, list(request.input_ids), request.sampling, stops, future)
+        with self._cv:
+            if self._closed:
+                raise EngineError("HFEngine is closed")
+            if self._error is not None:
+                raise EngineError(f"HFEngine decode thread failed: {self._error!r}")
+            self._incoming.append(seq)
+            self.stats.requests += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._decode_loop, name="hf-engine", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+        return seq
+
+    async def _swap_weights(self, load, version: int | None) -> None:
+        was_paused = self._paused
+        await self.pause()
+        try:
+            with torch.no_grad():
+                load()
+            with self._cv:
+                self._version = self._version + 1 if version is None else version
+                self._stale_cache = True
+                self.stats.weight_updates += 1
+        finally:
+            if not was_paused:
+                await self.resume()
+
+    def _wait_for_boundary(self) -> None:
+        with self._cv:
+            while not self._at_boundary and self._thread is not None and self._thread.is_alive():
+                self._cv.wait(0.1)
+
+    async def _wait_unpaused(self) -> None:
+        while self._paused and not self._closed:
+            await asyncio.sleep(0.005)
+
+    # ---- decode thread ----------------------------------------------------------------------
+
+    def _decode_loop(self) -> None:
+        batch = _Batch()
+        try:
+            while True:
+                with self._cv:
+                    while (
+                        not self._closed and not self._aborts and (self._paused or not (batch.rows or self._incoming))
+                    ):
+                        self._at_boundary = True
+                        self._cv.notify_all()
+                        self._cv.wait()
+                    if self._closed:
+                        break
+                    self._aborts = False
+                    if self._paused:  # only aborts to hand back; the model stays untouched
+                        incoming = [s for s in self._incoming if s.abort]
+                        self._incoming = [s for s in self._incoming if not s.abort]
+                    else:
+                        self._at_boundary = False
+                        room = self.max_batch_size - len(batch.rows)
+                        incoming, self._incoming = self._incoming[:room], self._incoming[room:]
+                    stale, self._stale_cache = (
+                        (False, self._stale_cache) if self._paused else (self._stale_cache, False)
+                    )
+                    paused, version = self._paused, self._version
+                if paused:
+                    for seq in incoming:
+                        self._finish(seq, "abort")
+                    self._retire(batch)
+                else:
+                    self._step(batch, incoming, stale, version)
+                with self._cv:
+                    self._running = list(batch.rows)
+        except BaseException as e:  # noqa: BLE001  (fail the requests, not silently hang them)
+            self._error = e
+        with self._cv:
+            self._at_boundary = True
+            leftover = batch.rows + self._incoming
+            self._incoming, self._running = [], []
+            self._cv.notify_all()
+        error = EngineError(f"HFEngine stopped: {self._error!r}" if self._error else "HFEngine is closed")
+        for seq in leftover:
+            _deliver(seq, error)
 
     @torch.inference_mode()
-    def _generate_batch(self, batch: list[_Pending]) -> list[_Chunk]:
+    def _step(self, batch: _Batch, incoming: list[_Sequence], stale: bool, version: int) -> None:
+        """Admit (and re-prefill after a weight swap), then one decode step; retire finished rows."""
         start = time.perf_counter()
-        version = self._version
-        n = len(batch)
-        chunks = [_Chunk(version=version) for _ in batch]
-        if self._interrupt.is_set():
-            for c in chunks:
-                c.stop_reason = "abort"
-            return chunks
-        width = max(len(p.input_ids) for p in batch)
+        live = [s for s in incoming if not s.abort]
+        for seq in incoming:
+            if seq.abort:
+                self._finish(seq, "abort")
+        if stale and batch.rows:  # the cache holds the old weights' keys and values
+            live = batch.rows + live
+            batch.rows, batch.cache = [], None
+        if live:
+            self._merge(batch, self._prefill(live, version))
+            self._retire(batch)
+        if batch.rows:
+            self._decode(batch, version)
+            self._retire(batch)
+        self.stats.max_running = max(self.stats.max_running, len(batch.rows))
+        self.stats.busy_seconds += time.perf_counter() - start
+
+    def _prefill(self, rows: list[_Sequence], version: int) -> _Batch:
+        contexts = [s.input_ids + s.tokens for s in rows]
+        width = max(len(c) for c in contexts)
+        n = len(rows)
         input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(batch):  # left padding, so every row's next token sits at the end
-            input_ids[i, width - len(p.input_ids) :] = torch.tensor(p.input_ids)
-            attention[i, width - len(p.input_ids) :] = 1
+        for i, ctx in enumerate(contexts):  # left padding: every row's next token sits at the end
+            input_ids[i, width - len(ctx) :] = torch.tensor(ctx)
+            attention[i, width - len(ctx) :] = 1
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        temperature = torch.tensor([p.sampling.temperature for p in batch], dtype=torch.float)
-        top_p = torch.tensor([p.sampling.top_p for p in batch], dtype=torch.float)
-        top_k = torch.tensor([p.sampling.top_k for p in batch], dtype=torch.long)
-        stops = [self.eos_token_ids | set(p.sampling.stop_token_ids) for p in batch]
-
         out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1
         )
-        next_pos = positions[:, -1] + 1
-        done = [False] * n
-        for _ in range(max(p.max_new_tokens for p in batch)):
-            tokens, logprobs = sample_tokens(out.logits[:, -1], temperature, top_p, top_k, self.generator)
-            for i, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
-                if done[i]:
-                    continue
-                chunks[i].tokens.append(tok)
-                chunks[i].logprobs.append(lp)
-                if tok in stops[i]:
-                    done[i], chunks[i].stop_reason = True, "stop"
-                elif len(chunks[i].tokens) >= batch[i].max_new_tokens:
-                    done[i], chunks[i].stop_reason = True, "length"
-            if all(done):
-                break
-            if self._interrupt.is_set():
-                for i in range(n):
-                    if not done[i]:
-                        chunks[i].stop_reason = "abort"
-                break
-            attention = torch.cat([attention, torch.ones((n, 1), dtype=torch.long)], dim=1)
-            out = self.model(
-                input_ids=tokens[:, None],
-                attention_mask=attention,
-                position_ids=next_pos[:, None],
-                cache=out.cache,
-                use_cache=True,
-            )
-            next_pos = next_pos + 1
-        self.stats.batches += 1
-        self.stats.generated_tokens += sum(len(c.tokens) for c in chunks)
-        self.stats.generate_seconds += time.perf_counter() - start
-        return chunks
+        self.stats.prefills += 1
+        pending = self._sample(rows, out.logits[:, -1], version)
+        return _Batch(rows, out.cache, attention, positions[:, -1] + 1, pending)
+
+    def _decode(self, batch: _Batch, version: int) -> None:
+        n = len(batch.rows)
+        batch.attention = torch.cat([batch.attention, torch.ones((n, 1), dtype=torch.long)], dim=1)
+        out = self.model(
+            input_ids=batch.pending[:, None],
+            attention_mask=batch.attention,
+            position_ids=batch.positions[:, None],
+            cache=batch.cache,
+            use_cache=True,
+        )
+        batch.cache = out.cache
+        batch.positions = batch.positions + 1
+        batch.pending = self._sample(batch.rows, out.logits[:, -1], version)
+        self.stats.decode_steps += 1
+
+    def _sample(self, rows: list[_Sequence], logits: torch.Tensor, version: int) -> torch.Tensor:
+        temperature = torch.tensor([s.sampling.temperature for s in rows], dtype=torch.float)
+        top_p = torch.tensor([s.sampling.top_p for s in rows], dtype=torch.float)
+        top_k = torch.tensor([s.sampling.top_k for s in rows], dtype=torch.long)
+        tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, self.generator)
+        for seq, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(version)
+            if tok in seq.stops:
+                seq.stop_reason = "stop"
+            elif len(seq.tokens) >= seq.sampling.max_new_tokens:
+                seq.stop_reason = "length"
+        self.stats.generated_tokens += len(rows)
+        return tokens
+
+    def _merge(self, batch: _Batch, new: _Batch) -> None:
+        """Append ``new``'s rows to the running batch, left-padding the shorter cache to the same length."""
+        if not batch.rows:
+            batch.rows, batch.cache, batch.attention = new.rows, new.cache, new.attention
+            batch.positions, batch.pending = new.positions, new.pending
+            return
+        width = max(batch.attention.shape[1], new.attention.shape[1])
+        for old_layer, new_layer in zip(batch.cache.layers, new.cache.layers):
+            for name in ("keys", "values"):
+                a, b = getattr(old_layer, name), getattr(new_layer, name)
+                a = F.pad(a, (0, 0, width - a.shape[-2], 0))
+                b = F.pad(b, (0, 0, width - b.shape[-2], 0))
+                setattr(old_layer, name, torch.cat([a, b], dim=0))
+        batch.attention = torch.cat(
+            [
+                F.pad(batch.attention, (width - batch.attention.shape[1], 0)),
+                F.pad(new.attention, (width - new.attention.shape[1], 0)),
+            ]
+        )
+        batch.rows = batch.rows + new.rows
+        batch.positions = torch.cat([batch.positions, new.positions])
+        batch.pending = torch.cat([batch.pending, new.pending])
+
+    def _retire(self, batch: _Batch) -> None:
+        """Hand back finished and aborted rows; drop them and any all-padding columns from the cache."""
+        keep = []
+        for i, seq in enumerate(batch.rows):
+            if seq.stop_reason is not None:
+                self._finish(seq, seq.stop_reason)
+            elif seq.abort:
+                self._finish(seq, "abort")
+            else:
+                keep.append(i)
+        if len(keep) == len(batch.rows):
+            return
+        if not keep:
+            batch.rows, batch.cache = [], None
+            return
+        index = torch.tensor(keep)
+        batch.rows = [batch.rows[i] for i in keep]
+        batch.attention, batch.positions, batch.pending = (
+            batch.attention[index],
+            batch.positions[index],
+            batch.pending[index],
+        )
+        first = int(batch.attention.any(0).nonzero()[0])  # leading columns nobody attends to any more
+        batch.attention = batch.attention[:, first:]
+        for layer in batch.cache.layers:
+            layer.keys = layer.keys[index, :, first:]
+            layer.values = layer.values[index, :, first:]
+
+    def _finish(self, seq: _Sequence, reason: StopReason) -> None:
+        if reason == "abort":
+            self.stats.aborted += 1
+        response = GenResponse(seq.tokens, seq.logprobs, seq.versions, reason, time.perf_counter() - seq.start)
+        _deliver(seq, response)
+
+
+def _deliver(seq: _Sequence, result: GenResponse | BaseException) -> None:
+    def settle() -> None:
+        if seq.future.done():
+            return
+        if isinstance(result, BaseException):
+            seq.future.set_exception(result)
+        else:
+            seq.future.set_result(result)
+
+    try:
+        seq.future.get_loop().call_soon_threadsafe(settle)
+    except RuntimeError:  # the caller's event loop is gone: nobody is waiting
+        pass

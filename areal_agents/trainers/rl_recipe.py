@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.config import TrainConfig
-from areal_agents.engines.hf_engine import HFEngine
+from areal_agents.engines.base import InferenceEngine
+from areal_agents.engines.launcher import open_engine
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.models.loading import load_model, load_tokenizer
 from areal_agents.rollout.episodes import RolloutLedger, run_groups
@@ -40,10 +41,15 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """Run RL as configured; return the summary also written to ``run_dir/summary.json``."""
     tokenizer = load_tokenizer(cfg.model.path)
     policy = load_model(cfg.model.path, cfg.model.dtype)  # the trainer's copy
-    engine = HFEngine(load_model(cfg.model.path, cfg.model.dtype), seed=cfg.seed)  # the rollout copy
     run_dir = prepare_run_dir(cfg.run_dir, cfg)
     seed_everything(cfg.seed)
-    return asyncio.run(_train(cfg, tokenizer, policy, engine, run_dir, progress))
+    # The rollout copy: in-process, or model servers (serve-model / SGLang) behind an HTTP client.
+    engine, servers = open_engine(cfg.engine, cfg.model.path, cfg.model.dtype, run_dir=run_dir, seed=cfg.seed)
+    try:
+        return asyncio.run(_train(cfg, tokenizer, policy, engine, run_dir, progress))
+    finally:
+        if servers is not None:
+            servers.stop()
 
 
 async def _train(cfg, tokenizer, policy, engine, run_dir, progress):
@@ -178,7 +184,7 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
     return summary
 
 
-def _state(engine: HFEngine, ledger: RolloutLedger) -> dict[str, Any]:
+def _state(engine: InferenceEngine, ledger: RolloutLedger) -> dict[str, Any]:
     return {
         "version": engine.get_version(),
         "ledger": _ledger(ledger),

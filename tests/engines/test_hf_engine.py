@@ -1,8 +1,10 @@
 import asyncio
 
+import pytest
 import torch
 
 from areal_agents.engines import HFEngine, InferenceEngine
+from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, SamplingParams
 
 
@@ -44,7 +46,7 @@ def test_batched_sampling_logprobs_match_a_forward_pass(model, tokenizer):
         return await asyncio.gather(*[engine.agenerate(r) for r in reqs])
 
     responses = asyncio.run(run())
-    assert engine.stats.batches == 1  # concurrent requests were decoded together
+    assert engine.stats.max_running == 3  # decoded together (later arrivals merged into the running batch)
     for p, r in zip(prompts, responses):
         ref = forward_logprobs(model, p + r.output_tokens, len(r.output_tokens), temperature=0.7)
         assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=1e-4)
@@ -67,15 +69,14 @@ def test_weight_update_mid_generation_resumes_with_new_version(model, tokenizer,
             asyncio.ensure_future(engine.agenerate(GenRequest(str(i), p, SamplingParams(max_new_tokens=n_tokens))))
             for i, p in enumerate(prompts)
         ]
-        while engine.stats.batches == 0 and engine._current is None:
+        while engine.stats.decode_steps < 20:  # let the batch decode some tokens
             await asyncio.sleep(0.001)
-        await asyncio.sleep(0.05)  # let the batch decode some tokens
         await engine.update_weights(new_weights.state_dict())
         return await asyncio.gather(*tasks)
 
     responses = asyncio.run(run())
     assert engine.get_version() == 1
-    assert engine.stats.interrupted_requests == len(prompts)
+    assert engine.stats.weight_updates == 1 and engine.stats.aborted == 0  # continued in place, re-prefilled
     for p, r in zip(prompts, responses):
         assert len(r.output_tokens) == n_tokens and r.stop_reason == "length"  # complete, nothing lost
         v = r.output_versions
@@ -100,3 +101,70 @@ def test_paused_engine_waits_for_resume(model, tokenizer):
         return await task
 
     assert len(asyncio.run(run()).output_tokens) >= 1
+
+
+def test_continuous_batching_staggered_requests_match_unbatched(model, tokenizer):
+    """Requests arrive while others decode, with different lengths and sampling; each is exact."""
+    engine = HFEngine(model, eos_token_ids=[], seed=3)
+    specs = [(f"{i}*{i + 7}=", 3 + (i * 7) % 25, 0.0 if i % 2 else 0.8) for i in range(12)]
+
+    async def one(i, text, n, temperature):
+        await asyncio.sleep(0.004 * i)  # staggered: most arrive mid-decode
+        return await engine.agenerate(GenRequest(str(i), prompt(tokenizer, text), SamplingParams(n, temperature)))
+
+    async def run():
+        return await asyncio.gather(*(one(i, *spec) for i, spec in enumerate(specs)))
+
+    responses = asyncio.run(run())
+    assert engine.stats.prefills > 1 and engine.stats.max_running > 1  # joined a running batch
+    for (text, n, temperature), r in zip(specs, responses):
+        ids = prompt(tokenizer, text)
+        assert len(r.output_tokens) == n and r.stop_reason == "length"
+        if temperature == 0:
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+            assert r.output_tokens == ref[0, len(ids) :].tolist()
+        else:
+            ref = forward_logprobs(model, ids + r.output_tokens, n, temperature=temperature)
+            assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=1e-4)
+
+
+def test_abort_returns_partial_tokens_and_agenerate_completes_anyway(model, tokenizer):
+    engine = HFEngine(model, eos_token_ids=[])
+
+    async def run():
+        request = GenRequest("a", prompt(tokenizer), SamplingParams(200))
+        once = asyncio.ensure_future(engine.generate_once(request))
+        full = asyncio.ensure_future(engine.agenerate(GenRequest("b", prompt(tokenizer), SamplingParams(60))))
+        while engine.stats.decode_steps < 10:
+            await asyncio.sleep(0.001)
+        assert await engine.abort("a") == 1
+        partial = await once
+        await engine.abort()  # everything: "b" is resubmitted by agenerate and still completes
+        return partial, await full
+
+    partial, full = asyncio.run(run())
+    assert partial.stop_reason == "abort" and 0 < len(partial.output_tokens) < 200
+    assert full.stop_reason == "length" and len(full.output_tokens) == 60
+    assert engine.stats.aborted == 2 and engine.num_running == 0
+
+
+def test_update_weights_from_disk(model, tokenizer, tiny_dir, tmp_path):
+    from areal_agents.models import load_model
+
+    changed = load_model(tiny_dir)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.mul_(1.5)
+    changed.save_pretrained(tmp_path / "new")
+    engine = HFEngine(load_model(tiny_dir))
+    ids = prompt(tokenizer)
+
+    async def run():
+        await engine.update_weights_from_disk(str(tmp_path / "new"), version=7)
+        return await engine.agenerate(GenRequest("r", ids, SamplingParams(5, temperature=0)))
+
+    r = asyncio.run(run())
+    ref = changed.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False)[0, len(ids) :].tolist()
+    assert r.output_tokens == ref[: len(r.output_tokens)] and r.output_versions == [7] * len(r.output_tokens)
+    with pytest.raises(EngineError, match="no \\*.safetensors"):
+        asyncio.run(engine.update_weights_from_disk(str(tmp_path)))

@@ -1,0 +1,165 @@
+"""Start (or connect to) the model servers a run generates with, and build its engine.
+
+``engine.backend``: ``hf`` (in-process `HFEngine`), ``serve-model`` (our SGLang-protocol CPU server in
+subprocesses) or ``sglang`` (``python -m sglang.launch_server`` processes on GPUs); with
+``engine.urls`` set, the run connects to running servers instead. Servers this process started are
+waited for (``/health``) and stopped when the run ends or the process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from areal_agents.config import EngineConfig
+from areal_agents.errors import EngineError
+
+
+@dataclass
+class ServerGroup:
+    """Model servers: their addresses and, for those this process started, the processes and logs."""
+
+    addresses: list[str]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs = []
+
+    def __enter__(self) -> ServerGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def server_command(cfg: EngineConfig, model_path: str, dtype: str, port: int, index: int) -> list[str]:
+    """The command line of server ``index`` of a launch."""
+    backend, host = cfg.backend, cfg.host
+    if backend == "sglang":
+        if importlib.util.find_spec("sglang") is None:
+            raise EngineError(
+                "engine.backend=sglang needs SGLang, which is not installed: pip install 'areal-agents[sglang]' "
+                "on a GPU machine (or use engine.backend=serve-model on CPU, or engine.urls=[...] for running servers)"
+            )
+        return [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
+            "--port", str(port), "--tp-size", str(cfg.tp), "--mem-fraction-static", str(cfg.mem_fraction),
+            "--dtype", dtype,
+            "--base-gpu-id", str(index * cfg.tp), "--skip-server-warmup", *cfg.extra_args,
+        ]  # fmt: skip
+    if backend == "serve-model":
+        return [
+            sys.executable, "-m", "areal_agents.cli", "serve-model", "--model-path", model_path, "--host", host,
+            "--port", str(port), "--dtype", dtype, "--max-running-requests", str(cfg.max_running_requests),
+            *cfg.extra_args,
+        ]  # fmt: skip
+    raise EngineError(f"engine.backend must be 'hf', 'serve-model' or 'sglang' to launch servers, got {backend!r}")
+
+
+def launch_servers(
+    cfg: EngineConfig, model_path: str, dtype: str = "float32", *, log_dir: str | Path | None = None
+) -> ServerGroup:
+    """Start ``cfg.num_servers`` servers of ``cfg.backend`` for ``model_path`` and wait until all are healthy."""
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="areal-servers-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    group = ServerGroup([])
+    atexit.register(group.stop)
+    try:
+        for i in range(cfg.num_servers):
+            port = cfg.base_port + i if cfg.base_port else _free_port(cfg.host)
+            command = server_command(cfg, model_path, dtype, port, i)
+            log = log_dir / f"{cfg.backend}-{i}.log"
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            group.addresses.append(f"http://{cfg.host}:{port}")
+            group.procs.append(proc)
+            group.logs.append(log)
+        wait_healthy(group, cfg.startup_timeout_s)
+    except BaseException:
+        group.stop()
+        raise
+    return group
+
+
+def wait_healthy(group: ServerGroup, timeout_s: float) -> None:
+    """Poll every server's /health until it answers 200; fail with its log's tail if it dies or times out."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(range(len(group.addresses)))
+    while pending:
+        for i in list(pending):
+            proc = group.procs[i] if i < len(group.procs) else None
+            if proc is not None and proc.poll() is not None:
+                raise EngineError(
+                    f"model server {group.addresses[i]} exited with code {proc.returncode} during start-up; "
+                    f"its log ({group.logs[i]}) ends:\n{_tail(group.logs[i])}"
+                )
+            try:
+                with urllib.request.urlopen(f"{group.addresses[i]}/health", timeout=2) as r:
+                    if r.status == 200:
+                        pending.remove(i)
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+        if pending and time.monotonic() > deadline:
+            where = f"; log: {group.logs[pending[0]]}" if group.logs else ""
+            raise EngineError(f"model server {group.addresses[pending[0]]} not healthy after {timeout_s:.0f}s{where}")
+        if pending:
+            time.sleep(0.2)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path, seed: int = 0):
+    """The run's inference engine and the servers behind it (None for the in-process engine)."""
+    if cfg.backend == "hf" and not cfg.urls:
+        from areal_agents.engines.hf_engine import HFEngine  # noqa: PLC0415
+        from areal_agents.models.loading import load_model  # noqa: PLC0415
+
+        return HFEngine(load_model(model_path, dtype), seed=seed, max_batch_size=cfg.max_running_requests), None
+    from areal_agents.engines.sglang_engine import SGLangEngine  # noqa: PLC0415
+
+    if cfg.urls:
+        servers = ServerGroup(list(cfg.urls))
+    else:
+        servers = launch_servers(cfg, model_path, dtype, log_dir=run_dir / "servers")
+    engine = SGLangEngine(
+        servers.addresses,
+        weights_dir=str(run_dir / "engine_weights"),
+        request_timeout_s=cfg.request_timeout_s,
+        max_retries=cfg.max_retries,
+    )
+    return engine, servers
