@@ -68,10 +68,18 @@ class RolloutConfig:
     top_p: float = _help("nucleus sampling", default=1.0)
     top_k: int = _help("top-k sampling; 0 disables", default=0)
     max_concurrent_rollouts: int = _help("episodes in flight at once", default=256)
+    max_staleness: int = _help(
+        "batches rollouts may run ahead of training (0 = synchronous; k: samples at most k versions old)", default=0
+    )
+    dynamic_sampling: bool = _help("replace groups whose rewards are all equal with new ones", default=False)
+    max_retries: int = _help("retries of an episode that failed by the env or the engine", default=1)
     system_prompt: str = _help("optional system message placed before the first observation", default="")
 
     def __post_init__(self) -> None:
         _check_positive(self, "batch_size", "group_size", "max_new_tokens", "max_concurrent_rollouts")
+        for name in ("max_staleness", "max_retries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expects a value >= 0, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -126,9 +134,7 @@ class EngineConfig:
     max_retries: int = _help("retries (exponential backoff) of a call on connection errors and 5xx", default=5)
 
     def __post_init__(self) -> None:
-        _check_positive(self, "num_servers")
-        _check_positive(self, "tp")
-        _check_positive(self, "max_running_requests")
+        _check_positive(self, "num_servers", "tp", "max_running_requests")
 
 
 @dataclass

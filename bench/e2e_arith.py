@@ -1,6 +1,6 @@
 """End-to-end arithmetic recipe benchmark: tiny model -> SFT -> RL, with the figures issue 2 asks for.
 
-    .venv/bin/python bench/e2e_arith.py [--rl-steps N] [--out runs/bench_arith]
+    .venv/bin/python bench/e2e_arith.py [--rl-steps N] [--out runs/bench_arith] [--engine serve-model]
 
 Prints SFT accuracy, RL accuracy (held-out, greedy, same problems), wall seconds, trained samples/s
 and generated tokens/s. The baseline for the RL figure is the SFT model, measured in the same run.
@@ -30,6 +30,9 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench_arith")
     parser.add_argument("--rl-steps", type=int, default=None, help="override the recipe's RL steps")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--engine", choices=["hf", "serve-model"], default="hf", help="in-process, or HTTP model servers (remote path)"
+    )
     args = parser.parse_args()
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -52,12 +55,13 @@ def main() -> None:
     sft = run_sft(sft_cfg, progress=False)
     t_rl = time.perf_counter()
     rl_overrides = [f"run_dir={out / 'rl'}", f"model.path={sft['model']}", f"seed={args.seed}"]
+    rl_overrides.append(f"engine.backend={args.engine}")
     if args.rl_steps:
         rl_overrides.append(f"steps={args.rl_steps}")
     rl = run_train(load_config(TrainConfig, RECIPE / "rl.yaml", rl_overrides), progress=False)
     end = time.perf_counter()
 
-    print("\n== bench/e2e_arith ==")
+    print(f"\n== bench/e2e_arith (engine: {args.engine}) ==")
     print(f"SFT accuracy:          {sft['accuracy_after']:.1%}  ({sft['eval_problems']} held-out problems, greedy)")
     print(f"RL accuracy:           {rl['accuracy_after']:.1%}  ({rl['steps']} RL steps)")
     print(f"RL gain:               {100 * (rl['accuracy_after'] - sft['accuracy_after']):+.1f} points")

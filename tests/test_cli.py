@@ -54,7 +54,10 @@ def test_sft_then_two_rl_steps_write_artefacts(tmp_path, tiny_dir, capsys):
     run = tmp_path / "rl"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["engine_version"] == 2  # one weight push per step
-    assert summary["episodes"] == {"submitted": 32, "accepted": 32, "failed": 0, "env_failed": 0}
+    assert (
+        summary["episodes"]["submitted"] == summary["episodes"]["accepted"] == 32
+        and summary["episodes"]["running"] == 0
+    )
     ckpt = run / "checkpoints" / "step_2"
     assert (ckpt / "model" / "model.safetensors").is_file() and (ckpt / "trainer_state.pt").is_file()
     events = list((run / "tensorboard").glob("events.out.tfevents.*"))
@@ -168,7 +171,10 @@ def test_rl_through_serve_model_and_the_sglang_client(tmp_path, tiny_dir, capsys
     assert main(["train", str(rl), "engine.backend=serve-model", "--no-progress"]) == 0
     summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
     assert summary["engine_version"] == 2
-    assert summary["episodes"] == {"submitted": 32, "accepted": 32, "failed": 0, "env_failed": 0}
+    assert (
+        summary["episodes"]["submitted"] == summary["episodes"]["accepted"] == 32
+        and summary["episodes"]["running"] == 0
+    )
     assert (tmp_path / "rl" / "servers" / "serve-model-0.log").is_file()
     weights = sorted(p.name for p in (tmp_path / "rl" / "engine_weights").iterdir())
     assert weights == ["v1", "v2"]  # older pushes are pruned

@@ -167,13 +167,15 @@ class SGLangEngine:
                     await self.resume()
 
     async def init_weights_update_group(
-        self, master_address: str, master_port: int, world_size: int, *, group_name: str = "weight_update_group"
-    ) -> None:
-        """GPU path: every server joins an NCCL group with the trainer (rank 0); tp ranks follow their server.
+        self, master_address: str, master_port: int, *, tp_size: int = 1, group_name: str = "weight_update_group"
+    ) -> int:
+        """GPU path: every server's tp ranks join an NCCL group with the trainer as rank 0; returns its size.
 
-        Written against SGLang 0.5.x; it cannot run on this CPU-only machine (no NCCL, no SGLang).
+        The trainer joins the same group concurrently, e.g. with SGLang's
+        ``init_custom_process_group(backend="nccl", init_method=f"tcp://{addr}:{port}", world_size=size,
+        rank=0, group_name=group_name)``. Written against SGLang 0.5.x; not runnable on a CPU-only machine.
         """
-        tp = world_size // len(self.addresses) if world_size > 1 else 1
+        world_size = 1 + len(self.addresses) * tp_size
         await asyncio.gather(
             *(
                 self._post(
@@ -182,8 +184,8 @@ class SGLangEngine:
                     {
                         "master_address": master_address,
                         "master_port": master_port,
-                        "rank_offset": 1 + i * tp,
-                        "world_size": world_size + 1,
+                        "rank_offset": 1 + i * tp_size,
+                        "world_size": world_size,
                         "group_name": group_name,
                         "backend": "nccl",
                     },
@@ -191,6 +193,7 @@ class SGLangEngine:
                 for i, url in enumerate(self.addresses)
             )
         )
+        return world_size
 
     async def update_weights_from_distributed(
         self,

@@ -21,16 +21,21 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RolloutLedger:
-    """Every submitted episode ends accepted, failed (agent/engine) or env_failed; nothing is lost."""
+    """Every submitted episode ends accepted, rejected (its group was filtered out), failed (the agent or
+    policy raised), env_failed, engine_failed or cancelled; until then it is running. Nothing is lost."""
 
     submitted: int = 0
     accepted: int = 0
+    rejected: int = 0
     failed: int = 0
     env_failed: int = 0
+    engine_failed: int = 0
+    cancelled: int = 0  # still running when the run ended
 
     @property
     def running(self) -> int:
-        return self.submitted - self.accepted - self.failed - self.env_failed
+        ended = self.accepted + self.rejected + self.failed + self.env_failed + self.engine_failed + self.cancelled
+        return self.submitted - ended
 
 
 async def run_groups(

@@ -8,6 +8,7 @@ greedy accuracy is measured before and after (and every ``eval.every`` steps).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from typing import Any
@@ -22,7 +23,8 @@ from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.launcher import open_engine
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.models.loading import load_model, load_tokenizer
-from areal_agents.rollout.episodes import RolloutLedger, run_groups
+from areal_agents.rollout.controller import Group, RolloutController
+from areal_agents.rollout.episodes import RolloutLedger
 from areal_agents.rollout.evaluate import evaluate
 from areal_agents.trainers.checkpoint import save_checkpoint
 from areal_agents.trainers.metrics import MetricsWriter, prefixed
@@ -84,6 +86,23 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
         metrics.log(step, prefixed("eval", result))
         return result
 
+    def seeds():
+        while True:
+            yield int(rng.integers(0, 2**31 - 1))
+
+    controller = RolloutController(
+        agent,
+        backend.make,
+        seeds(),
+        batch_size=r.batch_size,
+        group_size=r.group_size,
+        get_version=engine.get_version,
+        max_staleness=r.max_staleness,
+        max_concurrent_groups=max(1, r.max_concurrent_rollouts // r.group_size),
+        group_filter=_has_reward_variance if r.dynamic_sampling else None,
+        max_retries=r.max_retries,
+        ledger=ledger,
+    )
     start = time.perf_counter()
     before = await run_eval(0)
     print(f"held-out greedy accuracy before RL: {before['accuracy']:.1%} ({len(eval_seeds)} problems)")
@@ -91,19 +110,11 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
     bar = tqdm(range(1, cfg.steps + 1), desc="rl", disable=not progress, dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
-        seeds = rng.integers(0, 2**31 - 1, size=r.batch_size).tolist()
-        groups = await run_groups(
-            agent,
-            backend.make,
-            seeds,
-            r.group_size,
-            max_concurrent=r.max_concurrent_rollouts,
-            ledger=ledger,
-            tag=f"s{step}",
-        )
-        trajectories = [t for g in groups for t in g]
+        groups = await controller.get_batch()  # episodes keep running while we train (max_staleness > 0)
+        trajectories = [t for g in groups for t in g.trajectories]
         t1 = time.perf_counter()
-        stats = ppo_update(
+        stats = await asyncio.to_thread(
+            ppo_update,
             policy,
             optimizer,
             scheduler,
@@ -113,7 +124,10 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
             pad_token_id=pad,
             generator=generator,
         )
+        if step == cfg.steps:
+            controller.pause()  # the last update needs no more rollouts
         await engine.update_weights(policy.state_dict())  # pause, swap, version + 1, resume
+        controller.notify_version()
         t2 = time.perf_counter()
 
         generated = sum(t.num_generated for t in trajectories)
@@ -124,6 +138,13 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
             "generated_tokens": float(generated),
             "episodes_failed": float(ledger.failed),
             "episodes_env_failed": float(ledger.env_failed),
+            "episodes_engine_failed": float(ledger.engine_failed),
+            "episodes_rejected": float(ledger.rejected),
+            "episodes_running": float(ledger.running),
+            "queued_groups": float(controller.queued_groups),
+            "running_groups": float(controller.running_groups),
+            "staleness_mean": float(np.mean(controller.stats.staleness[-len(trajectories) :] or [0])),
+            "staleness_max": float(max(controller.stats.staleness[-len(trajectories) :] or [0])),
         }
         perf = {
             "gen_tokens_per_s": generated / max(t1 - t0, 1e-9),
@@ -155,6 +176,7 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
             save_checkpoint(run_dir, step, policy, tokenizer, optimizer, scheduler, _state(engine, ledger))
     bar.close()
+    await controller.aclose()  # episodes still in flight (max_staleness > 0) end as cancelled
 
     after = await run_eval(cfg.steps)
     ckpt = save_checkpoint(run_dir, cfg.steps, policy, tokenizer, optimizer, scheduler, _state(engine, ledger))
@@ -192,9 +214,9 @@ def _state(engine: InferenceEngine, ledger: RolloutLedger) -> dict[str, Any]:
 
 
 def _ledger(ledger: RolloutLedger) -> dict[str, int]:
-    return {
-        "submitted": ledger.submitted,
-        "accepted": ledger.accepted,
-        "failed": ledger.failed,
-        "env_failed": ledger.env_failed,
-    }
+    return {**dataclasses.asdict(ledger), "running": ledger.running}
+
+
+def _has_reward_variance(group: Group) -> bool:
+    """Dynamic sampling's filter: a group whose rewards are all equal teaches GRPO nothing."""
+    return len({t.reward for t in group.trajectories}) > 1

@@ -1,0 +1,236 @@
+"""`RolloutController`: episodes keep running while the trainer trains, within a staleness bound.
+
+A producer task submits groups (``group_size`` episodes of one prompt) whenever the capacity gate allows
+
+    capacity = min(max_concurrent - running, (max_staleness + version + 1) * batch_size - (accepted + running))
+
+counted in groups, where ``version`` is the engine's policy version (one per weight update). With
+``max_staleness = 0`` exactly one batch is produced per version: synchronous RL. With ``k > 0`` the
+producer runs up to ``k`` batches ahead, so no sample is more than ``k`` versions older than the policy
+it trains. Finished groups queue up for `get_batch`; a group filter (e.g. zero reward variance, for
+dynamic sampling) rejects groups, which then do not count toward the batch.
+
+Every episode is accounted for in the `RolloutLedger`: submitted = accepted + rejected + failed +
+env_failed + running. Env failures (`EnvError`) and engine failures (`EngineError`) are retried up to
+``max_retries`` times; other exceptions are policy/agent failures and are not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from areal_agents.agents.base import Agent
+from areal_agents.envs.async_env import AsyncEnv
+from areal_agents.errors import EngineError, EnvError
+from areal_agents.rollout.episodes import RolloutLedger
+from areal_agents.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Group:
+    """The episodes of one prompt, with the policy version at submission."""
+
+    group_id: str
+    seed: int
+    trajectories: list[Trajectory]
+    submit_version: int
+    episodes: int = 0  # episodes that finished (a failed one leaves the group smaller)
+
+
+@dataclass
+class ControllerStats:
+    groups_submitted: int = 0
+    groups_accepted: int = 0
+    groups_rejected: int = 0
+    groups_dropped: int = 0  # every episode of the group failed
+    groups_stale: int = 0  # finished too late: older than max_staleness when its batch was formed
+    retries: int = 0
+    staleness: list[int] = field(default_factory=list)  # per consumed trajectory: version now - oldest token
+
+
+def capacity(
+    max_concurrent: int, running: int, max_staleness: int, version: int, batch_size: int, accepted: int
+) -> int:
+    """How many more groups may be submitted now (never negative)."""
+    return max(0, min(max_concurrent - running, (max_staleness + version + 1) * batch_size - (accepted + running)))
+
+
+class RolloutController:
+    """Produce groups of episodes concurrently; hand out batches of ``batch_size`` groups."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        make_env: Callable[[], AsyncEnv],
+        seeds: Iterator[int],
+        *,
+        batch_size: int,
+        group_size: int,
+        get_version: Callable[[], int],
+        max_staleness: int = 0,
+        max_concurrent_groups: int = 64,
+        group_filter: Callable[[Group], bool] | None = None,
+        max_retries: int = 1,
+        ledger: RolloutLedger | None = None,
+        tag: str = "",
+    ) -> None:
+        self.agent, self.make_env, self.seeds = agent, make_env, seeds
+        self.batch_size, self.group_size = batch_size, group_size
+        self.get_version = get_version
+        self.max_staleness, self.max_concurrent_groups = max_staleness, max_concurrent_groups
+        self.group_filter, self.max_retries = group_filter, max_retries
+        self.ledger = ledger if ledger is not None else RolloutLedger()
+        self.tag = tag
+        self.stats = ControllerStats()
+        self.running_groups = 0
+        self._ready: list[tuple[int, Group]] = []  # a heap by submission order
+        self._ready_event: asyncio.Event | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._producer: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._paused = False
+        self._count = 0
+
+    # ---- consumer side ------------------------------------------------------------------------
+
+    async def get_batch(self) -> list[Group]:
+        """The next ``batch_size`` accepted groups, oldest submissions first (waits for them).
+
+        A finished group whose oldest token is more than ``max_staleness`` versions behind the policy
+        (it was overtaken by faster groups while it ran) is rejected as stale and replaced.
+        """
+        self._start()
+        batch: list[Group] = []
+        version = self.get_version()
+        while len(batch) < self.batch_size:
+            while not self._ready:
+                self._ready_event.clear()
+                await self._ready_event.wait()
+            _, group = heapq.heappop(self._ready)
+            if _staleness(group.trajectories, version) > self.max_staleness:
+                self.stats.groups_stale += 1
+                self.stats.groups_accepted -= 1  # the gate lets a replacement in
+                self.ledger.accepted -= group.episodes
+                self.ledger.rejected += group.episodes
+                self._wakeup.set()
+                continue
+            batch.append(group)
+        self.stats.staleness += [_staleness([t], version) for g in batch for t in g.trajectories]
+        self._wakeup.set()
+        return batch
+
+    @property
+    def queued_groups(self) -> int:
+        return len(self._ready)
+
+    def pause(self) -> None:
+        """Submit nothing new (episodes in flight carry on) until `resume`."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def notify_version(self) -> None:
+        """The policy version changed: the gate may have opened."""
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def aclose(self) -> None:
+        """Stop producing and cancel the episodes in flight (the ledger counts them as cancelled)."""
+        tasks = [t for t in (self._producer, *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._producer = None
+
+    # ---- producer side ------------------------------------------------------------------------
+
+    def capacity(self) -> int:
+        """Groups the gate lets in now (accepted counts every group accepted so far, queued or consumed)."""
+        return capacity(
+            self.max_concurrent_groups, self.running_groups, self.max_staleness, self.get_version(),
+            self.batch_size, self.stats.groups_accepted,
+        )  # fmt: skip
+
+    def _start(self) -> None:
+        if self._producer is None:
+            self._ready_event = asyncio.Event()
+            self._wakeup = asyncio.Event()
+            self._producer = asyncio.ensure_future(self._produce())
+
+    async def _produce(self) -> None:
+        while True:
+            n = 0 if self._paused else self.capacity()
+            for _ in range(n):
+                self.running_groups += 1
+                self.stats.groups_submitted += 1
+                task = asyncio.ensure_future(self._run_group(next(self.seeds), self.get_version()))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    async def _run_group(self, seed: int, version: int) -> None:
+        self._count += 1
+        index = self._count
+        group_id = f"{self.tag}g{index}-{seed}"
+        episodes = [self._run_episode(seed, f"{group_id}/e{k}") for k in range(self.group_size)]
+        try:
+            results = [ts for ts in await asyncio.gather(*episodes) if ts is not None]
+        finally:
+            self.running_groups -= 1
+        group = Group(group_id, seed, [t for ts in results for t in ts], version, len(results))
+        for t in group.trajectories:
+            t.group_id = group_id
+        if group.episodes == 0:
+            self.stats.groups_dropped += 1
+        elif self.group_filter is not None and not self.group_filter(group):
+            self.stats.groups_rejected += 1
+            self.ledger.accepted -= group.episodes
+            self.ledger.rejected += group.episodes
+        else:
+            self.stats.groups_accepted += 1
+            heapq.heappush(self._ready, (index, group))
+            self._ready_event.set()
+        self._wakeup.set()
+
+    async def _run_episode(self, seed: int, episode_id: str) -> list[Trajectory] | None:
+        self.ledger.submitted += 1
+        for attempt in range(self.max_retries + 1):
+            try:
+                trajectories = await self.agent.run_episode(self.make_env(), seed=seed, episode_id=episode_id)
+            except (EnvError, EngineError) as e:  # the env's or the engine's fault, not the policy's
+                if attempt < self.max_retries:
+                    self.stats.retries += 1
+                    log.warning("episode %s: %s; retrying", episode_id, e)
+                    continue
+                if isinstance(e, EnvError):
+                    self.ledger.env_failed += 1
+                else:
+                    self.ledger.engine_failed += 1
+                log.warning("episode %s: gave up after %d attempts: %s", episode_id, attempt + 1, e)
+                return None
+            except asyncio.CancelledError:
+                self.ledger.cancelled += 1
+                raise
+            except Exception:
+                self.ledger.failed += 1
+                log.exception("episode %s failed", episode_id)
+                return None
+            self.ledger.accepted += 1
+            return trajectories
+        return None
+
+
+def _staleness(trajectories: list[Trajectory], version: int) -> int:
+    """Versions between the policy now and the oldest generated token of ``trajectories``."""
+    versions = [v for t in trajectories for v in t.versions if v >= 0]
+    return version - min(versions) if versions else 0

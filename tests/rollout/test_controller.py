@@ -1,0 +1,114 @@
+"""The rollout controller: the capacity gate, the staleness bound, filters and an exact ledger under failures."""
+
+import asyncio
+import itertools
+import random
+
+import pytest
+
+from areal_agents.errors import EngineError, EnvError
+from areal_agents.rollout.controller import RolloutController, capacity
+from areal_agents.types import Trajectory
+
+
+@pytest.mark.parametrize(
+    "max_concurrent, running, staleness, version, batch, accepted, expected",
+    [
+        (64, 0, 0, 0, 4, 0, 4),  # synchronous: one batch per version
+        (64, 4, 0, 0, 4, 0, 0),  # ... and no more while it runs
+        (64, 0, 0, 1, 4, 4, 4),  # the next version opens the next batch
+        (64, 0, 2, 0, 4, 0, 12),  # staleness 2: up to three batches ahead
+        (64, 5, 2, 1, 4, 6, 5),  # (2 + 1 + 1) * 4 - (6 + 5)
+        (3, 0, 4, 0, 4, 0, 3),  # the concurrency cap wins
+        (64, 10, 0, 0, 4, 0, 0),  # never negative
+    ],
+)
+def test_capacity_formula(max_concurrent, running, staleness, version, batch, accepted, expected):
+    assert capacity(max_concurrent, running, staleness, version, batch, accepted) == expected
+
+
+class FakeAgent:
+    """Episodes that take a random time, tag tokens with the version at generation, and fail on request."""
+
+    def __init__(self, version, failures=None, seed=0):
+        self.version, self.failures = version, failures or {}
+        self.rng = random.Random(seed)
+        self.calls = 0
+
+    async def run_episode(self, env, *, seed, episode_id):
+        self.calls += 1
+        await asyncio.sleep(self.rng.uniform(0.001, 0.02))
+        roll = self.rng.random()
+        if roll < self.failures.get("env", 0):
+            raise EnvError("env_error", "injected")
+        if roll < self.failures.get("env", 0) + self.failures.get("engine", 0):
+            raise EngineError("injected engine failure")
+        if roll < sum(self.failures.values()):
+            raise RuntimeError("injected policy bug")
+        v = self.version[0]
+        reward = float(self.rng.random() < 0.5)
+        return [Trajectory([1, 2], [0, 1], [0.0, -1.0], [-1, v], reward=reward, episode_id=episode_id)]
+
+
+def make_controller(agent, version, **kw):
+    return RolloutController(
+        agent,
+        lambda: None,
+        itertools.count(),
+        batch_size=4,
+        group_size=3,
+        get_version=lambda: version[0],
+        **kw,
+    )
+
+
+async def train(controller, version, steps, train_seconds=0.01):
+    batches = []
+    for _ in range(steps):
+        batches.append(await controller.get_batch())
+        await asyncio.sleep(train_seconds)
+        version[0] += 1
+        controller.notify_version()
+    await controller.aclose()
+    return batches
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 4])
+def test_samples_are_never_staler_than_the_bound(max_staleness):
+    version = [0]
+    controller = make_controller(FakeAgent(version), version, max_staleness=max_staleness)
+    batches = asyncio.run(train(controller, version, steps=8))
+    assert all(len(b) == 4 and all(len(g.trajectories) == 3 for g in b) for b in batches)
+    assert max(controller.stats.staleness) <= max_staleness
+    if max_staleness == 0:
+        assert controller.stats.groups_submitted == 8 * 4  # exactly one batch per version: synchronous
+    else:
+        assert max(controller.stats.staleness) >= 1  # it did run ahead
+
+
+def test_ledger_balances_under_env_engine_and_policy_failures():
+    version = [0]
+    agent = FakeAgent(version, failures={"env": 0.1, "engine": 0.1, "policy": 0.05}, seed=3)
+    controller = make_controller(agent, version, max_staleness=2, max_retries=1)
+    asyncio.run(train(controller, version, steps=10))
+    ledger = controller.ledger
+    ended = ledger.accepted + ledger.rejected + ledger.failed + ledger.env_failed + ledger.engine_failed
+    assert ledger.submitted == ended + ledger.cancelled and ledger.running == 0
+    assert ledger.env_failed > 0 and ledger.engine_failed > 0 and ledger.failed > 0
+    assert controller.stats.retries > 0  # env and engine failures were retried first
+    assert agent.calls == ledger.submitted + controller.stats.retries
+
+
+def test_dynamic_sampling_rejects_groups_and_still_fills_the_batch():
+    version = [0]
+    controller = make_controller(
+        FakeAgent(version, seed=5),
+        version,
+        max_staleness=0,
+        group_filter=lambda g: len({t.reward for t in g.trajectories}) > 1,
+    )
+    batches = asyncio.run(train(controller, version, steps=5))
+    assert controller.stats.groups_rejected > 0
+    for batch in batches:
+        assert len(batch) == 4 and all(len({t.reward for t in g.trajectories}) > 1 for g in batch)
+    assert controller.ledger.rejected == 3 * controller.stats.groups_rejected
