@@ -49,7 +49,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from areal_agents.trainers.rl_recipe import run_train
 
     _quiet_transformers()
-    run_train(cfg, progress=not args.no_progress)
+    run_train(cfg, progress=not args.no_progress, resume=args.resume)
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("config", help="YAML config file")
         p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. ppo.lr=3e-4")
         p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+        if name == "train":
+            p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run_dir")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("envs", help="list registered env ids with a one-line description")

@@ -145,6 +145,10 @@ class TrainConfig:
     seed: int = _help("seed for torch, sampling and training prompts", default=1)
     steps: int = _help("training steps (one rollout batch each)", default=100)
     save_every: int = _help("checkpoint every N steps; 0 = only at the end", default=0)
+    save_every_minutes: float = _help(
+        "also checkpoint when this many minutes passed since the last; 0 = off", default=0.0
+    )
+    keep_checkpoints: int = _help("keep the newest K checkpoints (resume uses the newest); 0 = all", default=3)
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -1,8 +1,10 @@
 """The CLI as a user runs it: a 2-step SFT and RL smoke run, and one-line errors with exit code 2."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,43 @@ def test_rl_through_serve_model_and_the_sglang_client(tmp_path, tiny_dir, capsys
     assert (tmp_path / "rl" / "servers" / "serve-model-0.log").is_file()
     weights = sorted(p.name for p in (tmp_path / "rl" / "engine_weights").iterdir())
     assert weights == ["v1", "v2"]  # older pushes are pruned
+
+
+def test_resume_after_kill_9_continues_with_the_same_data_order(tmp_path, tiny_dir):
+    """A run killed (SIGKILL) mid-step and resumed sees the same prompts per step as one that never stopped."""
+    _, rl = write_configs(tmp_path, tiny_dir)
+    args = [str(rl), "steps=6", "save_every=1", "keep_checkpoints=2", "--no-progress"]
+    reference = run_cli("train", *args, f"run_dir={tmp_path / 'ref'}")
+    assert reference.returncode == 0, reference.stderr
+
+    run = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "areal_agents.cli", "train", *args, f"run_dir={run}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "step_3").is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run / "summary.json").exists(), "killed before the end"
+    resumed = run_cli("train", *args, f"run_dir={run}", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout
+
+    def order(path):
+        steps = {}
+        for line in (path / "data_order.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            steps[row["step"]] = row["prompts"]  # a step cut off by the kill is logged again on resume
+        return steps
+
+    assert order(run) == order(tmp_path / "ref")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["engine_version"] == 6 and summary["episodes"]["running"] == 0
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert kept == ["step_5", "step_6"]  # keep_checkpoints=2
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_dir):
+    _, rl = write_configs(tmp_path, tiny_dir)
+    out = run_cli("train", str(rl), f"run_dir={tmp_path / 'fresh'}", "--resume")
+    assert out.returncode == 2 and "--resume: no complete checkpoint under" in out.stderr

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from areal_agents.agents.base import Agent
@@ -34,9 +34,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Group:
-    """The episodes of one prompt, with the policy version at submission."""
+    """The episodes of one prompt (prompt ``index`` of the run), with the policy version at submission."""
 
     group_id: str
+    index: int
     seed: int
     trajectories: list[Trajectory]
     submit_version: int
@@ -68,7 +69,7 @@ class RolloutController:
         self,
         agent: Agent,
         make_env: Callable[[], AsyncEnv],
-        seeds: Iterator[int],
+        seed_at: Callable[[int], int],
         *,
         batch_size: int,
         group_size: int,
@@ -79,15 +80,19 @@ class RolloutController:
         max_retries: int = 1,
         ledger: RolloutLedger | None = None,
         tag: str = "",
+        start_index: int = 0,
+        groups_before: int = 0,
     ) -> None:
-        self.agent, self.make_env, self.seeds = agent, make_env, seeds
+        """``start_index`` and ``groups_before`` continue a resumed run: its first unconsumed prompt, and
+        the groups it had trained on (the capacity gate counts from the start of the run)."""
+        self.agent, self.make_env, self.seed_at = agent, make_env, seed_at
         self.batch_size, self.group_size = batch_size, group_size
         self.get_version = get_version
         self.max_staleness, self.max_concurrent_groups = max_staleness, max_concurrent_groups
         self.group_filter, self.max_retries = group_filter, max_retries
         self.ledger = ledger if ledger is not None else RolloutLedger()
         self.tag = tag
-        self.stats = ControllerStats()
+        self.stats = ControllerStats(groups_accepted=groups_before)
         self.running_groups = 0
         self._ready: list[tuple[int, Group]] = []  # a heap by submission order
         self._ready_event: asyncio.Event | None = None
@@ -95,7 +100,8 @@ class RolloutController:
         self._producer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._paused = False
-        self._count = 0
+        self._next_index = start_index  # prompt i is seed_at(i): the data order is a pure function of i
+        self._unconsumed: set[int] = set()  # submitted, not yet handed to the trainer (or dropped)
 
     # ---- consumer side ------------------------------------------------------------------------
 
@@ -112,7 +118,8 @@ class RolloutController:
             while not self._ready:
                 self._ready_event.clear()
                 await self._ready_event.wait()
-            _, group = heapq.heappop(self._ready)
+            index, group = heapq.heappop(self._ready)
+            self._unconsumed.discard(index)
             if _staleness(group.trajectories, version) > self.max_staleness:
                 self.stats.groups_stale += 1
                 self.stats.groups_accepted -= 1  # the gate lets a replacement in
@@ -123,7 +130,12 @@ class RolloutController:
             batch.append(group)
         self.stats.staleness += [_staleness([t], version) for g in batch for t in g.trajectories]
         self._wakeup.set()
-        return batch
+        return sorted(batch, key=lambda g: g.index)
+
+    @property
+    def data_position(self) -> int:
+        """The first prompt index not yet consumed: a resumed run restarts from here (same data order)."""
+        return min(self._unconsumed, default=self._next_index)
 
     @property
     def queued_groups(self) -> int:
@@ -172,28 +184,31 @@ class RolloutController:
             for _ in range(n):
                 self.running_groups += 1
                 self.stats.groups_submitted += 1
-                task = asyncio.ensure_future(self._run_group(next(self.seeds), self.get_version()))
+                index, self._next_index = self._next_index, self._next_index + 1
+                self._unconsumed.add(index)
+                task = asyncio.ensure_future(self._run_group(index, self.get_version()))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             self._wakeup.clear()
             await self._wakeup.wait()
 
-    async def _run_group(self, seed: int, version: int) -> None:
-        self._count += 1
-        index = self._count
+    async def _run_group(self, index: int, version: int) -> None:
+        seed = self.seed_at(index)
         group_id = f"{self.tag}g{index}-{seed}"
         episodes = [self._run_episode(seed, f"{group_id}/e{k}") for k in range(self.group_size)]
         try:
             results = [ts for ts in await asyncio.gather(*episodes) if ts is not None]
         finally:
             self.running_groups -= 1
-        group = Group(group_id, seed, [t for ts in results for t in ts], version, len(results))
+        group = Group(group_id, index, seed, [t for ts in results for t in ts], version, len(results))
         for t in group.trajectories:
             t.group_id = group_id
         if group.episodes == 0:
             self.stats.groups_dropped += 1
+            self._unconsumed.discard(index)
         elif self.group_filter is not None and not self.group_filter(group):
             self.stats.groups_rejected += 1
+            self._unconsumed.discard(index)
             self.ledger.accepted -= group.episodes
             self.ledger.rejected += group.episodes
         else:

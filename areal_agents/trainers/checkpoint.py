@@ -2,12 +2,15 @@
 
 Layout of ``run_dir/checkpoints/step_N/``: ``model/`` (``save_pretrained`` weights, config and
 tokenizer, loadable by any transformers code or as ``model.path``), ``trainer_state.pt`` (optimizer,
-scheduler, step, policy version, rollout ledger, RNG states).
+scheduler, step, policy version, rollout ledger, data position, RNG states). A checkpoint is written
+under ``step_N.tmp`` and renamed when complete, so a run killed while saving leaves no half checkpoint.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +36,11 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     state: dict[str, Any],
 ) -> Path:
-    """Write ``run_dir/checkpoints/step_{step}``; return its path."""
+    """Write ``run_dir/checkpoints/step_{step}`` (atomically); return its path."""
     ckpt = Path(run_dir) / "checkpoints" / f"step_{step}"
-    save_model(ckpt / "model", model, tokenizer)
+    tmp = ckpt.with_name(ckpt.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(tmp / "model", model, tokenizer)
     torch.save(
         {
             "step": step,
@@ -48,6 +53,33 @@ def save_checkpoint(
             },
             **state,
         },
-        ckpt / "trainer_state.pt",
+        tmp / "trainer_state.pt",
     )
+    shutil.rmtree(ckpt, ignore_errors=True)
+    os.replace(tmp, ckpt)
     return ckpt
+
+
+def checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    found = [
+        p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and (p / "trainer_state.pt").is_file()
+    ]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints (``keep <= 0`` keeps all)."""
+    if keep > 0:
+        for old in checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:
+    """The trainer state of a checkpoint, with the global RNGs restored from it."""
+    state = torch.load(Path(ckpt) / "trainer_state.pt", weights_only=False)
+    torch.set_rng_state(state["rng"]["torch"])
+    np.random.set_state(state["rng"]["numpy"])
+    random.setstate(state["rng"]["python"])
+    return state

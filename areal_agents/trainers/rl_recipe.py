@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,11 +23,12 @@ from areal_agents.config import TrainConfig
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.launcher import open_engine
 from areal_agents.envs.async_env import AsyncEnv
+from areal_agents.errors import ConfigError
 from areal_agents.models.loading import load_model, load_tokenizer
 from areal_agents.rollout.controller import Group, RolloutController
 from areal_agents.rollout.episodes import RolloutLedger
 from areal_agents.rollout.evaluate import evaluate
-from areal_agents.trainers.checkpoint import save_checkpoint
+from areal_agents.trainers.checkpoint import checkpoints, load_trainer_state, prune_checkpoints, save_checkpoint
 from areal_agents.trainers.metrics import MetricsWriter, prefixed
 from areal_agents.trainers.ppo import ppo_update
 from areal_agents.trainers.setup import (
@@ -39,31 +41,43 @@ from areal_agents.trainers.setup import (
 from areal_agents.types import SamplingParams
 
 
-def run_train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
-    """Run RL as configured; return the summary also written to ``run_dir/summary.json``."""
-    tokenizer = load_tokenizer(cfg.model.path)
-    policy = load_model(cfg.model.path, cfg.model.dtype)  # the trainer's copy
+def run_train(cfg: TrainConfig, progress: bool = True, resume: bool = False) -> dict[str, Any]:
+    """Run RL as configured (``resume``: from the run's newest checkpoint); return the summary also
+    written to ``run_dir/summary.json``."""
+    state, model_path = None, cfg.model.path
+    if resume:
+        found = checkpoints(cfg.run_dir)
+        if not found:
+            raise ConfigError(f"--resume: no complete checkpoint under {Path(cfg.run_dir) / 'checkpoints'}")
+        model_path = str(found[-1] / "model")
+    tokenizer = load_tokenizer(model_path)
+    policy = load_model(model_path, cfg.model.dtype)  # the trainer's copy
     run_dir = prepare_run_dir(cfg.run_dir, cfg)
     seed_everything(cfg.seed)
+    if resume:
+        state = load_trainer_state(found[-1])  # also puts the global RNGs back
+        print(f"resuming from {found[-1]} (step {state['step']}, policy version {state['version']})")
     # The rollout copy: in-process, or model servers (serve-model / SGLang) behind an HTTP client.
-    engine, servers = open_engine(cfg.engine, cfg.model.path, cfg.model.dtype, run_dir=run_dir, seed=cfg.seed)
+    engine, servers = open_engine(cfg.engine, model_path, cfg.model.dtype, run_dir=run_dir, seed=cfg.seed)
+    if state is not None:
+        engine.set_version(state["version"])
     try:
-        return asyncio.run(_train(cfg, tokenizer, policy, engine, run_dir, progress))
+        return asyncio.run(_train(cfg, tokenizer, policy, engine, run_dir, progress, state))
     finally:
         if servers is not None:
             servers.stop()
 
 
-async def _train(cfg, tokenizer, policy, engine, run_dir, progress):
+async def _train(cfg, tokenizer, policy, engine, run_dir, progress, state):
     backend = await open_checked_backend(cfg.env, cfg.eval)  # a bad env id or kwargs fail here
     try:
-        return await _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress)
+        return await _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress, state)
     finally:
         await backend.aclose()
         await engine.aclose()
 
 
-async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress):
+async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress, state):
     r = cfg.rollout
     sampling = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
     agent = ChatAgent(engine, tokenizer, sampling, system_prompt=r.system_prompt)
@@ -74,8 +88,15 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
     optimizer, scheduler = make_optimizer(policy, cfg.ppo.lr, cfg.ppo.weight_decay, cfg.ppo.warmup_steps)
     metrics = MetricsWriter(run_dir / "tensorboard")
     ledger = RolloutLedger()
-    rng = np.random.default_rng(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
+    first_step, data_position = 1, 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        generator.set_state(state["generator"])
+        ledger = RolloutLedger(**{k: v for k, v in state["ledger"].items() if k != "running"})
+        ledger.submitted -= state["ledger"]["running"]  # episodes cut off by the stop run again
+        first_step, data_position = state["step"] + 1, state["data_position"]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def make_eval_env() -> AsyncEnv:
@@ -86,14 +107,14 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
         metrics.log(step, prefixed("eval", result))
         return result
 
-    def seeds():
-        while True:
-            yield int(rng.integers(0, 2**31 - 1))
+    def seed_at(index: int) -> int:
+        """Prompt ``index`` of the run: a pure function of (seed, index), so a resumed run sees the same data."""
+        return int(np.random.default_rng([cfg.seed, index]).integers(0, 2**31 - 1))
 
     controller = RolloutController(
         agent,
         backend.make,
-        seeds(),
+        seed_at,
         batch_size=r.batch_size,
         group_size=r.group_size,
         get_version=engine.get_version,
@@ -102,16 +123,30 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
         group_filter=_has_reward_variance if r.dynamic_sampling else None,
         max_retries=r.max_retries,
         ledger=ledger,
+        start_index=data_position,
+        groups_before=(first_step - 1) * r.batch_size,
     )
     start = time.perf_counter()
-    before = await run_eval(0)
+    before = await run_eval(0) if state is None else {"accuracy": state["accuracy_before"]}
     print(f"held-out greedy accuracy before RL: {before['accuracy']:.1%} ({len(eval_seeds)} problems)")
-    totals = {"trained_samples": 0, "generated_tokens": 0, "rollout_seconds": 0.0, "train_seconds": 0.0}
-    bar = tqdm(range(1, cfg.steps + 1), desc="rl", disable=not progress, dynamic_ncols=True)
+    totals = {"trained_samples": 0, "consumed_samples": 0, "generated_tokens": 0, "rollout_seconds": 0.0}
+    totals |= {"train_seconds": 0.0, "step_seconds": 0.0}
+    last_save = time.monotonic()
+
+    def checkpoint(step: int) -> Path:
+        extra = {"data_position": controller.data_position, "generator": generator.get_state()}
+        extra["accuracy_before"] = before["accuracy"]
+        path = save_checkpoint(run_dir, step, policy, tokenizer, optimizer, scheduler, _state(engine, ledger) | extra)
+        prune_checkpoints(run_dir, cfg.keep_checkpoints)
+        return path
+
+    bar = tqdm(range(first_step, cfg.steps + 1), desc="rl", disable=not progress, dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
         groups = await controller.get_batch()  # episodes keep running while we train (max_staleness > 0)
         trajectories = [t for g in groups for t in g.trajectories]
+        with open(run_dir / "data_order.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "prompts": [g.index for g in groups]}) + "\n")
         t1 = time.perf_counter()
         stats = await asyncio.to_thread(
             ppo_update,
@@ -155,6 +190,8 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
         totals["generated_tokens"] += generated
         totals["rollout_seconds"] += t1 - t0
         totals["train_seconds"] += t2 - t1
+        totals["step_seconds"] += t2 - t0
+        totals["consumed_samples"] += len(trajectories)
         metrics.log(
             step,
             {
@@ -173,13 +210,16 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
         if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
             result = await run_eval(step)
             bar.write(f"step {step}: held-out greedy accuracy {result['accuracy']:.1%}")
-        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            save_checkpoint(run_dir, step, policy, tokenizer, optimizer, scheduler, _state(engine, ledger))
+        every_steps = cfg.save_every and step % cfg.save_every == 0
+        every_minutes = cfg.save_every_minutes and time.monotonic() - last_save >= 60 * cfg.save_every_minutes
+        if (every_steps or every_minutes) and step < cfg.steps:
+            checkpoint(step)
+            last_save = time.monotonic()
     bar.close()
     await controller.aclose()  # episodes still in flight (max_staleness > 0) end as cancelled
 
     after = await run_eval(cfg.steps)
-    ckpt = save_checkpoint(run_dir, cfg.steps, policy, tokenizer, optimizer, scheduler, _state(engine, ledger))
+    ckpt = checkpoint(cfg.steps)
     metrics.close()
     wall = time.perf_counter() - start
     summary = {
@@ -190,6 +230,8 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
         "engine_version": engine.get_version(),
         "wall_seconds": wall,
         "trained_samples_per_s": totals["trained_samples"] / max(totals["train_seconds"], 1e-9),
+        # end to end over the training steps (rollout waits + training + weight pushes), evals excluded
+        "samples_per_s": totals["consumed_samples"] / max(totals["step_seconds"], 1e-9),
         "generated_tokens_per_s": totals["generated_tokens"] / max(totals["rollout_seconds"], 1e-9),
         "episodes": _ledger(ledger),
         "checkpoint": str(ckpt),

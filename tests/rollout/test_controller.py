@@ -1,7 +1,6 @@
 """The rollout controller: the capacity gate, the staleness bound, filters and an exact ledger under failures."""
 
 import asyncio
-import itertools
 import random
 
 import pytest
@@ -54,7 +53,7 @@ def make_controller(agent, version, **kw):
     return RolloutController(
         agent,
         lambda: None,
-        itertools.count(),
+        lambda i: 1000 + i,
         batch_size=4,
         group_size=3,
         get_version=lambda: version[0],
@@ -112,3 +111,15 @@ def test_dynamic_sampling_rejects_groups_and_still_fills_the_batch():
     for batch in batches:
         assert len(batch) == 4 and all(len({t.reward for t in g.trajectories}) > 1 for g in batch)
     assert controller.ledger.rejected == 3 * controller.stats.groups_rejected
+
+
+def test_data_position_and_a_resumed_controller_continue_the_prompt_order():
+    version = [0]
+    first = make_controller(FakeAgent(version), version, max_staleness=0)
+    batches = asyncio.run(train(first, version, steps=3))
+    assert [g.index for b in batches for g in b] == list(range(12))  # prompt order, batch by batch
+    version = [3]
+    resumed = make_controller(FakeAgent(version), version, max_staleness=0, start_index=12, groups_before=12)
+    later = asyncio.run(train(resumed, version, steps=2))
+    assert [g.index for b in later for g in b] == list(range(12, 20))
+    assert resumed.stats.groups_submitted == 8 and resumed.stats.groups_stale == 0  # no burst after resume
