@@ -3,7 +3,7 @@
 For a group of rewards r_1..r_G of one prompt:
     GRPO:  A_i = (r_i - mean(r)) / (std(r) + eps)
     RLOO:  A_i = r_i - (Σ_j r_j - r_i) / (G - 1)
-Every loss token of a trajectory gets its trajectory's advantage.
+Every loss token of a trajectory gets its trajectory's advantage; the segments of one episode share it.
 """
 
 from __future__ import annotations
@@ -15,22 +15,35 @@ import torch
 
 
 def group_advantages(
-    rewards: Sequence[float], group_ids: Sequence[str], method: str = "grpo", eps: float = 1e-6
+    rewards: Sequence[float],
+    group_ids: Sequence[str],
+    method: str = "grpo",
+    eps: float = 1e-6,
+    episode_ids: Sequence[str] | None = None,
 ) -> torch.Tensor:
-    """Advantages for each trajectory, computed within its group (population std for GRPO)."""
+    """Advantages for each trajectory, computed within its group (population std for GRPO).
+
+    With ``episode_ids``, the trajectories of one episode (the segments of a conversation whose chat
+    template rewrote history) count once in their group's statistics and share its advantage.
+    """
     if method not in ("grpo", "rloo"):
         raise ValueError(f"Expects method 'grpo' or 'rloo', got {method!r}")
-    r = torch.tensor(rewards, dtype=torch.float64)
-    out = torch.zeros_like(r)
-    members: dict[str, list[int]] = defaultdict(list)
-    for i, g in enumerate(group_ids):
-        members[g].append(i)
-    for idx in members.values():
-        x = r[idx]
+    episode_ids = list(episode_ids) if episode_ids is not None else [str(i) for i in range(len(rewards))]
+    out = torch.zeros(len(rewards), dtype=torch.float64)
+    members: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for i, (g, e) in enumerate(zip(group_ids, episode_ids)):
+        members[g][e].append(i)
+    for episodes in members.values():
+        rows = list(episodes.values())
+        x = torch.tensor([rewards[idx[0]] for idx in rows], dtype=torch.float64)  # one reward per episode
         if method == "grpo":
-            out[idx] = (x - x.mean()) / (x.std(unbiased=False) + eps)
-        elif len(idx) > 1:
-            out[idx] = x - (x.sum() - x) / (len(idx) - 1)
+            a = (x - x.mean()) / (x.std(unbiased=False) + eps)
+        elif len(rows) > 1:
+            a = x - (x.sum() - x) / (len(rows) - 1)
+        else:
+            a = torch.zeros_like(x)
+        for idx, value in zip(rows, a.tolist()):
+            out[idx] = value
     return out.float()
 
 

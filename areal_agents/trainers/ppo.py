@@ -46,7 +46,8 @@ def ppo_update(
     """Train on one batch; return namespaced-ready stats (loss, clip fraction, weights, grad norm)."""
     rewards = [t.reward for t in trajectories]
     group_ids = [t.group_id for t in trajectories]
-    advantages = group_advantages(rewards, group_ids, cfg.advantage)
+    episode_ids = [t.episode_id or f"#{i}" for i, t in enumerate(trajectories)]
+    advantages = group_advantages(rewards, group_ids, cfg.advantage, episode_ids=episode_ids)
     flat = zero_variance_groups(rewards, group_ids)
     stats: dict[str, float] = {
         "zero_variance_group_fraction": len(flat) / max(len(set(group_ids)), 1),
