@@ -1,7 +1,8 @@
-"""Turn trajectories into padded micro-batches under a token budget, and score tokens with a model.
+"""Turn trajectories into micro-batches under a token budget, and score tokens with a model.
 
-Trajectories are sorted by length before splitting so each micro-batch pads little. (True
-padding-free packing needs varlen attention kernels, which the GPU path will bring.)
+Packed (the default): trajectories are binned first-fit-decreasing into rows of at most the budget and
+concatenated without padding; attention stays within each trajectory (`packing.py`). Padded: sorted
+by length, right-padded to each micro-batch's longest.
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ from areal_agents.types import Trajectory
 
 @dataclass
 class MicroBatch:
-    """Right-padded tensors ``[B, L]``; ``index`` maps rows back to positions in the input list."""
+    """Tensors ``[B, L]`` (padded) or ``[1, T]`` (packed); trajectory ``index[k]`` is ``[row, start:end]``
+    of them, ``slices[k] = (row, start, end)``."""
 
     index: list[int]
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     loss_mask: torch.Tensor
     logprobs: torch.Tensor
     advantages: torch.Tensor
     prox_logprobs: torch.Tensor | None = None
+    slices: list[tuple[int, int, int]] | None = None
+    position_ids: torch.Tensor | None = None  # packed: restarts at 0 for every trajectory
+    cu_seqlens: torch.Tensor | None = None  # packed: trajectory boundaries [0, l1, l1 + l2, ...]
 
     @property
     def num_loss_tokens(self) -> int:
@@ -38,11 +43,18 @@ def make_micro_batches(
     advantages: Sequence[float] | None = None,
     pad_token_id: int = 0,
     prox_logprobs: Sequence[torch.Tensor] | None = None,
+    pack: bool = True,
 ) -> list[MicroBatch]:
-    """Split into micro-batches whose padded size ``rows * longest`` stays within ``max_tokens``.
+    """Split into micro-batches of at most ``max_tokens`` tokens (padded: ``rows * longest``).
 
-    ``prox_logprobs`` (one 1-D tensor per trajectory) rides along, padded like ``logprobs``.
+    ``prox_logprobs`` (one 1-D tensor per trajectory) rides along, laid out like ``logprobs``.
     """
+    adv = advantages if advantages is not None else [0.0] * len(trajectories)
+    if pack:
+        from areal_agents.trainers.packing import ffd_bins, pack_rows  # noqa: PLC0415
+
+        bins = ffd_bins([len(t) for t in trajectories], max_tokens)
+        return [pack_rows([trajectories[i] for i in b], [adv[i] for i in b], b, prox_logprobs) for b in bins]
     order = sorted(range(len(trajectories)), key=lambda i: len(trajectories[i]))
     groups: list[list[int]] = []
     for i in order:
@@ -51,7 +63,6 @@ def make_micro_batches(
             groups[-1].append(i)
         else:
             groups.append([i])
-    adv = advantages if advantages is not None else [0.0] * len(trajectories)
     batches = []
     for idx in groups:
         mb = _collate([trajectories[i] for i in idx], [adv[i] for i in idx], idx, pad_token_id)
@@ -76,7 +87,8 @@ def _collate(trajs: list[Trajectory], adv: list[float], index: list[int], pad: i
         loss_mask[row, :length] = torch.tensor(t.loss_mask, dtype=torch.float)
         logprobs[row, :length] = torch.tensor(t.logprobs, dtype=torch.float)
     advantages = torch.tensor(adv, dtype=torch.float)[:, None].expand(n, width) * loss_mask
-    return MicroBatch(index, input_ids, attention, loss_mask, logprobs, advantages)
+    slices = [(row, 0, len(t)) for row, t in enumerate(trajs)]
+    return MicroBatch(index, input_ids, attention, loss_mask, logprobs, advantages, slices=slices)
 
 
 def token_logprobs(model: PreTrainedModel, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
@@ -84,6 +96,10 @@ def token_logprobs(model: PreTrainedModel, mb: MicroBatch, temperature: float = 
 
     ``T`` must be the sampling temperature, so these match the engine's behavior logprobs.
     """
+    if mb.cu_seqlens is not None:
+        from areal_agents.trainers.packing import packed_token_logprobs  # noqa: PLC0415
+
+        return packed_token_logprobs(model, mb, temperature)
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits.float()
     if temperature > 0:
         logits = logits / temperature

@@ -21,14 +21,19 @@ from areal_agents.types import Trajectory
 
 @torch.no_grad()
 def proximal_logprobs(
-    model: PreTrainedModel, trajectories: list[Trajectory], temperature: float, max_tokens: int, pad: int
+    model: PreTrainedModel,
+    trajectories: list[Trajectory],
+    temperature: float,
+    max_tokens: int,
+    pad: int,
+    pack: bool = True,
 ) -> list[torch.Tensor]:
     """π_prox logprobs of every token of every trajectory, with the weights as they are now."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(trajectories)
-    for mb in make_micro_batches(trajectories, max_tokens, pad_token_id=pad):
+    for mb in make_micro_batches(trajectories, max_tokens, pad_token_id=pad, pack=pack):
         logp = token_logprobs(model, mb, temperature)
-        for row, i in enumerate(mb.index):
-            out[i] = logp[row, : len(trajectories[i])].clone()
+        for (row, a, b), i in zip(mb.slices, mb.index):
+            out[i] = logp[row, a:b].clone()
     return out
 
 
@@ -62,7 +67,7 @@ def ppo_update(
     adv = advantages[keep].tolist()
 
     model.train()
-    prox = proximal_logprobs(model, trajs, temperature, cfg.micro_batch_tokens, pad_token_id)
+    prox = proximal_logprobs(model, trajs, temperature, cfg.micro_batch_tokens, pad_token_id, cfg.packing)
     sums: dict[str, float] = defaultdict(float)
     steps = 0
     for _ in range(cfg.ppo_epochs):
@@ -77,6 +82,7 @@ def ppo_update(
                 [adv[i] for i in idx],
                 pad_token_id,
                 [prox[i] for i in idx],
+                pack=cfg.packing,
             )
             total = sum(mb.num_loss_tokens for mb in mbs)
             optimizer.zero_grad(set_to_none=True)
