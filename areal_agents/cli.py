@@ -94,6 +94,13 @@ def cmd_serve_env(args: argparse.Namespace) -> None:
     serve(cfg)
 
 
+def cmd_plot(args: argparse.Namespace) -> None:
+    from areal_agents.trainers.plots import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(path)
+
+
 def cmd_serve_model(args: argparse.Namespace) -> None:
     from areal_agents.engines.serve_model import ModelServerConfig, serve_model
 
@@ -138,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run_dir")
         p.set_defaults(fn=fn)
+
+    p = sub.add_parser("plot", help="PNG curves of a run (reward, accuracy, staleness, throughput)")
+    p.add_argument("run_dir", help="a train run directory (with tensorboard/)")
+    p.set_defaults(fn=cmd_plot)
 
     p = sub.add_parser("envs", help="list registered env ids with a one-line description")
     p.add_argument("--module", action="append", default=[], help="import this module first (registers ids)")

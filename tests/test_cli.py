@@ -78,6 +78,13 @@ def test_sft_then_two_rl_steps_write_artefacts(tmp_path, tiny_dir, capsys):
         "engine/version",
     ):
         assert key in tags
+    assert main(["plot", str(run)]) == 0
+    assert sorted(p.name for p in (run / "plots").glob("*.png")) == [
+        "accuracy.png",
+        "reward.png",
+        "staleness.png",
+        "throughput.png",
+    ]
 
 
 def run_cli(*args):

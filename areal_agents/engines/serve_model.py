@@ -105,6 +105,11 @@ def build_app(engine: HFEngine, tokenizer, cfg: ModelServerConfig) -> FastAPI:
         engine.close()
 
     app = FastAPI(title="areal-agents serve-model (SGLang native API)", lifespan=lifespan)
+
+    @app.exception_handler(ProtocolError)
+    async def bad_request(request: Request, exc: ProtocolError) -> JSONResponse:
+        return _error(400, str(exc))  # SGLang's shape: {"error": {"message": ...}}
+
     app.state.server = server
 
     async def json_body(request: Request, required: bool = False) -> dict:
@@ -121,18 +126,12 @@ def build_app(engine: HFEngine, tokenizer, cfg: ModelServerConfig) -> FastAPI:
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
-        try:
-            body = await json_body(request, required=True)
-        except ProtocolError as e:
-            return _error(400, str(e))
+        body = await json_body(request, required=True)
         return await server.generate(body)
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> Response:
-        try:
-            mode = (await json_body(request)).get("mode", "abort")
-        except ProtocolError as e:
-            return _error(400, str(e))
+        mode = (await json_body(request)).get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             return _error(400, f"mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
         await engine.pause()
@@ -147,10 +146,7 @@ def build_app(engine: HFEngine, tokenizer, cfg: ModelServerConfig) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        try:
-            body = await json_body(request)
-        except ProtocolError as e:
-            return _error(400, str(e))
+        body = await json_body(request)
         if body.get("abort_all"):
             await engine.abort()
         elif body.get("rid"):
@@ -159,18 +155,12 @@ def build_app(engine: HFEngine, tokenizer, cfg: ModelServerConfig) -> FastAPI:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:
-        try:
-            body = await json_body(request, required=True)
-        except ProtocolError as e:
-            return _error(400, str(e))
+        body = await json_body(request, required=True)
         return await server.update_from_disk(body)
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> Response:
-        try:
-            body = await json_body(request, required=True)
-        except ProtocolError as e:
-            return _error(400, str(e))
+        body = await json_body(request, required=True)
         if body.get("new_version") is None:
             return _error(400, "update_weight_version: new_version is required")
         if body.get("abort_all_requests", True):
