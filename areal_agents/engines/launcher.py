@@ -90,7 +90,7 @@ def launch_servers(
     atexit.register(group.stop)
     try:
         for i in range(cfg.num_servers):
-            port = cfg.base_port + i if cfg.base_port else _free_port(cfg.host)
+            port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)
             command = server_command(cfg, model_path, dtype, port, i)
             log = log_dir / f"{cfg.backend}-{i}.log"
             with open(log, "wb") as out:
@@ -130,7 +130,8 @@ def wait_healthy(group: ServerGroup, timeout_s: float) -> None:
             time.sleep(0.2)
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
+    """A port that is free on ``host`` right now."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

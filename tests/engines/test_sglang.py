@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from areal_agents.config import EngineConfig
-from areal_agents.engines.launcher import ServerGroup, launch_servers, server_command, wait_healthy
+from areal_agents.engines.launcher import ServerGroup, free_port, launch_servers, server_command, wait_healthy
 from areal_agents.engines.sglang_engine import SGLangEngine
 from areal_agents.engines.sglang_protocol import read_generate_response
 from areal_agents.errors import EngineError
@@ -269,7 +269,7 @@ def test_dead_server_is_retried_then_a_typed_error():
 
 def test_server_restart_mid_request_is_retried(tiny_dir, tokenizer, tmp_path):
     cfg = EngineConfig(backend="serve-model")
-    port = 30000 + (hash(str(tmp_path)) % 20000)
+    port = free_port("127.0.0.1")
     command = server_command(cfg, str(tiny_dir), "float32", port, 0)
 
     def start() -> subprocess.Popen:
