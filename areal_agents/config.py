@@ -98,7 +98,7 @@ class PPOConfig:
     ppo_epochs: int = _help("passes over each batch", default=1)
     num_minibatches: int = _help("optimizer steps per epoch", default=1)
     micro_batch_tokens: int = _help("token budget of one forward/backward micro-batch", default=16384)
-    packing: bool = _help("pack micro-batches without padding (attention stays within each sequence)", default=True)
+    packing: bool = _help("pack micro-batches without padding (attention stays within each sequence)", default=False)
     filter_zero_variance_groups: bool = _help("drop groups whose rewards are all equal", default=True)
 
     def __post_init__(self) -> None:

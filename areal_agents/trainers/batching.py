@@ -1,8 +1,8 @@
 """Turn trajectories into micro-batches under a token budget, and score tokens with a model.
 
-Packed (the default): trajectories are binned first-fit-decreasing into rows of at most the budget and
-concatenated without padding; attention stays within each trajectory (`packing.py`). Padded: sorted
-by length, right-padded to each micro-batch's longest.
+Padded (the default): sorted by length, right-padded to each micro-batch's longest. Packed:
+trajectories are binned first-fit-decreasing into rows of at most the budget and concatenated without
+padding; attention stays within each trajectory (`packing.py`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def make_micro_batches(
     advantages: Sequence[float] | None = None,
     pad_token_id: int = 0,
     prox_logprobs: Sequence[torch.Tensor] | None = None,
-    pack: bool = True,
+    pack: bool = False,
 ) -> list[MicroBatch]:
     """Split into micro-batches of at most ``max_tokens`` tokens (padded: ``rows * longest``).
 

@@ -26,7 +26,7 @@ def proximal_logprobs(
     temperature: float,
     max_tokens: int,
     pad: int,
-    pack: bool = True,
+    pack: bool = False,
 ) -> list[torch.Tensor]:
     """π_prox logprobs of every token of every trajectory, with the weights as they are now."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(trajectories)

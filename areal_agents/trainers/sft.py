@@ -41,9 +41,7 @@ def sft_update(
 ) -> dict[str, float]:
     """One optimizer step of token-weighted NLL over the loss tokens of ``trajectories``."""
     model.train()
-    # Padded micro-batches. Packed ones give the same gradients to 1e-7, yet one 400-step arithmetic warm
-    # start with them ended at 4.5% held-out instead of 39.5%; SFT keeps the measured path until that is
-    # understood (one run: it may be seed-level variance of this sharp warm start).
+    # Padded micro-batches, as ppo.packing's default: see its note in README ("Asynchronous RL, ...").
     mbs = make_micro_batches(trajectories, micro_batch_tokens, pad_token_id=pad_token_id, pack=False)
     total = sum(mb.num_loss_tokens for mb in mbs)
     optimizer.zero_grad(set_to_none=True)
