@@ -8,13 +8,21 @@ from typing import Any
 import gymnasium as gym
 from gymnasium import spaces
 
-# Everything a chat model may read or write: printable ASCII (tabs, newlines included).
+# What `sample()` draws from: printable ASCII (tabs, newlines included). Membership is any Unicode.
 TEXT_CHARSET = frozenset(string.printable)
 
 
+class UnicodeText(spaces.Text):
+    """A `gymnasium.spaces.Text` that contains any string of allowed length (math and code problems
+    carry Unicode: AIME 2025 has a bullet); `sample()` still draws printable ASCII."""
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, str) and self.min_length <= len(x) <= self.max_length
+
+
 def text_space(max_length: int) -> spaces.Text:
-    """A `gymnasium.spaces.Text` over printable characters, empty strings allowed."""
-    return spaces.Text(max_length=max_length, min_length=0, charset=TEXT_CHARSET)
+    """The text space of observations and actions: any string up to ``max_length``, empty allowed."""
+    return UnicodeText(max_length=max_length, min_length=0, charset=TEXT_CHARSET)
 
 
 class TextEnv(gym.Env[str, str]):

@@ -91,3 +91,12 @@ def test_reward_and_dataset_class_named_from_config(monkeypatch):
     assert env.step("12")[1] == 1.0
     with pytest.raises(ArealAgentsError, match="has no attribute 'Nope'"):
         gym.make("areal_agents/Math-v0", dataset=str(DATA / "aime24.jsonl"), reward="user_plugins:Nope")
+
+
+@needs_data
+def test_every_aime_problem_is_a_valid_observation():
+    """Unicode in problems (AIME 2025 #26 has a bullet) is inside the observation space."""
+    env = gym.make("areal_agents/Math-v0", dataset=str(DATA / "aime25.jsonl"), reward_mode="inline").unwrapped
+    for i in range(len(env.data)):
+        observation, _ = env.reset(options={"index": i})
+        assert observation in env.observation_space, i
