@@ -94,7 +94,12 @@ class PPOConfig:
     behav_imp_weight_cap: float | None = _help(
         "tokens whose exp(logp_prox - logp_behav) exceeds this are masked", default=5.0
     )
-    advantage: Literal["grpo", "rloo"] = _help("group baseline for the advantages", default="grpo")
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = _help(
+        "group baseline: grpo (mean/std), dr_grpo (mean, no std), rloo (leave-one-out)", default="grpo"
+    )
+    reward_scale: float = _help("rewards become (r + reward_bias) * reward_scale before advantages", default=1.0)
+    reward_bias: float = _help("added to rewards before scaling", default=0.0)
+    reward_clip: float | None = _help("clip shaped rewards to [-c, c]; null = no clipping", default=None)
     ppo_epochs: int = _help("passes over each batch", default=1)
     num_minibatches: int = _help("optimizer steps per epoch", default=1)
     micro_batch_tokens: int = _help("token budget of one forward/backward micro-batch", default=16384)

@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from areal_agents.config import PPOConfig
-from areal_agents.trainers.advantages import group_advantages, zero_variance_groups
+from areal_agents.trainers.advantages import group_advantages, shape_rewards, zero_variance_groups
 from areal_agents.trainers.batching import make_micro_batches, token_logprobs
 from areal_agents.trainers.ppo_loss import decoupled_ppo_loss
 from areal_agents.types import Trajectory
@@ -49,7 +49,7 @@ def ppo_update(
     generator: torch.Generator | None = None,
 ) -> dict[str, float]:
     """Train on one batch; return namespaced-ready stats (loss, clip fraction, weights, grad norm)."""
-    rewards = [t.reward for t in trajectories]
+    rewards = shape_rewards([t.reward for t in trajectories], cfg.reward_scale, cfg.reward_bias, cfg.reward_clip)
     group_ids = [t.group_id for t in trajectories]
     episode_ids = [t.episode_id or f"#{i}" for i, t in enumerate(trajectories)]
     advantages = group_advantages(rewards, group_ids, cfg.advantage, episode_ids=episode_ids)

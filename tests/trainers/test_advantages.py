@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from areal_agents.trainers.advantages import group_advantages, zero_variance_groups
+from areal_agents.trainers.advantages import group_advantages, shape_rewards, zero_variance_groups
 
 
 def test_grpo_normalises_within_each_group():
@@ -26,3 +26,13 @@ def test_zero_variance_groups():
 def test_unknown_method_is_an_error():
     with pytest.raises(ValueError, match="grpo"):
         group_advantages([1.0], ["a"], "ppo")
+
+
+def test_dr_grpo_centres_without_dividing_by_the_std():
+    adv = group_advantages([1, 0, 0, 0, 5, 5], ["a", "a", "a", "a", "b", "b"], "dr_grpo")
+    assert adv.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25, 0.0, 0.0])
+
+
+def test_reward_shaping_bias_scale_clip():
+    assert shape_rewards([1.0, 0.0, 3.0], scale=2.0, bias=-0.5) == [1.0, -1.0, 5.0]
+    assert shape_rewards([1.0, 0.0, 3.0], scale=2.0, bias=-0.5, clip=2.0) == [1.0, -1.0, 2.0]
