@@ -97,6 +97,7 @@ class PPOConfig:
     advantage: Literal["grpo", "dr_grpo", "rloo"] = _help(
         "group baseline: grpo (mean/std), dr_grpo (mean, no std), rloo (leave-one-out)", default="grpo"
     )
+    kl_coef: float = _help("weight of a KL(policy || initial policy) penalty (k3); 0 = none", default=0.0)
     reward_scale: float = _help("rewards become (r + reward_bias) * reward_scale before advantages", default=1.0)
     reward_bias: float = _help("added to rewards before scaling", default=0.0)
     reward_clip: float | None = _help("clip shaped rewards to [-c, c]; null = no clipping", default=None)
@@ -108,6 +109,8 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         _check_positive(self, "lr", "eps_clip", "ppo_epochs", "num_minibatches", "micro_batch_tokens")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef: expects a value >= 0, got {self.kl_coef!r}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip: expects a value > 1, got {self.dual_clip}")
 

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from areal_agents.config import PPOConfig
 from areal_agents.trainers.advantages import group_advantages, shape_rewards, zero_variance_groups
 from areal_agents.trainers.batching import make_micro_batches, token_logprobs
-from areal_agents.trainers.ppo_loss import decoupled_ppo_loss
+from areal_agents.trainers.ppo_loss import decoupled_ppo_loss, kl_to_reference
 from areal_agents.types import Trajectory
 
 
@@ -47,8 +47,11 @@ def ppo_update(
     temperature: float,
     pad_token_id: int,
     generator: torch.Generator | None = None,
+    ref_model: PreTrainedModel | None = None,
 ) -> dict[str, float]:
-    """Train on one batch; return namespaced-ready stats (loss, clip fraction, weights, grad norm)."""
+    """Train on one batch; return namespaced-ready stats (loss, clip fraction, weights, grad norm).
+
+    With ``cfg.kl_coef > 0``, ``ref_model`` (frozen, usually the initial policy) adds a KL penalty."""
     rewards = shape_rewards([t.reward for t in trajectories], cfg.reward_scale, cfg.reward_bias, cfg.reward_clip)
     group_ids = [t.group_id for t in trajectories]
     episode_ids = [t.episode_id or f"#{i}" for i, t in enumerate(trajectories)]
@@ -100,6 +103,11 @@ def ppo_update(
                     behav_imp_weight_cap=cfg.behav_imp_weight_cap,
                     num_tokens=total,
                 )
+                if cfg.kl_coef > 0 and ref_model is not None:
+                    with torch.no_grad():
+                        logp_ref = token_logprobs(ref_model, mb, temperature)
+                    penalty, st["kl_ref"] = kl_to_reference(logp, logp_ref, mb.loss_mask, total)
+                    loss = loss + cfg.kl_coef * penalty
                 loss.backward()
                 sums["loss"] += float(loss.detach())
                 weight = st["loss_tokens"] / max(total, 1)
@@ -110,8 +118,9 @@ def ppo_update(
                     "approx_kl",
                     "ratio_mean",
                     "behav_weight_mean",
+                    "kl_ref",
                 ):
-                    sums[key] += st[key] * weight
+                    sums[key] += st.get(key, 0.0) * weight
                 sums["behav_weight_max"] = max(sums["behav_weight_max"], st["behav_weight_max"])
             sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
             optimizer.step()

@@ -73,3 +73,17 @@ def decoupled_ppo_loss(
             "behav_weight_max": float(behav_weight[valid].max()) if valid.any() else 0.0,
         }
     return loss, stats
+
+
+def kl_to_reference(
+    logp: torch.Tensor, logp_ref: torch.Tensor, loss_mask: torch.Tensor, num_tokens: float | None = None
+) -> tuple[torch.Tensor, float]:
+    """KL(π_θ || π_ref) per loss token by the k3 estimator (as in GRPO), ``exp(d) - d - 1`` with
+    ``d = log π_ref - log π_θ``: non-negative, unbiased, low variance. Returns ``(penalty, mean KL)``."""
+    d = logp_ref - logp
+    kl = torch.exp(d) - d - 1.0
+    mask = loss_mask.bool()
+    n = float(num_tokens) if num_tokens is not None else float(mask.sum().clamp(min=1))
+    with torch.no_grad():
+        mean = float((kl * mask).sum()) / max(int(mask.sum()), 1)
+    return (kl * mask).sum() / n, mean

@@ -86,6 +86,9 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
     )
     eval_seeds = await held_out_seeds(backend, cfg.eval)
     optimizer, scheduler = make_optimizer(policy, cfg.ppo.lr, cfg.ppo.weight_decay, cfg.ppo.warmup_steps)
+    reference = None  # the initial policy, frozen, for the KL penalty
+    if cfg.ppo.kl_coef > 0:
+        reference = load_model(cfg.model.path, cfg.model.dtype).eval().requires_grad_(False)
     metrics = MetricsWriter(run_dir / "tensorboard")
     ledger = RolloutLedger()
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -158,6 +161,7 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
             temperature=r.temperature,
             pad_token_id=pad,
             generator=generator,
+            ref_model=reference,
         )
         if step == cfg.steps:
             controller.pause()  # the last update needs no more rollouts

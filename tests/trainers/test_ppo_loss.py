@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from areal_agents.trainers.ppo_loss import decoupled_ppo_loss
+from areal_agents.trainers.ppo_loss import decoupled_ppo_loss, kl_to_reference
 
 
 def loss_of(logp, prox, behav, adv, mask=None, **kw):
@@ -86,3 +86,42 @@ def test_loss_mask_and_shared_token_count():
     loss, grad, _ = loss_of([0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [1.0, 5.0], mask=[1, 0], num_tokens=4)
     assert loss == pytest.approx(-1.0 / 4)
     assert grad[1].item() == 0.0
+
+
+def test_kl_to_reference_k3_estimator():
+    logp = torch.tensor([math.log(0.5), math.log(0.25), -1.0])
+    mask = torch.tensor([1.0, 1.0, 0.0])
+    penalty, mean = kl_to_reference(logp, logp.clone(), mask)
+    assert float(penalty) == 0.0 and mean == 0.0  # same policy: no penalty
+    ref = torch.tensor([math.log(0.25), math.log(0.5), 5.0])
+    penalty, mean = kl_to_reference(logp, ref, mask)
+    expected = ((0.5 - math.log(0.5) - 1) + (2 - math.log(2) - 1)) / 2  # exp(d) - d - 1, d = ref - logp
+    assert float(penalty) == pytest.approx(expected) and mean == pytest.approx(expected)
+
+
+def test_ppo_update_adds_the_kl_penalty_to_a_reference(model, tiny_dir):
+    from areal_agents.config import PPOConfig
+    from areal_agents.models import load_model
+    from areal_agents.trainers.ppo import ppo_update
+    from areal_agents.trainers.setup import make_optimizer
+    from areal_agents.types import Trajectory
+
+    reference = load_model(tiny_dir)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    trajs = [
+        Trajectory(
+            [5, 6, 7, 8, 9], [0, 0, 1, 1, 1], [0.0, 0.0, -3.0, -3.0, -3.0], [-1, -1, 0, 0, 0], reward=r, group_id="g"
+        )
+        for r in (0.0, 1.0)
+    ]
+    stats = {}
+    for coef in (0.0, 0.5):
+        optimizer, scheduler = make_optimizer(model, 1e-4, 0.0, 0)
+        cfg = PPOConfig(kl_coef=coef, filter_zero_variance_groups=False)
+        stats[coef] = ppo_update(
+            model, optimizer, scheduler, trajs, cfg, temperature=1.0, pad_token_id=0, ref_model=reference
+        )
+    assert stats[0.0]["kl_ref"] == 0.0  # not computed without a coefficient
+    assert stats[0.5]["kl_ref"] > 0.0  # the perturbed reference is measurably away from the policy
