@@ -19,6 +19,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -169,8 +170,6 @@ class HFEngine:
         from safetensors.torch import load_file  # noqa: PLC0415  (only this path needs it)
 
         def load() -> None:
-            from pathlib import Path  # noqa: PLC0415
-
             files = sorted(Path(model_path).glob("*.safetensors"))
             if not files:
                 raise EngineError(f"update_weights_from_disk: no *.safetensors in {model_path!r}")

@@ -64,7 +64,7 @@ class ModelServer:
 
     async def generate(self, body: Any) -> Response:
         try:
-            requests = parse_generate(body, self.tokenize, self.engine.eos_token_ids)
+            requests = parse_generate(body, self.tokenize)
         except ProtocolError as e:
             return _error(400, str(e))
         responses = await asyncio.gather(*(self.engine.generate_once(r) for r, _ in requests))

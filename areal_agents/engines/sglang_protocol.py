@@ -69,7 +69,7 @@ class ProtocolError(ValueError):
     """A request body SGLang would reject (400), with the field named."""
 
 
-def parse_sampling(params: dict[str, Any] | None, eos_token_ids: set[int]) -> SamplingParams:
+def parse_sampling(params: dict[str, Any] | None) -> SamplingParams:
     """SGLang ``sampling_params`` -> `SamplingParams`; unknown or unsupported keys are errors."""
     params = dict(params or {})
     for key, value in params.items():
@@ -96,7 +96,7 @@ def parse_sampling(params: dict[str, Any] | None, eos_token_ids: set[int]) -> Sa
         raise ProtocolError(f"sampling_params: {e}") from e
 
 
-def parse_generate(body: dict[str, Any], tokenize, eos_token_ids: set[int]) -> list[tuple[GenRequest, dict]]:
+def parse_generate(body: dict[str, Any], tokenize) -> list[tuple[GenRequest, dict]]:
     """A /generate body -> one (request, options) per prompt; a batch is a list of ``input_ids`` or texts."""
     if not isinstance(body, dict):
         raise ProtocolError("the /generate body must be a JSON object")
@@ -137,7 +137,7 @@ def parse_generate(body: dict[str, Any], tokenize, eos_token_ids: set[int]) -> l
     }
     out = []
     for rid, prompt, sp in zip(rids, prompts, per_prompt):
-        sampling = parse_sampling(sp, eos_token_ids)
+        sampling = parse_sampling(sp)
         out.append((GenRequest(str(rid), list(prompt), sampling), {**options, "sampling_params": sp or {}}))
     return out
 
