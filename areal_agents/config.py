@@ -87,16 +87,32 @@ class PPOConfig:
     lr: float = _help("AdamW learning rate", default=1e-4)
     weight_decay: float = _help("AdamW weight decay", default=0.0)
     warmup_steps: int = _help("linear learning-rate warm-up, in optimizer steps", default=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = _help(
+        "after warm-up: constant, or decay to 0 over the run (linear or cosine)", default="constant"
+    )
+    activation_checkpointing: bool = _help(
+        "recompute activations in the backward pass: less memory for long sequences, ~30% more compute",
+        default=False,
+    )
     max_grad_norm: float = _help("gradient-norm clip", default=1.0)
     eps_clip: float = _help("PPO clip range below 1 (and above, unless eps_clip_higher)", default=0.2)
     eps_clip_higher: float | None = _help("PPO clip range above 1 (DAPO clip-higher)", default=None)
     dual_clip: float | None = _help("dual-clip bound c > 1 for negative advantages", default=None)
     behav_imp_weight_cap: float | None = _help(
-        "tokens whose exp(logp_prox - logp_behav) exceeds this are masked", default=5.0
+        "cap on the behavior importance weight exp(logp_prox - logp_behav); null = no cap", default=5.0
     )
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = _help(
-        "group baseline: grpo (mean/std), dr_grpo (mean, no std), rloo (leave-one-out)", default="grpo"
+    behav_imp_weight_mode: Literal["mask", "clamp"] = _help(
+        "tokens beyond the cap: mask (drop them) or clamp (weight = cap)", default="mask"
     )
+    advantage: Literal["grpo", "dr_grpo", "rloo", "gae"] = _help(
+        "grpo (group mean/std), dr_grpo (group mean, no std), rloo (leave-one-out), gae (a learned critic)",
+        default="grpo",
+    )
+    gamma: float = _help("gae: discount per generated token", default=1.0)
+    lam: float = _help("gae: lambda (bias/variance trade-off)", default=0.95)
+    critic_lr: float = _help("gae: AdamW learning rate of the critic", default=1e-4)
+    value_clip: float | None = _help("gae: clip of the value update around the old values; null = none", default=0.2)
+    whiten_advantages: bool = _help("gae: normalise advantages to mean 0, std 1 over the batch", default=True)
     kl_coef: float = _help("weight of a KL(policy || initial policy) penalty (k3); 0 = none", default=0.0)
     reward_scale: float = _help("rewards become (r + reward_bias) * reward_scale before advantages", default=1.0)
     reward_bias: float = _help("added to rewards before scaling", default=0.0)
@@ -113,6 +129,10 @@ class PPOConfig:
             raise ValueError(f"kl_coef: expects a value >= 0, got {self.kl_coef!r}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip: expects a value > 1, got {self.dual_clip}")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name}: expects a value in [0, 1], got {getattr(self, name)!r}")
+        _check_positive(self, "critic_lr")
 
 
 @dataclass

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from areal_agents.cli import main
 
@@ -221,6 +222,29 @@ def test_resume_after_kill_9_continues_with_the_same_data_order(tmp_path, tiny_d
     assert summary["engine_version"] == 6 and summary["episodes"]["running"] == 0
     kept = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert kept == ["step_5", "step_6"]  # keep_checkpoints=2
+
+
+def test_gae_with_a_critic_trains_checkpoints_and_resumes(tmp_path, tiny_dir):
+    """advantage=gae with activation checkpointing and a cosine schedule; the critic rides in the checkpoint."""
+    _, rl = write_configs(tmp_path, tiny_dir)
+    args = ["train", str(rl), "ppo.advantage=gae", "ppo.activation_checkpointing=true", "ppo.lr_schedule=cosine"]
+    assert main([*args, "--no-progress"]) == 0
+    run = tmp_path / "rl"
+    state = torch.load(run / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
+    assert "head.weight" in state["critic"] and state["critic_optimizer"]["state"]
+    assert state["scheduler"]["last_epoch"] == 2
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logs = EventAccumulator(str(run / "tensorboard"), size_guidance={"histograms": 0}).Reload()
+    tags = logs.Tags()
+    for key in ("train/value_loss", "train/return_mean", "rollout/reward_turn/1", "perf/train_tokens_per_s"):
+        assert key in tags["scalars"], key
+    assert "rollout/reward_env/areal_agents/Arithmetic-v0" in tags["scalars"]
+    assert "rollout/staleness" in tags["histograms"]
+
+    assert main([*args, "steps=3", "--resume", "--no-progress"]) == 0
+    assert json.loads((run / "summary.json").read_text())["engine_version"] == 3
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_dir):

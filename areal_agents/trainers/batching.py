@@ -74,6 +74,14 @@ def make_micro_batches(
     return batches
 
 
+def spread(mb: MicroBatch, per_trajectory: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One 1-D tensor per trajectory (indexed like the ``make_micro_batches`` input) laid out like ``mb``."""
+    out = torch.zeros_like(mb.loss_mask)
+    for (row, a, b), i in zip(mb.slices, mb.index):
+        out[row, a:b] = per_trajectory[i]
+    return out
+
+
 def _collate(trajs: list[Trajectory], adv: list[float], index: list[int], pad: int) -> MicroBatch:
     n, width = len(trajs), max(len(t) for t in trajs)
     input_ids = torch.full((n, width), pad, dtype=torch.long)

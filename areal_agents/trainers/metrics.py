@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 from torch.utils.tensorboard import SummaryWriter
 
 
@@ -18,6 +19,10 @@ class MetricsWriter:
         for key, value in scalars.items():
             self.writer.add_scalar(key, value, step)
             self.latest[key] = value
+
+    def histogram(self, step: int, key: str, values: list[float]) -> None:
+        if values:
+            self.writer.add_histogram(key, np.asarray(values, dtype=np.float64), step)
 
     def close(self) -> None:
         self.writer.flush()

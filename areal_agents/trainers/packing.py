@@ -126,14 +126,14 @@ def _buckets(edges: tuple[int, ...], total: int) -> list[tuple[torch.Tensor, int
 AttentionInterface.register(VARLEN_ATTENTION, varlen_sdpa)
 
 
-def packed_token_logprobs(model: PreTrainedModel, mb, temperature: float = 1.0) -> torch.Tensor:  # noqa: ANN001
-    """``log softmax(logits / T)`` of each token of a packed row, ``[1, T]``; 0 where a trajectory starts."""
-    previous = model.config._attn_implementation  # noqa: SLF001
-    model.set_attn_implementation(VARLEN_ATTENTION)
+def packed_hidden_states(decoder: PreTrainedModel, mb) -> torch.Tensor:  # noqa: ANN001
+    """Final hidden states ``[T, H]`` of a packed row, attention kept within each trajectory."""
+    previous = decoder.config._attn_implementation  # noqa: SLF001
+    decoder.set_attn_implementation(VARLEN_ATTENTION)
     try:
         cu = mb.cu_seqlens
         max_len = int((cu[1:] - cu[:-1]).max())
-        hidden = model.get_decoder()(
+        return decoder(
             input_ids=mb.input_ids,
             position_ids=mb.position_ids,
             use_cache=False,
@@ -141,9 +141,15 @@ def packed_token_logprobs(model: PreTrainedModel, mb, temperature: float = 1.0) 
             cu_seq_lens_k=cu,
             max_length_q=max_len,
             max_length_k=max_len,
-        ).last_hidden_state[0, :-1]  # position t predicts token t + 1
+        ).last_hidden_state[0]
     finally:
-        model.set_attn_implementation(previous)
+        decoder.set_attn_implementation(previous)
+
+
+def packed_token_logprobs(model: PreTrainedModel, mb, temperature: float = 1.0) -> torch.Tensor:  # noqa: ANN001
+    """``log softmax(logits / T)`` of each token of a packed row, ``[1, T]``; 0 where a trajectory starts."""
+    cu = mb.cu_seqlens
+    hidden = packed_hidden_states(model.get_decoder(), mb)[:-1]  # position t predicts token t + 1
     head = model.get_output_embeddings()
     targets = mb.input_ids[0, 1:]
     scale = 1.0 / temperature if temperature > 0 else 1.0

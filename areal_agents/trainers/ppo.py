@@ -1,8 +1,9 @@
-"""One decoupled-PPO training step on a batch of trajectories (GRPO groups).
+"""One decoupled-PPO training step on a batch of trajectories (GRPO groups, or GAE with a critic).
 
 Steps, in order: group advantages -> drop zero-variance groups -> proximal logprobs with the current
-weights -> ``ppo_epochs`` x ``num_minibatches`` optimizer steps, each accumulating gradients over
-token-budgeted micro-batches with the loss normalised by the minibatch's loss tokens.
+weights (and, for GAE, the critic's values -> per-token advantages and returns) -> ``ppo_epochs`` x
+``num_minibatches`` optimizer steps, each accumulating gradients over token-budgeted micro-batches with
+the loss normalised by the minibatch's loss tokens; the critic steps beside the policy.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from transformers import PreTrainedModel
 
 from areal_agents.config import PPOConfig
 from areal_agents.trainers.advantages import group_advantages, shape_rewards, zero_variance_groups
-from areal_agents.trainers.batching import make_micro_batches, token_logprobs
+from areal_agents.trainers.batching import make_micro_batches, spread, token_logprobs
+from areal_agents.trainers.critic import ValueModel, gae, value_loss, whiten
 from areal_agents.trainers.ppo_loss import decoupled_ppo_loss, kl_to_reference
 from areal_agents.types import Trajectory
 
@@ -37,6 +39,19 @@ def proximal_logprobs(
     return out
 
 
+@torch.no_grad()
+def critic_values(
+    critic: ValueModel, trajectories: list[Trajectory], max_tokens: int, pad: int, pack: bool = False
+) -> list[torch.Tensor]:
+    """The critic's value of the prefix before every token of every trajectory."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(trajectories)
+    for mb in make_micro_batches(trajectories, max_tokens, pad_token_id=pad, pack=pack):
+        values = critic(mb)
+        for (row, a, b), i in zip(mb.slices, mb.index):
+            out[i] = values[row, a:b].clone()
+    return out
+
+
 def ppo_update(
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
@@ -48,29 +63,51 @@ def ppo_update(
     pad_token_id: int,
     generator: torch.Generator | None = None,
     ref_model: PreTrainedModel | None = None,
+    critic: ValueModel | None = None,
+    critic_optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, float]:
     """Train on one batch; return namespaced-ready stats (loss, clip fraction, weights, grad norm).
 
-    With ``cfg.kl_coef > 0``, ``ref_model`` (frozen, usually the initial policy) adds a KL penalty."""
+    With ``cfg.kl_coef > 0``, ``ref_model`` (frozen, usually the initial policy) adds a KL penalty.
+    ``cfg.advantage == "gae"`` needs ``critic`` and ``critic_optimizer``."""
+    use_gae = cfg.advantage == "gae"
+    if use_gae and (critic is None or critic_optimizer is None):
+        raise ValueError("ppo.advantage=gae needs a critic and its optimizer")
     rewards = shape_rewards([t.reward for t in trajectories], cfg.reward_scale, cfg.reward_bias, cfg.reward_clip)
     group_ids = [t.group_id for t in trajectories]
-    episode_ids = [t.episode_id or f"#{i}" for i, t in enumerate(trajectories)]
-    advantages = group_advantages(rewards, group_ids, cfg.advantage, episode_ids=episode_ids)
     flat = zero_variance_groups(rewards, group_ids)
-    stats: dict[str, float] = {
-        "zero_variance_group_fraction": len(flat) / max(len(set(group_ids)), 1),
-        "advantage_abs_mean": float(advantages.abs().mean()) if len(advantages) else 0.0,
-    }
-    keep = [i for i, g in enumerate(group_ids) if not (cfg.filter_zero_variance_groups and g in flat)]
+    stats: dict[str, float] = {"zero_variance_group_fraction": len(flat) / max(len(set(group_ids)), 1)}
+    if use_gae:  # the critic is the baseline: every trajectory carries signal
+        keep, group_adv = list(range(len(trajectories))), []
+    else:
+        episode_ids = [t.episode_id or f"#{i}" for i, t in enumerate(trajectories)]
+        advantages = group_advantages(rewards, group_ids, cfg.advantage, episode_ids=episode_ids)
+        stats["advantage_abs_mean"] = float(advantages.abs().mean()) if len(advantages) else 0.0
+        keep = [i for i, g in enumerate(group_ids) if not (cfg.filter_zero_variance_groups and g in flat)]
+        group_adv = advantages[keep].tolist()
     stats["trained_trajectories"] = float(len(keep))
     if not keep:
         stats["skipped"] = 1.0
         return stats
     trajs = [trajectories[i] for i in keep]
-    adv = advantages[keep].tolist()
+    masks = [torch.tensor(t.loss_mask, dtype=torch.float) for t in trajs]
 
     model.train()
     prox = proximal_logprobs(model, trajs, temperature, cfg.micro_batch_tokens, pad_token_id, cfg.packing)
+    if use_gae:
+        critic.train()
+        old_values = critic_values(critic, trajs, cfg.micro_batch_tokens, pad_token_id, cfg.packing)
+        adv_returns = [gae(v, m, rewards[i], cfg.gamma, cfg.lam) for v, m, i in zip(old_values, masks, keep)]
+        adv = [a for a, _ in adv_returns]
+        returns = [r for _, r in adv_returns]
+        if cfg.whiten_advantages:
+            adv = whiten(adv, masks)
+        n_tokens = max(float(sum(m.sum() for m in masks)), 1.0)
+        stats["value_mean"] = float(sum((v * m).sum() for v, m in zip(old_values, masks))) / n_tokens
+        stats["return_mean"] = float(sum(r.sum() for r in returns)) / n_tokens
+        stats["advantage_abs_mean"] = float(sum((a.abs() * m).sum() for a, m in zip(adv, masks))) / n_tokens
+    else:
+        adv = [a * m for a, m in zip(group_adv, masks)]
     sums: dict[str, float] = defaultdict(float)
     steps = 0
     for _ in range(cfg.ppo_epochs):
@@ -82,14 +119,16 @@ def ppo_update(
             mbs = make_micro_batches(
                 [trajs[i] for i in idx],
                 cfg.micro_batch_tokens,
-                [adv[i] for i in idx],
-                pad_token_id,
-                [prox[i] for i in idx],
+                pad_token_id=pad_token_id,
+                prox_logprobs=[prox[i] for i in idx],
                 pack=cfg.packing,
             )
             total = sum(mb.num_loss_tokens for mb in mbs)
             optimizer.zero_grad(set_to_none=True)
+            if use_gae:
+                critic_optimizer.zero_grad(set_to_none=True)
             for mb in mbs:
+                mb.advantages = spread(mb, [adv[i] for i in idx])
                 logp = token_logprobs(model, mb, temperature)
                 loss, st = decoupled_ppo_loss(
                     logp,
@@ -101,6 +140,7 @@ def ppo_update(
                     eps_clip_higher=cfg.eps_clip_higher,
                     dual_clip=cfg.dual_clip,
                     behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+                    behav_imp_weight_mode=cfg.behav_imp_weight_mode,
                     num_tokens=total,
                 )
                 if cfg.kl_coef > 0 and ref_model is not None:
@@ -122,9 +162,26 @@ def ppo_update(
                 ):
                     sums[key] += st.get(key, 0.0) * weight
                 sums["behav_weight_max"] = max(sums["behav_weight_max"], st["behav_weight_max"])
+                if use_gae:
+                    vloss, vclip = value_loss(
+                        critic(mb),
+                        spread(mb, [old_values[i] for i in idx]),
+                        spread(mb, [returns[i] for i in idx]),
+                        mb.loss_mask,
+                        cfg.value_clip,
+                        total,
+                    )
+                    vloss.backward()
+                    sums["value_loss"] += float(vloss.detach())
+                    sums["value_clip_fraction"] += vclip * weight
             sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
             optimizer.step()
             scheduler.step()
+            if use_gae:
+                sums["critic_grad_norm"] += float(
+                    torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
+                )
+                critic_optimizer.step()
             steps += 1
     for key, value in sums.items():
         stats[key] = value if key == "behav_weight_max" else value / max(steps, 1)

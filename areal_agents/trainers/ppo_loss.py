@@ -9,7 +9,8 @@ advantage A_t:
     w_t   = π_prox(a_t) / π_behav(a_t)                               (behavior importance weight)
     L_t   = w_t · max(-A_t · r_t, -A_t · clip(r_t, 1 - ε, 1 + ε_high))
     (dual clip, A_t < 0:  L_t = min(L_t, w_t · (-A_t) · c))
-    L     = Σ_t m_t L_t / N        m_t = 0 where w_t > cap (stale or off-policy tokens are dropped)
+    L     = Σ_t m_t L_t / N        m_t = 0 where w_t > cap (stale or off-policy tokens are dropped;
+                                   with ``behav_imp_weight_mode="clamp"`` they count with w_t = cap instead)
 
 N is the number of loss tokens (token-weighted mean); pass ``num_tokens`` to normalise several
 micro-batches by their shared total. When π_behav = π_prox (on-policy) w_t = 1 and this is PPO; when
@@ -32,6 +33,7 @@ def decoupled_ppo_loss(
     eps_clip_higher: float | None = None,
     dual_clip: float | None = None,
     behav_imp_weight_cap: float | None = None,
+    behav_imp_weight_mode: str = "mask",
     num_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Return ``(loss, stats)``; every tensor argument has the same shape (tokens, any layout)."""
@@ -52,7 +54,12 @@ def decoupled_ppo_loss(
     behav_weight = torch.exp(logp_prox - logp_behav).detach()
     if behav_imp_weight_cap is not None:
         capped = mask & (behav_weight > behav_imp_weight_cap)
-        mask = mask & ~capped
+        if behav_imp_weight_mode == "mask":
+            mask = mask & ~capped
+        elif behav_imp_weight_mode == "clamp":
+            behav_weight = behav_weight.clamp(max=behav_imp_weight_cap)
+        else:
+            raise ValueError(f"behav_imp_weight_mode: expects 'mask' or 'clamp', got {behav_imp_weight_mode!r}")
     else:
         capped = torch.zeros_like(mask)
 

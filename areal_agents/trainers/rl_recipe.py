@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from areal_agents.rollout.controller import Group, RolloutController
 from areal_agents.rollout.episodes import RolloutLedger
 from areal_agents.rollout.evaluate import evaluate
 from areal_agents.trainers.checkpoint import checkpoints, load_trainer_state, prune_checkpoints, save_checkpoint
+from areal_agents.trainers.critic import ValueModel
 from areal_agents.trainers.metrics import MetricsWriter, prefixed
 from areal_agents.trainers.ppo import ppo_update
 from areal_agents.trainers.setup import (
@@ -38,7 +40,7 @@ from areal_agents.trainers.setup import (
     prepare_run_dir,
     seed_everything,
 )
-from areal_agents.types import SamplingParams
+from areal_agents.types import SamplingParams, Trajectory
 
 
 def run_train(cfg: TrainConfig, progress: bool = True, resume: bool = False) -> dict[str, Any]:
@@ -85,10 +87,21 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
         engine, tokenizer, SamplingParams(r.max_new_tokens, temperature=0.0), system_prompt=r.system_prompt
     )
     eval_seeds = await held_out_seeds(backend, cfg.eval)
-    optimizer, scheduler = make_optimizer(policy, cfg.ppo.lr, cfg.ppo.weight_decay, cfg.ppo.warmup_steps)
+    p = cfg.ppo
+    optimizer_steps = cfg.steps * p.ppo_epochs * p.num_minibatches
+    optimizer, scheduler = make_optimizer(policy, p.lr, p.weight_decay, p.warmup_steps, p.lr_schedule, optimizer_steps)
+    if p.activation_checkpointing:
+        policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     reference = None  # the initial policy, frozen, for the KL penalty
-    if cfg.ppo.kl_coef > 0:
+    if p.kl_coef > 0:
         reference = load_model(cfg.model.path, cfg.model.dtype).eval().requires_grad_(False)
+    critic = critic_optimizer = None  # GAE: a value model initialised from the starting checkpoint
+    if p.advantage == "gae":
+        critic_lm = load_model(cfg.model.path, cfg.model.dtype)
+        if p.activation_checkpointing:
+            critic_lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        critic = ValueModel(critic_lm)
+        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=p.critic_lr, weight_decay=p.weight_decay)
     metrics = MetricsWriter(run_dir / "tensorboard")
     ledger = RolloutLedger()
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -97,6 +110,11 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         generator.set_state(state["generator"])
+        if critic is not None:
+            if "critic" not in state:
+                raise ConfigError("--resume: ppo.advantage=gae but the checkpoint holds no critic")
+            critic.load_state_dict(state["critic"])
+            critic_optimizer.load_state_dict(state["critic_optimizer"])
         ledger = RolloutLedger(**{k: v for k, v in state["ledger"].items() if k != "running"})
         ledger.submitted -= state["ledger"]["running"]  # episodes cut off by the stop run again
         first_step, data_position = state["step"] + 1, state["data_position"]
@@ -139,6 +157,8 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
     def checkpoint(step: int) -> Path:
         extra = {"data_position": controller.data_position, "generator": generator.get_state()}
         extra["accuracy_before"] = before["accuracy"]
+        if critic is not None:
+            extra |= {"critic": critic.state_dict(), "critic_optimizer": critic_optimizer.state_dict()}
         path = save_checkpoint(run_dir, step, policy, tokenizer, optimizer, scheduler, _state(engine, ledger) | extra)
         prune_checkpoints(run_dir, cfg.keep_checkpoints)
         return path
@@ -162,6 +182,8 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
             pad_token_id=pad,
             generator=generator,
             ref_model=reference,
+            critic=critic,
+            critic_optimizer=critic_optimizer,
         )
         if step == cfg.steps:
             controller.pause()  # the last update needs no more rollouts
@@ -171,6 +193,7 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
 
         generated = sum(t.num_generated for t in trajectories)
         rewards = [t.reward for t in trajectories]
+        staleness = controller.stats.staleness[-len(trajectories) :] or [0]
         rollout_stats = {
             "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
             "accuracy": float(np.mean([x >= 1.0 for x in rewards])) if rewards else 0.0,
@@ -182,13 +205,16 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
             "episodes_running": float(ledger.running),
             "queued_groups": float(controller.queued_groups),
             "running_groups": float(controller.running_groups),
-            "staleness_mean": float(np.mean(controller.stats.staleness[-len(trajectories) :] or [0])),
-            "staleness_max": float(max(controller.stats.staleness[-len(trajectories) :] or [0])),
+            "staleness_mean": float(np.mean(staleness)),
+            "staleness_max": float(max(staleness)),
+            **_reward_breakdown(trajectories, cfg.env.id),
         }
         perf = {
             "gen_tokens_per_s": generated / max(t1 - t0, 1e-9),
             "trained_samples_per_s": stats.get("trained_trajectories", 0.0) / max(t2 - t1, 1e-9),
+            "train_tokens_per_s": sum(len(t) for t in trajectories) / max(t2 - t1, 1e-9),
             "step_seconds": t2 - t0,
+            **_gpu_utilisation(),
         }
         totals["trained_samples"] += int(stats.get("trained_trajectories", 0))
         totals["generated_tokens"] += generated
@@ -205,6 +231,7 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress
                 "engine/version": float(engine.get_version()),
             },
         )
+        metrics.histogram(step, "rollout/staleness", staleness)
         bar.set_postfix(
             reward=f"{rollout_stats['reward_mean']:.3f}",
             acc=f"{rollout_stats['accuracy']:.2f}",
@@ -261,6 +288,30 @@ def _state(engine: InferenceEngine, ledger: RolloutLedger) -> dict[str, Any]:
 
 def _ledger(ledger: RolloutLedger) -> dict[str, int]:
     return {**dataclasses.asdict(ledger), "running": ledger.running}
+
+
+def _reward_breakdown(trajectories: list[Trajectory], default_env: str) -> dict[str, float]:
+    """Mean reward per env (``metadata["env"]``, else the run's env id) and mean reward of each turn."""
+    by_env: dict[str, list[float]] = defaultdict(list)
+    by_turn: dict[int, list[float]] = defaultdict(list)
+    for t in trajectories:
+        if t.metadata.get("segment", 0) != 0:
+            continue  # later segments of an episode repeat its rewards
+        by_env[str(t.metadata.get("env", default_env))].append(t.reward)
+        for k, r in enumerate(t.turn_rewards):
+            by_turn[k + 1].append(r)
+    out = {f"reward_env/{env}": float(np.mean(v)) for env, v in by_env.items()}
+    return out | {f"reward_turn/{k}": float(np.mean(v)) for k, v in sorted(by_turn.items())}
+
+
+def _gpu_utilisation() -> dict[str, float]:
+    """Utilisation (%) of each visible GPU, when there is one and NVML can read it."""
+    if not torch.cuda.is_available():
+        return {}
+    try:
+        return {f"gpu{i}_utilisation": float(torch.cuda.utilization(i)) for i in range(torch.cuda.device_count())}
+    except Exception:  # noqa: BLE001  (no pynvml / NVML: skip rather than fail a run over a metric)
+        return {}
 
 
 def _has_reward_variance(group: Group) -> bool:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
 
 from areal_agents.config import EnvConfig, EvalConfig, config_to_dict
 from areal_agents.envs.backends import EnvBackend, open_env_backend
@@ -39,14 +40,31 @@ async def held_out_seeds(backend: EnvBackend, eval_cfg: EvalConfig) -> list[int]
 
 
 def make_optimizer(
-    model: PreTrainedModel, lr: float, weight_decay: float, warmup_steps: int
+    model: torch.nn.Module,
+    lr: float,
+    weight_decay: float,
+    warmup_steps: int,
+    schedule: str = "constant",
+    total_steps: int = 0,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW with a linear warm-up to a constant learning rate."""
+    """AdamW with a linear warm-up, then a constant rate or a decay to 0 at ``total_steps``
+    (``linear`` or ``cosine``; optimizer steps)."""
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"lr_schedule: expects 'constant', 'linear' or 'cosine', got {schedule!r}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(lr_factor, warmup_steps=warmup_steps, schedule=schedule, total_steps=total_steps)
     )
-    return optimizer, scheduler
+
+
+def lr_factor(step: int, *, warmup_steps: int, schedule: str, total_steps: int) -> float:
+    """Multiplier of the base learning rate at optimizer step ``step`` (0-based)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def prepare_run_dir(run_dir: str | Path, cfg: Any) -> Path:

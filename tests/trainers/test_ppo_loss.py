@@ -81,6 +81,21 @@ def test_cap_masks_tokens_beyond_it():
     assert stats["behav_weight_max"] == pytest.approx(10.0)
 
 
+def test_cap_clamp_mode_keeps_tokens_at_the_cap():
+    # Same tokens as above, clamp mode: token 1 counts with w = 5 instead of being dropped.
+    loss, grad, stats = loss_of(
+        [0.0, 0.0],
+        [0.0, 0.0],
+        [-math.log(2.0), -math.log(10.0)],
+        [1.0, 1.0],
+        behav_imp_weight_cap=5.0,
+        behav_imp_weight_mode="clamp",
+    )
+    assert loss == pytest.approx(-(2.0 + 5.0) / 2)
+    assert grad[1].item() == pytest.approx(-2.5)
+    assert stats["capped_fraction"] == pytest.approx(0.5)
+
+
 def test_loss_mask_and_shared_token_count():
     # Masked tokens contribute nothing; num_tokens overrides the normaliser (micro-batch accumulation).
     loss, grad, _ = loss_of([0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [1.0, 5.0], mask=[1, 0], num_tokens=4)

@@ -1,0 +1,98 @@
+"""A critic and GAE: per-token advantages from a learned value of each prefix (PPO's original recipe).
+
+The policy's tokens of one trajectory form the time axis; env and prompt tokens are part of the state.
+For the generated tokens t = 1..K, with V_t the value of the prefix before token t and r_t = 0 except
+r_K = the trajectory's (shaped) reward:
+
+    δ_t = r_t + γ V_{t+1} - V_t        (V_{K+1} = 0: the episode ends)
+    A_t = δ_t + γ λ A_{t+1}            returns R_t = A_t + V_t
+
+The critic is trained on R_t with PPO's clipped value loss. Each segment of a history-rewriting episode
+ends with the episode's reward, as if it ended the episode.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from areal_agents.trainers.batching import MicroBatch
+
+
+class ValueModel(nn.Module):
+    """The transformer body of a causal LM with a scalar head: a value for every prefix.
+
+    ``lm`` must be the critic's own copy (e.g. ``load_model(path)``): its body is trained, its LM head dropped.
+    """
+
+    def __init__(self, lm: PreTrainedModel) -> None:
+        super().__init__()
+        self.body = lm.get_decoder()
+        self.head = nn.Linear(lm.config.hidden_size, 1)
+        nn.init.zeros_(self.head.weight)  # values start at 0: the first advantages are the rewards
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, mb: MicroBatch) -> torch.Tensor:
+        """``V`` of the prefix before each token, laid out like ``mb.input_ids``; 0 at position 0."""
+        if mb.cu_seqlens is not None:
+            from areal_agents.trainers.packing import packed_hidden_states  # noqa: PLC0415
+
+            hidden = packed_hidden_states(self.body, mb)[None]
+        else:
+            hidden = self.body(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+            hidden = hidden.last_hidden_state
+        values = self.head(hidden[:, :-1]).squeeze(-1).float()  # the state after position t, before token t + 1
+        values = nn.functional.pad(values, (1, 0))
+        if mb.cu_seqlens is not None:
+            values[0, mb.cu_seqlens[:-1].long()] = 0.0  # a trajectory's first token has no prefix of its own
+        return values
+
+
+def gae(
+    values: torch.Tensor, loss_mask: torch.Tensor, reward: float, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` of one trajectory (1-D tensors laid out like its tokens, 0 off the mask)."""
+    positions = loss_mask.nonzero().flatten().tolist()
+    advantages = torch.zeros_like(values)
+    next_value, running = 0.0, 0.0
+    for k, t in enumerate(reversed(positions)):
+        r = reward if k == 0 else 0.0
+        delta = r + gamma * next_value - float(values[t])
+        running = delta + gamma * lam * running
+        advantages[t] = running
+        next_value = float(values[t])
+    returns = (advantages + values) * loss_mask
+    return advantages, returns
+
+
+def whiten(per_trajectory: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1e-8) -> list[torch.Tensor]:
+    """Advantages shifted and scaled to mean 0, std 1 over all loss tokens of the batch."""
+    flat = torch.cat([a[m.bool()] for a, m in zip(per_trajectory, masks)])
+    if flat.numel() < 2:
+        return per_trajectory
+    mean, std = flat.mean(), flat.std(unbiased=False)
+    return [(a - mean) / (std + eps) * m for a, m in zip(per_trajectory, masks)]
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    loss_mask: torch.Tensor,
+    value_clip: float | None,
+    num_tokens: float,
+) -> tuple[torch.Tensor, float]:
+    """PPO's clipped value loss ``½ max((V - R)², (V_clip - R)²)`` summed over loss tokens / ``num_tokens``;
+    returns ``(loss, fraction of tokens where the clipped term was larger)``."""
+    mask = loss_mask.bool()
+    err = (values - returns) ** 2
+    if value_clip is not None:
+        clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+        err_clipped = (clipped - returns) ** 2
+        used = err_clipped > err
+        err = torch.maximum(err, err_clipped)
+    else:
+        used = torch.zeros_like(mask)
+    loss = 0.5 * (err * mask).sum() / max(num_tokens, 1.0)
+    return loss, float((used & mask).sum()) / max(int(mask.sum()), 1)
