@@ -74,6 +74,12 @@ class RolloutConfig:
     dynamic_sampling: bool = _help("replace groups whose rewards are all equal with new ones", default=False)
     max_retries: int = _help("retries of an episode that failed by the env or the engine", default=1)
     system_prompt: str = _help("optional system message placed before the first observation", default="")
+    agent: str = _help(
+        "module:Class (an Agent, e.g. a ChatAgent subclass) or module:function (async episode function); "
+        "empty = ChatAgent",
+        default="",
+    )
+    agent_kwargs: dict[str, Any] = _help("keyword arguments of the agent class", default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_positive(self, "batch_size", "group_size", "max_new_tokens", "max_concurrent_rollouts")

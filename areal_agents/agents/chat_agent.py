@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -19,6 +20,10 @@ class ChatAgent:
 
         agent = ChatAgent(engine, tokenizer, SamplingParams(max_new_tokens=16))
         trajectories = await agent.run_episode(LocalEnvPool("inline").make(env_id), seed=0, episode_id="ep0")
+
+    Subclass and override a hook to change the logic without touching the loop: `format_observation`
+    (what the model reads), `parse_action` (what the env receives), `should_stop` (end early), and
+    `respond` (answer a turn without stepping the env, as `ToolAgent` does for tool calls).
     """
 
     def __init__(
@@ -40,6 +45,22 @@ class ChatAgent:
         self.agent_id = agent_id
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
+
+    def format_observation(self, observation: str, info: dict[str, Any]) -> str:
+        """The message text the model reads for an env observation."""
+        return observation
+
+    def parse_action(self, text: str) -> str:
+        """The action sent to the env for the model's reply ``text``."""
+        return text
+
+    def should_stop(self, turn: int, reward: float, info: dict[str, Any]) -> bool:
+        """End the episode after ``turn`` (0-based) even though the env goes on."""
+        return False
+
+    async def respond(self, text: str) -> tuple[str, str] | None:
+        """Answer the model's reply here as ``(role, message)`` instead of stepping the env; None steps it."""
+        return None
 
     async def run_episode(self, env: AsyncEnv, *, seed: int | None, episode_id: str) -> list[Trajectory]:
         try:
@@ -74,7 +95,7 @@ class ChatAgent:
         """The turn loop: returns the token segments, the reward of each turn, and whether the agent cut it off."""
         observation, info = await env.areset(seed=seed)
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        messages.append({"role": info.get("role", "user"), "content": observation})
+        messages.append({"role": info.get("role", "user"), "content": self.format_observation(observation, info)})
         chat = ChatTokens(self.tokenizer)
         chat.start(messages)
         segments: list[ChatTokens] = []
@@ -89,15 +110,20 @@ class ChatAgent:
                 f"{episode_id}/t{turn}", list(chat.input_ids), replace(self.sampling, max_new_tokens=budget)
             )
             response = await self.engine.agenerate(request)
-            action = chat.append_generation(response.output_tokens, response.output_logprobs, response.output_versions)
-            observation, reward, terminated, truncated, info = await env.astep(action)
-            turn_rewards.append(float(reward))
-            if terminated or truncated:
-                break
-            if not chat.append_message(info.get("role", "user"), observation):
+            text = chat.append_generation(response.output_tokens, response.output_logprobs, response.output_versions)
+            answered = await self.respond(text)
+            if answered is not None:
+                role, message = answered
+            else:
+                observation, reward, terminated, truncated, info = await env.astep(self.parse_action(text))
+                turn_rewards.append(float(reward))
+                if terminated or truncated or self.should_stop(turn, float(reward), info):
+                    break
+                role, message = info.get("role", "user"), self.format_observation(observation, info)
+            if not chat.append_message(role, message):
                 segments.append(chat)  # the template rewrote history: start a new segment
                 chat = ChatTokens(self.tokenizer)
-                chat.start([*segments[-1].messages, {"role": info.get("role", "user"), "content": observation}])
+                chat.start([*segments[-1].messages, {"role": role, "content": message}])
         else:
             truncated_by_agent = True
         segments.append(chat)

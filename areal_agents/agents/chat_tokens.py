@@ -10,6 +10,7 @@ one), `append_message` reports it and the caller starts a new trajectory segment
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -17,14 +18,18 @@ from transformers import PreTrainedTokenizerBase
 @dataclass
 class ChatTokens:
     tokenizer: PreTrainedTokenizerBase
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     input_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None  # OpenAI-style tool schemas, passed to the chat template
 
-    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        messages = [m if m.get("content") is not None else {**m, "content": ""} for m in messages]
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -55,8 +60,13 @@ class ChatTokens:
 
     def append_message(self, role: str, content: str) -> bool:
         """Append an env message and the next generation prompt. False if the template rewrote history."""
+        return self.append_messages([{"role": role, "content": content}])
+
+    def append_messages(self, messages: list[dict[str, Any]]) -> bool:
+        """Append messages after the last generated turn, then the generation prompt; False (nothing
+        changed) if the template rewrote history, so the caller starts a new segment."""
         old = self._render(self.messages, generation_prompt=False)
-        new_messages = [*self.messages, {"role": role, "content": content}]
+        new_messages = [*self.messages, *messages]
         new = self._render(new_messages, generation_prompt=True)
         if not new.startswith(old):
             return False

@@ -86,6 +86,51 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     }
 
 
+def find_tool_calls(text: str) -> list[str]:
+    """The raw JSON of each ``<tool_call>...</tool_call>`` in a model reply, in order."""
+    return _CALL.findall(text)
+
+
+def tools_prompt(schemas: list[dict[str, Any]]) -> str:
+    """The tool list and calling convention, as the model reads it."""
+    listed = "\n".join(json.dumps(s) for s in schemas)
+    return (
+        "You may call these tools:\n<tools>\n" + listed + "\n</tools>\n"
+        'To call one, write <tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call>.'
+    )
+
+
+def call_tool(tools: dict[str, Callable[..., Any]], raw: str, max_result_chars: int = 4000) -> str:
+    """Run one call (its raw JSON) and return the result as text; every mistake becomes an error message."""
+    try:
+        call = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return f"error: the tool call is not valid JSON ({e.msg} at character {e.pos})"
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return 'error: a tool call needs {"name": ..., "arguments": {...}}'
+    fn = tools.get(call["name"])
+    if fn is None:
+        return f"error: unknown tool {call['name']!r}; tools: {', '.join(tools)}"
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # some models send the arguments JSON-encoded
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return "error: arguments is a string that is not valid JSON"
+    if not isinstance(arguments, dict):
+        return "error: arguments must be a JSON object"
+    try:
+        inspect.signature(fn).bind(**arguments)
+    except TypeError as e:
+        return f"error: bad arguments for {fn.__name__}: {e}"
+    try:
+        result = fn(**arguments)
+    except Exception as e:
+        return f"error: {fn.__name__} raised {type(e).__name__}: {e}"
+    text = result if isinstance(result, str) else json.dumps(result, default=repr)
+    return text if len(text) <= max_result_chars else text[:max_result_chars] + "...[truncated]"
+
+
 class ToolEnv(gym.Wrapper, gym.utils.RecordConstructorArgs):
     """Wraps a text env; tool calls are answered here, other actions step the wrapped env."""
 
@@ -106,48 +151,15 @@ class ToolEnv(gym.Wrapper, gym.utils.RecordConstructorArgs):
         self.observation_space = text_space(widest)
 
     def tools_prompt(self) -> str:
-        listed = "\n".join(json.dumps(s) for s in self.schemas)
-        return (
-            "You may call these tools:\n<tools>\n" + listed + "\n</tools>\n"
-            'To call one, write <tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call>.'
-        )
+        return tools_prompt(self.schemas)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
         observation, info = self.env.reset(seed=seed, options=options)
         self.tool_calls = 0
         return f"{observation}\n\n{self.tools_prompt()}", info
 
-    def _call(self, raw: str) -> str:
-        try:
-            call = json.loads(raw)
-        except json.JSONDecodeError as e:
-            return f"error: the tool call is not valid JSON ({e.msg} at character {e.pos})"
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return 'error: a tool call needs {"name": ..., "arguments": {...}}'
-        fn = self.tools.get(call["name"])
-        if fn is None:
-            return f"error: unknown tool {call['name']!r}; tools: {', '.join(self.tools)}"
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):  # some models send the arguments JSON-encoded
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                return "error: arguments is a string that is not valid JSON"
-        if not isinstance(arguments, dict):
-            return "error: arguments must be a JSON object"
-        try:
-            inspect.signature(fn).bind(**arguments)
-        except TypeError as e:
-            return f"error: bad arguments for {fn.__name__}: {e}"
-        try:
-            result = fn(**arguments)
-        except Exception as e:
-            return f"error: {fn.__name__} raised {type(e).__name__}: {e}"
-        text = result if isinstance(result, str) else json.dumps(result, default=repr)
-        return text if len(text) <= self.max_result_chars else text[: self.max_result_chars] + "...[truncated]"
-
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        calls = _CALL.findall(action)
+        calls = find_tool_calls(action)
         if not calls:
             return self.env.step(action)
         responses = []
@@ -156,7 +168,7 @@ class ToolEnv(gym.Wrapper, gym.utils.RecordConstructorArgs):
                 responses.append(f"error: no tool calls left (limit {self.max_tool_calls}); give your answer")
                 break
             self.tool_calls += 1
-            responses.append(self._call(raw))
+            responses.append(call_tool(self.tools, raw, self.max_result_chars))
         observation = "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in responses)
         return observation, 0.0, False, False, {"role": "tool", "tool_calls": self.tool_calls}
 

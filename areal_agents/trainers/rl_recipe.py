@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from areal_agents.agents.chat_agent import ChatAgent
+from areal_agents.agents.factory import make_agent
 from areal_agents.config import TrainConfig
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.launcher import open_engine
@@ -72,20 +72,27 @@ def run_train(cfg: TrainConfig, progress: bool = True, resume: bool = False) -> 
 
 async def _train(cfg, tokenizer, policy, engine, run_dir, progress, state):
     backend = await open_checked_backend(cfg.env, cfg.eval)  # a bad env id or kwargs fail here
+    r = cfg.rollout
+    agents = []  # the sampling agent, and the same agent logic decoding greedily for evaluation
     try:
-        return await _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress, state)
+        for sampling in (
+            SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k),
+            SamplingParams(r.max_new_tokens, temperature=0.0),
+        ):
+            kwargs = {"system_prompt": r.system_prompt, "kwargs": r.agent_kwargs}
+            agents.append(make_agent(r.agent, engine, tokenizer, sampling, **kwargs))
+        return await _train_loop(cfg, tokenizer, policy, engine, backend, agents, run_dir, progress, state)
     finally:
+        for agent in agents:
+            if hasattr(agent, "aclose"):
+                await agent.aclose()
         await backend.aclose()
         await engine.aclose()
 
 
-async def _train_loop(cfg, tokenizer, policy, engine, backend, run_dir, progress, state):
+async def _train_loop(cfg, tokenizer, policy, engine, backend, agents, run_dir, progress, state):
     r = cfg.rollout
-    sampling = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
-    agent = ChatAgent(engine, tokenizer, sampling, system_prompt=r.system_prompt)
-    greedy = ChatAgent(
-        engine, tokenizer, SamplingParams(r.max_new_tokens, temperature=0.0), system_prompt=r.system_prompt
-    )
+    agent, greedy = agents
     eval_seeds = await held_out_seeds(backend, cfg.eval)
     p = cfg.ppo
     optimizer_steps = cfg.steps * p.ppo_epochs * p.num_minibatches

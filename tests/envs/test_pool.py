@@ -62,6 +62,8 @@ def test_hang_past_timeout_is_a_timeout(mode):
     async def run():
         pool = LocalEnvPool(mode, workers=2, step_timeout=0.5)
         try:
+            # warm both workers first: a cold worker's start-up (imports) must not count against 0.5 s
+            await asyncio.gather(*(episode(pool, "hi") for _ in range(2)))
             return await asyncio.gather(episode(pool, "hang"), episode(pool, "hi"), return_exceptions=True)
         finally:
             await pool.aclose()

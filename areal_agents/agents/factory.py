@@ -1,0 +1,47 @@
+"""`make_agent`: the agent a config names (``rollout.agent``), built with the run's engine and tokenizer."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from areal_agents.agents.chat_agent import ChatAgent
+from areal_agents.agents.episode_function import EpisodeFunctionAgent
+from areal_agents.engines.base import InferenceEngine
+from areal_agents.errors import ConfigError
+from areal_agents.importing import load_object
+from areal_agents.types import SamplingParams
+
+
+def make_agent(
+    spec: str,
+    engine: InferenceEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    sampling: SamplingParams,
+    *,
+    system_prompt: str = "",
+    kwargs: dict[str, Any] | None = None,
+) -> Any:
+    """``spec``: empty (a `ChatAgent`), ``module:Class`` (built as ``Class(engine, tokenizer, sampling,
+    **kwargs)``, with ``system_prompt`` when it takes one) or ``module:function`` (an async episode function)."""
+    kwargs = dict(kwargs or {})
+    target: Any = ChatAgent if not spec else load_object(spec, "rollout.agent")
+    if inspect.iscoroutinefunction(target):
+        return EpisodeFunctionAgent(target, engine, tokenizer, sampling, **kwargs)
+    if not inspect.isclass(target):
+        raise ConfigError(
+            f"rollout.agent {spec!r}: expects an agent class or an `async def run(client, task)` function, "
+            f"got {type(target).__name__}"
+        )
+    if "system_prompt" in inspect.signature(target).parameters or issubclass(target, ChatAgent):
+        kwargs.setdefault("system_prompt", system_prompt)
+    try:
+        inspect.signature(target).bind(engine, tokenizer, sampling, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"rollout.agent {spec!r}: cannot build it with rollout.agent_kwargs {kwargs}: {e}") from e
+    agent = target(engine, tokenizer, sampling, **kwargs)
+    if not callable(getattr(agent, "run_episode", None)):
+        raise ConfigError(f"rollout.agent {spec!r}: an agent needs `async def run_episode(env, *, seed, episode_id)`")
+    return agent
