@@ -9,10 +9,17 @@ one), `append_message` reports it and the caller starts a new trajectory segment
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
+
+
+@functools.lru_cache(maxsize=4096)
+def _encode_cached(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[int, ...]:
+    """The episodes of a group share their prompt: tokenize each rendered text once."""
+    return tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
 @dataclass
@@ -32,7 +39,7 @@ class ChatTokens:
         )
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return list(_encode_cached(self.tokenizer, text))
 
     def _extend_prompt(self, ids: list[int]) -> None:
         self.input_ids += ids

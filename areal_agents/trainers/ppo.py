@@ -93,7 +93,14 @@ def ppo_update(
     masks = [torch.tensor(t.loss_mask, dtype=torch.float) for t in trajs]
 
     model.train()
-    prox = proximal_logprobs(model, trajs, temperature, cfg.micro_batch_tokens, pad_token_id, cfg.packing)
+    # With one optimizer step per batch, π_prox is the weights of that step's own forward pass: its
+    # logprobs are the detached forward, exactly, so the extra no-grad pass is skipped.
+    one_step = cfg.ppo_epochs * cfg.num_minibatches == 1
+    prox = (
+        None
+        if one_step
+        else proximal_logprobs(model, trajs, temperature, cfg.micro_batch_tokens, pad_token_id, cfg.packing)
+    )
     if use_gae:
         critic.train()
         old_values = critic_values(critic, trajs, cfg.micro_batch_tokens, pad_token_id, cfg.packing)
@@ -120,7 +127,7 @@ def ppo_update(
                 [trajs[i] for i in idx],
                 cfg.micro_batch_tokens,
                 pad_token_id=pad_token_id,
-                prox_logprobs=[prox[i] for i in idx],
+                prox_logprobs=[prox[i] for i in idx] if prox is not None else None,
                 pack=cfg.packing,
             )
             total = sum(mb.num_loss_tokens for mb in mbs)
@@ -132,7 +139,7 @@ def ppo_update(
                 logp = token_logprobs(model, mb, temperature)
                 loss, st = decoupled_ppo_loss(
                     logp,
-                    mb.prox_logprobs,
+                    mb.prox_logprobs if prox is not None else logp.detach(),
                     mb.logprobs,
                     mb.advantages,
                     mb.loss_mask,

@@ -140,3 +140,37 @@ def test_ppo_update_adds_the_kl_penalty_to_a_reference(model, tiny_dir):
         )
     assert stats[0.0]["kl_ref"] == 0.0  # not computed without a coefficient
     assert stats[0.5]["kl_ref"] > 0.0  # the perturbed reference is measurably away from the policy
+
+
+def test_one_step_update_equals_the_explicit_proximal_recompute(tiny_dir):
+    """With one optimizer step per batch the trainer skips the proximal pass; the gradient is the same as
+    with π_prox recomputed explicitly."""
+    from areal_agents.config import PPOConfig
+    from areal_agents.models import load_model
+    from areal_agents.trainers.batching import make_micro_batches, token_logprobs
+    from areal_agents.trainers.ppo import ppo_update, proximal_logprobs
+    from areal_agents.types import Trajectory
+
+    trajs = [
+        Trajectory([5, 6, 7, 8, 9], [0, 0, 1, 1, 1], [0.0, 0.0, -3.0, -4.0, -3.5], [-1, -1, 0, 0, 0], r, group_id="g")
+        for r in (0.0, 1.0)
+    ]
+    cfg = PPOConfig(filter_zero_variance_groups=False, max_grad_norm=1e9)
+
+    explicit = load_model(tiny_dir)
+    prox = proximal_logprobs(explicit, trajs, 1.0, 1024, 0)
+    (mb,) = make_micro_batches(trajs, 1024, [-1.0, 1.0], 0, prox)
+    loss, _ = decoupled_ppo_loss(
+        token_logprobs(explicit, mb), mb.prox_logprobs, mb.logprobs, mb.advantages, mb.loss_mask,
+        behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+    )  # fmt: skip
+    loss.backward()
+
+    skipped = load_model(tiny_dir)
+    before = [p.detach().clone() for p in skipped.parameters()]
+    sgd = torch.optim.SGD(skipped.parameters(), lr=1.0)
+    ppo_update(
+        skipped, sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0), trajs, cfg, temperature=1.0, pad_token_id=0
+    )
+    for p, b, q in zip(skipped.parameters(), before, explicit.parameters()):
+        assert torch.allclose(b - p.detach(), q.grad, atol=1e-6)
