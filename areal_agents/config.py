@@ -185,6 +185,11 @@ class TrainConfig:
     )
     keep_checkpoints: int = _help("keep the newest K checkpoints (resume uses the newest); 0 = all", default=3)
     model: ModelConfig = field(default_factory=ModelConfig)
+    policies: dict[str, str] = _help(
+        "separate policies: agent id -> starting model path, each agent trains its own copy and engine "
+        "(multi-agent envs); empty = one policy (model.path) shared by every agent",
+        default_factory=dict,
+    )
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)

@@ -17,6 +17,7 @@ for _id, _entry in (
     ("areal_agents/Arithmetic-v0", "areal_agents.envs.arithmetic:ArithmeticEnv"),
     ("areal_agents/Math-v0", "areal_agents.envs.math:MathEnv"),
     ("areal_agents/Code-v0", "areal_agents.envs.code:CodeEnv"),
+    ("areal_agents/Debate-v0", "areal_agents.envs.debate:DebateEnv"),
 ):
     if _id not in gym.registry:
         gym.register(id=_id, entry_point=_entry)

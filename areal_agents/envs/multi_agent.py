@@ -64,11 +64,38 @@ class MultiAgentTextEnv(abc.ABC):
         """Release resources; the default has none."""
 
 
-def check_multi_agent_env(env: MultiAgentTextEnv, seed: int = 0) -> None:
-    """Gymnasium-style checks of the parallel API; raises AssertionError naming what is wrong."""
+def check_multi_agent_env(env: MultiAgentTextEnv, seed: int = 0, max_steps: int = 1000) -> None:
+    """Gymnasium-style checks of the parallel API; raises AssertionError naming what is wrong.
+
+    Reset and step return dicts keyed by exactly the acting agents, observations lie in their spaces,
+    a whole episode replays identically under the same seed and actions, agents that terminate leave
+    ``agents``, and episodes end within ``max_steps``."""
     _check_reset(env, seed)
     _check_determinism(env, seed)
     _check_step(env, seed)
+    first = _play(env, seed, max_steps)
+    assert first == _play(env, seed, max_steps), "Expects the same seed and actions to replay the same episode"
+
+
+def _play(env: MultiAgentTextEnv, seed: int, max_steps: int) -> list[Any]:
+    """One episode with fixed-seed sampled actions; the transcript of what the env returned."""
+    observations, _ = env.reset(seed=seed)
+    for space in {id(s): s for a in env.agents for s in (env.action_space(a), env.observation_space(a))}.values():
+        space.seed(seed)
+    transcript: list[Any] = [observations]
+    for _ in range(max_steps):
+        if not env.agents:
+            return transcript
+        acting = list(env.agents)
+        actions = {a: env.action_space(a).sample() for a in acting}
+        observations, rewards, terminations, truncations, _ = env.step(actions)
+        transcript.append((actions, observations, rewards, terminations, truncations))
+        for a in acting:
+            if terminations[a] or truncations[a]:
+                assert a not in env.agents, f"Expects {a!r} to leave env.agents once terminated or truncated"
+            else:
+                assert env.observation_space(a).contains(observations[a]), f"Observation of {a!r} not in its space"
+    raise AssertionError(f"Expects an episode to end within {max_steps} steps with sampled actions")
 
 
 def _check_keys(name: str, d: Any, agents: list[str]) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import gymnasium as gym
 
+from areal_agents.envs.multi_agent import MultiAgentTextEnv
 from areal_agents.errors import ArealAgentsError, UnknownEnvError, did_you_mean
 
 
@@ -29,13 +30,13 @@ def _resolve(env_id: str) -> str:
     if attr in gym.registry:
         return attr
     target = getattr(importlib.import_module(module), attr, None)
-    if isinstance(target, type) and issubclass(target, gym.Env):
+    if isinstance(target, type) and issubclass(target, gym.Env | MultiAgentTextEnv):
         gym.register(id=env_id, entry_point=target)  # "module:Class" is a valid gymnasium id
         return env_id
     raise UnknownEnvError(f"{env_id!r}: module {module!r} has no registered id or gymnasium.Env class {attr!r}")
 
 
-def make_env(env_id: str, **kwargs: Any) -> gym.Env:
+def make_env(env_id: str, **kwargs: Any) -> gym.Env | MultiAgentTextEnv:
     """``gymnasium.make(env_id, **kwargs)``; ``env_id`` may be ``module:Class`` or ``module:RegisteredId``.
 
     An unknown id raises `UnknownEnvError` (with a near match), bad kwargs `ArealAgentsError`.
@@ -43,8 +44,14 @@ def make_env(env_id: str, **kwargs: Any) -> gym.Env:
     resolved = _resolve(env_id)
     if resolved not in gym.registry:
         raise UnknownEnvError(f"unknown env id {env_id!r}.{did_you_mean(env_id, gym.registry)}")
+    spec = gym.registry[resolved]
     try:
-        return gym.make(gym.registry[resolved], disable_env_checker=True, **kwargs)
+        creator = spec.entry_point
+        if isinstance(creator, str):
+            creator = gym.envs.registration.load_env_creator(creator)
+        if isinstance(creator, type) and issubclass(creator, MultiAgentTextEnv):
+            return creator(**{**spec.kwargs, **kwargs})  # not a gymnasium.Env: no single-agent wrappers
+        return gym.make(spec, disable_env_checker=True, **kwargs)
     except (TypeError, ValueError) as e:
         raise ArealAgentsError(f"cannot make env {env_id!r} with kwargs {kwargs}: {e}") from None
 

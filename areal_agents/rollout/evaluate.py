@@ -21,7 +21,7 @@ async def distinct_seeds(make_env: Callable[[], AsyncEnv], n: int, start: int = 
         env = make_env()
         observation, _ = await env.areset(seed=seed)
         await env.aclose()
-        return observation
+        return repr(sorted(observation.items())) if isinstance(observation, dict) else observation  # multi-agent
 
     seen: set[str] = set()
     seeds: list[int] = []
@@ -41,13 +41,25 @@ async def distinct_seeds(make_env: Callable[[], AsyncEnv], n: int, start: int = 
 async def evaluate(
     agent: Agent, make_env: Callable[[], AsyncEnv], seeds: list[int], max_concurrent: int = 256
 ) -> dict[str, float]:
-    """One episode per seed; ``accuracy`` is the fraction of episodes with total reward >= 1."""
+    """One episode per seed; ``accuracy`` is the fraction of successful episodes: the env's
+    ``info["success"]`` when it reports one (a debate's majority answer), else total reward >= 1.
+    With several agents, ``accuracy/AGENT`` is each agent's own (reward >= 1)."""
     groups = await run_groups(agent, make_env, seeds, 1, max_concurrent=max_concurrent, tag="eval")
-    rewards = [g[0].reward if g else 0.0 for g in groups]
-    turns = [g[0].metadata["num_turns"] for g in groups if g]
-    return {
-        "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+    first = [g[0] if g else None for g in groups]
+    success = [bool(t.metadata.get("success", t.reward >= 1.0)) if t else False for t in first]
+    rewards = [t.reward if t else 0.0 for t in first]
+    turns = [t.metadata["num_turns"] for t in first if t]
+    out = {
+        "accuracy": sum(success) / len(success),
         "reward_mean": sum(rewards) / len(rewards),
         "turns_mean": sum(turns) / max(len(turns), 1),
         "episodes": float(len(rewards)),
     }
+    by_agent: dict[str, list[bool]] = {}
+    for g in groups:
+        for t in g:
+            if t.metadata.get("segment", 0) == 0:
+                by_agent.setdefault(t.agent_id, []).append(t.reward >= 1.0)
+    if len(by_agent) > 1:
+        out |= {f"accuracy/{a}": sum(v) / len(seeds) for a, v in sorted(by_agent.items())}
+    return out

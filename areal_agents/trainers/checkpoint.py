@@ -1,8 +1,9 @@
 """Checkpoints: a loadable model directory plus the trainer state needed to continue.
 
 Layout of ``run_dir/checkpoints/step_N/``: ``model/`` (``save_pretrained`` weights, config and
-tokenizer, loadable by any transformers code or as ``model.path``), ``trainer_state.pt`` (optimizer,
-scheduler, step, policy version, rollout ledger, data position, RNG states). A checkpoint is written
+tokenizer, loadable by any transformers code or as ``model.path``; with separate policies one
+``policies/AGENT/model/`` each), ``trainer_state.pt`` (optimizer, scheduler, step, policy version, rollout
+ledger, data position, RNG states). A checkpoint is written
 under ``step_N.tmp`` and renamed when complete, so a run killed while saving leaves no half checkpoint.
 """
 
@@ -30,22 +31,20 @@ def save_model(out_dir: str | Path, model: PreTrainedModel, tokenizer: PreTraine
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
-    model: PreTrainedModel,
+    models: dict[str, PreTrainedModel],
     tokenizer: PreTrainedTokenizerBase,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
     state: dict[str, Any],
 ) -> Path:
-    """Write ``run_dir/checkpoints/step_{step}`` (atomically); return its path."""
+    """Write ``run_dir/checkpoints/step_{step}`` (atomically): each model under its relative directory
+    (``{"model": policy}``), ``state`` and the RNG states in ``trainer_state.pt``; return its path."""
     ckpt = Path(run_dir) / "checkpoints" / f"step_{step}"
     tmp = ckpt.with_name(ckpt.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(tmp / "model", model, tokenizer)
+    for directory, model in models.items():
+        save_model(tmp / directory, model, tokenizer)
     torch.save(
         {
             "step": step,
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
             "rng": {
                 "torch": torch.get_rng_state(),
                 "numpy": np.random.get_state(),

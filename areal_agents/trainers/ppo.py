@@ -74,7 +74,8 @@ def ppo_update(
     if use_gae and (critic is None or critic_optimizer is None):
         raise ValueError("ppo.advantage=gae needs a critic and its optimizer")
     rewards = shape_rewards([t.reward for t in trajectories], cfg.reward_scale, cfg.reward_bias, cfg.reward_clip)
-    group_ids = [t.group_id for t in trajectories]
+    # GRPO groups are (prompt, agent role): in a multi-agent episode each role is compared with itself
+    group_ids = [f"{t.group_id}/{t.agent_id}" for t in trajectories]
     flat = zero_variance_groups(rewards, group_ids)
     stats: dict[str, float] = {"zero_variance_group_fraction": len(flat) / max(len(set(group_ids)), 1)}
     if use_gae:  # the critic is the baseline: every trajectory carries signal

@@ -22,57 +22,58 @@ from tqdm import tqdm
 from areal_agents.agents.factory import make_agent
 from areal_agents.config import TrainConfig
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.engines.launcher import open_engine
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ConfigError
-from areal_agents.models.loading import load_model, load_tokenizer
+from areal_agents.models.loading import load_tokenizer
 from areal_agents.rollout.controller import Group, RolloutController
 from areal_agents.rollout.episodes import RolloutLedger
 from areal_agents.rollout.evaluate import evaluate
 from areal_agents.trainers.checkpoint import checkpoints, load_trainer_state, prune_checkpoints, save_checkpoint
-from areal_agents.trainers.critic import ValueModel
 from areal_agents.trainers.metrics import MetricsWriter, prefixed
-from areal_agents.trainers.ppo import ppo_update
-from areal_agents.trainers.setup import (
-    held_out_seeds,
-    make_optimizer,
-    open_checked_backend,
-    prepare_run_dir,
-    seed_everything,
-)
+from areal_agents.trainers.policy import SHARED, Policy, open_policy
+from areal_agents.trainers.setup import held_out_seeds, open_checked_backend, prepare_run_dir, seed_everything
 from areal_agents.types import SamplingParams, Trajectory
 
 
 def run_train(cfg: TrainConfig, progress: bool = True, resume: bool = False) -> dict[str, Any]:
     """Run RL as configured (``resume``: from the run's newest checkpoint); return the summary also
     written to ``run_dir/summary.json``."""
-    state, model_path = None, cfg.model.path
+    state, found = None, None
     if resume:
         found = checkpoints(cfg.run_dir)
         if not found:
             raise ConfigError(f"--resume: no complete checkpoint under {Path(cfg.run_dir) / 'checkpoints'}")
-        model_path = str(found[-1] / "model")
-    tokenizer = load_tokenizer(model_path)
-    policy = load_model(model_path, cfg.model.dtype)  # the trainer's copy
+    starts = dict(cfg.policies) if cfg.policies else {SHARED: cfg.model.path}  # policy name -> starting model
+    tokenizer = load_tokenizer(cfg.model.path)
     run_dir = prepare_run_dir(cfg.run_dir, cfg)
     seed_everything(cfg.seed)
-    if resume:
+    if found:
         state = load_trainer_state(found[-1])  # also puts the global RNGs back
         print(f"resuming from {found[-1]} (step {state['step']}, policy version {state['version']})")
-    # The rollout copy: in-process, or model servers (serve-model / SGLang) behind an HTTP client.
-    engine, servers = open_engine(cfg.engine, model_path, cfg.model.dtype, run_dir=run_dir, seed=cfg.seed)
-    if state is not None:
-        engine.set_version(state["version"])
+    policies: dict[str, Policy] = {}
     try:
-        return asyncio.run(_train(cfg, tokenizer, policy, engine, run_dir, progress, state))
+        for name, start in starts.items():
+            path = str(found[-1] / _model_dir(name)) if found else start
+            policies[name] = open_policy(name, cfg, path, start, run_dir)
+            if state is not None:
+                policies[name].engine.set_version(state["version"])
+        return asyncio.run(_train(cfg, tokenizer, policies, run_dir, progress, state))
     finally:
-        if servers is not None:
-            servers.stop()
+        for policy in policies.values():
+            if policy.servers is not None:
+                policy.servers.stop()
 
 
-async def _train(cfg, tokenizer, policy, engine, run_dir, progress, state):
+def _model_dir(name: str) -> str:
+    """Where a policy's model lives inside a checkpoint."""
+    return "model" if name == SHARED else f"policies/{name}/model"
+
+
+async def _train(cfg, tokenizer, policies, run_dir, progress, state):
     backend = await open_checked_backend(cfg.env, cfg.eval)  # a bad env id or kwargs fail here
     r = cfg.rollout
+    shared = SHARED in policies
+    engine = policies[SHARED].engine if shared else {name: p.engine for name, p in policies.items()}
     agents = []  # the sampling agent, and the same agent logic decoding greedily for evaluation
     try:
         for sampling in (
@@ -81,47 +82,29 @@ async def _train(cfg, tokenizer, policy, engine, run_dir, progress, state):
         ):
             kwargs = {"system_prompt": r.system_prompt, "kwargs": r.agent_kwargs}
             agents.append(make_agent(r.agent, engine, tokenizer, sampling, **kwargs))
-        return await _train_loop(cfg, tokenizer, policy, engine, backend, agents, run_dir, progress, state)
+        return await _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progress, state)
     finally:
         for agent in agents:
             if hasattr(agent, "aclose"):
                 await agent.aclose()
         await backend.aclose()
-        await engine.aclose()
+        for policy in policies.values():
+            await policy.engine.aclose()
 
 
-async def _train_loop(cfg, tokenizer, policy, engine, backend, agents, run_dir, progress, state):
+async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progress, state):
     r = cfg.rollout
     agent, greedy = agents
+    main = next(iter(policies.values()))  # its engine's version is the run's (all advance together)
     eval_seeds = await held_out_seeds(backend, cfg.eval)
-    p = cfg.ppo
-    optimizer_steps = cfg.steps * p.ppo_epochs * p.num_minibatches
-    optimizer, scheduler = make_optimizer(policy, p.lr, p.weight_decay, p.warmup_steps, p.lr_schedule, optimizer_steps)
-    if p.activation_checkpointing:
-        policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    reference = None  # the initial policy, frozen, for the KL penalty
-    if p.kl_coef > 0:
-        reference = load_model(cfg.model.path, cfg.model.dtype).eval().requires_grad_(False)
-    critic = critic_optimizer = None  # GAE: a value model initialised from the starting checkpoint
-    if p.advantage == "gae":
-        critic_lm = load_model(cfg.model.path, cfg.model.dtype)
-        if p.activation_checkpointing:
-            critic_lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        critic = ValueModel(critic_lm)
-        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=p.critic_lr, weight_decay=p.weight_decay)
     metrics = MetricsWriter(run_dir / "tensorboard")
     ledger = RolloutLedger()
     generator = torch.Generator().manual_seed(cfg.seed)
     first_step, data_position = 1, 0
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        for name, policy in policies.items():
+            policy.load_train_state(state if name == SHARED else state["policies"][name])
         generator.set_state(state["generator"])
-        if critic is not None:
-            if "critic" not in state:
-                raise ConfigError("--resume: ppo.advantage=gae but the checkpoint holds no critic")
-            critic.load_state_dict(state["critic"])
-            critic_optimizer.load_state_dict(state["critic_optimizer"])
         ledger = RolloutLedger(**{k: v for k, v in state["ledger"].items() if k != "running"})
         ledger.submitted -= state["ledger"]["running"]  # episodes cut off by the stop run again
         first_step, data_position = state["step"] + 1, state["data_position"]
@@ -145,7 +128,7 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, agents, run_dir, 
         seed_at,
         batch_size=r.batch_size,
         group_size=r.group_size,
-        get_version=engine.get_version,
+        get_version=main.engine.get_version,
         max_staleness=r.max_staleness,
         max_concurrent_groups=max(1, r.max_concurrent_rollouts // r.group_size),
         group_filter=_has_reward_variance if r.dynamic_sampling else None,
@@ -164,9 +147,12 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, agents, run_dir, 
     def checkpoint(step: int) -> Path:
         extra = {"data_position": controller.data_position, "generator": generator.get_state()}
         extra["accuracy_before"] = before["accuracy"]
-        if critic is not None:
-            extra |= {"critic": critic.state_dict(), "critic_optimizer": critic_optimizer.state_dict()}
-        path = save_checkpoint(run_dir, step, policy, tokenizer, optimizer, scheduler, _state(engine, ledger) | extra)
+        if SHARED in policies:
+            extra |= policies[SHARED].train_state()
+        else:
+            extra["policies"] = {name: p.train_state() for name, p in policies.items()}
+        models = {_model_dir(name): p.model for name, p in policies.items()}
+        path = save_checkpoint(run_dir, step, models, tokenizer, _state(main.engine, ledger) | extra)
         prune_checkpoints(run_dir, cfg.keep_checkpoints)
         return path
 
@@ -178,23 +164,16 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, agents, run_dir, 
         with open(run_dir / "data_order.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "prompts": [g.index for g in groups]}) + "\n")
         t1 = time.perf_counter()
-        stats = await asyncio.to_thread(
-            ppo_update,
-            policy,
-            optimizer,
-            scheduler,
-            trajectories,
-            cfg.ppo,
-            temperature=r.temperature,
-            pad_token_id=pad,
-            generator=generator,
-            ref_model=reference,
-            critic=critic,
-            critic_optimizer=critic_optimizer,
-        )
+        stats: dict[str, float] = {"trained_trajectories": 0.0}
+        for name, batch in _route(trajectories, policies).items():  # each policy trains on its own agents' data
+            policy_stats = await policies[name].update(batch, cfg, pad, generator)
+            trained = policy_stats.get("trained_trajectories", 0.0)
+            stats |= policy_stats if name == SHARED else prefixed(name, policy_stats)
+            stats["trained_trajectories"] = (0.0 if name == SHARED else stats["trained_trajectories"]) + trained
         if step == cfg.steps:
             controller.pause()  # the last update needs no more rollouts
-        await engine.update_weights(policy.state_dict())  # pause, swap, version + 1, resume
+        for policy in policies.values():
+            await policy.push_weights()
         controller.notify_version()
         t2 = time.perf_counter()
 
@@ -235,7 +214,7 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, agents, run_dir, 
                 **prefixed("rollout", rollout_stats),
                 **prefixed("train", stats),
                 **prefixed("perf", perf),
-                "engine/version": float(engine.get_version()),
+                "engine/version": float(main.engine.get_version()),
             },
         )
         metrics.histogram(step, "rollout/staleness", staleness)
@@ -265,7 +244,7 @@ async def _train_loop(cfg, tokenizer, policy, engine, backend, agents, run_dir, 
         "accuracy_after": after["accuracy"],
         "eval_problems": len(eval_seeds),
         "steps": cfg.steps,
-        "engine_version": engine.get_version(),
+        "engine_version": main.engine.get_version(),
         "wall_seconds": wall,
         "trained_samples_per_s": totals["trained_samples"] / max(totals["train_seconds"], 1e-9),
         # end to end over the training steps (rollout waits + training + weight pushes), evals excluded
@@ -293,22 +272,42 @@ def _state(engine: InferenceEngine, ledger: RolloutLedger) -> dict[str, Any]:
     }
 
 
+def _route(trajectories: list[Trajectory], policies: dict[str, Policy]) -> dict[str, list[Trajectory]]:
+    """Trajectories by the policy that trains on them: all to the shared one, or by agent id."""
+    if SHARED in policies:
+        return {SHARED: trajectories}
+    out: dict[str, list[Trajectory]] = {name: [] for name in policies}
+    for t in trajectories:
+        if t.agent_id not in out:
+            raise ConfigError(
+                f"policies: agent {t.agent_id!r} produced data but has no policy; policies: {sorted(out)}"
+            )
+        out[t.agent_id].append(t)
+    return out
+
+
 def _ledger(ledger: RolloutLedger) -> dict[str, int]:
     return {**dataclasses.asdict(ledger), "running": ledger.running}
 
 
 def _reward_breakdown(trajectories: list[Trajectory], default_env: str) -> dict[str, float]:
-    """Mean reward per env (``metadata["env"]``, else the run's env id) and mean reward of each turn."""
+    """Mean reward per env (``metadata["env"]``, else the run's env id) and of each turn; with several
+    agents also per agent (``reward_agent/ID``) and per agent and turn (``reward_turn/ID/K``)."""
     by_env: dict[str, list[float]] = defaultdict(list)
-    by_turn: dict[int, list[float]] = defaultdict(list)
+    by_agent: dict[str, list[float]] = defaultdict(list)
+    by_turn: dict[tuple[str, int], list[float]] = defaultdict(list)
     for t in trajectories:
         if t.metadata.get("segment", 0) != 0:
             continue  # later segments of an episode repeat its rewards
         by_env[str(t.metadata.get("env", default_env))].append(t.reward)
+        by_agent[t.agent_id].append(t.reward)
         for k, r in enumerate(t.turn_rewards):
-            by_turn[k + 1].append(r)
+            by_turn[(t.agent_id, k + 1)].append(r)
     out = {f"reward_env/{env}": float(np.mean(v)) for env, v in by_env.items()}
-    return out | {f"reward_turn/{k}": float(np.mean(v)) for k, v in sorted(by_turn.items())}
+    if len(by_agent) > 1:
+        out |= {f"reward_agent/{a}": float(np.mean(v)) for a, v in sorted(by_agent.items())}
+        return out | {f"reward_turn/{a}/{k}": float(np.mean(v)) for (a, k), v in sorted(by_turn.items())}
+    return out | {f"reward_turn/{k}": float(np.mean(v)) for (_, k), v in sorted(by_turn.items())}
 
 
 def _gpu_utilisation() -> dict[str, float]:

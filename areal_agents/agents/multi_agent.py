@@ -1,0 +1,148 @@
+"""`MultiAgentChatAgent`: plays every agent of a `MultiAgentTextEnv` episode, one trajectory per agent.
+
+Each agent id keeps its own conversation as token ids (`ChatTokens`): its own generations are its loss
+tokens, and what the env shows it (the task, other agents' answers) arrives as observations, never in
+its loss mask. Agent ids map to policies: one shared engine (all agents' turns train one model) or an
+engine per agent id (separate policies). Agents acting in the same step generate concurrently.
+
+    agent = MultiAgentChatAgent({"debater_0": engine_a, "debater_1": engine_b}, tokenizer, sampling)
+    trajectories = await agent.run_episode(pool.make("areal_agents/Debate-v0"), seed=0, episode_id="ep0")
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from areal_agents.agents.chat_tokens import ChatTokens
+from areal_agents.engines.base import InferenceEngine
+from areal_agents.envs.async_env import AsyncEnv
+from areal_agents.errors import ArealAgentsError
+from areal_agents.types import GenRequest, SamplingParams, Trajectory
+
+
+class MultiAgentChatAgent:
+    """``engine``: one engine for every agent id (a shared policy) or a mapping agent id -> engine."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine | Mapping[str, InferenceEngine],
+        tokenizer: PreTrainedTokenizerBase,
+        sampling: SamplingParams,
+        *,
+        system_prompt: str = "",
+        system_prompts: Mapping[str, str] | None = None,
+        max_turns: int = 32,
+        max_total_tokens: int = 4096,
+    ) -> None:
+        self.engines = engine if isinstance(engine, Mapping) else None
+        self.engine = None if isinstance(engine, Mapping) else engine
+        self.tokenizer = tokenizer
+        stop = sorted({*sampling.stop_token_ids, tokenizer.eos_token_id})
+        self.sampling = replace(sampling, stop_token_ids=stop)
+        self.system_prompt, self.system_prompts = system_prompt, dict(system_prompts or {})
+        self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+
+    def engine_for(self, agent_id: str) -> InferenceEngine:
+        if self.engines is None:
+            return self.engine
+        if agent_id not in self.engines:
+            raise ArealAgentsError(f"no policy for agent id {agent_id!r}; policies: {sorted(self.engines)}")
+        return self.engines[agent_id]
+
+    def _start(self, agent_id: str, observation: str, info: dict[str, Any]) -> ChatTokens:
+        prompt = self.system_prompts.get(agent_id, self.system_prompt)
+        messages = [{"role": "system", "content": prompt}] if prompt else []
+        chat = ChatTokens(self.tokenizer)
+        chat.start([*messages, {"role": info.get("role", "user"), "content": observation}])
+        return chat
+
+    async def run_episode(self, env: AsyncEnv, *, seed: int | None, episode_id: str) -> list[Trajectory]:
+        try:
+            segments, turn_rewards, final_info = await self._play(env, seed, episode_id)
+        finally:
+            await env.aclose()
+        out = []
+        for agent_id, chats in segments.items():
+            for i, chat in enumerate(chats):
+                if sum(chat.loss_mask) == 0:
+                    continue
+                out.append(
+                    Trajectory(
+                        input_ids=chat.input_ids,
+                        loss_mask=chat.loss_mask,
+                        logprobs=chat.logprobs,
+                        versions=chat.versions,
+                        reward=sum(turn_rewards[agent_id]),
+                        turn_rewards=list(turn_rewards[agent_id]),
+                        agent_id=agent_id,
+                        episode_id=f"{episode_id}/{agent_id}",
+                        metadata={
+                            "segment": i,
+                            "num_turns": len(turn_rewards[agent_id]),
+                            "messages": chat.messages,
+                            "episode": episode_id,
+                            "info": final_info.get(agent_id, {}),
+                            **(
+                                {"success": bool(final_info[agent_id]["success"])}
+                                if "success" in final_info.get(agent_id, {})
+                                else {}
+                            ),
+                        },
+                    )
+                )
+        return out
+
+    async def _play(self, env: AsyncEnv, seed: int | None, episode_id: str):
+        observations, infos = await env.areset(seed=seed)
+        chats = {a: self._start(a, o, infos.get(a, {})) for a, o in observations.items()}
+        segments: dict[str, list[ChatTokens]] = defaultdict(list)
+        turn_rewards: dict[str, list[float]] = defaultdict(list)
+        final_info: dict[str, dict[str, Any]] = {}
+        acting = list(observations)
+        for turn in range(self.max_turns):
+            if not acting:
+                break
+            budgets = {
+                a: min(self.sampling.max_new_tokens, self.max_total_tokens - len(chats[a].input_ids)) for a in acting
+            }
+            if min(budgets.values()) < 1:
+                break  # a conversation outgrew max_total_tokens: the agent cuts the episode
+            responses = await asyncio.gather(
+                *(
+                    self.engine_for(a).agenerate(
+                        GenRequest(
+                            f"{episode_id}/{a}/t{turn}",
+                            list(chats[a].input_ids),
+                            replace(self.sampling, max_new_tokens=budgets[a]),
+                        )
+                    )
+                    for a in acting
+                )
+            )
+            actions = {
+                a: chats[a].append_generation(r.output_tokens, r.output_logprobs, r.output_versions)
+                for a, r in zip(acting, responses)
+            }
+            observations, rewards, terminations, truncations, infos = await env.astep(actions)
+            still = []
+            for a in acting:
+                turn_rewards[a].append(float(rewards.get(a, 0.0)))
+                if terminations.get(a) or truncations.get(a):
+                    final_info[a] = infos.get(a, {})
+                    continue
+                still.append(a)
+                role = infos.get(a, {}).get("role", "user")
+                if not chats[a].append_message(role, observations[a]):
+                    segments[a].append(chats[a])  # the template rewrote history: a new segment
+                    chats[a] = ChatTokens(self.tokenizer)
+                    chats[a].start([*segments[a][-1].messages, {"role": role, "content": observations[a]}])
+            acting = still
+        for a, chat in chats.items():
+            segments[a].append(chat)
+        return segments, turn_rewards, final_info

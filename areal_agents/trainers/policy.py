@@ -1,0 +1,104 @@
+"""`Policy`: one trained model with what trains it (optimizer, schedule, critic, reference) and serves it
+(its inference engine). A run has one shared policy, or one per agent id (``policies`` in the config)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from areal_agents.config import TrainConfig
+from areal_agents.engines.base import InferenceEngine
+from areal_agents.engines.launcher import open_engine
+from areal_agents.errors import ConfigError
+from areal_agents.models.loading import load_model
+from areal_agents.trainers.critic import ValueModel
+from areal_agents.trainers.ppo import ppo_update
+from areal_agents.trainers.setup import make_optimizer
+from areal_agents.types import Trajectory
+
+SHARED = "policy"  # the name of the one policy of a run without separate policies
+
+
+@dataclass
+class Policy:
+    name: str
+    model: PreTrainedModel  # the trainer's copy
+    engine: InferenceEngine  # the rollout copy (in-process, or servers behind a client)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    reference: PreTrainedModel | None = None  # frozen initial policy, for ppo.kl_coef
+    critic: ValueModel | None = None  # ppo.advantage=gae
+    critic_optimizer: torch.optim.Optimizer | None = None
+    servers: Any = None  # launched model servers, stopped at the end
+
+    def train_state(self) -> dict[str, Any]:
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.critic is not None:
+            state |= {"critic": self.critic.state_dict(), "critic_optimizer": self.critic_optimizer.state_dict()}
+        return state
+
+    def load_train_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None:
+            if "critic" not in state:
+                raise ConfigError("--resume: ppo.advantage=gae but the checkpoint holds no critic")
+            self.critic.load_state_dict(state["critic"])
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+
+    async def update(
+        self, trajectories: list[Trajectory], cfg: TrainConfig, pad_token_id: int, generator: torch.Generator
+    ) -> dict[str, float]:
+        """One PPO update in a worker thread (rollouts keep running on the event loop)."""
+        return await asyncio.to_thread(
+            ppo_update,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            trajectories,
+            cfg.ppo,
+            temperature=cfg.rollout.temperature,
+            pad_token_id=pad_token_id,
+            generator=generator,
+            ref_model=self.reference,
+            critic=self.critic,
+            critic_optimizer=self.critic_optimizer,
+        )
+
+    async def push_weights(self) -> None:
+        await self.engine.update_weights(self.model.state_dict())  # pause, swap, version + 1, resume
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+        if self.servers is not None:
+            self.servers.stop()
+
+
+def open_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, run_dir: Path) -> Policy:
+    """Load ``model_path`` (the start, or a checkpoint's copy) for training and serving; the reference
+    and the critic start from ``init_path`` (the run's starting model)."""
+    p = cfg.ppo
+    model = load_model(model_path, cfg.model.dtype)
+    engine_dir = run_dir if name == SHARED else run_dir / "policies" / name
+    engine, servers = open_engine(cfg.engine, model_path, cfg.model.dtype, run_dir=engine_dir, seed=cfg.seed)
+    total = cfg.steps * p.ppo_epochs * p.num_minibatches
+    optimizer, scheduler = make_optimizer(model, p.lr, p.weight_decay, p.warmup_steps, p.lr_schedule, total)
+    policy = Policy(name, model, engine, optimizer, scheduler, servers=servers)
+    if p.activation_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if p.kl_coef > 0:
+        policy.reference = load_model(init_path, cfg.model.dtype).eval().requires_grad_(False)
+    if p.advantage == "gae":  # a value model initialised from the starting checkpoint
+        critic_lm = load_model(init_path, cfg.model.dtype)
+        if p.activation_checkpointing:
+            critic_lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        policy.critic = ValueModel(critic_lm)
+        policy.critic_optimizer = torch.optim.AdamW(
+            policy.critic.parameters(), lr=p.critic_lr, weight_decay=p.weight_decay
+        )
+    return policy
