@@ -80,6 +80,9 @@ class RolloutConfig:
         default="",
     )
     agent_kwargs: dict[str, Any] = _help("keyword arguments of the agent class", default_factory=dict)
+    dump_trajectories: bool = _help(
+        "write each step's trajectories to run_dir/trajectories/step_N.jsonl (to inspect what trains)", default=False
+    )
 
     def __post_init__(self) -> None:
         _check_positive(self, "batch_size", "group_size", "max_new_tokens", "max_concurrent_rollouts")

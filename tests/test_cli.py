@@ -254,7 +254,7 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_dir):
 
 
 DEBATE = Path(__file__).resolve().parents[1] / "examples" / "debate"
-EVEN_TASK = '''
+EVEN_TASK = """
 from areal_agents.envs import TextEnv
 
 
@@ -265,7 +265,7 @@ class EvenLength(TextEnv):
 
     def step(self, action):
         return "", float(len(action) % 2 == 0), True, False, {}
-'''
+"""
 
 
 @pytest.mark.parametrize("recipe", ["rl.yaml", "rl_separate.yaml"])
@@ -279,6 +279,7 @@ def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, monkeypatch)
     small = ["steps=2", "eval.num_problems=4", "rollout.batch_size=2", "rollout.group_size=2"]
     small += ["env.kwargs.task_env=even_task:EvenLength", "env.kwargs.task_kwargs={}", "eval.env_kwargs={}"]
     small += ["ppo.filter_zero_variance_groups=false", f"model.path={tiny_dir}", f"run_dir={run}"]
+    small += ["rollout.dump_trajectories=true"]
     if recipe == "rl_separate.yaml":
         small += [f"policies.debater_0={tiny_dir}", f"policies.debater_1={tiny_dir}"]
     assert main(["train", str(DEBATE / recipe), *small, "--no-progress"]) == 0
@@ -292,6 +293,21 @@ def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, monkeypatch)
     for agent in ("debater_0", "debater_1"):
         assert f"rollout/reward_agent/{agent}" in tags and f"rollout/reward_turn/{agent}/2" in tags
         assert f"eval/accuracy/{agent}" in tags
+    from areal_agents.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_dir)
+    for step in (1, 2):
+        rows = [json.loads(line) for line in (run / "trajectories" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert sorted(row["agent_id"] for row in rows) == ["debater_0"] * 4 + ["debater_1"] * 4
+        for row in rows:  # the loss mask is exactly this debater's own replies, one run per round
+            runs = "".join("1" if m else " " for m in row["loss_mask"]).split()
+            replies = [m["content"] for m in row["metadata"]["messages"] if m["role"] == "assistant"]
+            assert len(runs) == len(replies) == 2
+            masked = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+            assert tokenizer.decode(masked, skip_special_tokens=True) == "".join(replies)
+            other = "debater_1" if row["agent_id"] == "debater_0" else "debater_0"
+            unmasked = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if not m])
+            assert f"{other}: " in unmasked and f"{row['agent_id']}: " not in unmasked
     if recipe == "rl.yaml":
         assert scalars.Scalars("train/trained_trajectories")[0].value == 8  # both debaters' turns, one model
         return

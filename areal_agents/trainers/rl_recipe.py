@@ -163,6 +163,8 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         trajectories = [t for g in groups for t in g.trajectories]
         with open(run_dir / "data_order.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "prompts": [g.index for g in groups]}) + "\n")
+        if r.dump_trajectories:
+            _dump(run_dir / "trajectories" / f"step_{step}.jsonl", trajectories)
         t1 = time.perf_counter()
         stats: dict[str, float] = {"trained_trajectories": 0.0}
         for name, batch in _route(trajectories, policies).items():  # each policy trains on its own agents' data
@@ -284,6 +286,16 @@ def _route(trajectories: list[Trajectory], policies: dict[str, Policy]) -> dict[
             )
         out[t.agent_id].append(t)
     return out
+
+
+def _dump(path: Path, trajectories: list[Trajectory]) -> None:
+    """The step's training data as JSONL, one trajectory a line (tokens, masks, logprobs, versions, rewards)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for t in trajectories:
+            row = dataclasses.asdict(t)
+            row["metadata"] = json.loads(json.dumps(t.metadata, default=str))
+            f.write(json.dumps(row) + "\n")
 
 
 def _ledger(ledger: RolloutLedger) -> dict[str, int]:
