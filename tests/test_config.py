@@ -38,8 +38,8 @@ def test_wrong_type_names_key(tmp_path):
 
 
 def test_choice_and_range_are_validated():
-    with pytest.raises(ConfigError, match=r"'ppo.advantage'.*one of 'grpo', 'dr_grpo', 'rloo'"):
-        load_config(TrainConfig, None, ["ppo.advantage=gae"])
+    with pytest.raises(ConfigError, match=r"'ppo.advantage'.*one of 'grpo', 'dr_grpo', 'rloo', 'gae'"):
+        load_config(TrainConfig, None, ["ppo.advantage=ppo"])
     with pytest.raises(ConfigError, match=r"config key ppo.lr: expects a value > 0"):
         load_config(TrainConfig, None, ["ppo.lr=-1"])
 

@@ -48,6 +48,9 @@ def _process_step(state: bytes, action: str) -> tuple:
     return pickle.dumps(env), result
 
 
+MAX_IDLE_ENVS = 1024
+
+
 class PooledEnv:
     """One env session of a `LocalEnvPool`; implements the `AsyncEnv` interface."""
 
@@ -55,10 +58,18 @@ class PooledEnv:
         self.pool, self.env_id, self.kwargs = pool, env_id, kwargs
         self.env: gym.Env | None = None
         self._state: bytes | None = None  # process mode: the pickled env between calls
+        self._broken = False  # a call raised: the env is closed, not reused
         if pool.mode != "process":
-            self.env = make_env(env_id, **kwargs)
+            self.env = pool._take(env_id, kwargs) or make_env(env_id, **kwargs)
 
     async def _run(self, name: str, fn: Any, *args: Any) -> Any:
+        try:
+            return await self._call(name, fn, *args)
+        except BaseException:
+            self._broken = True  # in an unknown state: closed at the end, not reused
+            raise
+
+    async def _call(self, name: str, fn: Any, *args: Any) -> Any:
         pool = self.pool
         try:
             if pool.mode == "inline":
@@ -95,7 +106,9 @@ class PooledEnv:
 
     async def aclose(self) -> None:
         if self.env is not None:
-            self.env.close()
+            if self._broken or not self.pool._give_back(self.env_id, self.kwargs, self.env):
+                self.env.close()
+            self.env = None
         self._state = None
 
 
@@ -118,12 +131,29 @@ class LocalEnvPool:
             import_env_module(m)
         self.threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") if mode == "thread" else None
         self.workers = WorkerPool(workers) if mode == "process" else None
+        self._idle: dict[tuple[str, str], list[Any]] = {}  # closed sessions' envs, reused by the next make
+
+    def _take(self, env_id: str, kwargs: dict[str, Any]) -> Any:
+        """An idle env made with the same id and kwargs (``reset`` starts it afresh), or None.
+
+        Making an env per episode (gymnasium's registry, wrappers, spaces) cost more than the episode's
+        own steps for small text envs, so sessions that ended cleanly hand theirs back."""
+        idle = self._idle.get((env_id, repr(sorted(kwargs.items()))))
+        return idle.pop() if idle else None
+
+    def _give_back(self, env_id: str, kwargs: dict[str, Any], env: Any) -> bool:
+        idle = self._idle.setdefault((env_id, repr(sorted(kwargs.items()))), [])
+        if len(idle) >= MAX_IDLE_ENVS:
+            return False
+        idle.append(env)
+        return True
 
     def make(self, env_id: str, **kwargs: Any) -> PooledEnv:
         """A new env session; unknown ids and bad kwargs fail here, before any episode starts."""
         if self.mode == "process":
             env = make_env(env_id, **kwargs)  # validate here; workers import the env's module
-            entry = env.spec.entry_point if env.spec is not None else None
+            spec = getattr(env, "spec", None)  # a MultiAgentTextEnv has none: its class names the module
+            entry = spec.entry_point if spec is not None else type(env)
             module = entry.split(":")[0] if isinstance(entry, str) else getattr(entry, "__module__", "")
             env.close()
             if module and module not in self.modules and module != "__main__":
@@ -131,6 +161,10 @@ class LocalEnvPool:
         return PooledEnv(self, env_id, kwargs)
 
     async def aclose(self) -> None:
+        for idle in self._idle.values():
+            for env in idle:
+                env.close()
+        self._idle.clear()
         if self.threads is not None:
             self.threads.shutdown(wait=False, cancel_futures=True)
         if self.workers is not None:

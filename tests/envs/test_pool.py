@@ -60,10 +60,11 @@ def test_env_exception_is_a_typed_env_error_and_others_carry_on(mode):
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_hang_past_timeout_is_a_timeout(mode):
     async def run():
-        pool = LocalEnvPool(mode, workers=2, step_timeout=0.5)
+        pool = LocalEnvPool(mode, workers=2, step_timeout=60)
         try:
             # warm both workers first: a cold worker's start-up (imports) must not count against 0.5 s
             await asyncio.gather(*(episode(pool, "hi") for _ in range(2)))
+            pool.step_timeout = 0.5
             return await asyncio.gather(episode(pool, "hang"), episode(pool, "hi"), return_exceptions=True)
         finally:
             await pool.aclose()
@@ -108,3 +109,36 @@ def test_worker_pool_errors_are_typed():
 
     stats = run_sync(run())
     assert (stats.timeouts, stats.deaths, stats.errors, stats.restarts) == (1, 1, 1, 2)
+
+
+def test_envs_of_clean_sessions_are_reused_broken_ones_are_not():
+    async def run():
+        pool = LocalEnvPool("inline")
+        try:
+            first = pool.make(FAULTY)
+            await first.areset(seed=0)
+            await first.astep("hi")
+            env = first.env
+            await first.aclose()
+            again = pool.make(FAULTY)
+            other_kwargs = pool.make(FAULTY, max_turns=5)
+            reused = again.env is env and other_kwargs.env is not env
+            assert (await again.areset(seed=0))[0] == (await first_reset(pool))[0]  # reset starts afresh
+            try:
+                await again.astep("raise")
+            except EnvError:
+                pass
+            await again.aclose()
+            fresh = pool.make(FAULTY)
+            return reused, fresh.env is not env
+        finally:
+            await pool.aclose()
+
+    async def first_reset(pool):
+        env = pool.make(FAULTY)
+        try:
+            return await env.areset(seed=0)
+        finally:
+            await env.aclose()
+
+    assert run_sync(run()) == (True, True)

@@ -27,17 +27,25 @@ def test_capacity_formula(max_concurrent, running, staleness, version, batch, ac
 
 
 class FakeAgent:
-    """Episodes that take a random time, tag tokens with the version at generation, and fail on request."""
+    """Episodes that take a random time, tag tokens with the version at generation, and fail on request.
+
+    Whether an episode fails is a function of its id (not of scheduling order): half of the failing
+    episodes fail on their first attempt only (a retry succeeds), the others on every attempt."""
 
     def __init__(self, version, failures=None, seed=0):
-        self.version, self.failures = version, failures or {}
+        self.version, self.failures, self.seed = version, failures or {}, seed
         self.rng = random.Random(seed)
         self.calls = 0
+        self.attempts = {}
 
     async def run_episode(self, env, *, seed, episode_id):
         self.calls += 1
+        attempt = self.attempts[episode_id] = self.attempts.get(episode_id, -1) + 1
         await asyncio.sleep(self.rng.uniform(0.001, 0.02))
-        roll = self.rng.random()
+        fate = random.Random(f"{self.seed}/{episode_id}")
+        roll, transient = fate.random(), fate.random() < 0.5
+        if transient and attempt > 0:
+            roll = 1.0
         if roll < self.failures.get("env", 0):
             raise EnvError("env_error", "injected")
         if roll < self.failures.get("env", 0) + self.failures.get("engine", 0):
@@ -45,7 +53,7 @@ class FakeAgent:
         if roll < sum(self.failures.values()):
             raise RuntimeError("injected policy bug")
         v = self.version[0]
-        reward = float(self.rng.random() < 0.5)
+        reward = float(fate.random() < 0.5)
         return [Trajectory([1, 2], [0, 1], [0.0, -1.0], [-1, v], reward=reward, episode_id=episode_id)]
 
 
