@@ -44,9 +44,13 @@ class RemoteError(ArealAgentsError):
         self.type_name, self.remote_traceback = type_name, tb
 
 
+STARTUP_TIMEOUT_S = 300.0  # a new worker's start-up (interpreter, imports, initializer) is not a call's time
+
+
 def _worker_main(conn: Connection, initializer: Callable[[], Any] | None) -> None:
     if initializer is not None:
         initializer()
+    conn.send(("ready", None))
     while True:
         try:
             fn, args, kwargs = conn.recv()
@@ -62,6 +66,7 @@ def _worker_main(conn: Connection, initializer: Callable[[], Any] | None) -> Non
 class _Worker:
     process: mp.process.BaseProcess
     conn: Connection
+    ready: bool = False
 
 
 @dataclass
@@ -115,6 +120,11 @@ class WorkerPool:
     def _roundtrip(self, fn: Callable, args: tuple, kwargs: dict, timeout: float | None) -> Any:
         worker = self._idle.get()
         try:
+            if not worker.ready:  # wait out its start-up first, so a call's timeout measures the call alone
+                if not worker.conn.poll(STARTUP_TIMEOUT_S):
+                    raise EOFError
+                worker.conn.recv()
+                worker.ready = True
             worker.conn.send((fn, args, kwargs))
             if not worker.conn.poll(timeout):
                 self.stats.timeouts += 1

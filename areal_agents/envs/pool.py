@@ -29,6 +29,11 @@ from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerPoo
 PoolMode = Literal["inline", "thread", "process"]
 
 
+def _import_envs() -> None:
+    """Worker start-up: the env package (and so every built-in id), before the first call's clock starts."""
+    importlib.import_module("areal_agents.envs")
+
+
 def _worker_make(modules: tuple[str, ...], env_id: str, kwargs: dict) -> gym.Env:
     importlib.import_module("areal_agents.envs")
     for m in modules:
@@ -130,7 +135,7 @@ class LocalEnvPool:
         for m in self.modules:
             import_env_module(m)
         self.threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") if mode == "thread" else None
-        self.workers = WorkerPool(workers) if mode == "process" else None
+        self.workers = WorkerPool(workers, initializer=_import_envs) if mode == "process" else None
         self._idle: dict[tuple[str, str], list[Any]] = {}  # closed sessions' envs, reused by the next make
 
     def _take(self, env_id: str, kwargs: dict[str, Any]) -> Any:
