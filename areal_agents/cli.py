@@ -95,6 +95,41 @@ def cmd_serve_env(args: argparse.Namespace) -> None:
     serve(cfg)
 
 
+def cmd_eval(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from areal_agents.config import EngineConfig
+    from areal_agents.eval.runner import format_summary, run_eval
+
+    _quiet_transformers()
+    out = args.out or str(Path("runs/eval") / Path(args.dataset).stem)
+    engine = EngineConfig(backend=args.engine, urls=list(args.engine_url))
+    summary = run_eval(
+        args.dataset,
+        args.model,
+        out,
+        preset=args.preset,
+        engine=engine,
+        n_samples=args.n_samples,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        system_prompt=args.system_prompt,
+        date_range=(args.lcb_start, args.lcb_end) if args.lcb_start else None,
+        progress=not args.no_progress,
+    )
+    print(format_summary(summary))
+    print(f"samples: {Path(out) / 'samples.jsonl'}\nsummary: {Path(out) / 'summary.json'}")
+
+
+def cmd_eval_report(args: argparse.Namespace) -> None:
+    from areal_agents.eval.report import compare
+
+    print(compare(args.runs))
+
+
 def cmd_plot(args: argparse.Namespace) -> None:
     from areal_agents.trainers.plots import plot_run
 
@@ -146,6 +181,29 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run_dir")
         p.set_defaults(fn=fn)
+
+    p = sub.add_parser("eval", help="evaluate a model: avg@n, pass@k, maj@k on AIME, MATH-500, LiveCodeBench, ...")
+    p.add_argument("--dataset", required=True, help="aime24 | aime25 | math500 | lcb | a JSONL path | an HF id")
+    p.add_argument("--preset", default=None, help="settings for a path or id: aime24, aime25, math500, math, lcb")
+    p.add_argument("--model", required=True, help="model directory (a transformers checkpoint)")
+    p.add_argument("--engine", choices=["hf", "serve-model", "sglang"], default="hf")
+    p.add_argument("--engine-url", action="append", default=[], help="running SGLang-protocol servers")
+    p.add_argument("--n-samples", type=int, default=None, help="samples per problem (default: the preset's)")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--concurrency", type=int, default=64, help="episodes in flight")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--system-prompt", default="")
+    p.add_argument("--lcb-start", default=None, help="LiveCodeBench: problems with contest_date >= this (ISO)")
+    p.add_argument("--lcb-end", default="9999-12-31", help="LiveCodeBench: ... and < this date")
+    p.add_argument("--out", default=None, help="output directory (default runs/eval/DATASET); reruns resume")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("eval-report", help="compare eval runs side by side")
+    p.add_argument("runs", nargs="+", help="eval output directories (or their summary.json)")
+    p.set_defaults(fn=cmd_eval_report)
 
     p = sub.add_parser("plot", help="PNG curves of a run (reward, accuracy, staleness, throughput)")
     p.add_argument("run_dir", help="a train run directory (with tensorboard/)")

@@ -146,12 +146,20 @@ class PPOConfig:
 
 @dataclass
 class EvalConfig:
-    num_problems: int = _help("held-out problems, greedy, one episode each", default=200)
+    num_problems: int = _help("held-out problems (distinct first observations)", default=200)
     seed: int = _help("seed of the held-out set (fixed across runs)", default=0)
     every: int = _help("evaluate every N steps; 0 = only before and after training", default=0)
+    n_samples: int = _help("train: episodes per problem; accuracy is avg@n, pass@n is logged too", default=1)
+    temperature: float = _help("train: evaluation sampling temperature (0 = greedy)", default=0.0)
+    top_p: float = _help("train: evaluation nucleus sampling", default=1.0)
     env_kwargs: dict[str, Any] = _help(
         "overrides of env.kwargs for evaluation (e.g. split: test)", default_factory=dict
     )
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "num_problems", "n_samples")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"temperature >= 0 and 0 < top_p <= 1 expected, got {self.temperature}, {self.top_p}")
 
 
 @dataclass

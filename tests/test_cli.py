@@ -322,3 +322,14 @@ def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, monkeypatch)
     a = load_model(run / "checkpoints" / "step_2" / "policies" / "debater_0" / "model").state_dict()
     b = load_model(run / "checkpoints" / "step_2" / "policies" / "debater_1" / "model").state_dict()
     assert any(not torch.equal(a[k], b[k]) for k in a)  # different data, different models
+
+
+def test_train_evaluates_with_sampling_when_asked(tmp_path, tiny_dir):
+    _, rl = write_configs(tmp_path, tiny_dir)
+    args = ["train", str(rl), "steps=1", "eval.n_samples=3", "eval.temperature=1.0", "eval.top_p=0.9"]
+    assert main([*args, "--no-progress"]) == 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = EventAccumulator(str(tmp_path / "rl" / "tensorboard")).Reload()
+    assert "eval/pass@3" in scalars.Tags()["scalars"]
+    assert scalars.Scalars("eval/episodes")[0].value == 8 * 3  # 8 problems x 3 samples

@@ -64,7 +64,7 @@ class ChatAgent:
 
     async def run_episode(self, env: AsyncEnv, *, seed: int | None, episode_id: str) -> list[Trajectory]:
         try:
-            segments, turn_rewards, truncated_by_agent = await self._play(env, seed, episode_id)
+            segments, turn_rewards, truncated_by_agent, final_info = await self._play(env, seed, episode_id)
         finally:
             await env.aclose()  # also when the env or the engine failed mid-episode
         total = sum(turn_rewards)
@@ -82,6 +82,7 @@ class ChatAgent:
                     "segment": i,
                     "num_turns": len(turn_rewards),
                     "truncated_by_agent": truncated_by_agent,
+                    "final_info": final_info,  # the env's info of the last step (e.g. the extracted answer)
                     "messages": seg.messages,
                 },
             )
@@ -91,8 +92,9 @@ class ChatAgent:
 
     async def _play(
         self, env: AsyncEnv, seed: int | None, episode_id: str
-    ) -> tuple[list[ChatTokens], list[float], bool]:
-        """The turn loop: returns the token segments, the reward of each turn, and whether the agent cut it off."""
+    ) -> tuple[list[ChatTokens], list[float], bool, dict[str, Any]]:
+        """The turn loop: the token segments, the reward of each turn, whether the agent cut it off, and the
+        env's last step info."""
         observation, info = await env.areset(seed=seed)
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         messages.append({"role": info.get("role", "user"), "content": self.format_observation(observation, info)})
@@ -101,6 +103,7 @@ class ChatAgent:
         segments: list[ChatTokens] = []
         turn_rewards: list[float] = []
         truncated_by_agent = False
+        last_info: dict[str, Any] = {}
         for turn in range(self.max_turns):
             budget = min(self.sampling.max_new_tokens, self.max_total_tokens - len(chat.input_ids))
             if budget < 1:
@@ -117,6 +120,7 @@ class ChatAgent:
             else:
                 observation, reward, terminated, truncated, info = await env.astep(self.parse_action(text))
                 turn_rewards.append(float(reward))
+                last_info = info
                 if terminated or truncated or self.should_stop(turn, float(reward), info):
                     break
                 role, message = info.get("role", "user"), self.format_observation(observation, info)
@@ -127,4 +131,4 @@ class ChatAgent:
         else:
             truncated_by_agent = True
         segments.append(chat)
-        return segments, turn_rewards, truncated_by_agent
+        return segments, turn_rewards, truncated_by_agent, last_info

@@ -9,6 +9,7 @@ from areal_agents.agents.base import Agent
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ArealAgentsError
 from areal_agents.rollout.episodes import run_groups
+from areal_agents.types import Trajectory
 
 
 async def distinct_seeds(make_env: Callable[[], AsyncEnv], n: int, start: int = 0, chunk: int = 64) -> list[int]:
@@ -39,27 +40,38 @@ async def distinct_seeds(make_env: Callable[[], AsyncEnv], n: int, start: int = 
 
 
 async def evaluate(
-    agent: Agent, make_env: Callable[[], AsyncEnv], seeds: list[int], max_concurrent: int = 256
+    agent: Agent,
+    make_env: Callable[[], AsyncEnv],
+    seeds: list[int],
+    max_concurrent: int = 256,
+    n_samples: int = 1,
 ) -> dict[str, float]:
-    """One episode per seed; ``accuracy`` is the fraction of successful episodes: the env's
-    ``info["success"]`` when it reports one (a debate's majority answer), else total reward >= 1.
-    With several agents, ``accuracy/AGENT`` is each agent's own (reward >= 1)."""
-    groups = await run_groups(agent, make_env, seeds, 1, max_concurrent=max_concurrent, tag="eval")
-    first = [g[0] if g else None for g in groups]
-    success = [bool(t.metadata.get("success", t.reward >= 1.0)) if t else False for t in first]
-    rewards = [t.reward if t else 0.0 for t in first]
-    turns = [t.metadata["num_turns"] for t in first if t]
+    """``n_samples`` episodes per seed; ``accuracy`` is the fraction of successful episodes (avg@n): the
+    env's ``info["success"]`` when it reports one (a debate's majority answer), else total reward >= 1;
+    with n > 1 also ``pass@n``. With several agents, ``accuracy/AGENT`` is each agent's own."""
+    groups = await run_groups(agent, make_env, seeds, n_samples, max_concurrent=max_concurrent, tag="eval")
+    episodes: list[list[Trajectory | None]] = []  # per seed: the first trajectory of each episode
+    for g in groups:
+        firsts = [t for t in g if t.metadata.get("segment", 0) == 0 and t.agent_id == g[0].agent_id] if g else []
+        episodes.append([*firsts, *[None] * (n_samples - len(firsts))])
+    flat = [t for e in episodes for t in e]
+    success = [bool(t.metadata.get("success", t.reward >= 1.0)) if t else False for t in flat]
+    rewards = [t.reward if t else 0.0 for t in flat]
+    turns = [t.metadata["num_turns"] for t in flat if t]
     out = {
         "accuracy": sum(success) / len(success),
         "reward_mean": sum(rewards) / len(rewards),
         "turns_mean": sum(turns) / max(len(turns), 1),
         "episodes": float(len(rewards)),
     }
+    if n_samples > 1:
+        per_seed = [success[k * n_samples : (k + 1) * n_samples] for k in range(len(episodes))]
+        out[f"pass@{n_samples}"] = sum(any(s) for s in per_seed) / len(per_seed)
     by_agent: dict[str, list[bool]] = {}
     for g in groups:
         for t in g:
             if t.metadata.get("segment", 0) == 0:
                 by_agent.setdefault(t.agent_id, []).append(t.reward >= 1.0)
     if len(by_agent) > 1:
-        out |= {f"accuracy/{a}": sum(v) / len(seeds) for a, v in sorted(by_agent.items())}
+        out |= {f"accuracy/{a}": sum(v) / (len(seeds) * n_samples) for a, v in sorted(by_agent.items())}
     return out

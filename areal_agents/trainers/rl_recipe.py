@@ -78,7 +78,7 @@ async def _train(cfg, tokenizer, policies, run_dir, progress, state):
     try:
         for sampling in (
             SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k),
-            SamplingParams(r.max_new_tokens, temperature=0.0),
+            SamplingParams(r.max_new_tokens, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p),
         ):
             kwargs = {"system_prompt": r.system_prompt, "kwargs": r.agent_kwargs}
             agents.append(make_agent(r.agent, engine, tokenizer, sampling, **kwargs))
@@ -114,7 +114,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         return backend.make(**cfg.eval.env_kwargs)
 
     async def run_eval(step: int) -> dict[str, float]:
-        result = await evaluate(greedy, make_eval_env, eval_seeds, r.max_concurrent_rollouts)
+        result = await evaluate(greedy, make_eval_env, eval_seeds, r.max_concurrent_rollouts, cfg.eval.n_samples)
         metrics.log(step, prefixed("eval", result))
         return result
 
