@@ -95,15 +95,41 @@ def cmd_serve_env(args: argparse.Namespace) -> None:
     serve(cfg)
 
 
+def _apply_eval_config(args: argparse.Namespace) -> None:
+    """Options from ``--config`` fill what the command line left unset; unknown keys are errors."""
+    from pathlib import Path
+
+    import yaml
+
+    from areal_agents.errors import ConfigError, did_you_mean
+
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        values = yaml.safe_load(path.read_text()) or {}
+        known = {k for k in vars(args) if k not in ("fn", "command", "config")}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                raise ConfigError(f"unknown eval option {key!r} in {path}.{did_you_mean(name, known)}")
+            if getattr(args, name) in (None, [], False, ""):
+                setattr(args, name, value)
+    for name in ("dataset", "model"):
+        if not getattr(args, name):
+            raise ConfigError(f"eval needs --{name} (or '{name}:' in --config)")
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from areal_agents.config import EngineConfig
     from areal_agents.eval.runner import format_summary, run_eval
 
+    _apply_eval_config(args)
     _quiet_transformers()
     out = args.out or str(Path("runs/eval") / Path(args.dataset).stem)
-    engine = EngineConfig(backend=args.engine, urls=list(args.engine_url))
+    engine = EngineConfig(backend=args.engine or "hf", urls=list(args.engine_url))
     summary = run_eval(
         args.dataset,
         args.model,
@@ -114,10 +140,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
         temperature=args.temperature,
         top_p=args.top_p,
         max_new_tokens=args.max_new_tokens,
-        concurrency=args.concurrency,
-        seed=args.seed,
+        concurrency=args.concurrency or 64,
+        seed=args.seed or 0,
         system_prompt=args.system_prompt,
-        date_range=(args.lcb_start, args.lcb_end) if args.lcb_start else None,
+        date_range=(str(args.lcb_start), str(args.lcb_end or "9999-12-31")) if args.lcb_start else None,
         progress=not args.no_progress,
     )
     print(format_summary(summary))
@@ -183,20 +209,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("eval", help="evaluate a model: avg@n, pass@k, maj@k on AIME, MATH-500, LiveCodeBench, ...")
-    p.add_argument("--dataset", required=True, help="aime24 | aime25 | math500 | lcb | a JSONL path | an HF id")
+    p.add_argument("--config", default=None, help="YAML file of these options (dataset: ..., n_samples: ...)")
+    p.add_argument("--dataset", default=None, help="aime24 | aime25 | math500 | lcb | a JSONL path | an HF id")
     p.add_argument("--preset", default=None, help="settings for a path or id: aime24, aime25, math500, math, lcb")
-    p.add_argument("--model", required=True, help="model directory (a transformers checkpoint)")
-    p.add_argument("--engine", choices=["hf", "serve-model", "sglang"], default="hf")
+    p.add_argument("--model", default=None, help="model directory (a transformers checkpoint)")
+    p.add_argument("--engine", choices=["hf", "serve-model", "sglang"], default=None, help="default: hf")
     p.add_argument("--engine-url", action="append", default=[], help="running SGLang-protocol servers")
     p.add_argument("--n-samples", type=int, default=None, help="samples per problem (default: the preset's)")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--concurrency", type=int, default=64, help="episodes in flight")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=None, help="episodes in flight (default 64)")
+    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system-prompt", default="")
     p.add_argument("--lcb-start", default=None, help="LiveCodeBench: problems with contest_date >= this (ISO)")
-    p.add_argument("--lcb-end", default="9999-12-31", help="LiveCodeBench: ... and < this date")
+    p.add_argument("--lcb-end", default=None, help="LiveCodeBench: ... and < this date")
     p.add_argument("--out", default=None, help="output directory (default runs/eval/DATASET); reruns resume")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(fn=cmd_eval)

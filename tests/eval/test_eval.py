@@ -231,3 +231,66 @@ def test_eval_report_compares_runs(tmp_path, capsys):
     assert lines[0].split() == ["metric", "base", "rl"]
     assert lines[1].split() == ["avg@4", "25.0%", "50.0%"] and lines[2].split() == ["pass@4", "35.0%", "60.0%"]
     assert main(["eval-report", str(tmp_path / "missing")]) == 2
+
+
+# Hand-written solutions to four lcb_subset problems (by row index), right and subtly wrong.
+LCB_SUBSET_RIGHT = {
+    0: "y = int(input())\nprint(366 if (y % 4 == 0 and y % 100 != 0) or y % 400 == 0 else 365)\n",
+    21: "class Solution:\n    def finalPositionOfSnake(self, n: int, commands: List[str]) -> int:\n"
+    "        i = j = 0\n        for c in commands:\n"
+    "            di, dj = {'UP': (-1, 0), 'DOWN': (1, 0), 'LEFT': (0, -1), 'RIGHT': (0, 1)}[c]\n"
+    "            i, j = i + di, j + dj\n        return i * n + j\n",
+    22: "class Solution:\n    def countKConstraintSubstrings(self, s: str, k: int) -> int:\n"
+    "        return sum(1 for a in range(len(s)) for b in range(a + 1, len(s) + 1)\n"
+    "                   if s[a:b].count('0') <= k or s[a:b].count('1') <= k)\n",
+    24: "class Solution:\n    def checkTwoChessboards(self, coordinate1: str, coordinate2: str) -> bool:\n"
+    "        color = lambda c: (ord(c[0]) + int(c[1])) % 2\n        return color(coordinate1) == color(coordinate2)\n",
+}
+LCB_SUBSET_WRONG = {
+    0: LCB_SUBSET_RIGHT[0].replace("or y % 400 == 0", ""),
+    21: LCB_SUBSET_RIGHT[21].replace("i * n + j", "j * n + i"),
+    22: LCB_SUBSET_RIGHT[22].replace("<= k or", "<= k and"),
+    24: LCB_SUBSET_RIGHT[24].replace("==", "!="),
+}
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="shared data not found")
+def test_lcb_subset_right_and_wrong_solutions(tmp_path, tokenizer):
+    def reply(i, j):  # four problems: right on sample 0, wrong on sample 1; the rest: a wrong program
+        code = (LCB_SUBSET_RIGHT if j == 0 else LCB_SUBSET_WRONG).get(i, "print(0)\n")
+        return f"```python\n{code}```"
+
+    settings = EvalSettings(
+        env_id="areal_agents/Code-v0",
+        env_kwargs={"dataset": str(DATA / "lcb_subset.jsonl"), "max_turns": 1, "max_runs": 0},
+        n_samples=2,
+        temperature=0.6,
+        top_p=0.95,
+        max_new_tokens=1024,
+    )
+    summary = asyncio.run(
+        evaluate_dataset(settings, ScriptedCodeEngine(tokenizer, reply), tokenizer, tmp_path / "lcb", progress=False)
+    )
+    assert summary["problems"] == 40 and summary["failed_samples"] == 0
+    assert summary["avg@2"] == pytest.approx(4 * 0.5 / 40) and summary["pass@2"] == pytest.approx(4 / 40)
+    rows = [json.loads(line) for line in (tmp_path / "lcb" / "samples.jsonl").read_text().splitlines()]
+    assert {r["index"] for r in rows if r["correct"]} == set(LCB_SUBSET_RIGHT)
+
+
+def test_eval_config_file_and_its_errors(tmp_path, tiny_dir):
+    from areal_agents.cli import main
+
+    rows = (DATA / "aime24.jsonl").read_text().splitlines()[:3]
+    sliced = tmp_path / "three.jsonl"
+    sliced.write_text("\n".join(rows) + "\n")
+    config = tmp_path / "eval.yaml"
+    config.write_text(
+        f"dataset: {sliced}\nmodel: {tiny_dir}\nn_samples: 2\nmax_new_tokens: 4\ntemperature: 1.0\n"
+        f"out: {tmp_path / 'o'}\n"
+    )
+    assert main(["eval", "--config", str(config), "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["samples"] == 6 and summary["settings"]["temperature"] == 1.0
+    config.write_text("datasett: x\n")
+    assert main(["eval", "--config", str(config)]) == 2
+    assert main(["eval", "--model", str(tiny_dir)]) == 2  # no dataset: a one-line error
