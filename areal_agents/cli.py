@@ -124,7 +124,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from areal_agents.config import EngineConfig
-    from areal_agents.eval.runner import format_summary, run_eval
+    from areal_agents.eval.runner import print_summary, run_eval
 
     _apply_eval_config(args)
     _quiet_transformers()
@@ -146,7 +146,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         date_range=(str(args.lcb_start), str(args.lcb_end or "9999-12-31")) if args.lcb_start else None,
         progress=not args.no_progress,
     )
-    print(format_summary(summary))
+    print_summary(summary, title=f"{args.dataset} ({args.model})")
     print(f"samples: {Path(out) / 'samples.jsonl'}\nsummary: {Path(out) / 'summary.json'}")
 
 

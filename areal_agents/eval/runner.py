@@ -203,17 +203,32 @@ def run_eval(
             servers.stop()
 
 
-def format_summary(summary: dict[str, Any]) -> str:
-    """The headline metrics as a small table."""
-    keys = [k for k in summary if k.startswith(("avg@", "pass@", "maj@"))]
-    lines = [f"{'metric':<12}{'value':>8}", "-" * 20]
-    lines += [f"{k:<12}{100 * summary[k]:>7.1f}%" for k in keys]
-    lines += [
-        f"{'tokens':<12}{summary['mean_tokens']:>8.1f}",
-        f"{'truncated':<12}{100 * summary['truncation_rate']:>7.1f}%",
-    ]
-    lines.append(f"{summary['problems']} problems, {summary['samples']} samples")
-    return "\n".join(lines)
+def print_summary(summary: dict[str, Any], title: str = "") -> None:
+    """The headline metrics as a console table (rich), then the breakdowns."""
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    table = Table(title=title or None)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k in summary:
+        if k.startswith(("avg@", "pass@", "maj@")):
+            table.add_row(k, f"{100 * summary[k]:.1f}%")
+    table.add_row("mean tokens", f"{summary.get('mean_tokens', 0.0):.1f}")
+    table.add_row("truncated", f"{100 * summary.get('truncation_rate', 0.0):.1f}%")
+    table.add_row("problems / samples", f"{summary.get('problems', 0)} / {summary.get('samples', 0)}")
+    console = Console()
+    console.print(table)
+    for key, groups in summary.items():
+        if key.startswith("by_"):
+            sub = Table(title=key.removeprefix("by_"))
+            sub.add_column(key.removeprefix("by_"))
+            sub.add_column("problems", justify="right")
+            sub.add_column("accuracy", justify="right")
+            for name, row in groups.items():
+                acc = next(v for k, v in row.items() if k.startswith("avg@"))
+                sub.add_row(name, str(row["problems"]), f"{100 * acc:.1f}%")
+            console.print(sub)
 
 
 def summarize(records: list[dict[str, Any]], n: int, breakdown: tuple[str, ...] = ()) -> dict[str, Any]:
