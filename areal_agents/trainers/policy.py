@@ -73,11 +73,6 @@ class Policy:
     async def push_weights(self) -> None:
         await self.engine.update_weights(self.model.state_dict())  # pause, swap, version + 1, resume
 
-    async def aclose(self) -> None:
-        await self.engine.aclose()
-        if self.servers is not None:
-            self.servers.stop()
-
 
 def open_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, run_dir: Path) -> Policy:
     """Load ``model_path`` (the start, or a checkpoint's copy) for training and serving; the reference
