@@ -164,6 +164,32 @@ class ChatCapture:
         )
 
 
+class CapturingAgent:
+    """Base of agents whose episodes run on a fresh `ChatCapture` (episode functions, agent programs)."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        tokenizer: PreTrainedTokenizerBase,
+        sampling: SamplingParams,
+        *,
+        agent_id: str = "agent",
+        max_total_tokens: int = 4096,
+    ) -> None:
+        self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
+        self.agent_id, self.max_total_tokens = agent_id, max_total_tokens
+
+    def new_capture(self, episode_id: str) -> ChatCapture:
+        return ChatCapture(
+            self.engine,
+            self.tokenizer,
+            self.sampling,
+            episode_id=episode_id,
+            agent_id=self.agent_id,
+            max_total_tokens=self.max_total_tokens,
+        )
+
+
 def _reply(text: str, tools: list[dict[str, Any]] | None, completion_id: str) -> ChatCompletionMessage:
     """The assistant message; with ``tools``, ``<tool_call>`` blocks become OpenAI ``tool_calls``."""
     calls = []

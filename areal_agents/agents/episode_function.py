@@ -21,7 +21,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from areal_agents.agents.capture import ChatCapture
+from areal_agents.agents.capture import CapturingAgent, ChatCapture
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.types import SamplingParams, Trajectory
@@ -50,7 +50,7 @@ class Task:
         self.capture.set_reward(reward, completion_id)
 
 
-class EpisodeFunctionAgent:
+class EpisodeFunctionAgent(CapturingAgent):
     """Wraps an episode function as an `Agent` (``rollout.agent: my_module:solve`` does this for you)."""
 
     def __init__(
@@ -65,18 +65,11 @@ class EpisodeFunctionAgent:
     ) -> None:
         if not inspect.iscoroutinefunction(fn):
             raise TypeError(f"an episode function must be `async def name(client, task)`, got {fn!r}")
-        self.fn, self.engine, self.tokenizer, self.sampling = fn, engine, tokenizer, sampling
-        self.agent_id, self.max_total_tokens = agent_id, max_total_tokens
+        super().__init__(engine, tokenizer, sampling, agent_id=agent_id, max_total_tokens=max_total_tokens)
+        self.fn = fn
 
     async def run_episode(self, env: AsyncEnv, *, seed: int | None, episode_id: str) -> list[Trajectory]:
-        capture = ChatCapture(
-            self.engine,
-            self.tokenizer,
-            self.sampling,
-            episode_id=episode_id,
-            agent_id=self.agent_id,
-            max_total_tokens=self.max_total_tokens,
-        )
+        capture = self.new_capture(episode_id)
         try:
             prompt, info = await env.areset(seed=seed)
             task = Task(prompt, info, env, capture)

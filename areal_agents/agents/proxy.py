@@ -27,7 +27,7 @@ from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse
 from transformers import PreTrainedTokenizerBase
 
-from areal_agents.agents.capture import ChatCapture
+from areal_agents.agents.capture import CapturingAgent, ChatCapture
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.launcher import free_port
 from areal_agents.envs.async_env import AsyncEnv
@@ -143,7 +143,7 @@ class ChatProxy:
         return app
 
 
-class CommandAgent:
+class CommandAgent(CapturingAgent):
     """An agent program in its own process, talking to the policy through the chat proxy.
 
     ``command``: the program and its arguments (e.g. ``["python", "my_agent.py"]``); ``timeout_s`` bounds
@@ -165,9 +165,8 @@ class CommandAgent:
     ) -> None:
         if not command:
             raise ValueError("command: expects the agent program, e.g. ['python', 'my_agent.py']")
-        self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
+        super().__init__(engine, tokenizer, sampling, agent_id=agent_id, max_total_tokens=max_total_tokens)
         self.command, self.timeout_s = [sys.executable if c == "python" else c for c in command], timeout_s
-        self.agent_id, self.max_total_tokens = agent_id, max_total_tokens
         self.proxy = ChatProxy(host, port)
         self._started: asyncio.Task | None = None
 
@@ -181,14 +180,7 @@ class CommandAgent:
         if self._started is None:
             self._started = asyncio.ensure_future(self.proxy.start())
         await asyncio.shield(self._started)
-        capture = ChatCapture(
-            self.engine,
-            self.tokenizer,
-            self.sampling,
-            episode_id=episode_id,
-            agent_id=self.agent_id,
-            max_total_tokens=self.max_total_tokens,
-        )
+        capture = self.new_capture(episode_id)
         session = self.proxy.open(capture)
         try:
             prompt, info = await env.areset(seed=seed)
