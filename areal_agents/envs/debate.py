@@ -2,7 +2,8 @@
 
 The task and its verifier come from any single-agent text env (``task_env``, arithmetic by default;
 ``areal_agents/Math-v0`` for math): its first observation is the question, and an answer is scored by a
-fresh copy of that env reset with the same seed and stepped with the answer (reward >= 1 is correct).
+second instance of that env, reset with the episode's seed and stepped with the answer (reward >= 1 is
+correct).
 
 Round 1: every agent sees the question and answers on its own. Rounds 2..R: each agent sees the answers
 of the agents it can see (``visibility``: ``all`` others, or ``ring``: the next agent only) from the
@@ -58,8 +59,8 @@ class DebateEnv(MultiAgentTextEnv):
         from areal_agents.envs.registry import make_env  # noqa: PLC0415  (registry imports this module)
 
         self.task_id, self.task_kwargs = task_env, dict(task_kwargs or {})
-        self._make_task = lambda: make_env(self.task_id, **self.task_kwargs)
-        self.task = self._make_task()  # fails here, at construction, on a bad id or kwargs
+        self.task = make_env(self.task_id, **self.task_kwargs)  # fails here, at construction, on a bad id or kwargs
+        self.verifier = make_env(self.task_id, **self.task_kwargs)  # reset to the task's seed for every answer
         self.possible_agents = [f"debater_{i}" for i in range(num_agents)]
         self.rounds, self.visibility, self.round_prompt = rounds, visibility, round_prompt
         self.correct_reward, self.round_reward = correct_reward, round_reward
@@ -80,12 +81,8 @@ class DebateEnv(MultiAgentTextEnv):
 
     def is_correct(self, answer: str) -> bool:
         """The task env's verdict on ``answer`` for this episode's task."""
-        verifier = self._make_task()
-        try:
-            verifier.reset(seed=self.seed)
-            return float(verifier.step(answer)[1]) >= 1.0
-        finally:
-            verifier.close()
+        self.verifier.reset(seed=self.seed)
+        return float(self.verifier.step(answer)[1]) >= 1.0
 
     def _visible(self, agent: str) -> list[str]:
         i = self.possible_agents.index(agent)
@@ -137,6 +134,7 @@ class DebateEnv(MultiAgentTextEnv):
 
     def close(self) -> None:
         self.task.close()
+        self.verifier.close()
 
 
 def _majority(answers: list[str]) -> str:
