@@ -69,6 +69,8 @@ class MultiAgentChatAgent:
             await env.aclose()
         out = []
         for agent_id, chats in segments.items():
+            info = final_info.get(agent_id, {})
+            outcome = {"success": bool(info["success"])} if "success" in info else {}
             for i, chat in enumerate(chats):
                 if sum(chat.loss_mask) == 0:
                     continue
@@ -87,12 +89,8 @@ class MultiAgentChatAgent:
                             "num_turns": len(turn_rewards[agent_id]),
                             "messages": chat.messages,
                             "episode": episode_id,
-                            "info": final_info.get(agent_id, {}),
-                            **(
-                                {"success": bool(final_info[agent_id]["success"])}
-                                if "success" in final_info.get(agent_id, {})
-                                else {}
-                            ),
+                            "info": info,
+                            **outcome,
                         },
                     )
                 )

@@ -56,6 +56,11 @@ def _process_step(state: bytes, action: str) -> tuple:
 MAX_IDLE_ENVS = 1024
 
 
+def _idle_key(env_id: str, kwargs: dict[str, Any]) -> tuple[str, str]:
+    """Envs made with equal id and kwargs are interchangeable after a reset (kwargs may be unhashable)."""
+    return env_id, repr(sorted(kwargs.items()))
+
+
 class PooledEnv:
     """One env session of a `LocalEnvPool`; implements the `AsyncEnv` interface."""
 
@@ -143,11 +148,11 @@ class LocalEnvPool:
 
         Making an env per episode (gymnasium's registry, wrappers, spaces) cost more than the episode's
         own steps for small text envs, so sessions that ended cleanly hand theirs back."""
-        idle = self._idle.get((env_id, repr(sorted(kwargs.items()))))
+        idle = self._idle.get(_idle_key(env_id, kwargs))
         return idle.pop() if idle else None
 
     def _give_back(self, env_id: str, kwargs: dict[str, Any], env: Any) -> bool:
-        idle = self._idle.setdefault((env_id, repr(sorted(kwargs.items()))), [])
+        idle = self._idle.setdefault(_idle_key(env_id, kwargs), [])
         if len(idle) >= MAX_IDLE_ENVS:
             return False
         idle.append(env)

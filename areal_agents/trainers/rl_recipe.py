@@ -166,12 +166,13 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         if r.dump_trajectories:
             _dump(run_dir / "trajectories" / f"step_{step}.jsonl", trajectories)
         t1 = time.perf_counter()
-        stats: dict[str, float] = {"trained_trajectories": 0.0}
+        stats: dict[str, float] = {}
+        trained = 0.0
         for name, batch in _route(trajectories, policies).items():  # each policy trains on its own agents' data
             policy_stats = await policies[name].update(batch, cfg, pad, generator)
-            trained = policy_stats.get("trained_trajectories", 0.0)
+            trained += policy_stats.get("trained_trajectories", 0.0)
             stats |= policy_stats if name == SHARED else prefixed(name, policy_stats)
-            stats["trained_trajectories"] = (0.0 if name == SHARED else stats["trained_trajectories"]) + trained
+        stats["trained_trajectories"] = trained
         if step == cfg.steps:
             controller.pause()  # the last update needs no more rollouts
         for policy in policies.values():
