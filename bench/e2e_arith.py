@@ -25,6 +25,19 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "arithmetic"
 
 
+def prepare_sft(out: Path, seed: int, steps: int | None = None) -> SFTConfig:
+    """The recipe's SFT start, ready to run: a tiny model, 20,000 demonstrations and the sft.yaml config."""
+    save_tiny_model(out / "tiny")
+    data = out / "sft_data.jsonl"
+    subprocess.run(
+        [sys.executable, str(RECIPE / "make_sft_data.py"), str(data), "--n", "20000"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    overrides = [f"run_dir={out / 'sft'}", f"data={data}", f"model.path={out / 'tiny'}", f"seed={seed}"]
+    return load_config(SFTConfig, RECIPE / "sft.yaml", overrides + ([f"steps={steps}"] if steps else []))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/bench_arith")
@@ -39,18 +52,7 @@ def main() -> None:
     out = Path(args.out)
 
     start = time.perf_counter()
-    save_tiny_model(out / "tiny")
-    data = out / "sft_data.jsonl"
-    subprocess.run(
-        [sys.executable, str(RECIPE / "make_sft_data.py"), str(data), "--n", "20000"],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    sft_cfg = load_config(
-        SFTConfig,
-        RECIPE / "sft.yaml",
-        [f"run_dir={out / 'sft'}", f"data={data}", f"model.path={out / 'tiny'}", f"seed={args.seed}"],
-    )
+    sft_cfg = prepare_sft(out, args.seed)
     t_sft = time.perf_counter()
     sft = run_sft(sft_cfg, progress=False)
     t_rl = time.perf_counter()

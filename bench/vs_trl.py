@@ -30,8 +30,6 @@ import asyncio
 import dataclasses
 import json
 import math
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -40,13 +38,14 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
+from e2e_arith import prepare_sft  # bench/ is on sys.path when this script runs
 
 from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.agents.chat_tokens import ChatTokens
-from areal_agents.config import SFTConfig, TrainConfig, load_config
+from areal_agents.config import TrainConfig, load_config
 from areal_agents.engines.hf_engine import HFEngine
 from areal_agents.envs.registry import import_env_module, make_env
-from areal_agents.models import load_model, load_tokenizer, save_tiny_model
+from areal_agents.models import load_model, load_tokenizer
 from areal_agents.rollout.evaluate import evaluate
 from areal_agents.trainers.checkpoint import save_model
 from areal_agents.trainers.rl_recipe import run_train
@@ -75,17 +74,7 @@ FASTEST_STEP_S = 0.1  # sizes TRL's prompt list: no budget runs out of prompts u
 
 
 def build_sft(out: Path, seed: int, steps: int | None) -> Path:
-    save_tiny_model(out / "tiny")
-    data = out / "sft_data.jsonl"
-    subprocess.run(
-        [sys.executable, str(RECIPE / "make_sft_data.py"), str(data), "--n", "20000"],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    overrides = [f"run_dir={out / 'sft'}", f"data={data}", f"model.path={out / 'tiny'}", f"seed={seed}"]
-    if steps:
-        overrides.append(f"steps={steps}")
-    return Path(run_sft(load_config(SFTConfig, RECIPE / "sft.yaml", overrides), progress=False)["model"])
+    return Path(run_sft(prepare_sft(out, seed, steps), progress=False)["model"])
 
 
 # ---- TRL: the same prompts, reward and settings ----------------------------------------------------------------
