@@ -55,7 +55,8 @@ async def evaluate(
         firsts = [t for t in g if t.metadata.get("segment", 0) == 0 and t.agent_id == g[0].agent_id] if g else []
         episodes.append([*firsts, *[None] * (n_samples - len(firsts))])
     flat = [t for e in episodes for t in e]
-    success = [bool(t.metadata.get("success", t.reward >= 1.0)) if t else False for t in flat]
+    per_seed = [[bool(t.metadata.get("success", t.reward >= 1.0)) if t else False for t in e] for e in episodes]
+    success = [ok for s in per_seed for ok in s]
     rewards = [t.reward if t else 0.0 for t in flat]
     turns = [t.metadata["num_turns"] for t in flat if t]
     out = {
@@ -65,7 +66,6 @@ async def evaluate(
         "episodes": float(len(rewards)),
     }
     if n_samples > 1:
-        per_seed = [success[k * n_samples : (k + 1) * n_samples] for k in range(len(episodes))]
         out[f"pass@{n_samples}"] = sum(any(s) for s in per_seed) / len(per_seed)
     by_agent: dict[str, list[bool]] = {}
     for g in groups:
