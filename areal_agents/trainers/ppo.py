@@ -17,8 +17,21 @@ from areal_agents.config import PPOConfig
 from areal_agents.trainers.advantages import group_advantages, shape_rewards, zero_variance_groups
 from areal_agents.trainers.batching import make_micro_batches, spread, token_logprobs
 from areal_agents.trainers.critic import ValueModel, gae, value_loss, whiten
+from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.ppo_loss import decoupled_ppo_loss, kl_to_reference
 from areal_agents.types import Trajectory
+
+# per-micro-batch statistics, summed weighted by loss tokens (then averaged over optimizer steps)
+_MB_STATS = (
+    "loss",
+    "clip_fraction",
+    "dual_clip_fraction",
+    "capped_fraction",
+    "approx_kl",
+    "ratio_mean",
+    "behav_weight_mean",
+    "kl_ref",
+)
 
 
 @torch.no_grad()
@@ -29,27 +42,36 @@ def proximal_logprobs(
     max_tokens: int,
     pad: int,
     pack: bool = False,
+    dp: DataParallel | None = None,
 ) -> list[torch.Tensor]:
     """π_prox logprobs of every token of every trajectory, with the weights as they are now."""
-    out: list[torch.Tensor] = [torch.empty(0)] * len(trajectories)
-    for mb in make_micro_batches(trajectories, max_tokens, pad_token_id=pad, pack=pack):
-        logp = token_logprobs(model, mb, temperature)
-        for (row, a, b), i in zip(mb.slices, mb.index):
-            out[i] = logp[row, a:b].clone()
-    return out
+    return _per_token(lambda mb: token_logprobs(model, mb, temperature), trajectories, max_tokens, pad, pack, dp)
 
 
 @torch.no_grad()
 def critic_values(
-    critic: ValueModel, trajectories: list[Trajectory], max_tokens: int, pad: int, pack: bool = False
+    critic: ValueModel,
+    trajectories: list[Trajectory],
+    max_tokens: int,
+    pad: int,
+    pack: bool = False,
+    dp: DataParallel | None = None,
 ) -> list[torch.Tensor]:
     """The critic's value of the prefix before every token of every trajectory."""
-    out: list[torch.Tensor] = [torch.empty(0)] * len(trajectories)
-    for mb in make_micro_batches(trajectories, max_tokens, pad_token_id=pad, pack=pack):
-        values = critic(mb)
+    return _per_token(critic, trajectories, max_tokens, pad, pack, dp)
+
+
+def _per_token(score, trajectories, max_tokens, pad, pack, dp) -> list[torch.Tensor]:
+    """``score(micro_batch)`` cut back into one tensor per trajectory (each rank scores its share)."""
+    mbs = make_micro_batches(trajectories, max_tokens, pad_token_id=pad, pack=pack)
+    out: dict[int, torch.Tensor] = {}
+    for mb in dp.share(mbs) if dp else mbs:
+        values = score(mb)
         for (row, a, b), i in zip(mb.slices, mb.index):
             out[i] = values[row, a:b].clone()
-    return out
+    if dp:
+        out = dp.gather(out)
+    return [out[i] for i in range(len(trajectories))]
 
 
 def ppo_update(
@@ -65,11 +87,13 @@ def ppo_update(
     ref_model: PreTrainedModel | None = None,
     critic: ValueModel | None = None,
     critic_optimizer: torch.optim.Optimizer | None = None,
+    dp: DataParallel | None = None,
 ) -> dict[str, float]:
     """Train on one batch; return namespaced-ready stats (loss, clip fraction, weights, grad norm).
 
     With ``cfg.kl_coef > 0``, ``ref_model`` (frozen, usually the initial policy) adds a KL penalty.
-    ``cfg.advantage == "gae"`` needs ``critic`` and ``critic_optimizer``."""
+    ``cfg.advantage == "gae"`` needs ``critic`` and ``critic_optimizer``. With ``dp`` this rank trains
+    on its share of every minibatch and gradients are summed across ranks (`distributed.py`)."""
     use_gae = cfg.advantage == "gae"
     if use_gae and (critic is None or critic_optimizer is None):
         raise ValueError("ppo.advantage=gae needs a critic and its optimizer")
@@ -100,11 +124,11 @@ def ppo_update(
     prox = (
         None
         if one_step
-        else proximal_logprobs(model, trajs, temperature, cfg.micro_batch_tokens, pad_token_id, cfg.packing)
+        else proximal_logprobs(model, trajs, temperature, cfg.micro_batch_tokens, pad_token_id, cfg.packing, dp)
     )
     if use_gae:
         critic.train()
-        old_values = critic_values(critic, trajs, cfg.micro_batch_tokens, pad_token_id, cfg.packing)
+        old_values = critic_values(critic, trajs, cfg.micro_batch_tokens, pad_token_id, cfg.packing, dp)
         adv_returns = [gae(v, m, rewards[i], cfg.gamma, cfg.lam) for v, m, i in zip(old_values, masks, keep)]
         adv = [a for a, _ in adv_returns]
         returns = [r for _, r in adv_returns]
@@ -116,8 +140,9 @@ def ppo_update(
         stats["advantage_abs_mean"] = float(sum((a.abs() * m).sum() for a, m in zip(adv, masks))) / n_tokens
     else:
         adv = [a * m for a, m in zip(group_adv, masks)]
-    sums: dict[str, float] = defaultdict(float)
-    steps = 0
+    sums: dict[str, float] = dict.fromkeys(_MB_STATS + (("value_loss", "value_clip_fraction") if use_gae else ()), 0.0)
+    step_sums: dict[str, float] = defaultdict(float)  # once per optimizer step (the same on every rank)
+    behav_weight_max, steps = 0.0, 0
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(len(trajs), generator=generator).tolist()
         for chunk in torch.tensor_split(torch.tensor(order), cfg.num_minibatches):
@@ -135,7 +160,7 @@ def ppo_update(
             optimizer.zero_grad(set_to_none=True)
             if use_gae:
                 critic_optimizer.zero_grad(set_to_none=True)
-            for mb in mbs:
+            for mb in dp.share(mbs) if dp else mbs:
                 mb.advantages = spread(mb, [adv[i] for i in idx])
                 logp = token_logprobs(model, mb, temperature)
                 loss, st = decoupled_ppo_loss(
@@ -159,17 +184,9 @@ def ppo_update(
                 loss.backward()
                 sums["loss"] += float(loss.detach())
                 weight = st["loss_tokens"] / max(total, 1)
-                for key in (
-                    "clip_fraction",
-                    "dual_clip_fraction",
-                    "capped_fraction",
-                    "approx_kl",
-                    "ratio_mean",
-                    "behav_weight_mean",
-                    "kl_ref",
-                ):
+                for key in _MB_STATS[1:]:
                     sums[key] += st.get(key, 0.0) * weight
-                sums["behav_weight_max"] = max(sums["behav_weight_max"], st["behav_weight_max"])
+                behav_weight_max = max(behav_weight_max, st["behav_weight_max"])
                 if use_gae:
                     vloss, vclip = value_loss(
                         critic(mb),
@@ -182,17 +199,24 @@ def ppo_update(
                     vloss.backward()
                     sums["value_loss"] += float(vloss.detach())
                     sums["value_clip_fraction"] += vclip * weight
-            sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+            if dp:
+                dp.all_reduce_grads(list(model.parameters()))
+                if use_gae:
+                    dp.all_reduce_grads(list(critic.parameters()))
+            step_sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
             optimizer.step()
             scheduler.step()
             if use_gae:
-                sums["critic_grad_norm"] += float(
+                step_sums["critic_grad_norm"] += float(
                     torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
                 )
                 critic_optimizer.step()
             steps += 1
-    for key, value in sums.items():
-        stats[key] = value if key == "behav_weight_max" else value / max(steps, 1)
+    if dp:
+        sums, behav_weight_max = dp.sum(sums), dp.max(behav_weight_max)
+    for key, value in (sums | step_sums).items():
+        stats[key] = value / max(steps, 1)
+    stats["behav_weight_max"] = behav_weight_max
     stats["optimizer_steps"] = float(steps)
     stats["lr"] = scheduler.get_last_lr()[0]
     stats["loss_tokens"] = float(sum(sum(t.loss_mask) for t in trajs))
