@@ -2,8 +2,12 @@
 
 One pooled ``aiohttp.ClientSession`` serves every session (aiohttp rather than httpx: ~5x the
 requests/s here at 256 concurrent sessions). Steps issued in the same event-loop tick by
-different sessions are coalesced into one ``POST /v1/step`` (``batch_steps=True``), which is what lets
-thousands of concurrent episodes share a server cheaply.
+different sessions of one server are coalesced into one ``POST /v1/step`` (``batch_steps=True``), which
+is what lets thousands of concurrent episodes share a server cheaply.
+
+Several servers (replicas): new sessions go round-robin to those that answer; a session stays on its
+server. A server lost mid-episode ends that episode as an env failure (``server_lost``, retried by the
+rollout controller); ``resolve`` (optional) gives the current addresses, e.g. of restarted Ray actors.
 
     pool = RemoteEnvPool("http://127.0.0.1:8765")
     env = pool.make("areal_agents/Arithmetic-v0", digits=2)
@@ -23,6 +27,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,10 +84,13 @@ class RemoteEnv:
         self.pool, self.env_id, self.kwargs = pool, env_id, kwargs
         self.session_id: str | None = None
 
+        self.server: str = ""  # the address of the server holding the session
+
     async def areset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
         await self.aclose()
         body = {"env_id": self.env_id, "kwargs": self.kwargs, "seed": seed, "options": options}
-        created = _raise_for(await self.pool._request("POST", "/v1/sessions", body))
+        self.server, reply = await self.pool._create(body)
+        created = _raise_for(reply)
         self.session_id = created["session_id"]
         return created["observation"], created["info"]
 
@@ -91,11 +99,16 @@ class RemoteEnv:
             raise ArealAgentsError("RemoteEnv.astep() before areset()")
         try:
             if self.pool.batch_steps:
-                result = await self.pool._batched_step(self.session_id, action)
+                result = await self.pool._batched_step(self.server, self.session_id, action)
             else:
                 url = f"/v1/sessions/{self.session_id}/step"
-                result = _raise_for(await self.pool._request("POST", url, {"action": action}))
+                result = _raise_for(await self.pool._request("POST", self.server + url, {"action": action}))
             return _step_tuple(result)
+        except EnvServerError as e:
+            if e.type != "unreachable":
+                raise
+            self.session_id = None
+            raise EnvError("server_lost", str(e)) from None  # the session went with its server
         except EnvError:
             self.session_id = None  # the server already closed it
             raise
@@ -104,32 +117,47 @@ class RemoteEnv:
         if self.session_id is None:
             return
         sid, self.session_id = self.session_id, None
-        response = await self.pool._request("DELETE", f"/v1/sessions/{sid}")
+        try:
+            response = await self.pool._request("DELETE", f"{self.server}/v1/sessions/{sid}")
+        except EnvServerError as e:
+            if e.type == "unreachable":
+                return  # the server is gone, and the session with it
+            raise
         if response.status != 404:  # already expired or closed is fine
             _raise_for(response)
 
 
 class RemoteEnvPool:
-    """Sessions on one env-step server, sharing a connection pool and a step batcher."""
+    """Sessions on one or more env-step servers, sharing a connection pool and a step batcher."""
 
     def __init__(
-        self, base_url: str, *, timeout: float = 120.0, max_connections: int = 64, batch_steps: bool = True
+        self,
+        base_url: str | list[str],
+        *,
+        timeout: float = 120.0,
+        max_connections: int = 64,
+        batch_steps: bool = True,
+        resolve: Callable[[], Awaitable[list[str]]] | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ArealAgentsError("RemoteEnvPool needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.base_url = self.urls[0]
         self.batch_steps = batch_steps
         self.timeout = timeout
         self.max_connections = max_connections
+        self.resolve = resolve
+        self._next = 0
         self._client: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending: list[tuple[str, str, asyncio.Future]] = []
-        self._flush_scheduled = False
+        self._pending: dict[str, list[tuple[str, str, asyncio.Future]]] = {}
 
     @property
     def client(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:  # a client is bound to its event loop
             self._client = aiohttp.ClientSession(
-                self.base_url,
                 connector=aiohttp.TCPConnector(limit=self.max_connections),
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
             )
@@ -146,24 +174,41 @@ class RemoteEnvPool:
                     parsed = {}
                 return _Reply(response.status, parsed, text)
         except (aiohttp.ClientError, TimeoutError) as e:
-            raise EnvServerError(0, "unreachable", f"{self.base_url}{url}: {type(e).__name__}: {e}") from None
+            raise EnvServerError(0, "unreachable", f"{url}: {type(e).__name__}: {e}") from None
 
     def make(self, env_id: str, **kwargs: Any) -> RemoteEnv:
         return RemoteEnv(self, env_id, kwargs)
 
-    async def _batched_step(self, sid: str, action: str) -> dict[str, Any]:
+    async def _create(self, body: dict[str, Any]) -> tuple[str, _Reply]:
+        """Open a session on the next server that answers; (its address, the reply)."""
+        error: EnvServerError | None = None
+        for attempt in range(2):
+            if attempt and self.resolve is not None:
+                self.urls = [u.rstrip("/") for u in await self.resolve()]  # e.g. restarted replicas
+            for _ in range(len(self.urls)):
+                server = self.urls[self._next % len(self.urls)]
+                self._next += 1
+                try:
+                    return server, await self._request("POST", f"{server}/v1/sessions", body)
+                except EnvServerError as e:
+                    error = e  # unreachable: try the next replica
+            if self.resolve is None:
+                break
+        raise error
+
+    async def _batched_step(self, server: str, sid: str, action: str) -> dict[str, Any]:
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((sid, action, future))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush()))
+        pending = self._pending.setdefault(server, [])
+        pending.append((sid, action, future))
+        if len(pending) == 1:  # the first of this tick: flush after the others have joined
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush(server)))
         return await future
 
-    async def _flush(self) -> None:
-        batch, self._pending, self._flush_scheduled = self._pending, [], False
+    async def _flush(self, server: str) -> None:
+        batch = self._pending.pop(server, [])
         body = {"steps": [{"session_id": sid, "action": action} for sid, action, _ in batch]}
         try:
-            results = _raise_for(await self._request("POST", "/v1/step", body))["results"]
+            results = _raise_for(await self._request("POST", f"{server}/v1/step", body))["results"]
         except Exception as e:
             for *_, fut in batch:
                 if not fut.done():
@@ -174,13 +219,13 @@ class RemoteEnvPool:
                 fut.set_result(result)
 
     async def list_envs(self) -> list[dict[str, str]]:
-        return _raise_for(await self._request("GET", "/v1/envs"))["envs"]
+        return _raise_for(await self._request("GET", f"{self.base_url}/v1/envs"))["envs"]
 
     async def metrics(self) -> dict[str, Any]:
-        return _raise_for(await self._request("GET", "/metrics"))
+        return _raise_for(await self._request("GET", f"{self.base_url}/metrics"))
 
     async def health(self) -> dict[str, Any]:
-        return _raise_for(await self._request("GET", "/health"))
+        return _raise_for(await self._request("GET", f"{self.base_url}/health"))
 
     async def aclose(self) -> None:
         if self._client is not None:
