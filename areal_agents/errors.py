@@ -43,3 +43,11 @@ class EnvError(ArealAgentsError):
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.detail = message
+
+
+class WorkerLostError(ArealAgentsError):
+    """The rollout worker running an episode died (a cluster fault): the episode is retried elsewhere."""
+
+
+class ClusterError(ArealAgentsError):
+    """The cluster cannot carry on (actors died and did not come back): the run stops with the reason."""

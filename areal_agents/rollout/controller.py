@@ -11,8 +11,13 @@ it trains. Finished groups queue up for `get_batch`; a group filter (e.g. zero r
 dynamic sampling) rejects groups, which then do not count toward the batch.
 
 Every episode is accounted for in the `RolloutLedger`: submitted = accepted + rejected + failed +
-env_failed + running. Env failures (`EnvError`) and engine failures (`EngineError`) are retried up to
-``max_retries`` times; other exceptions are policy/agent failures and are not retried.
+env_failed + engine_failed + worker_failed + cancelled + running. Env failures (`EnvError`), engine
+failures (`EngineError`) and lost rollout workers (`WorkerLostError`, on a cluster) are retried up to
+``max_retries`` times; other exceptions are policy/agent failures and are not retried. A `ClusterError`
+(the cluster cannot recover) stops the run: `get_batch` raises it.
+
+Episodes run in this process (``agent.run_episode(make_env(), ...)``) unless ``run_episode`` is given:
+the Ray launcher passes one that runs them on rollout worker actors, so the gate and the ledger stay here.
 """
 
 from __future__ import annotations
@@ -20,12 +25,12 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from areal_agents.agents.base import Agent
 from areal_agents.envs.async_env import AsyncEnv
-from areal_agents.errors import EngineError, EnvError
+from areal_agents.errors import ClusterError, EngineError, EnvError, WorkerLostError
 from areal_agents.rollout.episodes import RolloutLedger
 from areal_agents.types import Trajectory
 
@@ -52,6 +57,7 @@ class ControllerStats:
     groups_dropped: int = 0  # every episode of the group failed
     groups_stale: int = 0  # finished too late: older than max_staleness when its batch was formed
     retries: int = 0
+    worker_retries: int = 0  # episodes re-run because their rollout worker died
     staleness: list[int] = field(default_factory=list)  # per consumed trajectory: version now - oldest token
 
 
@@ -82,6 +88,7 @@ class RolloutController:
         tag: str = "",
         start_index: int = 0,
         groups_before: int = 0,
+        run_episode: Callable[[int, str], Awaitable[list[Trajectory]]] | None = None,
     ) -> None:
         """``start_index`` and ``groups_before`` continue a resumed run: its first unconsumed prompt, and
         the groups it had trained on (the capacity gate counts from the start of the run)."""
@@ -102,6 +109,8 @@ class RolloutController:
         self._paused = False
         self._next_index = start_index  # prompt i is seed_at(i): the data order is a pure function of i
         self._unconsumed: set[int] = set()  # submitted, not yet handed to the trainer (or dropped)
+        self._episode = run_episode or self._run_locally
+        self._fatal: BaseException | None = None
 
     # ---- consumer side ------------------------------------------------------------------------
 
@@ -116,6 +125,8 @@ class RolloutController:
         version = self.get_version()
         while len(batch) < self.batch_size:
             while not self._ready:
+                if self._fatal is not None:
+                    raise self._fatal
                 self._ready_event.clear()
                 await self._ready_event.wait()
             index, group = heapq.heappop(self._ready)
@@ -198,6 +209,10 @@ class RolloutController:
         episodes = [self._run_episode(seed, f"{group_id}/e{k}") for k in range(self.group_size)]
         try:
             results = [ts for ts in await asyncio.gather(*episodes) if ts is not None]
+        except ClusterError as e:
+            self._fatal = e  # get_batch raises it
+            self._ready_event.set()
+            return
         finally:
             self.running_groups -= 1
         group = Group(group_id, index, seed, [t for ts in results for t in ts], version, len(results))
@@ -221,19 +236,22 @@ class RolloutController:
         self.ledger.submitted += 1
         for attempt in range(self.max_retries + 1):
             try:
-                trajectories = await self.agent.run_episode(self.make_env(), seed=seed, episode_id=episode_id)
-            except (EnvError, EngineError) as e:  # the env's or the engine's fault, not the policy's
+                trajectories = await self._episode(seed, episode_id)
+            except (EnvError, EngineError, WorkerLostError) as e:  # not the policy's fault
                 if attempt < self.max_retries:
                     self.stats.retries += 1
+                    self.stats.worker_retries += isinstance(e, WorkerLostError)
                     log.warning("episode %s: %s; retrying", episode_id, e)
                     continue
                 if isinstance(e, EnvError):
                     self.ledger.env_failed += 1
-                else:
+                elif isinstance(e, EngineError):
                     self.ledger.engine_failed += 1
+                else:
+                    self.ledger.worker_failed += 1
                 log.warning("episode %s: gave up after %d attempts: %s", episode_id, attempt + 1, e)
                 return None
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, ClusterError):
                 self.ledger.cancelled += 1
                 raise
             except Exception:
@@ -243,6 +261,9 @@ class RolloutController:
             self.ledger.accepted += 1
             return trajectories
         return None
+
+    async def _run_locally(self, seed: int, episode_id: str) -> list[Trajectory]:
+        return await self.agent.run_episode(self.make_env(), seed=seed, episode_id=episode_id)
 
 
 def _staleness(trajectories: list[Trajectory], version: int) -> int:

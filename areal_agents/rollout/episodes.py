@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class RolloutLedger:
     """Every submitted episode ends accepted, rejected (its group was filtered out), failed (the agent or
-    policy raised), env_failed, engine_failed or cancelled; until then it is running. Nothing is lost."""
+    policy raised), env_failed, engine_failed, worker_failed (its rollout worker died every try) or
+    cancelled; until then it is running. Nothing is lost."""
 
     submitted: int = 0
     accepted: int = 0
@@ -30,12 +31,13 @@ class RolloutLedger:
     failed: int = 0
     env_failed: int = 0
     engine_failed: int = 0
-    cancelled: int = 0  # still running when the run ended
+    worker_failed: int = 0
+    cancelled: int = 0  # still running when the run ended (or the cluster failed under it)
 
     @property
     def running(self) -> int:
-        ended = self.accepted + self.rejected + self.failed + self.env_failed + self.engine_failed + self.cancelled
-        return self.submitted - ended
+        ended = self.accepted + self.rejected + self.failed + self.env_failed + self.engine_failed
+        return self.submitted - ended - self.worker_failed - self.cancelled
 
 
 async def run_groups(
