@@ -29,10 +29,9 @@ def _config_help(cls: type, prefix: str = "") -> list[str]:
 
 
 def _quiet_transformers() -> None:
-    import transformers
+    from areal_agents.models.loading import quiet_transformers
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    quiet_transformers()
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> None:

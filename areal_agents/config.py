@@ -184,6 +184,30 @@ class EngineConfig:
 
 
 @dataclass
+class RayConfig:
+    address: str = _help(
+        "Ray cluster to join ('auto' or 'ray://host:10001'); empty starts a local cluster for the run", default=""
+    )
+    num_cpus: int = _help("a local cluster's CPUs; 0 = this machine's cores", default=0)
+    env_servers: int = _help("env-step server actors (replicas behind one RemoteEnvPool)", default=1)
+    rollout_workers: int = _help("rollout worker actors (each runs its share of the episodes)", default=1)
+    trainer_ranks: int = _help("data-parallel trainer ranks (a torch.distributed group of actors)", default=1)
+    env_server_cpus: float = _help("CPUs each env server reserves (fractions are fine)", default=1.0)
+    rollout_worker_cpus: float = _help("CPUs each rollout worker reserves", default=1.0)
+    trainer_cpus: float = _help("CPUs each trainer rank reserves", default=1.0)
+    trainer_gpus: float = _help("GPUs each trainer rank reserves (>0: NCCL instead of gloo)", default=0.0)
+    engine_server_cpus: float = _help("CPUs each model server reserves", default=1.0)
+    engine_server_gpus: float = _help("GPUs each model server reserves (sglang: engine.tp)", default=0.0)
+    max_restarts: int = _help("restarts of a dead env server or rollout worker actor", default=3)
+    recovery_timeout_s: float = _help(
+        "seconds to wait for a restarting actor before the run fails with the reason", default=120.0
+    )
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "env_servers", "rollout_workers", "trainer_ranks")
+
+
+@dataclass
 class TrainConfig:
     """`areal-agents train`: decoupled-PPO RL on an env."""
 
@@ -206,6 +230,10 @@ class TrainConfig:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    launcher: Literal["local", "ray"] = _help(
+        "local: one process (plus servers); ray: the same run on a Ray cluster (see ray.*)", default="local"
+    )
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
         _check_positive(self, "steps")

@@ -133,17 +133,21 @@ class SGLangEngine:
 
     async def update_weights(self, state_dict: dict[str, Any], version: int | None = None) -> None:
         """Write ``state_dict`` as safetensors under ``weights_dir`` and have every server load it."""
+        version = self._version + 1 if version is None else version
+        path = self.weights_path(version)
+        await asyncio.to_thread(write_weights, state_dict, path)
+        await self.update_weights_from_disk(str(path), version)
+        self.prune_weights(version)
+
+    def weights_path(self, version: int) -> Path:
+        """Where the weights of ``version`` are written for the servers to load."""
         if self.weights_dir is None:
             raise EngineError("SGLangEngine.update_weights needs weights_dir (a directory the servers can read)")
-        from safetensors.torch import save_file  # noqa: PLC0415
+        return self.weights_dir / f"v{version}"
 
-        version = self._version + 1 if version is None else version
-        path = self.weights_dir / f"v{version}"
-        path.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-        await asyncio.to_thread(save_file, _untie(tensors), str(path / "model.safetensors"))
-        await self.update_weights_from_disk(str(path), version)
-        for old in self.weights_dir.glob("v*"):  # keep this version and the one before
+    def prune_weights(self, version: int) -> None:
+        """Delete written weights older than the version before ``version``."""
+        for old in self.weights_path(version).parent.glob("v*"):
             if old.is_dir() and old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
                 shutil.rmtree(old, ignore_errors=True)
 
@@ -339,6 +343,15 @@ def _message(text: str) -> str:
         if "message" in body:
             return str(body["message"])
     return text[:300]
+
+
+def write_weights(state_dict: dict[str, Any], path: str | Path) -> None:
+    """``state_dict`` as ``path/model.safetensors`` (what /update_weights_from_disk loads)."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    save_file(_untie(tensors), str(Path(path) / "model.safetensors"))
 
 
 def _untie(tensors: dict) -> dict:

@@ -148,6 +148,7 @@ class RemoteEnvPool:
         self.timeout = timeout
         self.max_connections = max_connections
         self.resolve = resolve
+        self._refreshing: asyncio.Future | None = None
         self._next = 0
         self._client: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -180,11 +181,13 @@ class RemoteEnvPool:
         return RemoteEnv(self, env_id, kwargs)
 
     async def _create(self, body: dict[str, Any]) -> tuple[str, _Reply]:
-        """Open a session on the next server that answers; (its address, the reply)."""
+        """Open a session on the next server that answers; (its address, the reply). When one does not
+        answer, the addresses are re-resolved in the background (a restarted replica rejoins); when none
+        does, this waits for that."""
         error: EnvServerError | None = None
-        for attempt in range(2):
-            if attempt and self.resolve is not None:
-                self.urls = [u.rstrip("/") for u in await self.resolve()]  # e.g. restarted replicas
+        for attempt in range(2 if self.resolve else 1):
+            if attempt:
+                await self._refresh()
             for _ in range(len(self.urls)):
                 server = self.urls[self._next % len(self.urls)]
                 self._next += 1
@@ -192,9 +195,22 @@ class RemoteEnvPool:
                     return server, await self._request("POST", f"{server}/v1/sessions", body)
                 except EnvServerError as e:
                     error = e  # unreachable: try the next replica
-            if self.resolve is None:
-                break
+                    if self.resolve:
+                        self._refresh_soon()
         raise error
+
+    def _refresh_soon(self) -> None:
+        """Re-resolve the addresses in the background (one refresh at a time)."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._resolve())
+            self._refreshing.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by _refresh
+
+    async def _resolve(self) -> None:
+        self.urls = [u.rstrip("/") for u in await self.resolve()]
+
+    async def _refresh(self) -> None:
+        self._refresh_soon()
+        await asyncio.shield(self._refreshing)
 
     async def _batched_step(self, server: str, sid: str, action: str) -> dict[str, Any]:
         future = asyncio.get_running_loop().create_future()

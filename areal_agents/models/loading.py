@@ -12,6 +12,14 @@ from areal_agents.errors import ModelLoadError
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def quiet_transformers() -> None:
+    """No per-load progress bars or warnings from transformers (CLI commands and Ray actors)."""
+    import transformers  # noqa: PLC0415
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def _check_path(path: str | Path) -> Path:
     p = Path(path)
     if not str(path):

@@ -41,6 +41,12 @@ class DataParallel:
                 mine.append(micro_batches[k])
         return mine
 
+    def broadcast_parameters(self, module: torch.nn.Module) -> None:
+        """Start every rank from rank 0's weights (as DDP does), whatever each rank loaded or drew."""
+        with torch.no_grad():
+            for t in module.state_dict().values():
+                dist.broadcast(t, src=0)
+
     def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Sum gradients across ranks in one flat buffer (a rank without micro-batches sends zeros)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

@@ -17,6 +17,7 @@ from areal_agents.engines.launcher import open_engine
 from areal_agents.errors import ConfigError
 from areal_agents.models.loading import load_model
 from areal_agents.trainers.critic import ValueModel
+from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.ppo import ppo_update
 from areal_agents.trainers.setup import make_optimizer
 from areal_agents.types import Trajectory
@@ -28,7 +29,7 @@ SHARED = "policy"  # the name of the one policy of a run without separate polici
 class Policy:
     name: str
     model: PreTrainedModel  # the trainer's copy
-    engine: InferenceEngine  # the rollout copy (in-process, or servers behind a client)
+    engine: InferenceEngine | None  # the rollout copy (in-process, or servers behind a client); None on a trainer rank
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     reference: PreTrainedModel | None = None  # frozen initial policy, for ppo.kl_coef
@@ -55,8 +56,18 @@ class Policy:
         self, trajectories: list[Trajectory], cfg: TrainConfig, pad_token_id: int, generator: torch.Generator
     ) -> dict[str, float]:
         """One PPO update in a worker thread (rollouts keep running on the event loop)."""
-        return await asyncio.to_thread(
-            ppo_update,
+        return await asyncio.to_thread(self.train_step, trajectories, cfg, pad_token_id, generator)
+
+    def train_step(
+        self,
+        trajectories: list[Trajectory],
+        cfg: TrainConfig,
+        pad_token_id: int,
+        generator: torch.Generator,
+        dp: DataParallel | None = None,
+    ) -> dict[str, float]:
+        """One PPO update (``dp``: as one rank of a data-parallel group)."""
+        return ppo_update(
             self.model,
             self.optimizer,
             self.scheduler,
@@ -68,6 +79,7 @@ class Policy:
             ref_model=self.reference,
             critic=self.critic,
             critic_optimizer=self.critic_optimizer,
+            dp=dp,
         )
 
     async def push_weights(self) -> None:
@@ -77,13 +89,21 @@ class Policy:
 def open_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, run_dir: Path) -> Policy:
     """Load ``model_path`` (the start, or a checkpoint's copy) for training and serving; the reference
     and the critic start from ``init_path`` (the run's starting model)."""
+    policy = load_trainable(name, cfg, model_path, init_path)
+    engine_dir = run_dir if name == SHARED else run_dir / "policies" / name
+    policy.engine, policy.servers = open_engine(
+        cfg.engine, model_path, cfg.model.dtype, run_dir=engine_dir, seed=cfg.seed
+    )
+    return policy
+
+
+def load_trainable(name: str, cfg: TrainConfig, model_path: str, init_path: str) -> Policy:
+    """The training side of a policy (model, optimizer, schedule, reference, critic), without an engine."""
     p = cfg.ppo
     model = load_model(model_path, cfg.model.dtype)
-    engine_dir = run_dir if name == SHARED else run_dir / "policies" / name
-    engine, servers = open_engine(cfg.engine, model_path, cfg.model.dtype, run_dir=engine_dir, seed=cfg.seed)
     total = cfg.steps * p.ppo_epochs * p.num_minibatches
     optimizer, scheduler = make_optimizer(model, p.lr, p.weight_decay, p.warmup_steps, p.lr_schedule, total)
-    policy = Policy(name, model, engine, optimizer, scheduler, servers=servers)
+    policy = Policy(name, model, None, optimizer, scheduler)
     if p.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if p.kl_coef > 0:

@@ -51,17 +51,27 @@ def run_train(cfg: TrainConfig, progress: bool = True, resume: bool = False) -> 
         state = load_trainer_state(found[-1])  # also puts the global RNGs back
         print(f"resuming from {found[-1]} (step {state['step']}, policy version {state['version']})")
     policies: dict[str, Policy] = {}
+    cluster = None
     try:
+        if cfg.launcher == "ray":  # the same run, its parts as Ray actors (areal_agents/cluster)
+            from areal_agents.cluster.launcher import RayLauncher  # noqa: PLC0415
+
+            cluster = RayLauncher(cfg)
         for name, start in starts.items():
             path = str(found[-1] / _model_dir(name)) if found else start
-            policies[name] = open_policy(name, cfg, path, start, run_dir)
+            if cluster is not None:
+                policies[name] = cluster.open_policy(name, path, start, run_dir)
+            else:
+                policies[name] = open_policy(name, cfg, path, start, run_dir)
             if state is not None:
                 policies[name].engine.set_version(state["version"])
-        return asyncio.run(_train(cfg, tokenizer, policies, run_dir, progress, state))
+        return asyncio.run(_train(cfg, tokenizer, policies, run_dir, progress, state, cluster))
     finally:
         for policy in policies.values():
             if policy.servers is not None:
                 policy.servers.stop()
+        if cluster is not None:
+            cluster.shutdown()
 
 
 def _model_dir(name: str) -> str:
@@ -69,8 +79,9 @@ def _model_dir(name: str) -> str:
     return "model" if name == SHARED else f"policies/{name}/model"
 
 
-async def _train(cfg, tokenizer, policies, run_dir, progress, state):
-    backend = await open_checked_backend(cfg.env, cfg.eval)  # a bad env id or kwargs fail here
+async def _train(cfg, tokenizer, policies, run_dir, progress, state, cluster=None):
+    # a bad env id or kwargs fail here
+    backend = await open_checked_backend(cfg.env, cfg.eval, cluster.env_backend() if cluster else None)
     r = cfg.rollout
     shared = SHARED in policies
     engine = policies[SHARED].engine if shared else {name: p.engine for name, p in policies.items()}
@@ -82,7 +93,7 @@ async def _train(cfg, tokenizer, policies, run_dir, progress, state):
         ):
             kwargs = {"system_prompt": r.system_prompt, "kwargs": r.agent_kwargs}
             agents.append(make_agent(r.agent, engine, tokenizer, sampling, **kwargs))
-        return await _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progress, state)
+        return await _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progress, state, cluster)
     finally:
         for agent in agents:
             if hasattr(agent, "aclose"):
@@ -92,7 +103,7 @@ async def _train(cfg, tokenizer, policies, run_dir, progress, state):
             await policy.engine.aclose()
 
 
-async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progress, state):
+async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progress, state, cluster):
     r = cfg.rollout
     agent, greedy = agents
     main = next(iter(policies.values()))  # its engine's version is the run's (all advance together)
@@ -136,6 +147,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         ledger=ledger,
         start_index=data_position,
         groups_before=(first_step - 1) * r.batch_size,
+        run_episode=cluster.episode_runner(main.engine).run_episode if cluster else None,  # else in this process
     )
     start = time.perf_counter()
     before = await run_eval(0) if state is None else {"accuracy": state["accuracy_before"]}
@@ -190,6 +202,8 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
             "episodes_failed": float(ledger.failed),
             "episodes_env_failed": float(ledger.env_failed),
             "episodes_engine_failed": float(ledger.engine_failed),
+            "episodes_worker_failed": float(ledger.worker_failed),
+            "episode_retries": float(controller.stats.retries),
             "episodes_rejected": float(ledger.rejected),
             "episodes_running": float(ledger.running),
             "queued_groups": float(controller.queued_groups),
@@ -254,8 +268,11 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         "samples_per_s": totals["consumed_samples"] / max(totals["step_seconds"], 1e-9),
         "generated_tokens_per_s": totals["generated_tokens"] / max(totals["rollout_seconds"], 1e-9),
         "episodes": _ledger(ledger),
+        "episode_retries": controller.stats.retries,  # env, engine or worker failures run again
         "checkpoint": str(ckpt),
     }
+    if cluster is not None:
+        summary["cluster"] = cluster.stats()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(
         f"held-out greedy accuracy after RL:  {after['accuracy']:.1%}  "

@@ -23,9 +23,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-async def open_checked_backend(env: EnvConfig, eval_cfg: EvalConfig) -> EnvBackend:
-    """The configured env backend, with one train and one eval env reset now so mistakes fail early."""
-    backend = open_env_backend(env)
+async def open_checked_backend(env: EnvConfig, eval_cfg: EvalConfig, backend: EnvBackend | None = None) -> EnvBackend:
+    """The configured env backend (or ``backend``, e.g. a cluster's env servers), with one train and one
+    eval env reset now so mistakes fail early."""
+    backend = backend or open_env_backend(env)
     try:
         await backend.check()
         await backend.check(**eval_cfg.env_kwargs)

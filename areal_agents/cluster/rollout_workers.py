@@ -1,0 +1,159 @@
+"""Rollout workers as Ray actors, and the driver's dispatcher that runs the controller's episodes on them.
+
+The staleness gate and the ledger stay in the driver's `RolloutController`; each worker runs the
+episodes it is handed (agent + engine client + env client), so the per-episode Python (chat templates,
+tokenizing, env traffic) spreads over the cluster. A worker that dies fails its in-flight episodes with
+`WorkerLostError`, which the controller retries on the others (Ray restarts the worker meanwhile); when
+no worker comes back within ``ray.recovery_timeout_s`` the run stops with a `ClusterError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import traceback
+from typing import Any
+
+import ray
+
+from areal_agents.cluster.env_servers import EnvServers
+from areal_agents.config import TrainConfig
+from areal_agents.errors import ClusterError, EngineError, EnvError, WorkerLostError
+from areal_agents.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote
+class RolloutWorker:
+    """Runs episodes of the run's agent against the model servers and the env servers."""
+
+    def __init__(self, cfg: TrainConfig, engine_urls: list[str], env_servers: EnvServers) -> None:
+        from areal_agents.agents.factory import make_agent  # noqa: PLC0415
+        from areal_agents.engines.sglang_engine import SGLangEngine  # noqa: PLC0415
+        from areal_agents.envs.backends import EnvBackend  # noqa: PLC0415
+        from areal_agents.models.loading import (
+            load_tokenizer,  # noqa: PLC0415
+            quiet_transformers,  # noqa: PLC0415
+        )
+        from areal_agents.types import SamplingParams  # noqa: PLC0415
+
+        quiet_transformers()
+        r, e = cfg.rollout, cfg.engine
+        self.engine = SGLangEngine(engine_urls, request_timeout_s=e.request_timeout_s, max_retries=e.max_retries)
+        sampling = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+        tokenizer = load_tokenizer(cfg.model.path)
+        self.agent = make_agent(
+            r.agent, self.engine, tokenizer, sampling, system_prompt=r.system_prompt, kwargs=r.agent_kwargs
+        )
+        self.envs = EnvBackend(cfg.env, env_servers.pool())
+
+    async def run_episode(self, seed: int, episode_id: str) -> tuple[str, Any]:
+        """``("ok", trajectories)``, or the failure's kind and text (exceptions do not cross processes
+        cleanly, and the driver must tell an env failure from an engine failure from a policy one)."""
+        try:
+            return "ok", await self.agent.run_episode(self.envs.make(), seed=seed, episode_id=episode_id)
+        except EnvError as e:
+            return "env", (e.kind, e.detail)
+        except EngineError as e:
+            return "engine", str(e)
+        except ClusterError as e:
+            return "cluster", str(e)
+        except Exception:  # noqa: BLE001  (the policy's or the agent's failure: the driver logs it)
+            return "failed", traceback.format_exc()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RolloutWorkers:
+    """The driver's side: ``await workers.run_episode(seed, episode_id)`` on the least busy live worker."""
+
+    def __init__(self, actors: list, recovery_timeout_s: float) -> None:
+        self.actors = actors
+        self.recovery_timeout_s = recovery_timeout_s
+        self.in_flight = [0] * len(actors)
+        self.down: dict[int, asyncio.Task] = {}  # worker -> the task waiting for it to come back
+        self.lost = 0  # episodes whose worker died under them
+        self.episodes = [0] * len(actors)  # episodes each worker finished (ok or failed by the policy)
+
+    @classmethod
+    def launch(cls, cfg: TrainConfig, engine_urls: list[str], env_servers: EnvServers) -> RolloutWorkers:
+        options = {"num_cpus": cfg.ray.rollout_worker_cpus, "max_restarts": cfg.ray.max_restarts}
+        options["max_concurrency"] = max(1000, cfg.rollout.max_concurrent_rollouts)
+        actors = [
+            RolloutWorker.options(**options).remote(cfg, engine_urls, env_servers)
+            for _ in range(cfg.ray.rollout_workers)
+        ]
+        ray.get([a.pid.remote() for a in actors], timeout=cfg.engine.startup_timeout_s)  # built, or the reason
+        return cls(actors, cfg.ray.recovery_timeout_s)
+
+    async def run_episode(self, seed: int, episode_id: str) -> list[Trajectory]:
+        k = await self._pick()
+        self.in_flight[k] += 1
+        try:
+            kind, value = await self.actors[k].run_episode.remote(seed, episode_id)
+        except ray.exceptions.RayActorError as e:
+            self.lost += 1
+            self._mark_down(k)
+            raise WorkerLostError(f"rollout worker {k} died during episode {episode_id} ({type(e).__name__})") from None
+        finally:
+            self.in_flight[k] -= 1
+        self.episodes[k] += 1
+        if kind == "ok":
+            return value
+        if kind == "env":
+            raise EnvError(*value)
+        if kind == "engine":
+            raise EngineError(value)
+        if kind == "cluster":
+            raise ClusterError(value)
+        raise RuntimeError(f"episode {episode_id} failed on rollout worker {k}:\n{value}")
+
+    async def _pick(self) -> int:
+        live = [k for k in range(len(self.actors)) if k not in self.down]
+        if not live:
+            log.warning(
+                "all %d rollout workers are down; waiting up to %.0fs (ray.recovery_timeout_s) for Ray to restart them",
+                len(self.actors), self.recovery_timeout_s,
+            )  # fmt: skip
+            done, _ = await asyncio.wait(list(self.down.values()), return_when=asyncio.FIRST_COMPLETED)
+            if not any(task.result() for task in done):
+                raise ClusterError(
+                    f"no rollout worker came back within {self.recovery_timeout_s:.0f}s "
+                    f"(ray.max_restarts exhausted, or their nodes are gone)"
+                )
+            live = [k for k in range(len(self.actors)) if k not in self.down]
+        return min(live, key=lambda k: self.in_flight[k])
+
+    def _mark_down(self, k: int) -> None:
+        if k not in self.down:
+            self.down[k] = asyncio.ensure_future(self._wait_back(k))
+
+    async def _wait_back(self, k: int) -> bool:
+        """Ping worker ``k`` until it answers (restarted) or the timeout; True if it is back."""
+        deadline = asyncio.get_running_loop().time() + self.recovery_timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                await asyncio.wait_for(_await(self.actors[k].pid.remote()), timeout=5)
+            except ray.exceptions.ActorDiedError:
+                break  # dead for good (restarts exhausted)
+            except (TimeoutError, ray.exceptions.RayActorError):
+                await asyncio.sleep(0.5)
+                continue
+            log.warning("rollout worker %d is back", k)
+            del self.down[k]
+            return True
+        log.error("rollout worker %d did not come back within %.0fs", k, self.recovery_timeout_s)
+        return False
+
+    def kill(self) -> None:
+        for task in self.down.values():
+            task.cancel()
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
+
+async def _await(ref):
+    return await ref

@@ -1,0 +1,64 @@
+"""`RemoteEnvPool` over several env-step servers (real processes): sessions spread round-robin and stay
+on their server; a server killed mid-episode ends that episode as an env failure (``server_lost``), new
+sessions go to the servers that answer, and ``resolve`` brings in replacement addresses."""
+
+import asyncio
+import signal
+
+import pytest
+
+from areal_agents.envs.remote import EnvServerError, EnvServerProcess, RemoteEnvPool
+from areal_agents.errors import EnvError
+
+ENV = "areal_agents/Arithmetic-v0"
+
+
+def test_sessions_spread_and_survive_a_lost_replica():
+    with EnvServerProcess(workers=1) as a, EnvServerProcess(workers=1) as b, EnvServerProcess(workers=1) as c:
+        resolved = []
+
+        async def resolve():
+            resolved.append(1)
+            return [b.url, c.url]  # a's replacement: c
+
+        async def run():
+            pool = RemoteEnvPool([a.url, b.url], resolve=resolve)
+            try:
+                envs = [pool.make(ENV) for _ in range(4)]
+                firsts = [await env.areset(seed=i) for i, env in enumerate(envs)]
+                assert [env.server for env in envs] == [a.url, b.url, a.url, b.url]
+                steps = await asyncio.gather(*(env.astep("0") for env in envs))  # batched per server
+                assert all(s[2] for s in steps)
+                assert firsts[0][0] != firsts[1][0]
+                await asyncio.gather(*(env.areset(seed=9) for env in envs))
+                on_a = [env for env in envs if env.server == a.url]
+                a.process.send_signal(signal.SIGKILL)
+                a.process.wait()
+                with pytest.raises(EnvError, match="server_lost"):
+                    await on_a[0].astep("0")
+                await on_a[1].aclose()  # closing a session of a dead server is not an error
+                fresh = [pool.make(ENV) for _ in range(4)]
+                for env in fresh:
+                    await env.areset(seed=1)
+                assert {env.server for env in fresh} <= {b.url, c.url} and resolved
+                await asyncio.sleep(0.1)  # the background re-resolve lands
+                more = [pool.make(ENV) for _ in range(4)]
+                for env in more:
+                    await env.areset(seed=2)
+                assert {env.server for env in more} == {b.url, c.url}
+            finally:
+                await pool.aclose()
+
+        asyncio.run(run())
+
+
+def test_no_replica_answering_is_the_unreachable_error():
+    async def run():
+        pool = RemoteEnvPool(["http://127.0.0.1:9", "http://127.0.0.1:10"])
+        try:
+            await pool.make(ENV).areset()
+        finally:
+            await pool.aclose()
+
+    with pytest.raises(EnvServerError, match="unreachable"):
+        asyncio.run(run())
