@@ -15,7 +15,7 @@ pip_install() {
 }
 # torch first and pinned: pip then takes the local CPU wheel and never a multi-GB CUDA build.
 pip_install torch==2.13.0
-pip_install -e ".[dev,e2b]"   # e2b: its SDK's result types are tested here (the cloud is not)
+pip_install -e ".[dev,e2b,ray]"   # e2b: its SDK's result types are tested here (the cloud is not); ray: a local cluster
 
 if ! command -v bwrap >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

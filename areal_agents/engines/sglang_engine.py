@@ -77,6 +77,12 @@ class SGLangEngine:
     def set_version(self, version: int) -> None:
         self._version = version
 
+    async def announce_version(self) -> None:
+        """Have every server tag its tokens with this client's version (a resumed run's servers start
+        as "default", and clients in other processes read versions from the servers)."""
+        await self._all("/update_weight_version", {"new_version": str(self._version), "abort_all_requests": False})
+        self._names[str(self._version)] = self._version
+
     async def agenerate(self, request: GenRequest) -> GenResponse:
         start = time.perf_counter()
         sp = request.sampling

@@ -123,6 +123,7 @@ class RolloutController:
         self._start()
         batch: list[Group] = []
         version = self.get_version()
+        stale_run = 0
         while len(batch) < self.batch_size:
             while not self._ready:
                 if self._fatal is not None:
@@ -133,12 +134,20 @@ class RolloutController:
             self._unconsumed.discard(index)
             if _staleness(group.trajectories, version) > self.max_staleness:
                 self.stats.groups_stale += 1
+                stale_run += 1
+                if stale_run == 4 * self.batch_size:  # more than overtaking can explain
+                    log.warning(
+                        "%d groups in a row were older than max_staleness=%d (trainer version %d): do the "
+                        "model servers report the trainer's weight versions?",
+                        stale_run, self.max_staleness, version,
+                    )  # fmt: skip
                 self.stats.groups_accepted -= 1  # the gate lets a replacement in
                 self.ledger.accepted -= group.episodes
                 self.ledger.rejected += group.episodes
                 self._wakeup.set()
                 continue
             batch.append(group)
+            stale_run = 0
         self.stats.staleness += [_staleness([t], version) for g in batch for t in g.trajectories]
         self._wakeup.set()
         return sorted(batch, key=lambda g: g.index)

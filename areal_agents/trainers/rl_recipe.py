@@ -22,6 +22,7 @@ from tqdm import tqdm
 from areal_agents.agents.factory import make_agent
 from areal_agents.config import TrainConfig
 from areal_agents.engines.base import InferenceEngine
+from areal_agents.engines.sglang_engine import SGLangEngine
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ConfigError
 from areal_agents.models.loading import load_tokenizer
@@ -83,6 +84,10 @@ async def _train(cfg, tokenizer, policies, run_dir, progress, state, cluster=Non
     # a bad env id or kwargs fail here
     backend = await open_checked_backend(cfg.env, cfg.eval, cluster.env_backend() if cluster else None)
     r = cfg.rollout
+    if state is not None:
+        for policy in policies.values():
+            if isinstance(policy.engine, SGLangEngine):
+                await policy.engine.announce_version()  # fresh servers say "default", not the run's version
     shared = SHARED in policies
     engine = policies[SHARED].engine if shared else {name: p.engine for name, p in policies.items()}
     agents = []  # the sampling agent, and the same agent logic decoding greedily for evaluation

@@ -85,6 +85,20 @@ def test_ray_run_matches_the_single_process_trainer(tiny_dir, tmp_path):
     for k, w in policy.critic.state_dict().items():
         torch.testing.assert_close(critic[k], w, rtol=0, atol=1e-5, msg=f"critic {k}")
 
+    # resume on 2 ranks: every rank loads the checkpoint's weights and optimizer, the data order goes on
+    args = [a for a in args if not a.startswith("steps=")] + ["steps=3", "--resume"]
+    proc = train(args)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    assert "resuming from" in out and json.loads((run / "summary.json").read_text())["engine_version"] == 3
+    state = torch.load(run / "checkpoints" / "step_3" / "trainer_state.pt", weights_only=False)
+    adam_steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert adam_steps == {6.0}  # 3 steps x 2 minibatches: the resumed ranks continued the optimizer
+    order = [json.loads(line) for line in (run / "data_order.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in order] == [1, 2, 3]
+    seen = [p for d in order for p in d["prompts"]]
+    assert len(set(seen)) == len(seen) == 12  # no prompt trained twice across the restart
+
 
 def actor_pids(name: str) -> list[int]:
     """PIDs of this machine's Ray actor processes of class ``name`` (their title is ``ray::NAME``)."""

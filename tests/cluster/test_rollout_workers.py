@@ -1,0 +1,86 @@
+"""The driver's dispatcher over rollout worker actors (a local Ray cluster, small stand-in actors): a
+worker that dies loses nothing (its episodes run again on another), and when no worker comes back the
+run stops with a clear `ClusterError` instead of waiting forever; the ledger balances either way."""
+
+import asyncio
+import os
+
+import pytest
+
+from areal_agents.errors import ClusterError
+from areal_agents.rollout.controller import RolloutController
+from areal_agents.types import Trajectory
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(max_restarts=0)
+class Worker:
+    """Answers episodes like a `RolloutWorker`; a ``dying`` one is killed (SIGKILL) by its first episode."""
+
+    def __init__(self, dying: bool) -> None:
+        self.dying = dying
+
+    async def run_episode(self, seed: int, episode_id: str):
+        if self.dying:
+            os.kill(os.getpid(), 9)
+        await asyncio.sleep(0.01)
+        t = Trajectory([1, 2], [0, 1], [0.0, -1.0], [-1, 0], reward=float(seed % 2), episode_id=episode_id)
+        return "ok", [t]
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def controller(workers, batch_size=4):
+    return RolloutController(
+        None, None, lambda i: i, batch_size=batch_size, group_size=2, get_version=lambda: 0,
+        max_retries=2, run_episode=workers.run_episode,
+    )  # fmt: skip
+
+
+def balanced(ledger) -> bool:
+    ended = ledger.accepted + ledger.rejected + ledger.failed + ledger.env_failed + ledger.engine_failed
+    return ledger.submitted == ended + ledger.worker_failed + ledger.cancelled + ledger.running
+
+
+def test_a_dead_worker_s_episodes_run_again_on_the_other(cluster):
+    from areal_agents.cluster.rollout_workers import RolloutWorkers
+
+    workers = RolloutWorkers([Worker.remote(True), Worker.remote(False)], recovery_timeout_s=5)
+
+    async def run():
+        c = controller(workers)
+        batch = await c.get_batch()
+        await c.aclose()
+        return c, batch
+
+    c, batch = asyncio.run(run())
+    assert len(batch) == 4 and all(len(g.trajectories) == 2 for g in batch)  # nothing lost
+    assert workers.lost >= 1 and c.stats.worker_retries == workers.lost
+    assert c.ledger.worker_failed == 0 and balanced(c.ledger)
+
+
+def test_no_worker_coming_back_stops_the_run_with_the_reason(cluster):
+    from areal_agents.cluster.rollout_workers import RolloutWorkers
+
+    workers = RolloutWorkers([Worker.remote(True)], recovery_timeout_s=2)
+
+    async def run():
+        c = controller(workers)
+        try:
+            with pytest.raises(ClusterError, match="no rollout worker came back within 2s"):
+                await asyncio.wait_for(c.get_batch(), 60)
+        finally:
+            await c.aclose()
+        return c
+
+    c = asyncio.run(run())
+    assert c.ledger.accepted == 0 and balanced(c.ledger) and c.ledger.running == 0
