@@ -195,7 +195,6 @@ class RayConfig:
     env_server_cpus: float = _help("CPUs each env server reserves (fractions are fine)", default=1.0)
     rollout_worker_cpus: float = _help("CPUs each rollout worker reserves", default=1.0)
     trainer_cpus: float = _help("CPUs each trainer rank reserves", default=1.0)
-    trainer_gpus: float = _help("GPUs each trainer rank reserves (>0: NCCL instead of gloo)", default=0.0)
     engine_server_cpus: float = _help("CPUs each model server reserves", default=1.0)
     engine_server_gpus: float = _help("GPUs each model server reserves (sglang: engine.tp)", default=0.0)
     max_restarts: int = _help("restarts of a dead env server or rollout worker actor", default=3)

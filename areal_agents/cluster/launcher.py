@@ -110,7 +110,10 @@ def connect(cfg: TrainConfig) -> bool:
     runtime_env = {"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}}
     common = {"runtime_env": runtime_env, "logging_level": logging.WARNING, "log_to_driver": True}
     if cfg.ray.address:
-        ray.init(address=cfg.ray.address, **common)
+        try:
+            ray.init(address=cfg.ray.address, **common)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise ConfigError(f"ray.address={cfg.ray.address!r}: cannot join the cluster: {e}") from None
         return False
     ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False, **common)
     return True
@@ -127,7 +130,7 @@ def check_resources(cfg: TrainConfig) -> None:
             "trainer ranks": r.trainer_ranks * r.trainer_cpus,
             "model servers": engines * r.engine_server_cpus,
         },
-        "GPU": {"trainer ranks": r.trainer_ranks * r.trainer_gpus, "model servers": engines * r.engine_server_gpus},
+        "GPU": {"model servers": engines * r.engine_server_gpus},
     }
     have = ray.cluster_resources()
     for resource, parts in asks.items():

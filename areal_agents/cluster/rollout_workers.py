@@ -49,6 +49,10 @@ class RolloutWorker:
         )
         self.envs = EnvBackend(cfg.env, env_servers.pool())
 
+    async def run_episodes(self, episodes: list[tuple[int, str]]) -> list[tuple[str, Any]]:
+        """Run ``(seed, episode_id)`` episodes concurrently; one `run_episode` result each, in order."""
+        return list(await asyncio.gather(*(self.run_episode(seed, eid) for seed, eid in episodes)))
+
     async def run_episode(self, seed: int, episode_id: str) -> tuple[str, Any]:
         """``("ok", trajectories)``, or the failure's kind and text (exceptions do not cross processes
         cleanly, and the driver must tell an env failure from an engine failure from a policy one)."""
@@ -68,7 +72,10 @@ class RolloutWorker:
 
 
 class RolloutWorkers:
-    """The driver's side: ``await workers.run_episode(seed, episode_id)`` on the least busy live worker."""
+    """The driver's side: ``await workers.run_episode(seed, episode_id)`` on the least busy live worker.
+
+    The episodes of one group, submitted together, travel in one actor call (a Ray call costs ~1 ms of
+    CPU here, 16x fewer calls at group size 16); the controller waits for the whole group anyway."""
 
     def __init__(self, actors: list, recovery_timeout_s: float) -> None:
         self.actors = actors
@@ -77,6 +84,7 @@ class RolloutWorkers:
         self.down: dict[int, asyncio.Task] = {}  # worker -> the task waiting for it to come back
         self.lost = 0  # episodes whose worker died under them
         self.episodes = [0] * len(actors)  # episodes each worker finished (ok or failed by the policy)
+        self._pending: dict[str, list[tuple[int, str, asyncio.Future]]] = {}  # group -> episodes this tick
 
     @classmethod
     def launch(cls, cfg: TrainConfig, engine_urls: list[str], env_servers: EnvServers) -> RolloutWorkers:
@@ -90,17 +98,13 @@ class RolloutWorkers:
         return cls(actors, cfg.ray.recovery_timeout_s)
 
     async def run_episode(self, seed: int, episode_id: str) -> list[Trajectory]:
-        k = await self._pick()
-        self.in_flight[k] += 1
-        try:
-            kind, value = await self.actors[k].run_episode.remote(seed, episode_id)
-        except ray.exceptions.RayActorError as e:
-            self.lost += 1
-            self._mark_down(k)
-            raise WorkerLostError(f"rollout worker {k} died during episode {episode_id} ({type(e).__name__})") from None
-        finally:
-            self.in_flight[k] -= 1
-        self.episodes[k] += 1
+        group = episode_id.rsplit("/", 1)[0]
+        future = asyncio.get_running_loop().create_future()
+        pending = self._pending.setdefault(group, [])
+        pending.append((seed, episode_id, future))
+        if len(pending) == 1:  # the first of its group this tick: send after the others have joined
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send(group)))
+        k, (kind, value) = await future
         if kind == "ok":
             return value
         if kind == "env":
@@ -111,6 +115,30 @@ class RolloutWorkers:
             raise ClusterError(value)
         raise RuntimeError(f"episode {episode_id} failed on rollout worker {k}:\n{value}")
 
+    async def _send(self, group: str) -> None:
+        batch = self._pending.pop(group)
+        futures = [f for *_, f in batch]
+        try:
+            k = await self._pick()
+        except ClusterError as e:
+            for f in futures:
+                f.set_exception(e)
+            return
+        self.in_flight[k] += len(batch)
+        try:
+            results = await self.actors[k].run_episodes.remote([(seed, eid) for seed, eid, _ in batch])
+        except ray.exceptions.RayActorError as e:
+            self.lost += len(batch)
+            self._mark_down(k)
+            for f in futures:
+                f.set_exception(WorkerLostError(f"rollout worker {k} died during group {group} ({type(e).__name__})"))
+            return
+        finally:
+            self.in_flight[k] -= len(batch)
+        self.episodes[k] += len(batch)
+        for f, result in zip(futures, results):
+            f.set_result((k, result))
+
     async def _pick(self) -> int:
         live = [k for k in range(len(self.actors)) if k not in self.down]
         if not live:
@@ -118,12 +146,15 @@ class RolloutWorkers:
                 "all %d rollout workers are down; waiting up to %.0fs (ray.recovery_timeout_s) for Ray to restart them",
                 len(self.actors), self.recovery_timeout_s,
             )  # fmt: skip
-            done, _ = await asyncio.wait(list(self.down.values()), return_when=asyncio.FIRST_COMPLETED)
-            if not any(task.result() for task in done):
-                raise ClusterError(
-                    f"no rollout worker came back within {self.recovery_timeout_s:.0f}s "
-                    f"(ray.max_restarts exhausted, or their nodes are gone)"
-                )
+            tasks = list(self.down.values())
+            while not any(t.done() and t.result() for t in tasks):
+                waiting = [t for t in tasks if not t.done()]
+                if not waiting:
+                    raise ClusterError(
+                        f"no rollout worker came back within {self.recovery_timeout_s:.0f}s "
+                        f"(ray.max_restarts exhausted, or their nodes are gone)"
+                    )
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             live = [k for k in range(len(self.actors)) if k not in self.down]
         return min(live, key=lambda k: self.in_flight[k])
 

@@ -1,5 +1,5 @@
-"""A data-parallel trainer as a group of Ray actors (torch.distributed: gloo on CPU, NCCL on GPU), and
-`DistributedPolicy`, the driver's handle with the interface of a local `Policy`.
+"""A data-parallel trainer as a group of Ray actors (a torch.distributed gloo group; the trainer computes
+on CPU), and `DistributedPolicy`, the driver's handle with the interface of a local `Policy`.
 
 Every rank loads the same weights and receives the whole batch; `ppo_update` with a `DataParallel`
 gives each rank a token-balanced share of the micro-batches and sums gradients, so all ranks take the
@@ -40,8 +40,7 @@ class TrainerRank:
         from areal_agents.trainers.setup import seed_everything  # noqa: PLC0415
 
         quiet_transformers()
-        backend = "nccl" if torch.cuda.is_available() and cfg.ray.trainer_gpus > 0 else "gloo"
-        self.dp = DataParallel.init(self.rank, self.world_size, master, backend)
+        self.dp = DataParallel.init(self.rank, self.world_size, master, "gloo")  # the trainer computes on CPU
         seed_everything(cfg.seed)
         self.cfg = cfg
         self.policy = load_trainable(name, cfg, model_path, init_path)
@@ -82,7 +81,7 @@ class DistributedPolicy:
     def __init__(self, name: str, cfg: TrainConfig, model_path: str, init_path: str, engine: SGLangEngine, servers):
         self.name, self.engine, self.servers = name, engine, servers
         self.model_path = model_path
-        n, options = cfg.ray.trainer_ranks, {"num_cpus": cfg.ray.trainer_cpus, "num_gpus": cfg.ray.trainer_gpus}
+        n, options = cfg.ray.trainer_ranks, {"num_cpus": cfg.ray.trainer_cpus}
         self.ranks = [TrainerRank.options(**options).remote(rank, n) for rank in range(n)]
         master = ray.get(self.ranks[0].master_address.remote())
         ray.get([r.setup.remote(cfg, name, model_path, init_path, master) for r in self.ranks])

@@ -4,7 +4,8 @@ Every rank holds the whole model and sees the whole batch (so advantages, miniba
 micro-batches are the same everywhere); it runs forward/backward on its share of each minibatch's
 micro-batches, balanced by token count. Gradients are summed across ranks (the loss is already
 normalised by the minibatch's global loss-token count), so every rank takes the same optimizer step
-the single-process trainer would take on the same data. gloo on CPU, NCCL on GPU (torch.distributed).
+the single-process trainer would take on the same data (torch.distributed; gloo, as the trainer computes
+on CPU).
 """
 
 from __future__ import annotations

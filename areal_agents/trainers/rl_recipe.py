@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import time
 from collections import defaultdict
@@ -55,6 +56,8 @@ def run_train(cfg: TrainConfig, progress: bool = True, resume: bool = False) -> 
     cluster = None
     try:
         if cfg.launcher == "ray":  # the same run, its parts as Ray actors (areal_agents/cluster)
+            if importlib.util.find_spec("ray") is None:
+                raise ConfigError("launcher=ray needs Ray, which is not installed: pip install 'areal-agents[ray]'")
             from areal_agents.cluster.launcher import RayLauncher  # noqa: PLC0415
 
             cluster = RayLauncher(cfg)

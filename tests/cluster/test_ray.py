@@ -99,6 +99,16 @@ def test_ray_run_matches_the_single_process_trainer(tiny_dir, tmp_path):
     seen = [p for d in order for p in d["prompts"]]
     assert len(set(seen)) == len(seen) == 12  # no prompt trained twice across the restart
 
+    # the checkpoint of a Ray run resumes in a local run (same layout, same trainer state)
+    local = [a for a in args if not a.startswith(("launcher=", "ray.", "steps="))] + ["steps=4"]
+    proc = train(local)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["engine_version"] == 4 and "cluster" not in summary
+    state = torch.load(run / "checkpoints" / "step_4" / "trainer_state.pt", weights_only=False)
+    assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {8.0}
+
 
 def actor_pids(name: str) -> list[int]:
     """PIDs of this machine's Ray actor processes of class ``name`` (their title is ``ray::NAME``)."""

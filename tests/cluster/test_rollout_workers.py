@@ -35,6 +35,9 @@ class Worker:
         t = Trajectory([1, 2], [0, 1], [0.0, -1.0], [-1, 0], reward=float(seed % 2), episode_id=episode_id)
         return "ok", [t]
 
+    async def run_episodes(self, episodes):
+        return list(await asyncio.gather(*(self.run_episode(seed, eid) for seed, eid in episodes)))
+
     def pid(self) -> int:
         return os.getpid()
 
