@@ -4,14 +4,18 @@ on its node; a `RemoteEnvPool` spreads sessions over them and re-resolves addres
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 import uuid
 
 import ray
+import uvicorn
 
 from areal_agents.config import EnvConfig
+from areal_agents.engines.launcher import free_port
 from areal_agents.envs.remote import RemoteEnvPool
+from areal_agents.envs.server import EnvServer, ServerConfig, build_app
 from areal_agents.errors import ClusterError
 
 
@@ -20,11 +24,6 @@ class EnvServerActor:
     """One env-step server, served by uvicorn on a thread of this actor; a restart starts a new one."""
 
     def __init__(self, cfg: EnvConfig) -> None:
-        import uvicorn  # noqa: PLC0415
-
-        from areal_agents.engines.launcher import free_port  # noqa: PLC0415
-        from areal_agents.envs.server import EnvServer, ServerConfig, build_app  # noqa: PLC0415
-
         host = ray.util.get_node_ip_address()
         port = free_port(host)
         modules = [cfg.module] if cfg.module else []
@@ -49,8 +48,6 @@ class EnvServerActor:
         return self.env_server.metrics.counters["steps"]
 
     def pid(self) -> int:
-        import os  # noqa: PLC0415
-
         return os.getpid()
 
 
@@ -95,7 +92,7 @@ class EnvServers:
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             try:
-                return await asyncio.wait_for(_await(actor.url.remote()), 5)
+                return await asyncio.wait_for(actor.url.remote(), 5)
             except ray.exceptions.ActorDiedError:
                 return None  # restarts exhausted
             except (TimeoutError, ray.exceptions.RayActorError):
@@ -118,7 +115,3 @@ class EnvServers:
     def kill(self) -> None:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-
-
-async def _await(ref):
-    return await ref

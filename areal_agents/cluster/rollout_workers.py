@@ -17,10 +17,14 @@ from typing import Any
 
 import ray
 
+from areal_agents.agents.factory import make_agent
 from areal_agents.cluster.env_servers import EnvServers
 from areal_agents.config import TrainConfig
+from areal_agents.engines.sglang_engine import SGLangEngine
+from areal_agents.envs.backends import EnvBackend
 from areal_agents.errors import ClusterError, EngineError, EnvError, WorkerLostError
-from areal_agents.types import Trajectory
+from areal_agents.models.loading import load_tokenizer, quiet_transformers
+from areal_agents.types import SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +34,6 @@ class RolloutWorker:
     """Runs episodes of the run's agent against the model servers and the env servers."""
 
     def __init__(self, cfg: TrainConfig, engine_urls: list[str], env_servers: EnvServers) -> None:
-        from areal_agents.agents.factory import make_agent  # noqa: PLC0415
-        from areal_agents.engines.sglang_engine import SGLangEngine  # noqa: PLC0415
-        from areal_agents.envs.backends import EnvBackend  # noqa: PLC0415
-        from areal_agents.models.loading import (
-            load_tokenizer,  # noqa: PLC0415
-            quiet_transformers,  # noqa: PLC0415
-        )
-        from areal_agents.types import SamplingParams  # noqa: PLC0415
-
         quiet_transformers()
         r, e = cfg.rollout, cfg.engine
         self.engine = SGLangEngine(engine_urls, request_timeout_s=e.request_timeout_s, max_retries=e.max_retries)
@@ -167,7 +162,7 @@ class RolloutWorkers:
         deadline = asyncio.get_running_loop().time() + self.recovery_timeout_s
         while asyncio.get_running_loop().time() < deadline:
             try:
-                await asyncio.wait_for(_await(self.actors[k].pid.remote()), timeout=5)
+                await asyncio.wait_for(self.actors[k].pid.remote(), timeout=5)
             except ray.exceptions.ActorDiedError:
                 break  # dead for good (restarts exhausted)
             except (TimeoutError, ray.exceptions.RayActorError):
@@ -184,7 +179,3 @@ class RolloutWorkers:
             task.cancel()
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-
-
-async def _await(ref):
-    return await ref

@@ -8,6 +8,7 @@ single-process trainer's step. Rank 0 writes the weights the model servers load 
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -16,7 +17,12 @@ import torch
 from transformers import PreTrainedModel
 
 from areal_agents.config import TrainConfig
+from areal_agents.engines.launcher import free_port
 from areal_agents.engines.sglang_engine import SGLangEngine, write_weights
+from areal_agents.models.loading import load_model, quiet_transformers
+from areal_agents.trainers.distributed import DataParallel
+from areal_agents.trainers.policy import load_trainable
+from areal_agents.trainers.setup import seed_everything
 from areal_agents.types import Trajectory
 
 
@@ -28,17 +34,10 @@ class TrainerRank:
 
     def master_address(self) -> str:
         """``host:port`` for the process group (asked of rank 0)."""
-        from areal_agents.engines.launcher import free_port  # noqa: PLC0415
-
         host = ray.util.get_node_ip_address()
         return f"{host}:{free_port(host)}"
 
     def setup(self, cfg: TrainConfig, name: str, model_path: str, init_path: str, master: str) -> None:
-        from areal_agents.models.loading import quiet_transformers  # noqa: PLC0415
-        from areal_agents.trainers.distributed import DataParallel  # noqa: PLC0415
-        from areal_agents.trainers.policy import load_trainable  # noqa: PLC0415
-        from areal_agents.trainers.setup import seed_everything  # noqa: PLC0415
-
         quiet_transformers()
         self.dp = DataParallel.init(self.rank, self.world_size, master, "gloo")  # the trainer computes on CPU
         seed_everything(cfg.seed)
@@ -108,8 +107,6 @@ class DistributedPolicy:
     def model(self) -> PreTrainedModel:
         """A copy of rank 0's current weights in the driver (for checkpoints)."""
         if self._model is None:
-            from areal_agents.models.loading import load_model  # noqa: PLC0415
-
             self._model = load_model(self.model_path)
         self._model.load_state_dict(ray.get(self.ranks[0].state_dict.remote()))
         return self._model
@@ -130,6 +127,4 @@ class DistributedPolicy:
 
 
 async def _gather(refs: list) -> list:
-    import asyncio  # noqa: PLC0415
-
     return list(await asyncio.gather(*refs))
