@@ -196,9 +196,11 @@ def grpo_config(cfg: TrainConfig, out: Path, lr: float, max_rollout_steps: int) 
     )
 
 
-def run_trl(cfg: TrainConfig, budget_s: float, out: Path, lr: float) -> dict[str, Any]:
+def run_trl(cfg: TrainConfig, budget_s: float, out: Path, lr: float, steps: int = 0) -> dict[str, Any]:
+    """TRL for the wall budget, or for exactly ``steps`` rollout steps when given."""
     r, p = cfg.rollout, cfg.ppo
-    max_rollout_steps = max(10, math.ceil(budget_s / FASTEST_STEP_S))
+    max_rollout_steps = steps or max(10, math.ceil(budget_s / FASTEST_STEP_S))
+    budget_s = math.inf if steps else budget_s
     tokenizer = load_tokenizer(cfg.model.path)
     dataset = trl_dataset(cfg, max_rollout_steps * r.batch_size)
     check_same_tokens(tokenizer, dataset)
@@ -215,7 +217,7 @@ def run_trl(cfg: TrainConfig, budget_s: float, out: Path, lr: float) -> dict[str
     )
     trainer.train()
     steps = trainer.state.global_step // per_rollout
-    if steps >= max_rollout_steps:
+    if steps >= max_rollout_steps and math.isfinite(budget_s):
         print(f"warning: TRL used all {max_rollout_steps} prepared steps before the budget; raise FASTEST_STEP_S")
     seconds = budget.end - budget.start
     model_dir = save_model(out / "trl" / "model", trainer.model, tokenizer)
@@ -233,23 +235,26 @@ def run_trl(cfg: TrainConfig, budget_s: float, out: Path, lr: float) -> dict[str
 # ---- ours: the same budget, chosen as a step count ------------------------------------------------------------
 
 
-def run_areal(cfg: TrainConfig, budget_s: float, out: Path, calib_steps: int) -> dict[str, Any]:
-    """`run_train` has no wall-budget option: time ``calib_steps`` steps, then run budget / (s per step) steps."""
+def run_areal(cfg: TrainConfig, budget_s: float, out: Path, calib_steps: int, fixed_steps: int = 0) -> dict[str, Any]:
+    """`run_train` has no wall-budget option: time ``calib_steps`` steps, then run budget / (s per step) steps
+    (or exactly ``fixed_steps``, when given)."""
     samples = cfg.rollout.batch_size * cfg.rollout.group_size
 
     def seconds_per_step(summary: dict[str, Any]) -> float:
         # samples_per_s = consumed samples / step seconds; a one-turn env gives one trajectory per episode
         return samples / max(summary["samples_per_s"], 1e-9)
 
-    calib_eval = dataclasses.replace(cfg.eval, num_problems=8)  # the calibration's accuracy is not used
-    calib = run_train(
-        dataclasses.replace(cfg, run_dir=str(out / "areal_calib"), steps=calib_steps, eval=calib_eval), progress=False
-    )
-    steps = max(1, round(budget_s / seconds_per_step(calib)))
-    print(
-        f"areal-agents: {seconds_per_step(calib):.3f} s/step over {calib_steps} calibration steps -> "
-        f"{steps} steps for the {budget_s:.0f} s budget (run_train has no wall-budget option)"
-    )
+    if fixed_steps:
+        calib, steps = None, fixed_steps
+    else:
+        calib_eval = dataclasses.replace(cfg.eval, num_problems=8)  # the calibration's accuracy is not used
+        calib_cfg = dataclasses.replace(cfg, run_dir=str(out / "areal_calib"), steps=calib_steps, eval=calib_eval)
+        calib = run_train(calib_cfg, progress=False)
+        steps = max(1, round(budget_s / seconds_per_step(calib)))
+        print(
+            f"areal-agents: {seconds_per_step(calib):.3f} s/step over {calib_steps} calibration steps -> "
+            f"{steps} steps for the {budget_s:.0f} s budget (run_train has no wall-budget option)"
+        )
     summary = run_train(dataclasses.replace(cfg, run_dir=str(out / "areal"), steps=steps), progress=False)
     per_step = seconds_per_step(summary)
     return {
@@ -257,7 +262,7 @@ def run_areal(cfg: TrainConfig, budget_s: float, out: Path, calib_steps: int) ->
         "seconds": per_step * steps,
         "seconds_per_step": per_step,
         "samples_per_s": summary["samples_per_s"],
-        "calibration_seconds_per_step": seconds_per_step(calib),
+        "calibration_seconds_per_step": seconds_per_step(calib) if calib else None,
         "trained_samples_per_s_update_only": summary["trained_samples_per_s"],
         "run_train_accuracy_after": summary["accuracy_after"],
         "model": str(Path(summary["checkpoint"]) / "model"),
@@ -295,6 +300,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=None, help="learning rate of both (default: rl.yaml's)")
     parser.add_argument("--trl-lr", type=float, default=None, help="TRL's learning rate only (default: --lr)")
     parser.add_argument("--calib-steps", type=int, default=5, help="steps timed to size our run to the budget")
+    parser.add_argument("--steps", type=int, default=0, help="run both for exactly this many steps (no budget)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="rl.yaml override, both")
     args = parser.parse_args()
@@ -313,8 +319,8 @@ def main() -> None:
     r = cfg.rollout
     trl_lr = args.trl_lr if args.trl_lr is not None else cfg.ppo.lr
 
-    trl_result = run_trl(cfg, budget_s, out, trl_lr)
-    ours = run_areal(cfg, budget_s, out, args.calib_steps)
+    trl_result = run_trl(cfg, budget_s, out, trl_lr, args.steps)
+    ours = run_areal(cfg, budget_s, out, args.calib_steps, args.steps)
     start = asyncio.run(held_out_accuracy(cfg, sft_model))
     trl_result["accuracy"] = asyncio.run(held_out_accuracy(cfg, trl_result["model"]))
     ours["accuracy"] = asyncio.run(held_out_accuracy(cfg, ours["model"]))
@@ -325,16 +331,18 @@ def main() -> None:
         "group_size": r.group_size,
         "max_new_tokens": r.max_new_tokens,
         "temperature": r.temperature,
-        "budget_seconds": budget_s,
+        "budget_seconds": None if args.steps else budget_s,
+        "steps": args.steps or None,
         "held_out_problems": cfg.eval.num_problems,
         "overrides": overrides,
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
     }
     ratio = ours["samples_per_s"] / max(trl_result["samples_per_s"], 1e-9)
     gain = 100 * (ours["accuracy"] - trl_result["accuracy"])
+    budget = f"{args.steps} steps" if args.steps else f"{budget_s:.0f} s budget"
     print(
         f"\n== bench/vs_trl: {r.batch_size} prompts x {r.group_size} samples, {r.max_new_tokens} new tokens, "
-        f"temperature {r.temperature}, {budget_s:.0f} s budget each, held-out {cfg.eval.num_problems} problems =="
+        f"temperature {r.temperature}, {budget} each, held-out {cfg.eval.num_problems} problems, seed {args.seed} =="
     )
     for name, res in (("TRL GRPOTrainer", trl_result), ("areal-agents   ", ours)):
         print(
