@@ -41,10 +41,10 @@ def small(tiny_dir, run_dir, steps: int) -> list[str]:
     ]  # fmt: skip
 
 
-def train(args: list[str], timeout: float = 600) -> subprocess.Popen:
+def train(args: list[str], cwd: Path = ROOT) -> subprocess.Popen:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     cmd = [sys.executable, "-m", "areal_agents.cli", "train", str(RECIPE), *args, "--no-progress"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def balanced(ledger: dict) -> bool:
@@ -124,10 +124,26 @@ def actor_pids(name: str) -> list[int]:
     return pids
 
 
+MARKING_AGENT = """
+from areal_agents.agents.chat_agent import ChatAgent
+
+
+class MarkingAgent(ChatAgent):
+    async def run_episode(self, env, *, seed, episode_id):
+        out = await super().run_episode(env, seed=seed, episode_id=episode_id)
+        for t in out:
+            t.metadata["ran"] = "MarkingAgent"
+        return out
+"""
+
+
 def test_run_survives_a_killed_env_server_and_rollout_worker(tiny_dir, tmp_path):
+    """Also: the user's own agent module, in the directory the command runs from, reaches the workers
+    (and the restarted one)."""
+    (tmp_path / "my_agent.py").write_text(MARKING_AGENT)
     run = tmp_path / "fault"
     args = [*small(tiny_dir, run, 4), *CLUSTER, "rollout.max_staleness=1", "rollout.max_retries=3"]
-    proc = train(args)
+    proc = train([*args, "rollout.agent=my_agent:MarkingAgent"], cwd=tmp_path)
     try:
         deadline = time.monotonic() + 600
         while not (run / "trajectories" / "step_1.jsonl").exists():  # rollouts of later steps are running
@@ -152,3 +168,6 @@ def test_run_survives_a_killed_env_server_and_rollout_worker(tiny_dir, tmp_path)
     lost = summary["cluster"]["episodes_lost_with_a_worker"]
     assert lost > 0 and summary["episode_retries"] >= lost  # in-flight episodes of the dead worker ran again
     assert actor_pids("EnvServerActor") == actor_pids("RolloutWorker") == []  # nothing left behind
+    for step in range(1, 5):
+        rows = (run / "trajectories" / f"step_{step}.jsonl").read_text().splitlines()
+        assert rows and all(json.loads(row)["metadata"]["ran"] == "MarkingAgent" for row in rows)
