@@ -9,10 +9,22 @@ from transformers import PreTrainedTokenizerBase
 
 from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.agents.episode_function import EpisodeFunctionAgent
+from areal_agents.config import RolloutConfig
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.errors import ConfigError
 from areal_agents.importing import load_object
 from areal_agents.types import SamplingParams
+
+
+def make_rollout_agent(
+    r: RolloutConfig,
+    engine: InferenceEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    sampling: SamplingParams | None = None,
+) -> Any:
+    """The agent ``rollout.*`` configures, sampling as the rollout does unless ``sampling`` is given."""
+    sampling = sampling or SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+    return make_agent(r.agent, engine, tokenizer, sampling, system_prompt=r.system_prompt, kwargs=r.agent_kwargs)
 
 
 def make_agent(

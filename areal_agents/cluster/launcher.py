@@ -20,7 +20,7 @@ from areal_agents.cluster.env_servers import EnvServers
 from areal_agents.cluster.rollout_workers import RolloutWorkers
 from areal_agents.cluster.trainer_group import DistributedPolicy
 from areal_agents.config import TrainConfig
-from areal_agents.engines.launcher import ServerGroup
+from areal_agents.engines.launcher import ServerGroup, engine_client
 from areal_agents.engines.sglang_engine import SGLangEngine
 from areal_agents.envs.backends import EnvBackend
 from areal_agents.errors import ConfigError
@@ -59,12 +59,7 @@ class RayLauncher:
                 e, model_path, self.cfg.model.dtype, run_dir / "servers", self.cfg.ray.engine_server_cpus,
                 self.cfg.ray.engine_server_gpus,
             )  # fmt: skip
-        engine = SGLangEngine(
-            servers.addresses,
-            weights_dir=str(run_dir / "engine_weights"),
-            request_timeout_s=e.request_timeout_s,
-            max_retries=e.max_retries,
-        )
+        engine = engine_client(e, servers.addresses, run_dir / "engine_weights")
         policy = DistributedPolicy(name, self.cfg, model_path, init_path, engine, servers)
         self.policies.append(policy)
         return policy

@@ -17,14 +17,14 @@ from typing import Any
 
 import ray
 
-from areal_agents.agents.factory import make_agent
+from areal_agents.agents.factory import make_rollout_agent
 from areal_agents.cluster.env_servers import EnvServers
 from areal_agents.config import TrainConfig
-from areal_agents.engines.sglang_engine import SGLangEngine
+from areal_agents.engines.launcher import engine_client
 from areal_agents.envs.backends import EnvBackend
 from areal_agents.errors import ClusterError, EngineError, EnvError, WorkerLostError
 from areal_agents.models.loading import load_tokenizer, quiet_transformers
-from areal_agents.types import SamplingParams, Trajectory
+from areal_agents.types import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +35,8 @@ class RolloutWorker:
 
     def __init__(self, cfg: TrainConfig, engine_urls: list[str], env_servers: EnvServers) -> None:
         quiet_transformers()
-        r, e = cfg.rollout, cfg.engine
-        self.engine = SGLangEngine(engine_urls, request_timeout_s=e.request_timeout_s, max_retries=e.max_retries)
-        sampling = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
-        tokenizer = load_tokenizer(cfg.model.path)
-        self.agent = make_agent(
-            r.agent, self.engine, tokenizer, sampling, system_prompt=r.system_prompt, kwargs=r.agent_kwargs
-        )
+        self.engine = engine_client(cfg.engine, engine_urls)
+        self.agent = make_rollout_agent(cfg.rollout, self.engine, load_tokenizer(cfg.model.path))
         self.envs = EnvBackend(cfg.env, env_servers.pool())
 
     async def run_episodes(self, episodes: list[tuple[int, str]]) -> list[tuple[str, Any]]:

@@ -90,7 +90,9 @@ class DistributedPolicy:
         self, trajectories: list[Trajectory], cfg: TrainConfig, pad_token_id: int, generator: torch.Generator
     ) -> dict[str, float]:
         batch = ray.put(trajectories)  # one copy in the object store, read by every rank
-        results = await _gather([r.update.remote(batch, pad_token_id, generator.get_state()) for r in self.ranks])
+        results = await asyncio.gather(
+            *(r.update.remote(batch, pad_token_id, generator.get_state()) for r in self.ranks)
+        )
         stats, state = results[0]
         generator.set_state(state)
         return stats
@@ -99,7 +101,7 @@ class DistributedPolicy:
         """Rank 0 writes the new weights; the servers load them (pause, swap, version + 1, resume)."""
         version = self.engine.get_version() + 1
         path = self.engine.weights_path(version)
-        await _gather([self.ranks[0].write_weights.remote(str(path))])
+        await self.ranks[0].write_weights.remote(str(path))
         await self.engine.update_weights_from_disk(str(path), version)
         self.engine.prune_weights(version)
 
@@ -124,7 +126,3 @@ class DistributedPolicy:
             except (ray.exceptions.RayError, TimeoutError):
                 pass
             ray.kill(rank)
-
-
-async def _gather(refs: list) -> list:
-    return list(await asyncio.gather(*refs))

@@ -151,16 +151,21 @@ def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path
         from areal_agents.models.loading import load_model  # noqa: PLC0415
 
         return HFEngine(load_model(model_path, dtype), seed=seed, max_batch_size=cfg.max_running_requests), None
-    from areal_agents.engines.sglang_engine import SGLangEngine  # noqa: PLC0415
-
     if cfg.urls:
         servers = ServerGroup(list(cfg.urls))
     else:
         servers = launch_servers(cfg, model_path, dtype, log_dir=run_dir / "servers")
-    engine = SGLangEngine(
-        servers.addresses,
-        weights_dir=str(run_dir / "engine_weights"),
+    return engine_client(cfg, servers.addresses, run_dir / "engine_weights"), servers
+
+
+def engine_client(cfg: EngineConfig, addresses: list[str], weights_dir: Path | None = None):
+    """An `SGLangEngine` over ``addresses`` with the config's timeout and retries (``weights_dir``: where
+    weight updates are written, for the client that pushes them)."""
+    from areal_agents.engines.sglang_engine import SGLangEngine  # noqa: PLC0415
+
+    return SGLangEngine(
+        addresses,
+        weights_dir=str(weights_dir) if weights_dir else None,
         request_timeout_s=cfg.request_timeout_s,
         max_retries=cfg.max_retries,
     )
-    return engine, servers

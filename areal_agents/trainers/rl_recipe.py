@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from areal_agents.agents.factory import make_agent
+from areal_agents.agents.factory import make_rollout_agent
 from areal_agents.config import TrainConfig
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.sglang_engine import SGLangEngine
@@ -96,11 +96,10 @@ async def _train(cfg, tokenizer, policies, run_dir, progress, state, cluster=Non
     agents = []  # the sampling agent, and the same agent logic decoding greedily for evaluation
     try:
         for sampling in (
-            SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k),
+            None,
             SamplingParams(r.max_new_tokens, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p),
         ):
-            kwargs = {"system_prompt": r.system_prompt, "kwargs": r.agent_kwargs}
-            agents.append(make_agent(r.agent, engine, tokenizer, sampling, **kwargs))
+            agents.append(make_rollout_agent(r, engine, tokenizer, sampling))
         return await _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progress, state, cluster)
     finally:
         for agent in agents:
