@@ -69,10 +69,15 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints (``keep <= 0`` keeps all)."""
+    """Delete all but the newest ``keep`` checkpoints (``keep <= 0`` keeps all). Each is renamed to
+    ``.tmp`` first, so a run killed mid-delete leaves no half checkpoint, only a ``.tmp`` removed next time."""
     if keep > 0:
         for old in checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            trash = old.with_name(old.name + ".tmp")
+            shutil.rmtree(trash, ignore_errors=True)
+            os.replace(old, trash)
+        for leftover in (Path(run_dir) / "checkpoints").glob("step_*.tmp"):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:
