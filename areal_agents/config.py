@@ -129,13 +129,21 @@ class PPOConfig:
     ppo_epochs: int = _help("passes over each batch", default=1)
     num_minibatches: int = _help("optimizer steps per epoch", default=1)
     micro_batch_tokens: int = _help("token budget of one forward/backward micro-batch", default=16384)
+    cpu_threads: int = _help("CPU threads of the trainer thread's updates (0 = torch's default: all cores)", default=0)
     packing: bool = _help("pack micro-batches without padding (attention stays within each sequence)", default=False)
+    share_prompts: bool = _help(
+        "with packing: a row holds each distinct prompt once and its completions attend to it "
+        "(a group's prompt is computed once, not group_size times; the same logprobs and gradients)",
+        default=True,
+    )
     filter_zero_variance_groups: bool = _help("drop groups whose rewards are all equal", default=True)
 
     def __post_init__(self) -> None:
         _check_positive(self, "lr", "eps_clip", "ppo_epochs", "num_minibatches", "micro_batch_tokens")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef: expects a value >= 0, got {self.kl_coef!r}")
+        if self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads: expects a value >= 0, got {self.cpu_threads!r}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip: expects a value > 1, got {self.dual_clip}")
         for name in ("gamma", "lam"):
@@ -175,12 +183,19 @@ class EngineConfig:
     mem_fraction: float = _help("sglang: --mem-fraction-static", default=0.8)
     extra_args: list[str] = _help("more command-line flags for each launched server", default_factory=list)
     max_running_requests: int = _help("requests decoded together by the hf engine / serve-model", default=256)
+    cpu_threads: int = _help(
+        "hf engine: CPU threads of its decode thread (0 = torch's default). One leaves the other cores to the "
+        "trainer thread: on CPU, two threads each running a full OpenMP team slow each other down",
+        default=1,
+    )
     startup_timeout_s: float = _help("seconds to wait for a launched server's /health", default=600.0)
     request_timeout_s: float = _help("seconds before a /generate call is retried", default=3600.0)
     max_retries: int = _help("retries (exponential backoff) of a call on connection errors and 5xx", default=5)
 
     def __post_init__(self) -> None:
         _check_positive(self, "num_servers", "tp", "max_running_requests")
+        if self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads: expects a value >= 0, got {self.cpu_threads!r}")
 
 
 @dataclass

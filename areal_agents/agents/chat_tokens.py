@@ -10,6 +10,7 @@ one), `append_message` reports it and the caller starts a new trajectory segment
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,14 @@ from transformers import PreTrainedTokenizerBase
 def _encode_cached(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[int, ...]:
     """The episodes of a group share their prompt: tokenize each rendered text once."""
     return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+
+@functools.lru_cache(maxsize=4096)
+def _render_cached(tokenizer: PreTrainedTokenizerBase, key: str) -> str:
+    """The episodes of a group start from the same messages: render the chat template (~50 us) once.
+    ``key`` is the JSON of ``[messages, tools, add_generation_prompt]`` (key order kept)."""
+    messages, tools, generation_prompt = json.loads(key)
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
 
 
 @dataclass
@@ -34,9 +43,13 @@ class ChatTokens:
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         messages = [m if m.get("content") is not None else {**m, "content": ""} for m in messages]
-        return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
-        )
+        try:
+            key = json.dumps([messages, self.tools, generation_prompt])
+        except TypeError:  # content that is not plain JSON: render it directly
+            return self.tokenizer.apply_chat_template(
+                messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        return _render_cached(self.tokenizer, key)
 
     def _encode(self, text: str) -> list[int]:
         return list(_encode_cached(self.tokenizer, text))

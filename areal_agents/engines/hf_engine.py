@@ -1,7 +1,8 @@
 """`HFEngine`: an in-process transformers engine with continuous batching, interruptible between steps.
 
 Concurrent requests share one running batch: new ones are prefilled and merged into the left-padded KV
-cache between decode steps, finished ones leave it. ``pause()`` stops at a step boundary;
+cache between decode steps, finished ones leave it. Requests admitted together with the same context
+(the episodes of a GRPO group) are prefilled once. ``pause()`` stops at a step boundary;
 ``update_weights`` then swaps the weights, which invalidates the cache, so on ``resume()`` every running
 sequence is re-prefilled (prompt + tokens so far) and its later tokens carry the new version.
 ``abort()`` ends requests early with stop reason ``abort`` and the tokens so far (what ``serve-model``'s
@@ -30,11 +31,15 @@ from areal_agents.engines.sampling import sample_tokens
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, GenResponse, SamplingParams, StopReason
 
+ADMISSION_MAX_WAIT_S = 0.05  # the longest an idle engine holds arriving requests back to admit them together
+COMPACT_FRACTION = 0.25  # drop finished rows from the cache once they are this share of the batch
+
 
 @dataclass
 class EngineStats:
     requests: int = 0
     prefills: int = 0
+    prefill_tokens: int = 0  # tokens run through the model by prefills (identical contexts count once)
     decode_steps: int = 0
     generated_tokens: int = 0
     aborted: int = 0  # submissions ended early by abort() (agenerate resubmits them)
@@ -57,6 +62,7 @@ class _Sequence:
     versions: list[int] = field(default_factory=list)
     stop_reason: StopReason | None = None
     abort: bool = False
+    delivered: bool = False  # handed back; its row may stay in the batch until the next compaction
     start: float = field(default_factory=time.perf_counter)
 
 
@@ -83,6 +89,8 @@ class HFEngine:
         max_batch_size: int = 256,
         seed: int = 0,
         version: int = 0,
+        admission_window_s: float = 0.002,
+        num_threads: int | None = None,
     ) -> None:
         self.model = model.eval()
         self.model.requires_grad_(False)
@@ -91,6 +99,8 @@ class HFEngine:
         pad = pad_token_id if pad_token_id is not None else model.config.pad_token_id
         self.pad_token_id = int(pad if pad is not None else 0)
         self.max_batch_size = max_batch_size
+        self.admission_window_s = admission_window_s
+        self.num_threads = num_threads
         self.generator = torch.Generator().manual_seed(seed)
         self.stats = EngineStats()
         self._version = version
@@ -104,6 +114,7 @@ class HFEngine:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._outbox: list[tuple[_Sequence, GenResponse]] = []  # finished this step (decode thread only)
 
     # ---- protocol ---------------------------------------------------------------------------
 
@@ -237,6 +248,19 @@ class HFEngine:
             if not was_paused:
                 await self.resume()
 
+    def _await_arrivals(self) -> None:
+        """Idle engine, requests arriving: admit them together once they stop coming (a gap of
+        ``admission_window_s``, at most `ADMISSION_MAX_WAIT_S`). One prefill then serves a whole
+        batch of episodes, instead of many small ones fighting the submitting thread for the GIL."""
+        deadline = time.perf_counter() + ADMISSION_MAX_WAIT_S
+        seen = -1
+        while seen != len(self._incoming) < self.max_batch_size and not (self._paused or self._closed or self._aborts):
+            seen = len(self._incoming)
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0 or self.admission_window_s <= 0:
+                return
+            self._cv.wait(min(self.admission_window_s, remaining))
+
     def _wait_for_boundary(self) -> None:
         with self._cv:
             while not self._at_boundary and self._thread is not None and self._thread.is_alive():
@@ -249,6 +273,8 @@ class HFEngine:
     # ---- decode thread ----------------------------------------------------------------------
 
     def _decode_loop(self) -> None:
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)  # this thread's OpenMP team only
         batch = _Batch()
         try:
             while True:
@@ -261,6 +287,8 @@ class HFEngine:
                         self._cv.wait()
                     if self._closed:
                         break
+                    if not batch.rows:
+                        self._await_arrivals()
                     self._aborts = False
                     if self._paused:  # only aborts to hand back; the model stays untouched
                         incoming = [s for s in self._incoming if s.abort]
@@ -279,8 +307,10 @@ class HFEngine:
                     self._retire(batch)
                 else:
                     self._step(batch, incoming, stale, version)
+                _deliver(self._outbox)
+                self._outbox = []
                 with self._cv:
-                    self._running = list(batch.rows)
+                    self._running = [s for s in batch.rows if not s.delivered]
         except BaseException as e:  # noqa: BLE001  (fail the requests, not silently hang them)
             self._error = e
         with self._cv:
@@ -289,8 +319,8 @@ class HFEngine:
             self._incoming, self._running = [], []
             self._cv.notify_all()
         error = EngineError(f"HFEngine stopped: {self._error!r}" if self._error else "HFEngine is closed")
-        for seq in leftover:
-            _deliver(seq, error)
+        _deliver(self._outbox + [(seq, error) for seq in leftover])
+        self._outbox = []
 
     @torch.inference_mode()
     def _step(self, batch: _Batch, incoming: list[_Sequence], stale: bool, version: int) -> None:
@@ -301,7 +331,7 @@ class HFEngine:
             if seq.abort:
                 self._finish(seq, "abort")
         if stale and batch.rows:  # the cache holds the old weights' keys and values
-            live = batch.rows + live
+            live = [s for s in batch.rows if not s.delivered] + live
             batch.rows, batch.cache = [], None
         if live:
             self._merge(batch, self._prefill(live, version))
@@ -309,13 +339,17 @@ class HFEngine:
         if batch.rows:
             self._decode(batch, version)
             self._retire(batch)
-        self.stats.max_running = max(self.stats.max_running, len(batch.rows))
+        self.stats.max_running = max(self.stats.max_running, sum(not s.delivered for s in batch.rows))
         self.stats.busy_seconds += time.perf_counter() - start
 
     def _prefill(self, rows: list[_Sequence], version: int) -> _Batch:
-        contexts = [s.input_ids + s.tokens for s in rows]
+        """Run the rows' contexts through the model; identical ones (a GRPO group's prompt) run once and
+        their cache rows are copied, so a group of G costs one prompt's compute, not G."""
+        distinct: dict[tuple[int, ...], int] = {}
+        owner = torch.tensor([distinct.setdefault(tuple(s.input_ids + s.tokens), len(distinct)) for s in rows])
+        contexts = list(distinct)
         width = max(len(c) for c in contexts)
-        n = len(rows)
+        n = len(contexts)
         input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((n, width), dtype=torch.long)
         for i, ctx in enumerate(contexts):  # left padding: every row's next token sits at the end
@@ -326,8 +360,14 @@ class HFEngine:
             input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1
         )
         self.stats.prefills += 1
-        pending = self._sample(rows, out.logits[:, -1], version)
-        return _Batch(rows, out.cache, attention, positions[:, -1] + 1, pending)
+        self.stats.prefill_tokens += sum(len(c) for c in contexts)
+        cache, logits = out.cache, out.logits[:, -1]
+        if n < len(rows):
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[owner], layer.values[owner]
+            attention, positions, logits = attention[owner], positions[owner], logits[owner]
+        pending = self._sample(rows, logits, version)
+        return _Batch(rows, cache, attention, positions[:, -1] + 1, pending)
 
     def _decode(self, batch: _Batch, version: int) -> None:
         n = len(batch.rows)
@@ -350,6 +390,8 @@ class HFEngine:
         top_k = torch.tensor([s.sampling.top_k for s in rows], dtype=torch.long)
         tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, self.generator)
         for seq, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+            if seq.delivered:  # a finished row still in the batch: its tokens go nowhere
+                continue
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(version)
@@ -357,7 +399,7 @@ class HFEngine:
                 seq.stop_reason = "stop"
             elif len(seq.tokens) >= seq.sampling.max_new_tokens:
                 seq.stop_reason = "length"
-        self.stats.generated_tokens += len(rows)
+            self.stats.generated_tokens += 1
         return tokens
 
     def _merge(self, batch: _Batch, new: _Batch) -> None:
@@ -384,16 +426,18 @@ class HFEngine:
         batch.pending = torch.cat([batch.pending, new.pending])
 
     def _retire(self, batch: _Batch) -> None:
-        """Hand back finished and aborted rows; drop them and any all-padding columns from the cache."""
+        """Hand back finished and aborted rows. Their rows leave the cache (with any all-padding columns)
+        once they are `COMPACT_FRACTION` of the batch: compaction copies the whole cache, which costs
+        more than decoding a few idle rows for a few steps."""
         keep = []
         for i, seq in enumerate(batch.rows):
-            if seq.stop_reason is not None:
+            if not seq.delivered and seq.stop_reason is not None:
                 self._finish(seq, seq.stop_reason)
-            elif seq.abort:
+            elif not seq.delivered and seq.abort:
                 self._finish(seq, "abort")
-            else:
+            if not seq.delivered:
                 keep.append(i)
-        if len(keep) == len(batch.rows):
+        if len(batch.rows) - len(keep) <= COMPACT_FRACTION * len(batch.rows) and keep:
             return
         if not keep:
             batch.rows, batch.cache = [], None
@@ -415,19 +459,27 @@ class HFEngine:
         if reason == "abort":
             self.stats.aborted += 1
         response = GenResponse(seq.tokens, seq.logprobs, seq.versions, reason, time.perf_counter() - seq.start)
-        _deliver(seq, response)
+        seq.delivered = True
+        self._outbox.append((seq, response))  # handed over after the step (`_deliver`)
 
 
-def _deliver(seq: _Sequence, result: GenResponse | BaseException) -> None:
-    def settle() -> None:
-        if seq.future.done():
-            return
-        if isinstance(result, BaseException):
-            seq.future.set_exception(result)
-        else:
-            seq.future.set_result(result)
+def _deliver(results: list[tuple[_Sequence, GenResponse | BaseException]]) -> None:
+    """Settle the callers' futures: one wake-up of each caller's event loop for the lot."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sequence, GenResponse | BaseException]]] = {}
+    for seq, result in results:
+        by_loop.setdefault(seq.future.get_loop(), []).append((seq, result))
 
-    try:
-        seq.future.get_loop().call_soon_threadsafe(settle)
-    except RuntimeError:  # the caller's event loop is gone: nobody is waiting
-        pass
+    def settle(items: list[tuple[_Sequence, GenResponse | BaseException]]) -> None:
+        for seq, result in items:
+            if seq.future.done():
+                continue
+            if isinstance(result, BaseException):
+                seq.future.set_exception(result)
+            else:
+                seq.future.set_result(result)
+
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(settle, items)
+        except RuntimeError:  # the caller's event loop is gone: nobody is waiting
+            pass

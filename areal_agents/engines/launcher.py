@@ -150,7 +150,9 @@ def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path
         from areal_agents.engines.hf_engine import HFEngine  # noqa: PLC0415
         from areal_agents.models.loading import load_model  # noqa: PLC0415
 
-        return HFEngine(load_model(model_path, dtype), seed=seed, max_batch_size=cfg.max_running_requests), None
+        model = load_model(model_path, dtype)
+        threads = cfg.cpu_threads or None
+        return HFEngine(model, seed=seed, max_batch_size=cfg.max_running_requests, num_threads=threads), None
     if cfg.urls:
         servers = ServerGroup(list(cfg.urls))
     else:

@@ -2,18 +2,23 @@
 
 Padded (the default): sorted by length, right-padded to each micro-batch's longest. Packed:
 trajectories are binned first-fit-decreasing into rows of at most the budget and concatenated without
-padding; attention stays within each trajectory (`packing.py`).
+padding; attention stays within each trajectory (`packing.py`). Packed with shared prompts: the
+trajectories of one prompt go into the same row, where the model sees that prompt once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
 
 from areal_agents.types import Trajectory
+
+if TYPE_CHECKING:
+    from areal_agents.trainers.packing import SharedPrompts
 
 
 @dataclass
@@ -31,10 +36,16 @@ class MicroBatch:
     slices: list[tuple[int, int, int]] | None = None
     position_ids: torch.Tensor | None = None  # packed: restarts at 0 for every trajectory
     cu_seqlens: torch.Tensor | None = None  # packed: trajectory boundaries [0, l1, l1 + l2, ...]
+    shared: SharedPrompts | None = None  # packed with shared prompts: the shorter row the model runs on
 
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the model runs on (what a micro-batch costs)."""
+        return (self.shared.input_ids if self.shared is not None else self.input_ids).numel()
 
 
 def make_micro_batches(
@@ -44,17 +55,25 @@ def make_micro_batches(
     pad_token_id: int = 0,
     prox_logprobs: Sequence[torch.Tensor] | None = None,
     pack: bool = False,
+    share_prompts: bool = False,
 ) -> list[MicroBatch]:
     """Split into micro-batches of at most ``max_tokens`` tokens (padded: ``rows * longest``).
 
     ``prox_logprobs`` (one 1-D tensor per trajectory) rides along, laid out like ``logprobs``.
+    ``share_prompts`` (packed only): the budget counts each distinct prompt of a row once.
     """
     adv = advantages if advantages is not None else [0.0] * len(trajectories)
     if pack:
-        from areal_agents.trainers.packing import ffd_bins, pack_rows  # noqa: PLC0415
+        from areal_agents.trainers.packing import ffd_bins, pack_rows, prompt_units  # noqa: PLC0415
 
-        bins = ffd_bins([len(t) for t in trajectories], max_tokens)
-        return [pack_rows([trajectories[i] for i in b], [adv[i] for i in b], b, prox_logprobs) for b in bins]
+        if share_prompts:
+            units, sizes = prompt_units(trajectories, max_tokens)
+        else:
+            units, sizes = [[i] for i in range(len(trajectories))], [len(t) for t in trajectories]
+        bins = [[i for u in b for i in units[u]] for b in ffd_bins(sizes, max_tokens)]
+        return [
+            pack_rows([trajectories[i] for i in b], [adv[i] for i in b], b, prox_logprobs, share_prompts) for b in bins
+        ]
     order = sorted(range(len(trajectories)), key=lambda i: len(trajectories[i]))
     groups: list[list[int]] = []
     for i in order:

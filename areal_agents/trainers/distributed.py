@@ -35,9 +35,9 @@ class DataParallel:
         """This rank's micro-batches: largest first, each to the rank with the fewest tokens so far."""
         load = [(0, r) for r in range(self.world_size)]
         mine = []
-        for k in sorted(range(len(micro_batches)), key=lambda k: -micro_batches[k].input_ids.numel()):
+        for k in sorted(range(len(micro_batches)), key=lambda k: -micro_batches[k].num_tokens):
             tokens, rank = heapq.heappop(load)
-            heapq.heappush(load, (tokens + micro_batches[k].input_ids.numel(), rank))
+            heapq.heappush(load, (tokens + micro_batches[k].num_tokens, rank))
             if rank == self.rank:
                 mine.append(micro_batches[k])
         return mine

@@ -1,10 +1,15 @@
 """Padding-free micro-batches: trajectories packed into one row, attention kept within each.
 
 - `ffd_bins`: first-fit-decreasing bin packing of lengths under a token budget.
+- `prompt_units`: trajectories grouped by identical prompt (a GRPO group's members), the packing unit
+  when prompts are shared.
 - `pack_rows`: concatenate a bin's trajectories into ``[1, T]`` tensors with restarting position ids
-  and ``cu_seqlens`` boundaries.
-- ``varlen_sdpa``: an attention implementation (registered with transformers' `AttentionInterface`)
-  that runs causal SDPA per trajectory from ``cu_seq_lens_q``, so no ``T x T`` mask is ever built.
+  and ``cu_seqlens`` boundaries. With ``share_prompts`` the model runs on a shorter row that holds each
+  distinct prompt once, every completion attending to its prompt (`SharedPrompts`); hidden states are
+  then gathered back to the trajectory layout, so losses and gradients are the unshared ones.
+- ``packed_sdpa``: an attention implementation (registered with transformers' `AttentionInterface`)
+  that follows an `AttentionPlan`: causal SDPA per sequence (or per prompt), and each completion over
+  its prompt's keys and its own; similar lengths share one call, and no ``T x T`` mask is ever built.
 - `packed_token_logprobs`: token logprobs of a packed row, computed from the final hidden states in
   chunks under activation checkpointing, so the full-vocabulary log-softmax is never materialised for
   the whole row (long outputs stay cheap in memory).
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +28,9 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from areal_agents.types import Trajectory
 
-VARLEN_ATTENTION = "areal_varlen_sdpa"
+PACKED_ATTENTION = "areal_packed_sdpa"
 LOGPROB_CHUNK_TOKENS = 1024
+BUCKET_SIZE = 64  # sequences per SDPA call at most
 
 
 def ffd_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -42,11 +49,48 @@ def ffd_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+def prompt_length(t: Trajectory) -> int:
+    """Tokens before the first trained one: what the trajectories of one prompt have in common."""
+    return next((k for k, m in enumerate(t.loss_mask) if m), len(t))
+
+
+def prompt_units(trajs: Sequence[Trajectory], capacity: int) -> tuple[list[list[int]], list[int]]:
+    """Trajectories with the same prompt, split so that a unit's shared row fits ``capacity`` tokens
+    (prompt once + every completion), and each unit's row length."""
+    units, sizes = [], []
+    for prompt, members in _by_prompt(trajs).items():
+        unit, size = [], len(prompt)
+        for i in members:
+            extra = len(trajs[i]) - len(prompt)
+            if unit and size + extra > capacity:
+                units.append(unit)
+                sizes.append(size)
+                unit, size = [], len(prompt)
+            unit.append(i)
+            size += extra
+        units.append(unit)
+        sizes.append(size)
+    return units, sizes
+
+
+@dataclass(frozen=True)
+class SharedPrompts:
+    """The row the model runs on when prompts are shared: ``input_ids``/``position_ids`` ``[1, Tc]``;
+    ``expand[t]`` is the row position of token t of the trajectory layout (``MicroBatch.input_ids``)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    expand: torch.Tensor
+    prompts: tuple[tuple[int, int], ...]  # (start, length) of each prompt in the row
+    completions: tuple[tuple[int, int, int, int], ...]  # (start, length, its prompt's start, prompt length)
+
+
 def pack_rows(
     trajs: list[Trajectory],
     adv: list[float],
     index: list[int],
     prox_logprobs: Sequence[torch.Tensor] | None = None,
+    share_prompts: bool = False,
 ):  # -> MicroBatch (batching imports this module lazily)
     from areal_agents.trainers.batching import MicroBatch  # noqa: PLC0415
 
@@ -72,78 +116,159 @@ def pack_rows(
         slices=slices,
         position_ids=positions,
         cu_seqlens=torch.tensor(starts, dtype=torch.int32),
+        shared=_share_prompts(trajs, starts) if share_prompts else None,
     )
     if prox_logprobs is not None:
         mb.prox_logprobs = torch.cat([prox_logprobs[i] for i in index])[None]
     return mb
 
 
-def varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):  # noqa: ANN001
-    """Causal attention within each packed sequence (``cu_seq_lens_q`` boundaries); output ``[B, T, H, D]``.
+def _by_prompt(trajs: Sequence[Trajectory]) -> dict[tuple[int, ...], list[int]]:
+    out: dict[tuple[int, ...], list[int]] = {}
+    for i, t in enumerate(trajs):
+        out.setdefault(tuple(t.input_ids[: prompt_length(t)]), []).append(i)
+    return out
 
-    Sequences of similar length (`pack_rows` sorts them) are right-padded into one SDPA call per bucket:
-    with a causal mask a real query never sees the padding after it, so no mask is built, and the
-    padding exists only inside attention, never in the linear layers.
-    """
-    bounds = kwargs.get("cu_seq_lens_q")
-    if bounds is None:
-        raise ValueError(f"{VARLEN_ATTENTION} needs cu_seq_lens_q (packed inputs)")
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    total = query.shape[2]
-    padded = [torch.cat([x[0], x.new_zeros(x.shape[1], 1, x.shape[3])], dim=1) for x in (query, key, value)]
-    outs = []
-    for gather, width, keep in _buckets(tuple(bounds.tolist()), total):
-        q, k, v = (x.index_select(1, gather).unflatten(1, (-1, width)).transpose(0, 1) for x in padded)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout)
-        outs.append(out.transpose(0, 1).flatten(1, 2).index_select(1, keep))  # [H, real tokens, D]
-    return torch.cat(outs, dim=1)[None].transpose(1, 2).contiguous(), None
+
+def _share_prompts(trajs: list[Trajectory], starts: list[int]) -> SharedPrompts:
+    ids: list[int] = []
+    positions: list[int] = []
+    expand = [0] * starts[-1]
+    prompts, completions = [], []
+    for prompt, members in _by_prompt(trajs).items():
+        p0, p = len(ids), len(prompt)
+        ids += prompt
+        positions += range(p)
+        if p:
+            prompts.append((p0, p))
+        for k in members:
+            t, s0 = trajs[k], len(ids)
+            ids += t.input_ids[p:]
+            positions += range(p, len(t))
+            expand[starts[k] : starts[k] + p] = range(p0, p0 + p)
+            expand[starts[k] + p : starts[k + 1]] = range(s0, s0 + len(t) - p)
+            if len(t) > p:
+                completions.append((s0, len(t) - p, p0, p))
+    return SharedPrompts(
+        torch.tensor(ids)[None], torch.tensor(positions)[None], torch.tensor(expand), tuple(prompts), tuple(completions)
+    )
+
+
+# ---- attention over a packed row ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """One SDPA call: ``n`` sequences gathered (index ``total`` = a zero pad) to ``width`` queries and
+    ``key_width`` keys; ``mask`` None means plain causal; ``keep`` picks the real queries."""
+
+    query_index: torch.Tensor
+    key_index: torch.Tensor
+    width: int
+    key_width: int
+    mask: torch.Tensor | None
+    keep: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """The SDPA calls that make up attention over one packed row, and where their outputs go."""
+
+    passes: tuple[_Pass, ...]
+    restore: torch.Tensor | None  # row position -> index into the passes' concatenated outputs (None: in order)
 
 
 @functools.lru_cache(maxsize=64)
-def _buckets(edges: tuple[int, ...], total: int) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
-    """For each bucket of similar-length sequences: the gather index into the row (``total`` = a zero
-    pad position), its padded width, and which gathered positions are real (in row order)."""
-    spans = list(zip(edges[:-1], edges[1:]))
-    out = []
-    i = 0
+def attention_plan(
+    causal: tuple[tuple[int, int], ...], completions: tuple[tuple[int, int, int, int], ...], total: int
+) -> AttentionPlan:
+    """Causal attention within each ``(start, length)`` of ``causal``; each completion ``(start, length,
+    prompt start, prompt length)`` attends to all of its prompt and causally to itself."""
+    passes, covered = [], []
+    for bucket in _buckets(sorted(causal, key=lambda s: s[1])):
+        width = max(n for _, n in bucket)
+        gather = torch.tensor([s + t if t < n else total for s, n in bucket for t in range(width)])
+        keep = torch.tensor([k * width + t for k, (_, n) in enumerate(bucket) for t in range(n)])
+        passes.append(_Pass(gather, gather, width, width, None, keep))
+        covered += [s + t for s, n in bucket for t in range(n)]
+    for bucket in _buckets(sorted(completions, key=lambda c: c[1])):
+        width, prompt_width = max(c[1] for c in bucket), max(c[3] for c in bucket)
+        query = [s + t if t < n else total for s, n, _, _ in bucket for t in range(width)]
+        keys = []
+        for k, (_, _, p0, p) in enumerate(bucket):
+            keys += [p0 + t if t < p else total for t in range(prompt_width)] + query[k * width : (k + 1) * width]
+        prompt_ok = torch.arange(prompt_width)[None, :] < torch.tensor([c[3] for c in bucket])[:, None]  # [n, Pw]
+        causal_ok = torch.ones(width, width, dtype=torch.bool).tril()  # [W, W]
+        mask = torch.cat(
+            [prompt_ok[:, None, :].expand(-1, width, -1), causal_ok[None].expand(len(bucket), -1, -1)], dim=2
+        )[:, None]  # [n, 1, W, Pw + W]
+        keep = torch.tensor([k * width + t for k, (_, n, _, _) in enumerate(bucket) for t in range(n)])
+        passes.append(_Pass(torch.tensor(query), torch.tensor(keys), width, prompt_width + width, mask, keep))
+        covered += [s + t for s, n, _, _ in bucket for t in range(n)]
+    restore = None
+    if covered != list(range(total)):
+        restore = torch.empty(total, dtype=torch.long)
+        restore[torch.tensor(covered)] = torch.arange(total)
+    return AttentionPlan(tuple(passes), restore)
+
+
+def _buckets(spans: list) -> list[list]:
+    """Consecutive runs of (length-sorted) sequences whose lengths are within 25% (or 8 tokens)."""
+    out, i = [], 0
     while i < len(spans):
-        shortest = spans[i][1] - spans[i][0]
+        shortest = spans[i][1]
         j = i + 1
-        while j < len(spans) and j - i < 64 and spans[j][1] - spans[j][0] <= max(shortest * 5 // 4, shortest + 8):
+        while j < len(spans) and j - i < BUCKET_SIZE and spans[j][1] <= max(shortest * 5 // 4, shortest + 8):
             j += 1
-        bucket = spans[i:j]
-        width = max(e - s for s, e in bucket)
-        gather = [s + t if t < e - s else total for s, e in bucket for t in range(width)]
-        keep = [k * width + t for k, (s, e) in enumerate(bucket) for t in range(e - s)]
-        out.append((torch.tensor(gather), width, torch.tensor(keep)))
+        out.append(spans[i:j])
         i = j
     return out
 
 
-AttentionInterface.register(VARLEN_ATTENTION, varlen_sdpa)
+def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):  # noqa: ANN001
+    """Attention over a packed row as its `AttentionPlan` (kwarg ``packed_plan``) says; ``[B, T, H, D]``."""
+    plan: AttentionPlan | None = kwargs.get("packed_plan")
+    if plan is None:
+        raise ValueError(f"{PACKED_ATTENTION} needs packed_plan (packed inputs)")
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    q, k, v = (torch.cat([x[0], x.new_zeros(x.shape[1], 1, x.shape[3])], dim=1) for x in (query, key, value))
+    outs = []
+    for p in plan.passes:
+        qs = q.index_select(1, p.query_index).unflatten(1, (-1, p.width)).transpose(0, 1)
+        ks, vs = (x.index_select(1, p.key_index).unflatten(1, (-1, p.key_width)).transpose(0, 1) for x in (k, v))
+        out = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, scale=scaling, dropout_p=dropout
+        )
+        outs.append(out.transpose(0, 1).flatten(1, 2).index_select(1, p.keep))  # [H, real tokens, D]
+    out = torch.cat(outs, dim=1)
+    if plan.restore is not None:
+        out = out.index_select(1, plan.restore)
+    return out[None].transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
 
 
 def packed_hidden_states(decoder: PreTrainedModel, mb) -> torch.Tensor:  # noqa: ANN001
-    """Final hidden states ``[T, H]`` of a packed row, attention kept within each trajectory."""
+    """Final hidden states ``[T, H]`` of a packed row (trajectory layout), attention kept within each trajectory."""
+    shared: SharedPrompts | None = mb.shared
+    if shared is None:
+        edges = mb.cu_seqlens.tolist()
+        plan = attention_plan(tuple((a, b - a) for a, b in zip(edges[:-1], edges[1:])), (), edges[-1])
+        ids, positions = mb.input_ids, mb.position_ids
+    else:
+        plan = attention_plan(shared.prompts, shared.completions, shared.input_ids.shape[1])
+        ids, positions = shared.input_ids, shared.position_ids
     previous = decoder.config._attn_implementation  # noqa: SLF001
-    decoder.set_attn_implementation(VARLEN_ATTENTION)
+    decoder.set_attn_implementation(PACKED_ATTENTION)
     try:
-        cu = mb.cu_seqlens
-        max_len = int((cu[1:] - cu[:-1]).max())
-        return decoder(
-            input_ids=mb.input_ids,
-            position_ids=mb.position_ids,
-            use_cache=False,
-            cu_seq_lens_q=cu,
-            cu_seq_lens_k=cu,
-            max_length_q=max_len,
-            max_length_k=max_len,
-        ).last_hidden_state[0]
+        hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, packed_plan=plan).last_hidden_state[0]
     finally:
         decoder.set_attn_implementation(previous)
+    return hidden if shared is None else hidden.index_select(0, shared.expand)
 
 
 def packed_token_logprobs(model: PreTrainedModel, mb, temperature: float = 1.0) -> torch.Tensor:  # noqa: ANN001

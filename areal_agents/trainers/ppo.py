@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from areal_agents.config import PPOConfig
 from areal_agents.trainers.advantages import group_advantages, shape_rewards, zero_variance_groups
-from areal_agents.trainers.batching import make_micro_batches, spread, token_logprobs
+from areal_agents.trainers.batching import MicroBatch, make_micro_batches, spread, token_logprobs
 from areal_agents.trainers.critic import ValueModel, gae, value_loss, whiten
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.ppo_loss import decoupled_ppo_loss, kl_to_reference
@@ -43,9 +43,14 @@ def proximal_logprobs(
     pad: int,
     pack: bool = False,
     dp: DataParallel | None = None,
+    share_prompts: bool = False,
 ) -> list[torch.Tensor]:
     """π_prox logprobs of every token of every trajectory, with the weights as they are now."""
-    return _per_token(lambda mb: token_logprobs(model, mb, temperature), trajectories, max_tokens, pad, pack, dp)
+
+    def score(mb: MicroBatch) -> torch.Tensor:
+        return token_logprobs(model, mb, temperature)
+
+    return _per_token(score, trajectories, max_tokens, pad, pack, dp, share_prompts)
 
 
 @torch.no_grad()
@@ -56,14 +61,15 @@ def critic_values(
     pad: int,
     pack: bool = False,
     dp: DataParallel | None = None,
+    share_prompts: bool = False,
 ) -> list[torch.Tensor]:
     """The critic's value of the prefix before every token of every trajectory."""
-    return _per_token(critic, trajectories, max_tokens, pad, pack, dp)
+    return _per_token(critic, trajectories, max_tokens, pad, pack, dp, share_prompts)
 
 
-def _per_token(score, trajectories, max_tokens, pad, pack, dp) -> list[torch.Tensor]:
+def _per_token(score, trajectories, max_tokens, pad, pack, dp, share_prompts) -> list[torch.Tensor]:
     """``score(micro_batch)`` cut back into one tensor per trajectory (each rank scores its share)."""
-    mbs = make_micro_batches(trajectories, max_tokens, pad_token_id=pad, pack=pack)
+    mbs = make_micro_batches(trajectories, max_tokens, pad_token_id=pad, pack=pack, share_prompts=share_prompts)
     out: dict[int, torch.Tensor] = {}
     for mb in dp.share(mbs) if dp else mbs:
         values = score(mb)
@@ -124,11 +130,15 @@ def ppo_update(
     prox = (
         None
         if one_step
-        else proximal_logprobs(model, trajs, temperature, cfg.micro_batch_tokens, pad_token_id, cfg.packing, dp)
+        else proximal_logprobs(
+            model, trajs, temperature, cfg.micro_batch_tokens, pad_token_id, cfg.packing, dp, cfg.share_prompts
+        )
     )
     if use_gae:
         critic.train()
-        old_values = critic_values(critic, trajs, cfg.micro_batch_tokens, pad_token_id, cfg.packing, dp)
+        old_values = critic_values(
+            critic, trajs, cfg.micro_batch_tokens, pad_token_id, cfg.packing, dp, cfg.share_prompts
+        )
         adv_returns = [gae(v, m, rewards[i], cfg.gamma, cfg.lam) for v, m, i in zip(old_values, masks, keep)]
         adv = [a for a, _ in adv_returns]
         returns = [r for _, r in adv_returns]
@@ -155,6 +165,7 @@ def ppo_update(
                 pad_token_id=pad_token_id,
                 prox_logprobs=[prox[i] for i in idx] if prox is not None else None,
                 pack=cfg.packing,
+                share_prompts=cfg.share_prompts,
             )
             total = sum(mb.num_loss_tokens for mb in mbs)
             optimizer.zero_grad(set_to_none=True)

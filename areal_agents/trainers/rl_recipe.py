@@ -54,6 +54,10 @@ def run_train(cfg: TrainConfig, progress: bool = True, resume: bool = False) -> 
         print(f"resuming from {found[-1]} (step {state['step']}, policy version {state['version']})")
     policies: dict[str, Policy] = {}
     cluster = None
+    # This thread runs the event loop (agents, envs), not tensors: one intra-op thread, so the torch
+    # work it does start (weight swaps) adds no OpenMP team beside the trainer's and the engine's.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         if cfg.launcher == "ray":  # the same run, its parts as Ray actors (areal_agents/cluster)
             if importlib.util.find_spec("ray") is None:
@@ -74,8 +78,11 @@ def run_train(cfg: TrainConfig, progress: bool = True, resume: bool = False) -> 
         for policy in policies.values():
             if policy.servers is not None:
                 policy.servers.stop()
+            if isinstance(policy, Policy):  # a Ray trainer group is closed by cluster.shutdown()
+                policy.close()
         if cluster is not None:
             cluster.shutdown()
+        torch.set_num_threads(threads)
 
 
 def _model_dir(name: str) -> str:

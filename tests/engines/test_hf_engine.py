@@ -53,6 +53,27 @@ def test_batched_sampling_logprobs_match_a_forward_pass(model, tokenizer):
         assert r.output_versions == [0] * len(r.output_tokens)
 
 
+def test_a_group_of_identical_prompts_is_prefilled_once(model, tokenizer):
+    engine = HFEngine(model, seed=3)
+    group = [prompt(tokenizer, "12+34=")] * 8 + [prompt(tokenizer, "5+6=")] * 4
+
+    async def run():
+        await engine.pause()  # so that all twelve are admitted in one step
+        reqs = [GenRequest(str(i), p, SamplingParams(max_new_tokens=10, temperature=1.0)) for i, p in enumerate(group)]
+        tasks = [asyncio.create_task(engine.agenerate(r)) for r in reqs]
+        await asyncio.sleep(0.05)
+        await engine.resume()
+        return await asyncio.gather(*tasks)
+
+    responses = asyncio.run(run())
+    assert engine.stats.prefills == 1 and engine.stats.max_running == 12  # admitted together
+    assert engine.stats.prefill_tokens == len(group[0]) + len(group[-1])  # 2 distinct contexts
+    assert len({tuple(r.output_tokens) for r in responses[:8]}) > 1  # rows sample independently
+    for p, r in zip(group, responses):
+        ref = forward_logprobs(model, p + r.output_tokens, len(r.output_tokens))
+        assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=1e-4)
+
+
 def test_weight_update_mid_generation_resumes_with_new_version(model, tokenizer, tiny_dir):
     from areal_agents.models import load_model
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from areal_agents.trainers.batching import make_micro_batches, token_logprobs
-from areal_agents.trainers.packing import ffd_bins
+from areal_agents.trainers.packing import ffd_bins, prompt_length, prompt_units
 from areal_agents.types import Trajectory
 
 
@@ -42,3 +42,57 @@ def test_packed_logprobs_and_gradients_equal_padded(model, temperature):
     for x, y in zip(padded, packed):
         assert torch.allclose(x, y, atol=1e-5)
     assert torch.allclose(grad_padded, grad_packed, atol=1e-4)
+
+
+def _groups_sharing_prompts(rng: random.Random, groups: int, members: int) -> list[Trajectory]:
+    """GRPO-shaped data: each group's members share a prompt and differ after it (one has none left)."""
+    trajs = []
+    for g in range(groups):
+        prompt = [rng.randrange(4, 90) for _ in range(rng.choice([1, 3, 7, 12]))]
+        for k in range(members):
+            completion = [rng.randrange(4, 90) for _ in range(0 if k == 0 and g == 0 else rng.choice([1, 2, 5, 9]))]
+            n = len(prompt) + len(completion)
+            mask = [0] * len(prompt) + [1] * len(completion)
+            trajs.append(Trajectory(prompt + completion, mask, [0.0] * n, [-1] * n))
+    trajs.append(Trajectory([5, 6, 7], [1, 1, 1], [0.0] * 3, [-1] * 3))  # no prompt at all
+    return trajs
+
+
+@pytest.mark.parametrize("budget", [40, 4096])
+def test_shared_prompts_give_the_unshared_logprobs_and_gradients(model, budget):
+    trajs = _groups_sharing_prompts(random.Random(1), groups=5, members=4)
+
+    def run(share):
+        model.zero_grad(set_to_none=True)
+        out = [None] * len(trajs)
+        mbs = make_micro_batches(trajs, budget, pad_token_id=0, pack=True, share_prompts=share)
+        assert sorted(i for mb in mbs for i in mb.index) == list(range(len(trajs)))
+        for mb in mbs:
+            assert mb.num_tokens <= budget or len(mb.index) == 1
+            logp = token_logprobs(model, mb, 0.8)
+            (logp * mb.loss_mask).sum().backward()
+            for (row, a, b), i in zip(mb.slices, mb.index):
+                out[i] = logp[row, a:b].detach()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return out, grads, sum(mb.num_tokens for mb in mbs)
+
+    packed, grads_packed, tokens_packed = run(False)
+    shared, grads_shared, tokens_shared = run(True)
+    assert tokens_shared < tokens_packed  # each prompt is computed once per row
+    for x, y in zip(packed, shared):
+        assert torch.allclose(x, y, atol=1e-5)
+    assert len(grads_packed) == len(grads_shared)
+    for g, h in zip(grads_packed, grads_shared):
+        assert torch.allclose(g, h, atol=1e-4)
+
+
+def test_shared_prompt_units_fit_the_budget_and_keep_groups_together():
+    trajs = _groups_sharing_prompts(random.Random(2), groups=6, members=8)
+    units, sizes = prompt_units(trajs, 30)
+    assert sorted(i for u in units for i in u) == list(range(len(trajs)))
+    for unit, size in zip(units, sizes):
+        prompts = {tuple(trajs[i].input_ids[: prompt_length(trajs[i])]) for i in unit}
+        assert len(prompts) == 1
+        (prompt,) = prompts
+        assert size == len(prompt) + sum(len(trajs[i]) - len(prompt) for i in unit)
+        assert size <= 30 or len(unit) == 1
