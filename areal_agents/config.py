@@ -130,7 +130,9 @@ class PPOConfig:
     num_minibatches: int = _help("optimizer steps per epoch", default=1)
     micro_batch_tokens: int = _help("token budget of one forward/backward micro-batch", default=16384)
     cpu_threads: int = _help("CPU threads of the trainer thread's updates (0 = torch's default: all cores)", default=0)
-    packing: bool = _help("pack micro-batches without padding (attention stays within each sequence)", default=False)
+    packing: bool = _help(
+        "pack micro-batches without padding (attention stays within each sequence); false: padded rows", default=True
+    )
     share_prompts: bool = _help(
         "with packing: a row holds each distinct prompt once and its completions attend to it "
         "(a group's prompt is computed once, not group_size times; the same logprobs and gradients)",

@@ -6,9 +6,10 @@
 
 Both trainers start from one SFT checkpoint of the arithmetic recipe (built here as bench/e2e_arith.py builds
 it, or reused with ``--sft-model``) and get the same wall budget of training steps (rollout + update; start-up
-and evaluation excluded). Every setting of examples/arithmetic/rl.yaml (plus ``--set`` overrides) is mapped
-onto GRPOConfig: prompts per step, group size, max new tokens, temperature / top-p / top-k, learning rate and
-schedule, clip range, grad-norm clip, KL coefficient, advantage scaling, epochs and minibatches. TRL's prompts
+and evaluation excluded), each in a fresh process of its own. Every setting of examples/arithmetic/rl.yaml
+(plus ``--set`` overrides) is mapped onto GRPOConfig: prompts per step, group size, max new tokens,
+temperature / top-p / top-k, learning rate and schedule, clip range, grad-norm clip, KL coefficient,
+advantage scaling, epochs and minibatches. TRL's prompts
 are the env's reset observations of the same prompt seeds in the same order, rendered with the same system
 prompt and chat template (checked token for token), and its reward calls the same env's ``step``. Held-out
 greedy accuracy of the SFT start and of both final models is measured afterwards by our evaluator
@@ -30,8 +31,10 @@ import asyncio
 import dataclasses
 import json
 import math
+import multiprocessing
 import time
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -291,6 +294,26 @@ async def held_out_accuracy(cfg: TrainConfig, model_dir: str | Path) -> float:
     return result["accuracy"]
 
 
+def quiet() -> None:
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    warnings.filterwarnings("ignore", message=r".*gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
+def _quietly(fn, *args):  # noqa: ANN001, ANN202
+    quiet()
+    return fn(*args)
+
+
+def in_fresh_process(fn, *args):  # noqa: ANN001, ANN202
+    """``fn(*args)`` in a new interpreter, as each tool runs for its users: neither trainer inherits the
+    other's threads, OpenMP teams or allocator state (TRL training in this process first left an
+    OpenMP team that slowed our threads down, and would do the same to TRL in the other order)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_quietly, fn, *args).result()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/bench_vs_trl")
@@ -304,10 +327,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="rl.yaml override, both")
     args = parser.parse_args()
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
-    warnings.filterwarnings("ignore", message=r".*gradient_checkpointing` is deprecated", category=FutureWarning)
+    quiet()
     out = Path(args.out)
     budget_s = 60 * args.minutes
 
@@ -319,8 +339,8 @@ def main() -> None:
     r = cfg.rollout
     trl_lr = args.trl_lr if args.trl_lr is not None else cfg.ppo.lr
 
-    trl_result = run_trl(cfg, budget_s, out, trl_lr, args.steps)
-    ours = run_areal(cfg, budget_s, out, args.calib_steps, args.steps)
+    trl_result = in_fresh_process(run_trl, cfg, budget_s, out, trl_lr, args.steps)
+    ours = in_fresh_process(run_areal, cfg, budget_s, out, args.calib_steps, args.steps)
     start = asyncio.run(held_out_accuracy(cfg, sft_model))
     trl_result["accuracy"] = asyncio.run(held_out_accuracy(cfg, trl_result["model"]))
     ours["accuracy"] = asyncio.run(held_out_accuracy(cfg, ours["model"]))

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from areal_agents.engines.sampling import sample_tokens
 from areal_agents.errors import EngineError
@@ -64,6 +65,43 @@ class _Sequence:
     abort: bool = False
     delivered: bool = False  # handed back; its row may stay in the batch until the next compaction
     start: float = field(default_factory=time.perf_counter)
+
+
+class _GrowingLayer(DynamicLayer):
+    """A KV cache layer that appends decode steps in place into spare room, instead of copying the
+    whole cache every step (`DynamicLayer` concatenates: half of a decode step's time at batch 256).
+
+    ``keys`` / ``values`` stay plain tensors the engine may replace (merge, retire); a replaced one
+    is copied into fresh room on the next append."""
+
+    @classmethod
+    def adopt(cls, layer: DynamicLayer) -> _GrowingLayer:
+        grown = cls()
+        grown.__dict__.update(layer.__dict__)
+        grown._room = None
+        return grown
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003
+        if not self.is_initialized or self.keys.numel() == 0:
+            return super().update(key_states, value_states, *args, **kwargs)
+        n, add = self.keys.shape[-2], key_states.shape[-2]
+        room = self._room
+        if (
+            room is None
+            or room[0].data_ptr() != self.keys.data_ptr()
+            or room[0].shape[:2] != self.keys.shape[:2]
+            or self.keys.stride() != room[0].stride()
+            or room[0].shape[-2] < n + add
+        ):
+            size = n + add + max(16, n // 2)
+            room = tuple(x.new_empty(*x.shape[:2], size, x.shape[-1]) for x in (self.keys, self.values))
+            room[0][:, :, :n] = self.keys
+            room[1][:, :, :n] = self.values
+            self._room = room
+        room[0][:, :, n : n + add] = key_states
+        room[1][:, :, n : n + add] = value_states
+        self.keys, self.values = room[0][:, :, : n + add], room[1][:, :, : n + add]
+        return self.keys, self.values
 
 
 @dataclass
@@ -109,6 +147,7 @@ class HFEngine:
         self._running: list[_Sequence] = []
         self._paused = False
         self._at_boundary = True  # the decode thread is waiting, not touching the model
+        self._idle = True  # ... and waiting for work: a submission must wake it
         self._stale_cache = False
         self._aborts = False  # abort() marked something: hand it back even while paused
         self._closed = False
@@ -231,7 +270,8 @@ class HFEngine:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._decode_loop, name="hf-engine", daemon=True)
                 self._thread.start()
-            self._cv.notify_all()
+            if self._idle:  # a busy decode thread looks at the queue every step: no wake-up (and GIL hand-off) needed
+                self._cv.notify_all()
         return seq
 
     async def _swap_weights(self, load, version: int | None) -> None:
@@ -282,9 +322,10 @@ class HFEngine:
                     while (
                         not self._closed and not self._aborts and (self._paused or not (batch.rows or self._incoming))
                     ):
-                        self._at_boundary = True
+                        self._at_boundary = self._idle = True
                         self._cv.notify_all()
                         self._cv.wait()
+                    self._idle = False
                     if self._closed:
                         break
                     if not batch.rows:
@@ -362,6 +403,7 @@ class HFEngine:
         self.stats.prefills += 1
         self.stats.prefill_tokens += sum(len(c) for c in contexts)
         cache, logits = out.cache, out.logits[:, -1]
+        cache.layers = [_GrowingLayer.adopt(layer) for layer in cache.layers]
         if n < len(rows):
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys[owner], layer.values[owner]

@@ -18,13 +18,14 @@ from areal_agents.types import Trajectory
 
 
 def _batch() -> list[Trajectory]:
-    """8 groups of 4 with mixed lengths and rewards (some zero-variance groups)."""
+    """8 groups of 4 (each sharing its prompt) with mixed lengths and rewards (some zero-variance groups)."""
     rng = random.Random(0)
     out = []
     for g in range(8):
+        prompt_ids = [rng.randint(5, 60) for _ in range(rng.randint(3, 12))]
         for e in range(4):
-            prompt, gen = rng.randint(3, 12), rng.randint(1, 20)
-            ids = [rng.randint(5, 60) for _ in range(prompt + gen)]
+            prompt, gen = len(prompt_ids), rng.randint(1, 20)
+            ids = prompt_ids + [rng.randint(5, 60) for _ in range(gen)]
             mask = [0] * prompt + [1] * gen
             logp = [0.0] * prompt + [-rng.uniform(0.5, 4.0) for _ in range(gen)]
             versions = [-1] * prompt + [0] * gen
@@ -34,9 +35,9 @@ def _batch() -> list[Trajectory]:
 
 
 CONFIGS = {
-    "grpo, 2 minibatches, proximal pass": dict(num_minibatches=2, ppo_epochs=2, micro_batch_tokens=96),
-    "gae critic, packed": dict(advantage="gae", micro_batch_tokens=128, packing=True),
-    "kl to reference, one step": dict(kl_coef=0.1, micro_batch_tokens=64),
+    "grpo, 2 minibatches, proximal pass, shared prompts": dict(num_minibatches=2, ppo_epochs=2, micro_batch_tokens=96),
+    "gae critic, packed": dict(advantage="gae", micro_batch_tokens=128, share_prompts=False),
+    "kl to reference, one step, padded": dict(kl_coef=0.1, micro_batch_tokens=64, packing=False),
 }
 
 
