@@ -230,6 +230,11 @@ class TrainConfig:
     run_dir: str = _help("where checkpoints, TensorBoard logs and the summary go", default="runs/train")
     seed: int = _help("seed for torch, sampling and training prompts", default=1)
     steps: int = _help("training steps (one rollout batch each)", default=100)
+    max_train_minutes: float = _help(
+        "also stop once this invocation's training steps (rollout + update; start-up and evals excluded) "
+        "took this many minutes: a wall budget; 0 = none (lr schedules still span `steps`)",
+        default=0.0,
+    )
     save_every: int = _help("checkpoint every N steps; 0 = only at the end", default=0)
     save_every_minutes: float = _help(
         "also checkpoint when this many minutes passed since the last; 0 = off", default=0.0
@@ -253,6 +258,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_positive(self, "steps")
+        if self.max_train_minutes < 0:
+            raise ValueError(f"max_train_minutes: expects a value >= 0, got {self.max_train_minutes!r}")
 
 
 @dataclass

@@ -235,37 +235,26 @@ def run_trl(cfg: TrainConfig, budget_s: float, out: Path, lr: float, steps: int 
     }
 
 
-# ---- ours: the same budget, chosen as a step count ------------------------------------------------------------
+# ---- ours: the same budget ------------------------------------------------------------------------------------
 
 
-def run_areal(cfg: TrainConfig, budget_s: float, out: Path, calib_steps: int, fixed_steps: int = 0) -> dict[str, Any]:
-    """`run_train` has no wall-budget option: time ``calib_steps`` steps, then run budget / (s per step) steps
-    (or exactly ``fixed_steps``, when given)."""
+def run_areal(cfg: TrainConfig, budget_s: float, out: Path, fixed_steps: int = 0) -> dict[str, Any]:
+    """Our recipe for the wall budget (``max_train_minutes``, counted like TRL's: training steps only), or
+    for exactly ``fixed_steps``. Its step count is TRL's prepared maximum, so a decaying lr schedule
+    would span the same steps in both."""
     samples = cfg.rollout.batch_size * cfg.rollout.group_size
-
-    def seconds_per_step(summary: dict[str, Any]) -> float:
-        # samples_per_s = consumed samples / step seconds; a one-turn env gives one trajectory per episode
-        return samples / max(summary["samples_per_s"], 1e-9)
-
     if fixed_steps:
-        calib, steps = None, fixed_steps
+        cfg = dataclasses.replace(cfg, steps=fixed_steps)
     else:
-        calib_eval = dataclasses.replace(cfg.eval, num_problems=8)  # the calibration's accuracy is not used
-        calib_cfg = dataclasses.replace(cfg, run_dir=str(out / "areal_calib"), steps=calib_steps, eval=calib_eval)
-        calib = run_train(calib_cfg, progress=False)
-        steps = max(1, round(budget_s / seconds_per_step(calib)))
-        print(
-            f"areal-agents: {seconds_per_step(calib):.3f} s/step over {calib_steps} calibration steps -> "
-            f"{steps} steps for the {budget_s:.0f} s budget (run_train has no wall-budget option)"
-        )
-    summary = run_train(dataclasses.replace(cfg, run_dir=str(out / "areal"), steps=steps), progress=False)
-    per_step = seconds_per_step(summary)
+        steps = max(10, math.ceil(budget_s / FASTEST_STEP_S))
+        cfg = dataclasses.replace(cfg, steps=steps, max_train_minutes=budget_s / 60)
+    summary = run_train(dataclasses.replace(cfg, run_dir=str(out / "areal")), progress=False)
+    seconds = summary["steps"] * samples / max(summary["samples_per_s"], 1e-9)  # the training steps' time
     return {
-        "steps": steps,
-        "seconds": per_step * steps,
-        "seconds_per_step": per_step,
+        "steps": summary["steps"],
+        "seconds": seconds,
+        "seconds_per_step": seconds / max(summary["steps"], 1),
         "samples_per_s": summary["samples_per_s"],
-        "calibration_seconds_per_step": seconds_per_step(calib) if calib else None,
         "trained_samples_per_s_update_only": summary["trained_samples_per_s"],
         "run_train_accuracy_after": summary["accuracy_after"],
         "model": str(Path(summary["checkpoint"]) / "model"),
@@ -322,7 +311,6 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=4.0, help="wall budget of training steps, per trainer")
     parser.add_argument("--lr", type=float, default=None, help="learning rate of both (default: rl.yaml's)")
     parser.add_argument("--trl-lr", type=float, default=None, help="TRL's learning rate only (default: --lr)")
-    parser.add_argument("--calib-steps", type=int, default=5, help="steps timed to size our run to the budget")
     parser.add_argument("--steps", type=int, default=0, help="run both for exactly this many steps (no budget)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="rl.yaml override, both")
@@ -340,7 +328,7 @@ def main() -> None:
     trl_lr = args.trl_lr if args.trl_lr is not None else cfg.ppo.lr
 
     trl_result = in_fresh_process(run_trl, cfg, budget_s, out, trl_lr, args.steps)
-    ours = in_fresh_process(run_areal, cfg, budget_s, out, args.calib_steps, args.steps)
+    ours = in_fresh_process(run_areal, cfg, budget_s, out, args.steps)
     start = asyncio.run(held_out_accuracy(cfg, sft_model))
     trl_result["accuracy"] = asyncio.run(held_out_accuracy(cfg, trl_result["model"]))
     ours["accuracy"] = asyncio.run(held_out_accuracy(cfg, ours["model"]))

@@ -333,3 +333,13 @@ def test_train_evaluates_with_sampling_when_asked(tmp_path, tiny_dir):
     scalars = EventAccumulator(str(tmp_path / "rl" / "tensorboard")).Reload()
     assert "eval/pass@3" in scalars.Tags()["scalars"]
     assert scalars.Scalars("eval/episodes")[0].value == 8 * 3  # 8 problems x 3 samples
+
+
+def test_max_train_minutes_stops_early_and_finishes_like_the_last_step(tmp_path, tiny_dir, capsys):
+    _, rl = write_configs(tmp_path, tiny_dir)
+    assert main(["train", str(rl), "steps=50", "max_train_minutes=0.0001", "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["engine_version"] == 1  # one step spent the budget
+    assert summary["checkpoint"].endswith("step_1") and Path(summary["checkpoint"], "model").is_dir()
+    assert "stopped after step 1: max_train_minutes=0.0001" in capsys.readouterr().out
+    assert main(["train", str(rl), "steps=50", "max_train_minutes=-1", "--no-progress"]) == 2

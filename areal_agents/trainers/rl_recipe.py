@@ -183,6 +183,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         return path
 
     bar = tqdm(range(first_step, cfg.steps + 1), desc="rl", disable=not progress, dynamic_ncols=True)
+    done = min(first_step - 1, cfg.steps)  # the last step trained
     for step in bar:
         t0 = time.perf_counter()
         groups = await controller.get_batch()  # episodes keep running while we train (max_staleness > 0)
@@ -199,7 +200,9 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
             trained += policy_stats.get("trained_trajectories", 0.0)
             stats |= policy_stats if name == SHARED else prefixed(name, policy_stats)
         stats["trained_trajectories"] = trained
-        if step == cfg.steps:
+        spent = totals["step_seconds"] + time.perf_counter() - t0
+        last = step == cfg.steps or bool(cfg.max_train_minutes and spent >= 60 * cfg.max_train_minutes)
+        if last:
             controller.pause()  # the last update needs no more rollouts
         for policy in policies.values():
             await policy.push_weights()
@@ -255,26 +258,31 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
             tok_s=f"{perf['gen_tokens_per_s']:.0f}",
             refresh=False,
         )
-        if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
+        if cfg.eval.every and step % cfg.eval.every == 0 and not last:
             result = await run_eval(step)
             bar.write(f"step {step}: held-out greedy accuracy {result['accuracy']:.1%}")
         every_steps = cfg.save_every and step % cfg.save_every == 0
         every_minutes = cfg.save_every_minutes and time.monotonic() - last_save >= 60 * cfg.save_every_minutes
-        if (every_steps or every_minutes) and step < cfg.steps:
+        if (every_steps or every_minutes) and not last:
             checkpoint(step)
             last_save = time.monotonic()
+        done = step
+        if last:
+            break
     bar.close()
     await controller.aclose()  # episodes still in flight (max_staleness > 0) end as cancelled
 
-    after = await run_eval(cfg.steps)
-    ckpt = checkpoint(cfg.steps)
+    if done < cfg.steps:
+        print(f"stopped after step {done}: max_train_minutes={cfg.max_train_minutes:g} of training steps spent")
+    after = await run_eval(done)
+    ckpt = checkpoint(done)
     metrics.close()
     wall = time.perf_counter() - start
     summary = {
         "accuracy_before": before["accuracy"],
         "accuracy_after": after["accuracy"],
         "eval_problems": len(eval_seeds),
-        "steps": cfg.steps,
+        "steps": done,
         "engine_version": main.engine.get_version(),
         "wall_seconds": wall,
         "trained_samples_per_s": totals["trained_samples"] / max(totals["train_seconds"], 1e-9),
@@ -291,7 +299,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
     print(
         f"held-out greedy accuracy after RL:  {after['accuracy']:.1%}  "
         f"(before {before['accuracy']:.1%}, {summary['eval_problems']} problems)\n"
-        f"{cfg.steps} steps in {wall:.0f}s | {summary['trained_samples_per_s']:.0f} trained samples/s | "
+        f"{done} steps in {wall:.0f}s | {summary['trained_samples_per_s']:.0f} trained samples/s | "
         f"{summary['generated_tokens_per_s']:.0f} generated tokens/s | "
         f"engine version {summary['engine_version']}\n"
         f"checkpoint: {ckpt}\ntensorboard: {run_dir / 'tensorboard'}"

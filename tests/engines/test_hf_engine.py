@@ -110,6 +110,48 @@ def test_weight_update_mid_generation_resumes_with_new_version(model, tokenizer,
         assert torch.allclose(torch.tensor(r.output_logprobs[:switch]), before, atol=1e-4)
 
 
+def test_finished_rows_left_in_the_cache_stay_finished(model, tokenizer, tiny_dir):
+    """One row of eight finishes early and stays in the KV cache (under a quarter of the batch) while the
+    rest decode on through a weight update: its response is final at once, nothing is added to it, the
+    update re-prefills only the live rows, and every live row continues exactly."""
+    from areal_agents.models import load_model
+
+    engine = HFEngine(model, eos_token_ids=[], seed=0)
+    new_weights = load_model(tiny_dir)
+    with torch.no_grad():
+        for p in new_weights.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    prompts = [prompt(tokenizer, f"{i}+{i}=") for i in range(8)]
+    lengths = [4] + [60] * 7
+
+    async def run():
+        await engine.pause()  # admitted together
+        tasks = [
+            asyncio.ensure_future(engine.agenerate(GenRequest(str(i), p, SamplingParams(max_new_tokens=n))))
+            for i, (p, n) in enumerate(zip(prompts, lengths))
+        ]
+        await asyncio.sleep(0.02)
+        await engine.resume()
+        short = await tasks[0]
+        tokens_then = list(short.output_tokens)
+        while engine.stats.decode_steps < 15:
+            await asyncio.sleep(0.001)
+        await engine.update_weights(new_weights.state_dict())
+        return short, tokens_then, await asyncio.gather(*tasks[1:])
+
+    short, tokens_then, responses = asyncio.run(run())
+    assert len(short.output_tokens) == 4 and short.output_tokens == tokens_then and short.output_versions == [0] * 4
+    ref = forward_logprobs(model.__class__.from_pretrained(tiny_dir), prompts[0] + short.output_tokens, 4)
+    assert torch.allclose(torch.tensor(short.output_logprobs), ref, atol=1e-4)
+    assert engine.stats.generated_tokens == sum(lengths)  # the finished row's extra decoding counted nowhere
+    for p, r in zip(prompts[1:], responses):
+        v = r.output_versions
+        assert len(r.output_tokens) == 60 and v == sorted(v) and v[0] == 0 and v[-1] == 1
+        switch = v.index(1)
+        after = forward_logprobs(new_weights, p + r.output_tokens, 60 - switch)
+        assert torch.allclose(torch.tensor(r.output_logprobs[switch:]), after, atol=1e-4)
+
+
 def test_paused_engine_waits_for_resume(model, tokenizer):
     engine = HFEngine(model)
 
