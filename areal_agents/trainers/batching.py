@@ -127,6 +127,9 @@ def token_logprobs(model: PreTrainedModel, mb: MicroBatch, temperature: float = 
         from areal_agents.trainers.packing import packed_token_logprobs  # noqa: PLC0415
 
         return packed_token_logprobs(model, mb, temperature)
+    from areal_agents.trainers.packing import use_packed_attention  # noqa: PLC0415
+
+    use_packed_attention(model.get_decoder(), False)
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits.float()
     if temperature > 0:
         logits = logits / temperature

@@ -40,6 +40,9 @@ class ValueModel(nn.Module):
 
             hidden = packed_hidden_states(self.body, mb)[None]
         else:
+            from areal_agents.trainers.packing import use_packed_attention  # noqa: PLC0415
+
+            use_packed_attention(self.body, False)
             hidden = self.body(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
             hidden = hidden.last_hidden_state
         values = self.head(hidden[:, :-1]).squeeze(-1).float()  # the state after position t, before token t + 1

@@ -264,13 +264,20 @@ def packed_hidden_states(decoder: PreTrainedModel, mb) -> torch.Tensor:  # noqa:
     else:
         plan = attention_plan(shared.prompts, shared.completions, shared.input_ids.shape[1])
         ids, positions = shared.input_ids, shared.position_ids
-    previous = decoder.config._attn_implementation  # noqa: SLF001
-    decoder.set_attn_implementation(PACKED_ATTENTION)
-    try:
-        hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, packed_plan=plan).last_hidden_state[0]
-    finally:
-        decoder.set_attn_implementation(previous)
+    use_packed_attention(decoder, True)
+    hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, packed_plan=plan).last_hidden_state[0]
     return hidden if shared is None else hidden.index_select(0, shared.expand)
+
+
+def use_packed_attention(decoder: PreTrainedModel, packed: bool) -> None:
+    """Switch ``decoder`` to packed attention, or back to what it had. The switch outlives the forward:
+    activation checkpointing re-runs the layers during backward, which must see the same attention."""
+    current = decoder.config._attn_implementation  # noqa: SLF001
+    if packed and current != PACKED_ATTENTION:
+        decoder._areal_unpacked_attention = current  # noqa: SLF001
+        decoder.set_attn_implementation(PACKED_ATTENTION)
+    elif not packed and current == PACKED_ATTENTION:
+        decoder.set_attn_implementation(getattr(decoder, "_areal_unpacked_attention", "sdpa"))
 
 
 def packed_token_logprobs(model: PreTrainedModel, mb, temperature: float = 1.0) -> torch.Tensor:  # noqa: ANN001

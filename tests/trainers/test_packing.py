@@ -96,3 +96,33 @@ def test_shared_prompt_units_fit_the_budget_and_keep_groups_together():
         (prompt,) = prompts
         assert size == len(prompt) + sum(len(trajs[i]) - len(prompt) for i in unit)
         assert size <= 30 or len(unit) == 1
+
+
+def test_packed_rows_under_activation_checkpointing_and_padded_calls_after(tiny_dir):
+    """Backward re-runs checkpointed layers: they must see packed attention again (it used to be switched
+    back after the forward); a padded call on the same model afterwards is back on ordinary attention."""
+    from areal_agents.models import load_model
+
+    trajs = _groups_sharing_prompts(random.Random(3), groups=3, members=4)
+
+    def grads(model):
+        model.zero_grad(set_to_none=True)
+        for mb in make_micro_batches(trajs, 4096, pad_token_id=0, pack=True, share_prompts=True):
+            (token_logprobs(model, mb) * mb.loss_mask).sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain, checkpointed = load_model(tiny_dir), load_model(tiny_dir)
+    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed.train()
+    for g, h in zip(grads(plain), grads(checkpointed)):
+        assert torch.allclose(g, h, atol=1e-5)
+    padded = make_micro_batches(trajs, 4096, pad_token_id=0, pack=False)
+    packed = make_micro_batches(trajs, 4096, pad_token_id=0, pack=True)
+    with torch.no_grad():
+        by_padded = {
+            i: token_logprobs(plain, mb)[row, a:b] for mb in padded for (row, a, b), i in zip(mb.slices, mb.index)
+        }
+        for mb in packed:
+            logp = token_logprobs(plain, mb)
+            for (row, a, b), i in zip(mb.slices, mb.index):
+                assert torch.allclose(logp[row, a:b], by_padded[i], atol=1e-5)
