@@ -1,7 +1,7 @@
 """Turn trajectories into micro-batches under a token budget, and score tokens with a model.
 
-Padded (the default): sorted by length, right-padded to each micro-batch's longest. Packed:
-trajectories are binned first-fit-decreasing into rows of at most the budget and concatenated without
+Padded: sorted by length, right-padded to each micro-batch's longest. Packed (``ppo.packing``'s
+default): trajectories are binned first-fit-decreasing into rows of at most the budget and concatenated without
 padding; attention stays within each trajectory (`packing.py`). Packed with shared prompts: the
 trajectories of one prompt go into the same row, where the model sees that prompt once.
 """
@@ -10,15 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
 
+from areal_agents.trainers.packing import (
+    SharedPrompts,
+    ffd_bins,
+    pack_rows,
+    packed_token_logprobs,
+    prompt_units,
+    use_packed_attention,
+)
 from areal_agents.types import Trajectory
-
-if TYPE_CHECKING:
-    from areal_agents.trainers.packing import SharedPrompts
 
 
 @dataclass
@@ -64,8 +68,6 @@ def make_micro_batches(
     """
     adv = advantages if advantages is not None else [0.0] * len(trajectories)
     if pack:
-        from areal_agents.trainers.packing import ffd_bins, pack_rows, prompt_units  # noqa: PLC0415
-
         if share_prompts:
             units, sizes = prompt_units(trajectories, max_tokens)
         else:
@@ -124,11 +126,7 @@ def token_logprobs(model: PreTrainedModel, mb: MicroBatch, temperature: float = 
     ``T`` must be the sampling temperature, so these match the engine's behavior logprobs.
     """
     if mb.cu_seqlens is not None:
-        from areal_agents.trainers.packing import packed_token_logprobs  # noqa: PLC0415
-
         return packed_token_logprobs(model, mb, temperature)
-    from areal_agents.trainers.packing import use_packed_attention  # noqa: PLC0415
-
     use_packed_attention(model.get_decoder(), False)
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits.float()
     if temperature > 0:

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from areal_agents.trainers.batching import MicroBatch
+from areal_agents.trainers.packing import packed_hidden_states, use_packed_attention
 
 
 class ValueModel(nn.Module):
@@ -36,12 +37,8 @@ class ValueModel(nn.Module):
     def forward(self, mb: MicroBatch) -> torch.Tensor:
         """``V`` of the prefix before each token, laid out like ``mb.input_ids``; 0 at position 0."""
         if mb.cu_seqlens is not None:
-            from areal_agents.trainers.packing import packed_hidden_states  # noqa: PLC0415
-
             hidden = packed_hidden_states(self.body, mb)[None]
         else:
-            from areal_agents.trainers.packing import use_packed_attention  # noqa: PLC0415
-
             use_packed_attention(self.body, False)
             hidden = self.body(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
             hidden = hidden.last_hidden_state
