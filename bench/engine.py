@@ -6,7 +6,9 @@ At 1, 16 and 64 concurrent requests (prompts of varied length, every request gen
 ``--new-tokens`` sampled tokens): HFEngine with that many concurrent ``agenerate`` calls, plain
 ``model.generate`` called once per request, and ``model.generate`` on one left-padded batch of all of
 them. Same model, prompts and lengths. Target (issue 6): >= 5x the per-request baseline at 64.
-Then the pause-to-resume latency of a weight update with 64 requests in flight.
+Then the pause-to-resume latency of a weight update with 64 requests in flight, and multi-turn
+episodes (64 at once, 4 turns, each turn's request = the conversation so far + a 16-token reply)
+with the prefix cache against the same engine without it (every turn prefilled from scratch).
 """
 
 from __future__ import annotations
@@ -99,6 +101,23 @@ def update_latency(engine: HFEngine, model, prompts: list[list[int]], new_tokens
     return asyncio.run(run())
 
 
+def multi_turn_rate(engine: HFEngine, prompts: list[list[int]], reply: list[int], turns: int) -> float:
+    """Episodes/s of ``turns``-turn conversations, all ``prompts`` at once, 8 sampled tokens a turn."""
+    sampling = SamplingParams(8, temperature=1.0, ignore_eos=True)
+
+    async def episode(i: int, context: list[int]) -> None:
+        for turn in range(turns):
+            r = await engine.agenerate(GenRequest(f"m{i}.{turn}", context, sampling))
+            context = context + r.output_tokens + reply
+
+    async def run() -> None:
+        await asyncio.gather(*(episode(i, p) for i, p in enumerate(prompts)))
+
+    start = time.perf_counter()
+    asyncio.run(run())
+    return len(prompts) / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -136,6 +155,18 @@ def main() -> None:
         f"{switched}/64 sequences switched version mid-way"
     )
     engine.close()
+    prompts = prompts_for(tokenizer, 64, rng)
+    reply = tokenizer.apply_chat_template([{"role": "user", "content": "x" * 8}], return_dict=False)[:16]
+    rates = {}
+    for tokens in (0, 65536):
+        engine = HFEngine(load_model(path), seed=args.seed, prefix_cache_tokens=tokens)
+        rates[tokens] = multi_turn_rate(engine, prompts, reply, turns=4)
+        hit, run = engine.stats.prefix_hit_tokens, engine.stats.prefill_tokens
+        engine.close()
+    print(
+        f"multi-turn (64 episodes x 4 turns): prefix cache {rates[65536]:.1f} episodes/s | without "
+        f"{rates[0]:.1f} = {rates[65536] / rates[0]:.2f}x ({hit} of {hit + run} context tokens from the cache)"
+    )
 
 
 if __name__ == "__main__":

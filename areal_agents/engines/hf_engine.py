@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from areal_agents.engines.prefix_cache import PrefixCache
 from areal_agents.engines.sampling import sample_tokens
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, GenResponse, SamplingParams, StopReason
@@ -41,6 +42,7 @@ class EngineStats:
     requests: int = 0
     prefills: int = 0
     prefill_tokens: int = 0  # tokens run through the model by prefills (identical contexts count once)
+    prefix_hit_tokens: int = 0  # context tokens a prefill took from the prefix cache instead of running them
     decode_steps: int = 0
     generated_tokens: int = 0
     aborted: int = 0  # submissions ended early by abort() (agenerate resubmits them)
@@ -129,6 +131,7 @@ class HFEngine:
         version: int = 0,
         admission_window_s: float = 0.002,
         num_threads: int | None = None,
+        prefix_cache_tokens: int = 65536,
     ) -> None:
         self.model = model.eval()
         self.model.requires_grad_(False)
@@ -141,6 +144,7 @@ class HFEngine:
         self.num_threads = num_threads
         self.generator = torch.Generator().manual_seed(seed)
         self.stats = EngineStats()
+        self.prefixes = PrefixCache(prefix_cache_tokens)  # finished rows' KV (decode thread only)
         self._version = version
         self._cv = threading.Condition()  # guards everything below, shared with the decode thread
         self._incoming: list[_Sequence] = []
@@ -149,6 +153,7 @@ class HFEngine:
         self._at_boundary = True  # the decode thread is waiting, not touching the model
         self._idle = True  # ... and waiting for work: a submission must wake it
         self._stale_cache = False
+        self._flush_prefixes = False
         self._aborts = False  # abort() marked something: hand it back even while paused
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -248,6 +253,11 @@ class HFEngine:
         if self._thread is not None:
             self._thread.join()
 
+    def flush_cache(self) -> None:
+        """Forget the finished requests' cached prefixes (at the next step; new weights do this themselves)."""
+        with self._cv:
+            self._flush_prefixes = True
+
     @property
     def num_running(self) -> int:
         """Requests in the running batch whose caller is still waiting."""
@@ -342,6 +352,9 @@ class HFEngine:
                         (False, self._stale_cache) if self._paused else (self._stale_cache, False)
                     )
                     paused, version = self._paused, self._version
+                    flush, self._flush_prefixes = self._flush_prefixes, False
+                if flush:
+                    self.prefixes.clear()
                 if paused:
                     for seq in incoming:
                         self._finish(seq, "abort")
@@ -371,6 +384,8 @@ class HFEngine:
         for seq in incoming:
             if seq.abort:
                 self._finish(seq, "abort")
+        if stale:
+            self.prefixes.clear()
         if stale and batch.rows:  # the cache holds the old weights' keys and values
             live = [s for s in batch.rows if not s.delivered] + live
             batch.rows, batch.cache = [], None
@@ -385,23 +400,38 @@ class HFEngine:
 
     def _prefill(self, rows: list[_Sequence], version: int) -> _Batch:
         """Run the rows' contexts through the model; identical ones (a GRPO group's prompt) run once and
-        their cache rows are copied, so a group of G costs one prompt's compute, not G."""
+        their cache rows are copied, so a group of G costs one prompt's compute, not G. A context that
+        extends a finished request's (the next turn of an episode) runs only its new tokens."""
         distinct: dict[tuple[int, ...], int] = {}
         owner = torch.tensor([distinct.setdefault(tuple(s.input_ids + s.tokens), len(distinct)) for s in rows])
         contexts = list(distinct)
-        width = max(len(c) for c in contexts)
+        hits = [self.prefixes.find(c) for c in contexts] if len(self.prefixes) else [None] * len(contexts)
+        start = [h.length if h is not None else 0 for h in hits]
+        news = [c[s:] for c, s in zip(contexts, start)]
+        width = max(len(c) for c in news)
         n = len(contexts)
         input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((n, width), dtype=torch.long)
-        for i, ctx in enumerate(contexts):  # left padding: every row's next token sits at the end
-            input_ids[i, width - len(ctx) :] = torch.tensor(ctx)
-            attention[i, width - len(ctx) :] = 1
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        for i, new in enumerate(news):  # left padding: every row's next token sits at the end
+            input_ids[i, width - len(new) :] = torch.tensor(new)
+            attention[i, width - len(new) :] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0) + torch.tensor(start)[:, None]
+        past = None
+        if any(start):
+            keys, values, past_mask = self.prefixes.gather(hits)
+            past = DynamicCache(ddp_cache_data=list(zip(keys, values)))
+            attention = torch.cat([past_mask, attention], dim=1)
         out = self.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            cache=past,
+            use_cache=True,
+            logits_to_keep=1,
         )
         self.stats.prefills += 1
-        self.stats.prefill_tokens += sum(len(c) for c in contexts)
+        self.stats.prefill_tokens += sum(len(c) for c in news)
+        self.stats.prefix_hit_tokens += sum(start)
         cache, logits = out.cache, out.logits[:, -1]
         cache.layers = [_GrowingLayer.adopt(layer) for layer in cache.layers]
         if n < len(rows):
@@ -471,14 +501,23 @@ class HFEngine:
         """Hand back finished and aborted rows. Their rows leave the cache (with any all-padding columns)
         once they are `COMPACT_FRACTION` of the batch: compaction copies the whole cache, which costs
         more than decoding a few idle rows for a few steps."""
-        keep = []
+        keep, finished = [], []
         for i, seq in enumerate(batch.rows):
-            if not seq.delivered and seq.stop_reason is not None:
-                self._finish(seq, seq.stop_reason)
-            elif not seq.delivered and seq.abort:
-                self._finish(seq, "abort")
+            if not seq.delivered and (seq.stop_reason is not None or seq.abort):
+                self._finish(seq, seq.stop_reason or "abort")
+                finished.append(i)
             if not seq.delivered:
                 keep.append(i)
+        if (
+            finished and self.prefixes.max_tokens > 0
+        ):  # their cache holds context + tokens[:-1]: keep it for a next turn
+            index = torch.tensor(finished)
+            self.prefixes.add(
+                [layer.keys[index] for layer in batch.cache.layers],
+                [layer.values[index] for layer in batch.cache.layers],
+                batch.attention[index],
+                [tuple(batch.rows[i].input_ids + batch.rows[i].tokens[:-1]) for i in finished],
+            )
         if len(batch.rows) - len(keep) <= COMPACT_FRACTION * len(batch.rows) and keep:
             return
         if not keep:

@@ -198,6 +198,7 @@ def build_app(engine: HFEngine, tokenizer, cfg: ModelServerConfig) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
+        engine.flush_cache()
         return PlainTextResponse("Cache flushed.\n")
 
     @app.get("/get_server_info")

@@ -231,3 +231,69 @@ def test_update_weights_from_disk(model, tokenizer, tiny_dir, tmp_path):
     assert r.output_tokens == ref[: len(r.output_tokens)] and r.output_versions == [7] * len(r.output_tokens)
     with pytest.raises(EngineError, match="no \\*.safetensors"):
         asyncio.run(engine.update_weights_from_disk(str(tmp_path)))
+
+
+def test_next_turns_reuse_the_cache_of_the_previous_turn(model, tokenizer):
+    """Multi-turn episodes: each next request is the previous context + output + a reply. Only the new
+    tokens are prefilled, the rest comes from the prefix cache, and every logprob equals a full forward
+    pass, while other episodes join and leave the running batch (cache rows with padding holes)."""
+    engine = HFEngine(model, eos_token_ids=[], seed=5)
+    reply = prompt(tokenizer, "wrong, again:")[1:]
+
+    async def episode(i):
+        await asyncio.sleep(0.003 * i)  # staggered: merges leave holes in the rows
+        context, turns = prompt(tokenizer, f"{i}+{i * 13}="), []
+        for turn in range(3):
+            r = await engine.agenerate(GenRequest(f"{i}.{turn}", context, SamplingParams(3 + (i + turn) % 5)))
+            turns.append((list(context), r))
+            context = context + r.output_tokens + reply
+        return turns
+
+    async def run():
+        return await asyncio.gather(*(episode(i) for i in range(8)))
+
+    episodes = asyncio.run(run())
+    contexts = sum(len(ctx) for turns in episodes for ctx, _ in turns)
+    assert engine.stats.prefix_hit_tokens > contexts / 2  # the later turns came from the cache
+    assert engine.stats.prefill_tokens + engine.stats.prefix_hit_tokens == contexts
+    for turns in episodes:
+        for ctx, r in turns:
+            ref = forward_logprobs(model, ctx + r.output_tokens, len(r.output_tokens))
+            assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=1e-4)
+
+
+def test_new_weights_empty_the_prefix_cache(model, tokenizer, tiny_dir):
+    from areal_agents.models import load_model
+
+    engine = HFEngine(model, eos_token_ids=[], seed=0)
+    new_weights = load_model(tiny_dir)
+    with torch.no_grad():
+        for p in new_weights.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    first = prompt(tokenizer, "3+4=")
+
+    async def run():
+        r = await engine.agenerate(GenRequest("a", first, SamplingParams(4)))
+        await engine.update_weights(new_weights.state_dict())
+        second = first + r.output_tokens + first[1:]
+        return second, await engine.agenerate(GenRequest("b", second, SamplingParams(4)))
+
+    second, r = asyncio.run(run())
+    assert engine.stats.prefix_hit_tokens == 0 and engine.stats.prefill_tokens == len(first) + len(second)
+    ref = forward_logprobs(new_weights, second + r.output_tokens, 4)  # the old weights' keys were not reused
+    assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=1e-4)
+
+
+def test_flush_cache_forgets_the_cached_prefixes(model, tokenizer):
+    engine = HFEngine(model, eos_token_ids=[], seed=0)
+    first = prompt(tokenizer, "3+4=")
+
+    async def run(flush):
+        r = await engine.agenerate(GenRequest("a", first, SamplingParams(4)))
+        if flush:
+            engine.flush_cache()
+        await engine.agenerate(GenRequest("b", first + r.output_tokens + first[1:], SamplingParams(4)))
+        return engine.stats.prefix_hit_tokens
+
+    assert asyncio.run(run(flush=False)) == len(first) + 3  # the first request's context and 3 of its tokens
+    assert asyncio.run(run(flush=True)) == len(first) + 3  # nothing more taken from the cache
