@@ -129,7 +129,11 @@ class PPOConfig:
     ppo_epochs: int = _help("passes over each batch", default=1)
     num_minibatches: int = _help("optimizer steps per epoch", default=1)
     micro_batch_tokens: int = _help("token budget of one forward/backward micro-batch", default=16384)
-    cpu_threads: int = _help("CPU threads of the trainer thread's updates (0 = torch's default: all cores)", default=0)
+    cpu_threads: int = _help(
+        "CPU threads of the trainer thread's updates (0 = all cores, less the in-process engine's when "
+        "rollouts overlap updates: max_staleness > 0)",
+        default=0,
+    )
     packing: bool = _help(
         "pack micro-batches without padding (attention stays within each sequence); false: padded rows", default=True
     )
