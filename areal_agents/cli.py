@@ -174,6 +174,7 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
             weight_version=args.weight_version,
             dtype=args.dtype,
             max_running_requests=args.max_running_requests,
+            prefix_cache_tokens=args.prefix_cache_tokens,
             seed=args.seed,
         )
     )
@@ -266,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--weight-version", default="default", help="the initial weight_version, as in SGLang")
     p.add_argument("--max-running-requests", type=int, default=256, help="requests decoded together")
+    p.add_argument(
+        "--prefix-cache-tokens", type=int, default=65536, help="finished requests' KV kept for a next turn (0 = off)"
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.set_defaults(fn=cmd_serve_model)
     return parser

@@ -194,14 +194,19 @@ class EngineConfig:
         "trainer thread: on CPU, two threads each running a full OpenMP team slow each other down",
         default=1,
     )
+    prefix_cache_tokens: int = _help(
+        "hf engine / serve-model: tokens of finished requests' KV kept for a next turn that extends them (0 = off)",
+        default=65536,
+    )
     startup_timeout_s: float = _help("seconds to wait for a launched server's /health", default=600.0)
     request_timeout_s: float = _help("seconds before a /generate call is retried", default=3600.0)
     max_retries: int = _help("retries (exponential backoff) of a call on connection errors and 5xx", default=5)
 
     def __post_init__(self) -> None:
         _check_positive(self, "num_servers", "tp", "max_running_requests")
-        if self.cpu_threads < 0:
-            raise ValueError(f"cpu_threads: expects a value >= 0, got {self.cpu_threads!r}")
+        for name in ("cpu_threads", "prefix_cache_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expects a value >= 0, got {getattr(self, name)!r}")
 
 
 @dataclass

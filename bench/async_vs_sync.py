@@ -4,9 +4,10 @@
     .venv/bin/python bench/async_vs_sync.py --sft-model runs/arith/sft/model   # the real recipe on this CPU
 
 Real mode: the arithmetic recipe (examples/arithmetic/rl.yaml) from the same SFT checkpoint, seed and
-prompts at each max_staleness, with multi-turn retries (``max_turns`` 4: a wrong answer gets feedback
-and another turn, so episode lengths have a tail); prints end-to-end samples/s over the training steps
-and the held-out accuracy after. Target on CPU: >= 1.5x samples/s with accuracy within 5 points.
+prompts at each max_staleness, each in a fresh process, with multi-turn retries (``--max-turns`` 4: a
+wrong answer gets feedback and another turn, so episode lengths have a tail; 1 is the one-turn recipe);
+prints end-to-end samples/s over the training steps and the held-out accuracy after. Target on CPU:
+>= 1.5x samples/s with accuracy within 5 points.
 
 Simulation: the real `RolloutController` drives a simulated inference cluster. Decoding advances every
 running sequence one token per step, and a step takes ``step_ms + per_seq_ms * running`` (memory-bound
@@ -21,7 +22,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import multiprocessing
 import random
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from areal_agents.rollout.controller import RolloutController
@@ -152,18 +155,23 @@ async def simulate(max_staleness: int, args) -> dict[str, float]:
     }
 
 
-def real(args) -> None:  # noqa: ANN001
-    """The arithmetic recipe at each max_staleness, same checkpoint, seed and prompts."""
+def train_once(overrides: list[str]) -> dict:
+    """One run of the arithmetic recipe (in a fresh process: no threads or OpenMP teams of another run)."""
     import transformers  # noqa: PLC0415
 
     from areal_agents.config import TrainConfig, load_config  # noqa: PLC0415
     from areal_agents.trainers.rl_recipe import run_train  # noqa: PLC0415
 
-    if not args.sft_model:
-        raise SystemExit("real mode needs --sft-model (e.g. runs/bench_arith/sft/model from bench/e2e_arith.py)")
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     recipe = Path(__file__).resolve().parents[1] / "examples" / "arithmetic" / "rl.yaml"
+    return run_train(load_config(TrainConfig, recipe, overrides), progress=False)
+
+
+def real(args) -> None:  # noqa: ANN001
+    """The arithmetic recipe at each max_staleness, same checkpoint, seed and prompts."""
+    if not args.sft_model:
+        raise SystemExit("real mode needs --sft-model (e.g. runs/bench_arith/sft/model from bench/e2e_arith.py)")
     results = {}
     for eta in [int(x) for x in args.staleness.split(",")]:
         overrides = [
@@ -171,10 +179,11 @@ def real(args) -> None:  # noqa: ANN001
             f"model.path={args.sft_model}",
             f"steps={args.rl_steps}",
             f"rollout.max_staleness={eta}",
-            "env.kwargs.max_turns=4",
+            f"env.kwargs.max_turns={args.max_turns}",
         ]
-        results[eta] = run_train(load_config(TrainConfig, recipe, overrides), progress=False)
-    print("\n== bench/async_vs_sync (real recipe, this CPU) ==")
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results[eta] = pool.submit(train_once, overrides).result()
+    print(f"\n== bench/async_vs_sync (real recipe, this CPU, max_turns {args.max_turns}) ==")
     base = results[min(results)]
     for eta, r in results.items():
         ratio = r["samples_per_s"] / base["samples_per_s"]
@@ -203,6 +212,7 @@ def main() -> None:
     parser.add_argument("--sft-model", default="", help="real mode: the SFT checkpoint (see bench/e2e_arith.py)")
     parser.add_argument("--rl-steps", type=int, default=100, help="real mode: RL steps per setting")
     parser.add_argument("--staleness", default="0,4", help="real mode: max_staleness values, comma-separated")
+    parser.add_argument("--max-turns", type=int, default=4, help="real mode: turns per episode (1: one-turn recipe)")
     parser.add_argument("--out", default="runs/bench_async", help="real mode: run directories")
     args = parser.parse_args()
     if not args.simulate:

@@ -75,6 +75,7 @@ def server_command(cfg: EngineConfig, model_path: str, dtype: str, port: int, in
         return [
             sys.executable, "-m", "areal_agents.cli", "serve-model", "--model-path", model_path, "--host", host,
             "--port", str(port), "--dtype", dtype, "--max-running-requests", str(cfg.max_running_requests),
+            "--prefix-cache-tokens", str(cfg.prefix_cache_tokens),
             *cfg.extra_args,
         ]  # fmt: skip
     raise EngineError(f"engine.backend must be 'hf', 'serve-model' or 'sglang' to launch servers, got {backend!r}")
@@ -152,7 +153,14 @@ def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path
 
         model = load_model(model_path, dtype)
         threads = cfg.cpu_threads or None
-        return HFEngine(model, seed=seed, max_batch_size=cfg.max_running_requests, num_threads=threads), None
+        engine = HFEngine(
+            model,
+            seed=seed,
+            max_batch_size=cfg.max_running_requests,
+            num_threads=threads,
+            prefix_cache_tokens=cfg.prefix_cache_tokens,
+        )
+        return engine, None
     if cfg.urls:
         servers = ServerGroup(list(cfg.urls))
     else:
