@@ -42,6 +42,8 @@ def test_choice_and_range_are_validated():
         load_config(TrainConfig, None, ["ppo.advantage=ppo"])
     with pytest.raises(ConfigError, match=r"config key ppo.lr: expects a value > 0"):
         load_config(TrainConfig, None, ["ppo.lr=-1"])
+    with pytest.raises(ConfigError, match=r"engine.prefix_cache_tokens: expects a value >= 0, got -1"):
+        load_config(TrainConfig, None, ["engine.prefix_cache_tokens=-1"])
 
 
 def test_missing_and_malformed_files(tmp_path):
