@@ -2,7 +2,8 @@
 
 Concurrent requests share one running batch: new ones are prefilled and merged into the left-padded KV
 cache between decode steps, finished ones leave it. Requests admitted together with the same context
-(the episodes of a GRPO group) are prefilled once. ``pause()`` stops at a step boundary;
+(the episodes of a GRPO group) are prefilled once, and a request that extends a finished one (the next
+turn of an episode) prefills only its new tokens (`PrefixCache`). ``pause()`` stops at a step boundary;
 ``update_weights`` then swaps the weights, which invalidates the cache, so on ``resume()`` every running
 sequence is re-prefilled (prompt + tokens so far) and its later tokens carry the new version.
 ``abort()`` ends requests early with stop reason ``abort`` and the tokens so far (what ``serve-model``'s
@@ -508,10 +509,8 @@ class HFEngine:
                 finished.append(i)
             if not seq.delivered:
                 keep.append(i)
-        if (
-            finished and self.prefixes.max_tokens > 0
-        ):  # their cache holds context + tokens[:-1]: keep it for a next turn
-            index = torch.tensor(finished)
+        if finished and self.prefixes.max_tokens > 0:
+            index = torch.tensor(finished)  # their rows hold context + tokens[:-1]: kept for a next turn
             self.prefixes.add(
                 [layer.keys[index] for layer in batch.cache.layers],
                 [layer.values[index] for layer in batch.cache.layers],
