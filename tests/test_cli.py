@@ -77,6 +77,7 @@ def test_sft_then_two_rl_steps_write_artefacts(tmp_path, tiny_dir, capsys):
         "perf/gen_tokens_per_s",
         "eval/accuracy",
         "engine/version",
+        "engine/prefix_hit_rate",
     ):
         assert key in tags
     assert main(["plot", str(run)]) == 0
