@@ -47,6 +47,7 @@ class PrefixCache:
         self._blocks: OrderedDict[int, _Block] = OrderedDict()
         self._size = 0
         self._by_length: dict[int, dict[tuple[int, ...], tuple[_Block, int]]] = {}
+        self._longest_first: list[int] | None = None  # the stored lengths, sorted once per change
 
     def __len__(self) -> int:
         """Cached columns (tokens and padding) held now."""
@@ -55,6 +56,7 @@ class PrefixCache:
     def clear(self) -> None:
         self._blocks.clear()
         self._by_length.clear()
+        self._longest_first = None
         self._size = 0
 
     def add(
@@ -76,12 +78,15 @@ class PrefixCache:
         for row, key in enumerate(token_keys):
             if key:
                 self._by_length.setdefault(len(key), {})[key] = (block, row)
+        self._longest_first = None
         while self._size > self.max_tokens:
             self._evict(self._blocks.popitem(last=False)[1])
 
     def find(self, context: tuple[int, ...]) -> PrefixHit | None:
         """The longest stored row that is a proper prefix of ``context`` (one token at least is left to run)."""
-        for length in sorted(self._by_length, reverse=True):
+        if self._longest_first is None:
+            self._longest_first = sorted(self._by_length, reverse=True)
+        for length in self._longest_first:
             if length < len(context) and (hit := self._by_length[length].get(context[:length])) is not None:
                 return PrefixHit(hit[0], hit[1], length)
         return None
@@ -110,7 +115,8 @@ class PrefixCache:
         self._size -= block.size
         for row, key in enumerate(block.token_keys):
             index = self._by_length.get(len(key))
-            if index is not None and index.get(key, (None,))[0] is block and index[key][1] == row:
+            if index is not None and index.get(key) == (block, row):  # not overwritten by a newer row
                 del index[key]
                 if not index:
                     del self._by_length[len(key)]
+        self._longest_first = None
