@@ -134,6 +134,11 @@ class PPOConfig:
         "rollouts overlap updates: max_staleness > 0)",
         default=0,
     )
+    trainer: Literal["thread", "process"] = _help(
+        "where updates run: a thread of the run's process, or a process of their own (local runs; with "
+        "max_staleness > 0 on a small machine, rollouts and updates then stop sharing one GIL)",
+        default="thread",
+    )
     packing: bool = _help(
         "pack micro-batches without padding (attention stays within each sequence); false: padded rows", default=True
     )
@@ -194,6 +199,11 @@ class EngineConfig:
         "trainer thread: on CPU, two threads each running a full OpenMP team slow each other down",
         default=1,
     )
+    own_process: bool = _help(
+        "hf engine: run it in a child process of its own (its own GIL: faster beside busy rollouts and updates "
+        "on a small machine; requests and weights go over a pipe, not HTTP)",
+        default=False,
+    )
     prefix_cache_tokens: int = _help(
         "hf engine / serve-model: tokens of finished requests' KV kept for a next turn that extends them (0 = off)",
         default=65536,
@@ -204,6 +214,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_positive(self, "num_servers", "tp", "max_running_requests")
+        if self.own_process and (self.backend != "hf" or self.urls):
+            raise ValueError("own_process: applies to the in-process hf engine (backend hf, no urls)")
         for name in ("cpu_threads", "prefix_cache_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expects a value >= 0, got {getattr(self, name)!r}")
@@ -269,6 +281,10 @@ class TrainConfig:
         _check_positive(self, "steps")
         if self.max_train_minutes < 0:
             raise ValueError(f"max_train_minutes: expects a value >= 0, got {self.max_train_minutes!r}")
+        if self.ppo.trainer == "process" and self.launcher == "ray":
+            raise ValueError(
+                "ppo.trainer: 'process' is for local runs; with launcher=ray the trainer ranks are Ray actors"
+            )
 
 
 @dataclass

@@ -180,6 +180,7 @@ def real(args) -> None:  # noqa: ANN001
             f"steps={args.rl_steps}",
             f"rollout.max_staleness={eta}",
             f"env.kwargs.max_turns={args.max_turns}",
+            *args.set,
         ]
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             results[eta] = pool.submit(train_once, overrides).result()
@@ -214,6 +215,7 @@ def main() -> None:
     parser.add_argument("--staleness", default="0,4", help="real mode: max_staleness values, comma-separated")
     parser.add_argument("--max-turns", type=int, default=4, help="real mode: turns per episode (1: one-turn recipe)")
     parser.add_argument("--out", default="runs/bench_async", help="real mode: run directories")
+    parser.add_argument("--set", action="append", default=[], help="real mode: a config override for every setting")
     args = parser.parse_args()
     if not args.simulate:
         return real(args)

@@ -248,6 +248,20 @@ def test_gae_with_a_critic_trains_checkpoints_and_resumes(tmp_path, tiny_dir):
     assert json.loads((run / "summary.json").read_text())["engine_version"] == 3
 
 
+def test_async_run_with_engine_and_trainer_in_their_own_processes_trains_and_resumes(tmp_path, tiny_dir):
+    """The small-machine async layout: rollouts in this process, the engine and the trainer in two others."""
+    _, rl = write_configs(tmp_path, tiny_dir)
+    args = ["train", str(rl), "rollout.max_staleness=1", "engine.own_process=true", "ppo.trainer=process"]
+    assert main([*args, "--no-progress"]) == 0
+    run = tmp_path / "rl"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["engine_version"] == 2 and summary["episodes"]["running"] == 0
+    state = torch.load(run / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
+    assert state["scheduler"]["last_epoch"] == 2 and state["optimizer"]["state"]  # fetched from the trainer process
+    assert main([*args, "steps=3", "--resume", "--no-progress"]) == 0
+    assert json.loads((run / "summary.json").read_text())["engine_version"] == 3
+
+
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_dir):
     _, rl = write_configs(tmp_path, tiny_dir)
     out = run_cli("train", str(rl), f"run_dir={tmp_path / 'fresh'}", "--resume")

@@ -44,6 +44,12 @@ def test_choice_and_range_are_validated():
         load_config(TrainConfig, None, ["ppo.lr=-1"])
     with pytest.raises(ConfigError, match=r"engine.prefix_cache_tokens: expects a value >= 0, got -1"):
         load_config(TrainConfig, None, ["engine.prefix_cache_tokens=-1"])
+    with pytest.raises(ConfigError, match=r"'ppo.trainer'.*one of 'thread', 'process'"):
+        load_config(TrainConfig, None, ["ppo.trainer=gpu"])
+    with pytest.raises(ConfigError, match=r"engine.own_process: applies to the in-process hf engine"):
+        load_config(TrainConfig, None, ["engine.backend=serve-model", "engine.own_process=true"])
+    with pytest.raises(ConfigError, match=r"ppo.trainer: 'process' is for local runs"):
+        load_config(TrainConfig, None, ["launcher=ray", "ppo.trainer=process"])
 
 
 def test_missing_and_malformed_files(tmp_path):

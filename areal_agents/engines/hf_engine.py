@@ -402,10 +402,44 @@ class HFEngine:
     def _prefill(self, rows: list[_Sequence], version: int) -> _Batch:
         """Run the rows' contexts through the model; identical ones (a GRPO group's prompt) run once and
         their cache rows are copied, so a group of G costs one prompt's compute, not G. A context that
-        extends a finished request's (the next turn of an episode) runs only its new tokens."""
+        extends a finished request's (the next turn of an episode) runs only its new tokens, and so do
+        resumed rows of one group after a weight swap (their prompt runs once)."""
         distinct: dict[tuple[int, ...], int] = {}
         owner = torch.tensor([distinct.setdefault(tuple(s.input_ids + s.tokens), len(distinct)) for s in rows])
         contexts = list(distinct)
+        if self.prefixes.max_tokens > 0:
+            self._cache_shared_prompts(rows)
+        cache, attention, positions, logits = self._forward(contexts)
+        if len(contexts) < len(rows):
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[owner], layer.values[owner]
+            attention, positions, logits = attention[owner], positions[owner], logits[owner]
+        pending = self._sample(rows, logits, version)
+        return _Batch(rows, cache, attention, positions + 1, pending)
+
+    def _cache_shared_prompts(self, rows: list[_Sequence]) -> None:
+        """Rows that run their own tokens again (resumed after a weight swap) but share a prompt (a GRPO
+        group): run each such prompt once into the prefix cache, so that every row runs only its tokens."""
+        tails: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
+        for seq in rows:
+            if seq.tokens:
+                tails.setdefault(tuple(seq.input_ids), set()).add(tuple(seq.tokens))
+        prompts = []
+        for prompt, ends in tails.items():
+            hit = self.prefixes.find(prompt + next(iter(ends))) if len(self.prefixes) else None
+            if len(ends) > 1 and (hit is None or hit.length < len(prompt)):
+                prompts.append(prompt)
+        if prompts:
+            cache, attention, _, _ = self._forward(prompts)
+            self.prefixes.add(
+                [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], attention, prompts
+            )
+
+    def _forward(
+        self, contexts: list[tuple[int, ...]]
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prefill distinct contexts (each from its longest cached prefix): the cache, its attention mask,
+        each row's last position and last logits."""
         hits = [self.prefixes.find(c) for c in contexts] if len(self.prefixes) else [None] * len(contexts)
         start = [h.length if h is not None else 0 for h in hits]
         news = [c[s:] for c, s in zip(contexts, start)]
@@ -433,14 +467,9 @@ class HFEngine:
         self.stats.prefills += 1
         self.stats.prefill_tokens += sum(len(c) for c in news)
         self.stats.prefix_hit_tokens += sum(start)
-        cache, logits = out.cache, out.logits[:, -1]
+        cache = out.cache
         cache.layers = [_GrowingLayer.adopt(layer) for layer in cache.layers]
-        if n < len(rows):
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[owner], layer.values[owner]
-            attention, positions, logits = attention[owner], positions[owner], logits[owner]
-        pending = self._sample(rows, logits, version)
-        return _Batch(rows, cache, attention, positions[:, -1] + 1, pending)
+        return cache, attention, positions[:, -1], out.logits[:, -1]
 
     def _decode(self, batch: _Batch, version: int) -> None:
         n = len(batch.rows)

@@ -149,18 +149,18 @@ def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path
     """The run's inference engine and the servers behind it (None for the in-process engine)."""
     if cfg.backend == "hf" and not cfg.urls:
         from areal_agents.engines.hf_engine import HFEngine  # noqa: PLC0415
+        from areal_agents.engines.process_engine import ProcessEngine  # noqa: PLC0415
         from areal_agents.models.loading import load_model  # noqa: PLC0415
 
-        model = load_model(model_path, dtype)
-        threads = cfg.cpu_threads or None
-        engine = HFEngine(
-            model,
+        kwargs = dict(
             seed=seed,
             max_batch_size=cfg.max_running_requests,
-            num_threads=threads,
+            num_threads=cfg.cpu_threads or None,
             prefix_cache_tokens=cfg.prefix_cache_tokens,
         )
-        return engine, None
+        if cfg.own_process:
+            return ProcessEngine(model_path, dtype, **kwargs), None
+        return HFEngine(load_model(model_path, dtype), **kwargs), None
     if cfg.urls:
         servers = ServerGroup(list(cfg.urls))
     else:

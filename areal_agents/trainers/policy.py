@@ -110,11 +110,14 @@ def open_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, ru
     """Load ``model_path`` (the start, or a checkpoint's copy) for training and serving; the reference
     and the critic start from ``init_path`` (the run's starting model)."""
     policy = load_trainable(name, cfg, model_path, init_path)
-    engine_dir = run_dir if name == SHARED else run_dir / "policies" / name
-    policy.engine, policy.servers = open_engine(
-        cfg.engine, model_path, cfg.model.dtype, run_dir=engine_dir, seed=cfg.seed
-    )
+    policy.engine, policy.servers = open_policy_engine(name, cfg, model_path, run_dir)
     return policy
+
+
+def open_policy_engine(name: str, cfg: TrainConfig, model_path: str, run_dir: Path) -> tuple[InferenceEngine, Any]:
+    """The policy's inference engine, serving ``model_path``, and the servers behind it (or None)."""
+    engine_dir = run_dir if name == SHARED else run_dir / "policies" / name
+    return open_engine(cfg.engine, model_path, cfg.model.dtype, run_dir=engine_dir, seed=cfg.seed)
 
 
 def trainer_threads(cfg: TrainConfig) -> int:

@@ -35,6 +35,7 @@ from areal_agents.trainers.checkpoint import checkpoints, load_trainer_state, pr
 from areal_agents.trainers.metrics import MetricsWriter, prefixed
 from areal_agents.trainers.policy import SHARED, Policy, open_policy
 from areal_agents.trainers.setup import held_out_seeds, open_checked_backend, prepare_run_dir, seed_everything
+from areal_agents.trainers.trainer_process import ProcessPolicy, open_process_policy
 from areal_agents.types import SamplingParams, Trajectory
 
 
@@ -70,6 +71,8 @@ def run_train(cfg: TrainConfig, progress: bool = True, resume: bool = False) -> 
             path = str(found[-1] / _model_dir(name)) if found else start
             if cluster is not None:
                 policies[name] = cluster.open_policy(name, path, start, run_dir)
+            elif cfg.ppo.trainer == "process":
+                policies[name] = open_process_policy(name, cfg, path, start, run_dir)
             else:
                 policies[name] = open_policy(name, cfg, path, start, run_dir)
             if state is not None:
@@ -79,7 +82,7 @@ def run_train(cfg: TrainConfig, progress: bool = True, resume: bool = False) -> 
         for policy in policies.values():
             if policy.servers is not None:
                 policy.servers.stop()
-            if isinstance(policy, Policy):  # a Ray trainer group is closed by cluster.shutdown()
+            if isinstance(policy, (Policy, ProcessPolicy)):  # a Ray trainer group is closed by cluster.shutdown()
                 policy.close()
         if cluster is not None:
             cluster.shutdown()

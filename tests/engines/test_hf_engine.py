@@ -297,3 +297,36 @@ def test_flush_cache_forgets_the_cached_prefixes(model, tokenizer):
 
     assert asyncio.run(run(flush=False)) == len(first) + 3  # the first request's context and 3 of its tokens
     assert asyncio.run(run(flush=True)) == len(first) + 3  # nothing more taken from the cache
+
+
+def test_a_group_resumed_after_a_weight_swap_runs_its_prompt_once(model, tokenizer, tiny_dir):
+    """After new weights, the rows of one group re-run prompt + own tokens: the shared prompt runs once
+    (through the prefix cache) and every token after the swap is still exact under the new weights."""
+    from areal_agents.models import load_model
+
+    engine = HFEngine(model, eos_token_ids=[], seed=0)
+    new_weights = load_model(tiny_dir)
+    with torch.no_grad():
+        for p in new_weights.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ids, n_tokens = prompt(tokenizer, "12+34="), 40
+
+    async def run():
+        tasks = [
+            asyncio.ensure_future(engine.agenerate(GenRequest(str(i), ids, SamplingParams(n_tokens)))) for i in range(6)
+        ]
+        while engine.stats.decode_steps < 10:
+            await asyncio.sleep(0.001)
+        before = engine.stats.prefill_tokens
+        await engine.update_weights(new_weights.state_dict())
+        responses = await asyncio.gather(*tasks)
+        return responses, engine.stats.prefill_tokens - before
+
+    responses, rerun = asyncio.run(run())
+    switches = [r.output_versions.index(1) for r in responses]
+    assert len({tuple(r.output_tokens) for r in responses}) > 1  # sampled apart: six distinct contexts
+    assert rerun == len(ids) + sum(switches)  # the prompt once (not six times), then each row's own tokens
+    assert engine.stats.prefix_hit_tokens >= 5 * len(ids)
+    for r, switch in zip(responses, switches):
+        after = forward_logprobs(new_weights, ids + r.output_tokens, n_tokens - switch)
+        assert torch.allclose(torch.tensor(r.output_logprobs[switch:]), after, atol=1e-4)
