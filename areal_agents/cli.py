@@ -175,6 +175,7 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
             dtype=args.dtype,
             max_running_requests=args.max_running_requests,
             prefix_cache_tokens=args.prefix_cache_tokens,
+            stale_kv=args.stale_kv,
             seed=args.seed,
         )
     )
@@ -269,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=256, help="requests decoded together")
     p.add_argument(
         "--prefix-cache-tokens", type=int, default=65536, help="finished requests' KV kept for a next turn (0 = off)"
+    )
+    p.add_argument(
+        "--stale-kv",
+        choices=["recompute", "keep"],
+        default="recompute",
+        help="after a weight update: recompute running requests' KV with the new weights, or keep the old",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.set_defaults(fn=cmd_serve_model)

@@ -130,7 +130,7 @@ class PPOConfig:
     num_minibatches: int = _help("optimizer steps per epoch", default=1)
     micro_batch_tokens: int = _help("token budget of one forward/backward micro-batch", default=16384)
     cpu_threads: int = _help(
-        "CPU threads of the trainer thread's updates (0 = all cores, less the in-process engine's when "
+        "CPU threads of the trainer's updates (0 = all cores, less the local hf engine's when "
         "rollouts overlap updates: max_staleness > 0)",
         default=0,
     )
@@ -207,6 +207,12 @@ class EngineConfig:
     prefix_cache_tokens: int = _help(
         "hf engine / serve-model: tokens of finished requests' KV kept for a next turn that extends them (0 = off)",
         default=65536,
+    )
+    stale_kv: Literal["recompute", "keep"] = _help(
+        "hf engine / serve-model, after a weight update: recompute running requests' KV cache with the new weights "
+        "(AReaL: exact, re-prefills every running request) or keep the old weights' (PipelineRL's in-flight "
+        "update: no re-prefill; tokens' recorded logprobs stay those they were sampled with, as decoupled PPO needs)",
+        default="recompute",
     )
     startup_timeout_s: float = _help("seconds to wait for a launched server's /health", default=600.0)
     request_timeout_s: float = _help("seconds before a /generate call is retried", default=3600.0)

@@ -168,30 +168,44 @@ def train_once(overrides: list[str]) -> dict:
     return run_train(load_config(TrainConfig, recipe, overrides), progress=False)
 
 
+LAYOUTS = {
+    "thread": [],  # the engine's decode thread, the event loop and the trainer thread in one process
+    "processes": ["engine.own_process=true", "ppo.trainer=process"],  # engine and trainer in their own
+}
+
+
 def real(args) -> None:  # noqa: ANN001
-    """The arithmetic recipe at each max_staleness, same checkpoint, seed and prompts."""
+    """The arithmetic recipe at each max_staleness and layout, same checkpoint, seed and prompts."""
     if not args.sft_model:
         raise SystemExit("real mode needs --sft-model (e.g. runs/bench_arith/sft/model from bench/e2e_arith.py)")
+    layouts = args.layouts.split(",")
+    unknown = set(layouts) - set(LAYOUTS)
+    if unknown:
+        raise SystemExit(f"--layouts: unknown {sorted(unknown)}; choose from {sorted(LAYOUTS)}")
     results = {}
     for eta in [int(x) for x in args.staleness.split(",")]:
-        overrides = [
-            f"run_dir={args.out}/staleness{eta}",
-            f"model.path={args.sft_model}",
-            f"steps={args.rl_steps}",
-            f"rollout.max_staleness={eta}",
-            f"env.kwargs.max_turns={args.max_turns}",
-            *args.set,
-        ]
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results[eta] = pool.submit(train_once, overrides).result()
-    print(f"\n== bench/async_vs_sync (real recipe, this CPU, max_turns {args.max_turns}) ==")
-    base = results[min(results)]
-    for eta, r in results.items():
+        for layout in layouts:
+            overrides = [
+                f"run_dir={args.out}/staleness{eta}-{layout}",
+                f"model.path={args.sft_model}",
+                f"steps={args.rl_steps}",
+                f"rollout.max_staleness={eta}",
+                f"env.kwargs.max_turns={args.max_turns}",
+                *LAYOUTS[layout],
+                *args.set,
+            ]
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                results[eta, layout] = pool.submit(train_once, overrides).result()
+    print(f"\n== bench/async_vs_sync (real recipe, this CPU, max_turns {args.max_turns}, {' '.join(args.set)}) ==")
+    sync = [r for (eta, _), r in results.items() if eta == 0] or list(results.values())
+    base = max(sync, key=lambda r: r["samples_per_s"])  # the faster synchronous layout
+    for (eta, layout), r in results.items():
         ratio = r["samples_per_s"] / base["samples_per_s"]
+        points = 100 * (r["accuracy_after"] - base["accuracy_after"])
         print(
-            f"max_staleness {eta}: {r['samples_per_s']:6.1f} samples/s = {ratio:.2f}x "
-            f"| held-out accuracy {r['accuracy_before']:.1%} -> {r['accuracy_after']:.1%} ({r['steps']} steps, "
-            f"{r['episodes']['rejected']} episodes dropped as stale)"
+            f"max_staleness {eta} ({layout:9s}): {r['samples_per_s']:6.1f} samples/s = {ratio:.2f}x the faster sync "
+            f"| held-out accuracy {r['accuracy_before']:.1%} -> {r['accuracy_after']:.1%} ({points:+.1f} points; "
+            f"{r['steps']} steps, {r['episodes']['rejected']} episodes dropped as stale)"
         )
 
 
@@ -216,6 +230,12 @@ def main() -> None:
     parser.add_argument("--max-turns", type=int, default=4, help="real mode: turns per episode (1: one-turn recipe)")
     parser.add_argument("--out", default="runs/bench_async", help="real mode: run directories")
     parser.add_argument("--set", action="append", default=[], help="real mode: a config override for every setting")
+    parser.add_argument(
+        "--layouts",
+        default="thread,processes",
+        help="real mode: 'thread' (engine, event loop and trainer in one process) and/or 'processes' "
+        "(engine.own_process=true ppo.trainer=process)",
+    )
     args = parser.parse_args()
     if not args.simulate:
         return real(args)

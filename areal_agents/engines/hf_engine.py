@@ -5,7 +5,10 @@ cache between decode steps, finished ones leave it. Requests admitted together w
 (the episodes of a GRPO group) are prefilled once, and a request that extends a finished one (the next
 turn of an episode) prefills only its new tokens (`PrefixCache`). ``pause()`` stops at a step boundary;
 ``update_weights`` then swaps the weights, which invalidates the cache, so on ``resume()`` every running
-sequence is re-prefilled (prompt + tokens so far) and its later tokens carry the new version.
+sequence is re-prefilled (prompt + tokens so far) and its later tokens carry the new version (AReaL's
+interruptible rollout). ``stale_kv="keep"`` keeps the old weights' keys and values instead (PipelineRL's
+in-flight weight update): no re-prefill; each token's recorded logprob is still that of the distribution
+it was sampled from, which is what decoupled PPO's behavior policy needs.
 ``abort()`` ends requests early with stop reason ``abort`` and the tokens so far (what ``serve-model``'s
 /pause_generation and /abort_request do); ``generate_once`` may return such a partial response, while
 ``agenerate`` resubmits prompt + tokens so far until the request completes, as the SGLang client does.
@@ -22,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,7 @@ from areal_agents.engines.sampling import sample_tokens
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, GenResponse, SamplingParams, StopReason
 
+StaleKV = Literal["recompute", "keep"]  # what new weights do to the KV cache of running and finished requests
 ADMISSION_MAX_WAIT_S = 0.05  # the longest an idle engine holds arriving requests back to admit them together
 COMPACT_FRACTION = 0.25  # drop finished rows from the cache once they are this share of the batch
 
@@ -133,7 +137,10 @@ class HFEngine:
         admission_window_s: float = 0.002,
         num_threads: int | None = None,
         prefix_cache_tokens: int = 65536,
+        stale_kv: StaleKV = "recompute",
     ) -> None:
+        if stale_kv not in ("recompute", "keep"):
+            raise ValueError(f"stale_kv: expects 'recompute' or 'keep', got {stale_kv!r}")
         self.model = model.eval()
         self.model.requires_grad_(False)
         eos = eos_token_ids if eos_token_ids is not None else model.generation_config.eos_token_id
@@ -146,6 +153,7 @@ class HFEngine:
         self.generator = torch.Generator().manual_seed(seed)
         self.stats = EngineStats()
         self.prefixes = PrefixCache(prefix_cache_tokens)  # finished rows' KV (decode thread only)
+        self.stale_kv = stale_kv
         self._version = version
         self._cv = threading.Condition()  # guards everything below, shared with the decode thread
         self._incoming: list[_Sequence] = []
@@ -293,7 +301,7 @@ class HFEngine:
                 load()
             with self._cv:
                 self._version = self._version + 1 if version is None else version
-                self._stale_cache = True
+                self._stale_cache = self.stale_kv == "recompute"
                 self.stats.weight_updates += 1
         finally:
             if not was_paused:

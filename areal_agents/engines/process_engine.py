@@ -125,9 +125,14 @@ class ProcessEngine:
         seed: int = 0,
         num_threads: int | None = None,
         prefix_cache_tokens: int = 65536,
+        stale_kv: str = "recompute",
     ) -> None:
         kwargs = dict(
-            max_batch_size=max_batch_size, seed=seed, num_threads=num_threads, prefix_cache_tokens=prefix_cache_tokens
+            max_batch_size=max_batch_size,
+            seed=seed,
+            num_threads=num_threads,
+            prefix_cache_tokens=prefix_cache_tokens,
+            stale_kv=stale_kv,
         )
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()

@@ -33,6 +33,7 @@ class ModelServerConfig:
     dtype: str = "float32"
     max_running_requests: int = 256
     prefix_cache_tokens: int = 65536
+    stale_kv: str = "recompute"
     seed: int = 0
 
 
@@ -226,7 +227,11 @@ def serve_model(cfg: ModelServerConfig) -> None:
     model = load_model(cfg.model_path, cfg.dtype)
     tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.model_path)
     engine = HFEngine(
-        model, max_batch_size=cfg.max_running_requests, seed=cfg.seed, prefix_cache_tokens=cfg.prefix_cache_tokens
+        model,
+        max_batch_size=cfg.max_running_requests,
+        seed=cfg.seed,
+        prefix_cache_tokens=cfg.prefix_cache_tokens,
+        stale_kv=cfg.stale_kv,
     )
     app = build_app(engine, tokenizer, cfg)
     print(f"serve-model: {cfg.model_path} on http://{cfg.host}:{cfg.port} (SGLang native API)", flush=True)

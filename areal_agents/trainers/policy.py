@@ -121,9 +121,10 @@ def open_policy_engine(name: str, cfg: TrainConfig, model_path: str, run_dir: Pa
 
 
 def trainer_threads(cfg: TrainConfig) -> int:
-    """Intra-op threads of the trainer thread when ``ppo.cpu_threads`` is 0: all cores, less those of an
-    in-process engine that keeps decoding during updates (max_staleness > 0). Oversubscribed OpenMP teams
-    wait on each other: async arithmetic ran at 0.7x the throughput of this split."""
+    """Intra-op threads of the trainer (thread or process) when ``ppo.cpu_threads`` is 0: all cores, less
+    those of a local hf engine (in this process or its own) that keeps decoding during updates
+    (max_staleness > 0). Oversubscribed OpenMP teams wait on each other: async arithmetic ran at 0.7x the
+    throughput of this split."""
     if cfg.rollout.max_staleness > 0 and cfg.engine.backend == "hf" and not cfg.engine.urls and cfg.engine.cpu_threads:
         return max(1, DEFAULT_CPU_THREADS - cfg.engine.cpu_threads)
     return DEFAULT_CPU_THREADS

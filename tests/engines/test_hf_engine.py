@@ -330,3 +330,47 @@ def test_a_group_resumed_after_a_weight_swap_runs_its_prompt_once(model, tokeniz
     for r, switch in zip(responses, switches):
         after = forward_logprobs(new_weights, ids + r.output_tokens, n_tokens - switch)
         assert torch.allclose(torch.tensor(r.output_logprobs[switch:]), after, atol=1e-4)
+
+
+def test_keeping_the_stale_kv_continues_without_re_prefill_and_logs_the_true_behavior(model, tokenizer, tiny_dir):
+    """stale_kv="keep" (in-flight weight update): tokens after the swap come from the new weights over the
+    old weights' cache, and their logprobs are exactly that distribution's; cached prefixes survive."""
+    from areal_agents.models import load_model
+
+    old = load_model(tiny_dir)
+    engine = HFEngine(model, eos_token_ids=[], seed=0, stale_kv="keep")
+    new_weights = load_model(tiny_dir)
+    with torch.no_grad():
+        for p in new_weights.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ids, n = prompt(tokenizer), 60
+
+    async def run():
+        first = await engine.agenerate(GenRequest("t0", ids, SamplingParams(3)))
+        task = asyncio.ensure_future(engine.agenerate(GenRequest("r", ids, SamplingParams(n))))
+        while engine.stats.decode_steps < 10:
+            await asyncio.sleep(0.001)
+        prefilled = engine.stats.prefill_tokens
+        await engine.update_weights(new_weights.state_dict())
+        r = await task
+        assert engine.stats.prefill_tokens == prefilled  # nothing ran again
+        hits = engine.stats.prefix_hit_tokens
+        await engine.agenerate(GenRequest("t1", ids + first.output_tokens + ids[-3:], SamplingParams(2)))
+        assert engine.stats.prefix_hit_tokens > hits  # the old turn's cache is still used
+        return r
+
+    r = asyncio.run(run())
+    switch = r.output_versions.index(1)
+    assert 0 < switch < n and r.output_versions[switch:] == [1] * (n - switch)
+    with torch.no_grad():  # old weights' cache up to the token sampled last before the swap, new weights after
+        cache = old(torch.tensor([ids + r.output_tokens[: switch - 1]]), use_cache=True).cache
+        logits = new_weights(torch.tensor([r.output_tokens[switch - 1 :]]), cache=cache, use_cache=True).logits[0, :-1]
+    expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(r.output_tokens[switch:])[:, None])
+    assert torch.allclose(torch.tensor(r.output_logprobs[switch:]), expected.squeeze(1), atol=1e-4)
+    fresh = forward_logprobs(new_weights, ids + r.output_tokens, n - switch)
+    assert not torch.allclose(torch.tensor(r.output_logprobs[switch:]), fresh, atol=1e-4)  # not a recompute
+
+
+def test_stale_kv_is_checked(model):
+    with pytest.raises(ValueError, match="stale_kv: expects 'recompute' or 'keep', got 'drop'"):
+        HFEngine(model, stale_kv="drop")
