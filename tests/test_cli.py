@@ -258,6 +258,9 @@ def test_async_run_with_engine_and_trainer_in_their_own_processes_trains_and_res
     assert summary["engine_version"] == 2 and summary["episodes"]["running"] == 0
     state = torch.load(run / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
     assert state["scheduler"]["last_epoch"] == 2 and state["optimizer"]["state"]  # fetched from the trainer process
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert "engine/prefix_hit_rate" in EventAccumulator(str(run / "tensorboard")).Reload().Tags()["scalars"]
     assert main([*args, "steps=3", "--resume", "--no-progress"]) == 0
     assert json.loads((run / "summary.json").read_text())["engine_version"] == 3
 

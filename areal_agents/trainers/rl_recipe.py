@@ -24,6 +24,7 @@ from areal_agents.agents.factory import make_rollout_agent
 from areal_agents.config import TrainConfig
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.hf_engine import HFEngine
+from areal_agents.engines.process_engine import ProcessEngine
 from areal_agents.engines.sglang_engine import SGLangEngine
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ConfigError
@@ -186,13 +187,17 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         prune_checkpoints(run_dir, cfg.keep_checkpoints)
         return path
 
-    seen = [0, 0]  # an in-process engine's prefix-cache hit tokens and prefilled tokens, at the last step
+    seen = [0, 0]  # a local hf engine's prefix-cache hit tokens and prefilled tokens, at the last step
 
-    def prefix_hits() -> dict[str, float]:
+    async def prefix_hits() -> dict[str, float]:
         """The share of context tokens the engine took from its prefix cache since the last step (evals included)."""
-        if not isinstance(main.engine, HFEngine):
+        if isinstance(main.engine, HFEngine):
+            stats = main.engine.stats
+        elif isinstance(main.engine, ProcessEngine):
+            stats = await main.engine.get_stats()
+        else:
             return {}
-        hit, run = main.engine.stats.prefix_hit_tokens, main.engine.stats.prefill_tokens
+        hit, run = stats.prefix_hit_tokens, stats.prefill_tokens
         step_hit, step_run = hit - seen[0], run - seen[1]
         seen[:] = [hit, run]
         return {"engine/prefix_hit_rate": step_hit / max(step_hit + step_run, 1)}
@@ -264,7 +269,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
                 **prefixed("train", stats),
                 **prefixed("perf", perf),
                 "engine/version": float(main.engine.get_version()),
-                **prefix_hits(),
+                **(await prefix_hits()),
             },
         )
         metrics.histogram(step, "rollout/staleness", staleness)
