@@ -200,8 +200,8 @@ class EngineConfig:
         default=1,
     )
     own_process: bool = _help(
-        "hf engine: run it in a child process of its own (its own GIL: faster beside busy rollouts and updates "
-        "on a small machine; requests and weights go over a pipe, not HTTP)",
+        "hf engine: run it in a child process of its own, with its own GIL (requests and weights go over a pipe, "
+        "not HTTP); async runs on a small machine: see the README for when it pays",
         default=False,
     )
     prefix_cache_tokens: int = _help(

@@ -47,6 +47,21 @@ class RemoteError(ArealAgentsError):
 STARTUP_TIMEOUT_S = 300.0  # a new worker's start-up (interpreter, imports, initializer) is not a call's time
 
 
+def stop_child(process: Any, conn: Connection, close_message: Any, timeout: float = 30.0) -> None:
+    """Send ``close_message`` to a child process serving ``conn`` and wait ``timeout`` s for it to exit;
+    kill it if it has not (stuck, or mid-way through a long call). Closes ``conn``."""
+    if process.is_alive():
+        try:
+            conn.send(close_message)
+        except (BrokenPipeError, ConnectionError, OSError):
+            pass  # already gone
+        process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    conn.close()
+
+
 def _worker_main(conn: Connection, initializer: Callable[[], Any] | None) -> None:
     if initializer is not None:
         initializer()

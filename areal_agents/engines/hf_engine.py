@@ -39,6 +39,7 @@ from areal_agents.types import GenRequest, GenResponse, SamplingParams, StopReas
 
 StaleKV = Literal["recompute", "keep"]  # what new weights do to the KV cache of running and finished requests
 ADMISSION_MAX_WAIT_S = 0.05  # the longest an idle engine holds arriving requests back to admit them together
+GATHER_FRACTION = 0.125  # a busy batch admits arrivals once they are this share of its live rows, or ...
 COMPACT_FRACTION = 0.25  # drop finished rows from the cache once they are this share of the batch
 
 
@@ -138,6 +139,7 @@ class HFEngine:
         num_threads: int | None = None,
         prefix_cache_tokens: int = 65536,
         stale_kv: StaleKV = "recompute",
+        gather_steps: int = 3,
     ) -> None:
         if stale_kv not in ("recompute", "keep"):
             raise ValueError(f"stale_kv: expects 'recompute' or 'keep', got {stale_kv!r}")
@@ -154,6 +156,8 @@ class HFEngine:
         self.stats = EngineStats()
         self.prefixes = PrefixCache(prefix_cache_tokens)  # finished rows' KV (decode thread only)
         self.stale_kv = stale_kv
+        self.gather_steps = gather_steps  # ... after this many decode steps (0: admit at every step)
+        self._gathered = 0  # decode steps arrivals have been held back (decode thread only)
         self._version = version
         self._cv = threading.Condition()  # guards everything below, shared with the decode thread
         self._incoming: list[_Sequence] = []
@@ -320,6 +324,17 @@ class HFEngine:
                 return
             self._cv.wait(min(self.admission_window_s, remaining))
 
+    def _gathering(self, batch: _Batch, aborts: bool) -> bool:
+        """Hold a few arrivals back while a busy batch decodes: every admission copies the running batch's
+        whole KV cache to merge the new rows in, so fewer, larger admissions cost less (multi-turn episodes
+        send their next turns one by one)."""
+        live = sum(not s.delivered for s in batch.rows) if self._incoming and not aborts else 0
+        if live and len(self._incoming) < GATHER_FRACTION * live and self._gathered < self.gather_steps:
+            self._gathered += 1
+            return True
+        self._gathered = 0
+        return False
+
     def _wait_for_boundary(self) -> None:
         with self._cv:
             while not self._at_boundary and self._thread is not None and self._thread.is_alive():
@@ -349,13 +364,13 @@ class HFEngine:
                         break
                     if not batch.rows:
                         self._await_arrivals()
-                    self._aborts = False
+                    aborts, self._aborts = self._aborts, False
                     if self._paused:  # only aborts to hand back; the model stays untouched
                         incoming = [s for s in self._incoming if s.abort]
                         self._incoming = [s for s in self._incoming if not s.abort]
                     else:
                         self._at_boundary = False
-                        room = self.max_batch_size - len(batch.rows)
+                        room = 0 if self._gathering(batch, aborts) else self.max_batch_size - len(batch.rows)
                         incoming, self._incoming = self._incoming[:room], self._incoming[room:]
                     stale, self._stale_cache = (
                         (False, self._stale_cache) if self._paused else (self._stale_cache, False)

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, GenResponse
+from areal_agents.workers import stop_child
 
 _START_TIMEOUT_S = 600.0
 
@@ -178,7 +179,10 @@ class ProcessEngine:
         try:
             return await future
         except asyncio.CancelledError:
-            self._post("cancel", [key])
+            try:
+                self._post("cancel", [key])  # its row is freed at the engine's next step
+            except EngineError:
+                pass  # the engine is gone: nothing to free
             raise
 
     async def pause(self) -> None:
@@ -213,16 +217,8 @@ class ProcessEngine:
 
     def close(self) -> None:
         """Stop the engine process; requests still waiting fail with `EngineError`."""
-        if self._process.is_alive():
-            try:
-                self._post("close", ())
-            except EngineError:
-                pass
-            self._process.join(30)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
-        self._conn.close()
+        with self._lock:
+            stop_child(self._process, self._conn, ("close", None, ()))
         self._reader.join(5)
 
     # ---- pipe -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ a pipe, new weights come back through one shared-memory copy of the state dict, 
 from __future__ import annotations
 
 import asyncio
+import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,8 +22,11 @@ from transformers import PreTrainedModel
 from areal_agents.config import TrainConfig
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.errors import ArealAgentsError
-from areal_agents.trainers.policy import open_policy_engine, trainer_threads
+from areal_agents.models.loading import load_model, quiet_transformers
+from areal_agents.trainers.policy import load_trainable, open_policy_engine, trainer_threads
+from areal_agents.trainers.setup import seed_everything
 from areal_agents.types import Trajectory
+from areal_agents.workers import stop_child
 
 _START_TIMEOUT_S = 600.0
 
@@ -33,10 +37,6 @@ class TrainerProcessError(ArealAgentsError):
 
 def _serve(conn: Any, cfg: TrainConfig, name: str, model_path: str, init_path: str, threads: int) -> None:
     """The child: load the trainable policy, then answer calls until ``close`` (or the pipe closes)."""
-    from areal_agents.models.loading import quiet_transformers  # noqa: PLC0415
-    from areal_agents.trainers.policy import load_trainable  # noqa: PLC0415
-    from areal_agents.trainers.setup import seed_everything  # noqa: PLC0415
-
     torch.set_num_threads(threads)
     quiet_transformers()
     seed_everything(cfg.seed)
@@ -93,13 +93,8 @@ class ProcessPolicy:
         servers: Any,
         threads: int,
     ) -> None:
-        self.name, self.engine, self.servers, self.model_path, self.dtype = (
-            name,
-            engine,
-            servers,
-            model_path,
-            cfg.model.dtype,
-        )
+        self.name, self.engine, self.servers = name, engine, servers
+        self.model_path, self.dtype = model_path, cfg.model.dtype
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(
@@ -108,8 +103,13 @@ class ProcessPolicy:
         self._process.start()
         child.close()
         self._caller = ThreadPoolExecutor(1, f"trainer-{name}-pipe")  # waits on the pipe, off the event loop
+        self._lock = threading.Lock()
         self._model: PreTrainedModel | None = None
-        self._weights: dict[str, torch.Tensor] = self._receive("start", _START_TIMEOUT_S)
+        try:
+            self._weights: dict[str, torch.Tensor] = self._receive("start", _START_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
 
     def _receive(self, method: str, timeout: float | None = None) -> Any:
         if timeout is not None and not self._conn.poll(timeout):
@@ -126,13 +126,14 @@ class ProcessPolicy:
         return value
 
     def _call(self, method: str, *args: Any) -> Any:
-        try:
-            self._conn.send((method, args))
-        except (BrokenPipeError, ConnectionError, OSError):
-            raise TrainerProcessError(
-                f"trainer process {self.name!r} is gone (exit code {self._process.exitcode}); cannot {method}"
-            ) from None
-        return self._receive(method)
+        with self._lock:  # one call on the pipe at a time (the event loop's and a checkpoint's)
+            try:
+                self._conn.send((method, args))
+            except (BrokenPipeError, ConnectionError, OSError):
+                raise TrainerProcessError(
+                    f"trainer process {self.name!r} is gone (exit code {self._process.exitcode}); cannot {method}"
+                ) from None
+            return self._receive(method)
 
     async def _acall(self, method: str, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._caller, self._call, method, *args)
@@ -152,8 +153,6 @@ class ProcessPolicy:
     @property
     def model(self) -> PreTrainedModel:
         """A copy of the trainer's current weights in this process (for checkpoints)."""
-        from areal_agents.models.loading import load_model  # noqa: PLC0415
-
         self._call("publish")
         if self._model is None:
             self._model = load_model(self.model_path, self.dtype)
@@ -168,27 +167,21 @@ class ProcessPolicy:
 
     def close(self) -> None:
         """Stop the trainer process (it exits on ``close``; a stuck one is killed)."""
-        try:
-            self._conn.send(("close", ()))
-        except (BrokenPipeError, ConnectionError, OSError):
-            pass
-        self._process.join(30)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
-        self._conn.close()
+        stop_child(self._process, self._conn, ("close", ()))
         self._caller.shutdown()
 
 
 def open_process_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, run_dir: Path) -> ProcessPolicy:
     """`open_policy` with the trainer in its own process (``ppo.cpu_threads`` intra-op threads, or all
-    cores less the in-process engine's when rollouts overlap updates)."""
+    cores less the local hf engine's when rollouts overlap updates)."""
     engine, servers = open_policy_engine(name, cfg, model_path, run_dir)
     try:
         return ProcessPolicy(
             name, cfg, model_path, init_path, engine, servers, cfg.ppo.cpu_threads or trainer_threads(cfg)
         )
     except BaseException:
+        if hasattr(engine, "close"):  # an engine process of its own
+            engine.close()
         if servers is not None:
             servers.stop()
         raise

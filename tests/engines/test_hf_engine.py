@@ -22,6 +22,17 @@ def forward_logprobs(model, ids, n_out, temperature=1.0):
     return logp[-n_out:]
 
 
+def perturbed(tiny_dir):
+    """The tiny model with noise on every weight: "new weights" for an update."""
+    from areal_agents.models import load_model
+
+    model = load_model(tiny_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
 def test_is_an_inference_engine(model):
     assert isinstance(HFEngine(model), InferenceEngine)
 
@@ -75,13 +86,9 @@ def test_a_group_of_identical_prompts_is_prefilled_once(model, tokenizer):
 
 
 def test_weight_update_mid_generation_resumes_with_new_version(model, tokenizer, tiny_dir):
-    from areal_agents.models import load_model
 
     engine = HFEngine(model, eos_token_ids=[], seed=0)  # no EOS: every request runs its full length
-    new_weights = load_model(tiny_dir)
-    with torch.no_grad():
-        for p in new_weights.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    new_weights = perturbed(tiny_dir)
     n_tokens = 120
     prompts = [prompt(tokenizer, f"{i}+{i}=") for i in range(6)]
 
@@ -114,13 +121,9 @@ def test_finished_rows_left_in_the_cache_stay_finished(model, tokenizer, tiny_di
     """One row of eight finishes early and stays in the KV cache (under a quarter of the batch) while the
     rest decode on through a weight update: its response is final at once, nothing is added to it, the
     update re-prefills only the live rows, and every live row continues exactly."""
-    from areal_agents.models import load_model
 
     engine = HFEngine(model, eos_token_ids=[], seed=0)
-    new_weights = load_model(tiny_dir)
-    with torch.no_grad():
-        for p in new_weights.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    new_weights = perturbed(tiny_dir)
     prompts = [prompt(tokenizer, f"{i}+{i}=") for i in range(8)]
     lengths = [4] + [60] * 7
 
@@ -263,13 +266,9 @@ def test_next_turns_reuse_the_cache_of_the_previous_turn(model, tokenizer):
 
 
 def test_new_weights_empty_the_prefix_cache(model, tokenizer, tiny_dir):
-    from areal_agents.models import load_model
 
     engine = HFEngine(model, eos_token_ids=[], seed=0)
-    new_weights = load_model(tiny_dir)
-    with torch.no_grad():
-        for p in new_weights.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    new_weights = perturbed(tiny_dir)
     first = prompt(tokenizer, "3+4=")
 
     async def run():
@@ -302,13 +301,9 @@ def test_flush_cache_forgets_the_cached_prefixes(model, tokenizer):
 def test_a_group_resumed_after_a_weight_swap_runs_its_prompt_once(model, tokenizer, tiny_dir):
     """After new weights, the rows of one group re-run prompt + own tokens: the shared prompt runs once
     (through the prefix cache) and every token after the swap is still exact under the new weights."""
-    from areal_agents.models import load_model
 
     engine = HFEngine(model, eos_token_ids=[], seed=0)
-    new_weights = load_model(tiny_dir)
-    with torch.no_grad():
-        for p in new_weights.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    new_weights = perturbed(tiny_dir)
     ids, n_tokens = prompt(tokenizer, "12+34="), 40
 
     async def run():
@@ -339,10 +334,7 @@ def test_keeping_the_stale_kv_continues_without_re_prefill_and_logs_the_true_beh
 
     old = load_model(tiny_dir)
     engine = HFEngine(model, eos_token_ids=[], seed=0, stale_kv="keep")
-    new_weights = load_model(tiny_dir)
-    with torch.no_grad():
-        for p in new_weights.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    new_weights = perturbed(tiny_dir)
     ids, n = prompt(tokenizer), 60
 
     async def run():
@@ -374,3 +366,25 @@ def test_keeping_the_stale_kv_continues_without_re_prefill_and_logs_the_true_beh
 def test_stale_kv_is_checked(model):
     with pytest.raises(ValueError, match="stale_kv: expects 'recompute' or 'keep', got 'drop'"):
         HFEngine(model, stale_kv="drop")
+
+
+def test_a_busy_batch_gathers_a_few_arrivals_for_a_few_steps(model):
+    """One arrival beside 16 decoding rows waits up to gather_steps steps (each admission copies the whole
+    running cache); enough arrivals, an abort or an idle batch admit at once."""
+    from areal_agents.engines.hf_engine import _Batch, _Sequence
+
+    engine = HFEngine(model, gather_steps=2)
+
+    def seq(rid):
+        return _Sequence(rid, [5, 6], SamplingParams(4), set(), None)
+
+    batch = _Batch(rows=[seq(str(i)) for i in range(16)])
+    engine._incoming = [seq("new")]
+    assert [engine._gathering(batch, aborts=False) for _ in range(4)] == [True, True, False, True]
+    assert not engine._gathering(batch, aborts=True)
+    engine._incoming.append(seq("newer"))  # 2 of 16 = GATHER_FRACTION
+    assert not engine._gathering(batch, aborts=False)
+    assert not engine._gathering(_Batch(), aborts=False)
+    eager = HFEngine(model, gather_steps=0)
+    eager._incoming = [seq("x")]
+    assert not eager._gathering(batch, aborts=False)

@@ -6,12 +6,11 @@ import signal
 
 import pytest
 import torch
-from test_hf_engine import forward_logprobs, prompt
+from test_hf_engine import forward_logprobs, perturbed, prompt
 
 from areal_agents.engines import HFEngine, InferenceEngine
 from areal_agents.engines.process_engine import ProcessEngine
 from areal_agents.errors import EngineError
-from areal_agents.models import load_model
 from areal_agents.types import GenRequest, SamplingParams
 
 
@@ -40,10 +39,7 @@ def test_greedy_matches_the_in_process_engine(engine, model, tokenizer):
 
 def test_weights_in_shared_memory_switch_the_version_mid_generation(tiny_dir, tokenizer):
     engine = ProcessEngine(str(tiny_dir), seed=0)
-    new_weights = load_model(tiny_dir)
-    with torch.no_grad():
-        for p in new_weights.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    new_weights = perturbed(tiny_dir)
     ids, n = prompt(tokenizer), 120
 
     async def run():
