@@ -176,6 +176,7 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
             max_running_requests=args.max_running_requests,
             prefix_cache_tokens=args.prefix_cache_tokens,
             stale_kv=args.stale_kv,
+            cpu_threads=args.cpu_threads,
             seed=args.seed,
         )
     )
@@ -277,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="recompute",
         help="after a weight update: recompute running requests' KV with the new weights, or keep the old",
     )
+    p.add_argument("--cpu-threads", type=int, default=0, help="intra-op threads of the decode thread (0 = all cores)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.set_defaults(fn=cmd_serve_model)
     return parser

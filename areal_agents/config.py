@@ -195,8 +195,9 @@ class EngineConfig:
     extra_args: list[str] = _help("more command-line flags for each launched server", default_factory=list)
     max_running_requests: int = _help("requests decoded together by the hf engine / serve-model", default=256)
     cpu_threads: int = _help(
-        "hf engine: CPU threads of its decode thread (0 = torch's default). One leaves the other cores to the "
-        "trainer thread: on CPU, two threads each running a full OpenMP team slow each other down",
+        "hf engine / serve-model launched by an async run: CPU threads of the decode thread (0 = torch's default). "
+        "One leaves the other cores to the trainer: on CPU, two threads each running a full OpenMP team slow each "
+        "other down",
         default=1,
     )
     own_process: bool = _help(

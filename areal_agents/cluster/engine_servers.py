@@ -26,7 +26,8 @@ class EngineServerActor:
         host = ray.util.get_node_ip_address()
         port = free_port(host)
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs, so an SGLang server counts from GPU 0
-        command = server_command(replace(cfg, host=host), model_path, dtype, port, 0)
+        # a serve-model actor has its node's share to itself: its decode thread takes all the cores torch sees
+        command = server_command(replace(cfg, host=host, cpu_threads=0), model_path, dtype, port, 0)
         log = Path(log_dir) / f"{cfg.backend}-{index}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as out:

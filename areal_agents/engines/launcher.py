@@ -76,6 +76,7 @@ def server_command(cfg: EngineConfig, model_path: str, dtype: str, port: int, in
             sys.executable, "-m", "areal_agents.cli", "serve-model", "--model-path", model_path, "--host", host,
             "--port", str(port), "--dtype", dtype, "--max-running-requests", str(cfg.max_running_requests),
             "--prefix-cache-tokens", str(cfg.prefix_cache_tokens), "--stale-kv", cfg.stale_kv,
+            "--cpu-threads", str(cfg.cpu_threads),
             *cfg.extra_args,
         ]  # fmt: skip
     raise EngineError(f"engine.backend must be 'hf', 'serve-model' or 'sglang' to launch servers, got {backend!r}")

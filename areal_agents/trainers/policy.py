@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,17 +117,22 @@ def open_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, ru
 def open_policy_engine(name: str, cfg: TrainConfig, model_path: str, run_dir: Path) -> tuple[InferenceEngine, Any]:
     """The policy's inference engine, serving ``model_path``, and the servers behind it (or None)."""
     engine_dir = run_dir if name == SHARED else run_dir / "policies" / name
-    return open_engine(cfg.engine, model_path, cfg.model.dtype, run_dir=engine_dir, seed=cfg.seed)
+    engine = cfg.engine
+    if engine.backend == "serve-model" and cfg.rollout.max_staleness == 0:
+        engine = replace(engine, cpu_threads=0)  # launched servers never decode beside an update: all cores
+    return open_engine(engine, model_path, cfg.model.dtype, run_dir=engine_dir, seed=cfg.seed)
 
 
 def trainer_threads(cfg: TrainConfig) -> int:
     """Intra-op threads of the trainer (thread or process) when ``ppo.cpu_threads`` is 0: all cores, less
-    those of a local hf engine (in this process or its own) that keeps decoding during updates
-    (max_staleness > 0). Oversubscribed OpenMP teams wait on each other: async arithmetic ran at 0.7x the
-    throughput of this split."""
-    if cfg.rollout.max_staleness > 0 and cfg.engine.backend == "hf" and not cfg.engine.urls and cfg.engine.cpu_threads:
-        return max(1, DEFAULT_CPU_THREADS - cfg.engine.cpu_threads)
-    return DEFAULT_CPU_THREADS
+    those of the local CPU engines (in this process, its own, or launched serve-model servers) that keep
+    decoding during updates (max_staleness > 0). Oversubscribed OpenMP teams wait on each other: async
+    arithmetic ran at 0.7x the throughput of this split, beside launched serve-model at 0.2x."""
+    e = cfg.engine
+    if cfg.rollout.max_staleness == 0 or e.urls or e.backend == "sglang" or not e.cpu_threads:
+        return DEFAULT_CPU_THREADS
+    engines = e.num_servers if e.backend == "serve-model" else 1  # launched here, beside the trainer
+    return max(1, DEFAULT_CPU_THREADS - engines * e.cpu_threads)
 
 
 def load_trainable(name: str, cfg: TrainConfig, model_path: str, init_path: str) -> Policy:
