@@ -188,6 +188,7 @@ class HFEngine:
             return await asyncio.shield(seq.future)
         except asyncio.CancelledError:
             seq.abort = True  # the caller went away: free its row at the next step
+            seq.future.add_done_callback(_ignore_outcome)  # nobody waits for it (e.g. "closed" at exit)
             raise
 
     async def agenerate(self, request: GenRequest) -> GenResponse:
@@ -593,6 +594,11 @@ class HFEngine:
         response = GenResponse(seq.tokens, seq.logprobs, seq.versions, reason, time.perf_counter() - seq.start)
         seq.delivered = True
         self._outbox.append((seq, response))  # handed over after the step (`_deliver`)
+
+
+def _ignore_outcome(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: no "exception was never retrieved" at exit
 
 
 def _deliver(results: list[tuple[_Sequence, GenResponse | BaseException]]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import signal
 import threading
 import traceback
 from typing import Any
@@ -36,6 +37,7 @@ def _serve(conn: Any, model_path: str, dtype: str, engine_kwargs: dict[str, Any]
     from areal_agents.engines.hf_engine import HFEngine  # noqa: PLC0415
     from areal_agents.models.loading import load_model, quiet_transformers  # noqa: PLC0415
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes this process
     torch.set_num_threads(1)  # this thread only loads weights; the decode thread sets its own
     quiet_transformers()
     try:

@@ -9,6 +9,7 @@ a pipe, new weights come back through one shared-memory copy of the state dict, 
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,7 @@ class TrainerProcessError(ArealAgentsError):
 
 def _serve(conn: Any, cfg: TrainConfig, name: str, model_path: str, init_path: str, threads: int) -> None:
     """The child: load the trainable policy, then answer calls until ``close`` (or the pipe closes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes this process
     torch.set_num_threads(threads)
     quiet_transformers()
     seed_everything(cfg.seed)
