@@ -47,6 +47,30 @@ class RemoteError(ArealAgentsError):
 STARTUP_TIMEOUT_S = 300.0  # a new worker's start-up (interpreter, imports, initializer) is not a call's time
 
 
+def start_child(
+    target: Callable[..., Any], args: tuple, name: str, error: type[Exception], what: str, timeout: float = 600.0
+) -> tuple[Any, Connection, Any]:
+    """Spawn ``target(conn, *args)`` and wait for its first message: ``("ok", value)``, returned with the
+    process and this end of the pipe, or ``("error", traceback)``, raised as ``error("what: ...")``."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
+    process.start()
+    child.close()
+    try:
+        if not conn.poll(timeout):
+            status, value = "error", f"no answer in {timeout:.0f}s"
+        else:
+            status, value = conn.recv()
+    except EOFError:
+        process.join(5)
+        status, value = "error", f"the process exited (code {process.exitcode})"
+    if status == "error":
+        stop_child(process, conn, None, timeout=0)
+        raise error(f"{what}:\n{value}")
+    return process, conn, value
+
+
 def stop_child(process: Any, conn: Connection, close_message: Any, timeout: float = 30.0) -> None:
     """Send ``close_message`` to a child process serving ``conn`` and wait ``timeout`` s for it to exit;
     kill it if it has not (stuck, or mid-way through a long call). Closes ``conn``."""

@@ -48,10 +48,7 @@ class TrainerRank:
             self.dp.broadcast_parameters(self.policy.critic)
 
     def update(self, trajectories: list[Trajectory], pad: int, generator_state: torch.Tensor) -> tuple[dict, Any]:
-        generator = torch.Generator().manual_seed(0)
-        generator.set_state(generator_state)
-        stats = self.policy.train_step(trajectories, self.cfg, pad, generator, self.dp)
-        return stats, generator.get_state()
+        return self.policy.remote_train_step(trajectories, self.cfg, pad, generator_state, self.dp)
 
     def write_weights(self, path: str) -> None:
         write_weights(self.policy.model.state_dict(), path)

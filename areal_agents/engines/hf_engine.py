@@ -267,6 +267,10 @@ class HFEngine:
         if self._thread is not None:
             self._thread.join()
 
+    async def get_stats(self) -> EngineStats:
+        """Counters since the start (as `ProcessEngine.get_stats`, which asks its process)."""
+        return self.stats
+
     def flush_cache(self) -> None:
         """Forget the finished requests' cached prefixes (at the next step; new weights do this themselves)."""
         with self._cv:

@@ -23,11 +23,11 @@ import traceback
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
+import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of tensors sent as weights)
 
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, GenResponse
-from areal_agents.workers import stop_child
+from areal_agents.workers import start_child, stop_child
 
 _START_TIMEOUT_S = 600.0
 
@@ -43,9 +43,9 @@ def _serve(conn: Any, model_path: str, dtype: str, engine_kwargs: dict[str, Any]
     try:
         engine = HFEngine(load_model(model_path, dtype), **engine_kwargs)
     except BaseException:
-        conn.send(("start", None, ("error", traceback.format_exc())))
+        conn.send(("error", traceback.format_exc()))
         return
-    conn.send(("start", None, ("ok", None)))
+    conn.send(("ok", None))
     asyncio.run(_child_loop(conn, engine))
 
 
@@ -87,7 +87,7 @@ async def _child_loop(conn: Any, engine: Any) -> None:
 
     async def control(key: int, method: str, args: tuple) -> None:
         try:
-            value = engine.stats if method == "stats" else getattr(engine, method)(*args)
+            value = getattr(engine, method)(*args)
             if asyncio.iscoroutine(value):
                 value = await value
             reply = ("ok", value)
@@ -137,29 +137,16 @@ class ProcessEngine:
             prefix_cache_tokens=prefix_cache_tokens,
             stale_kv=stale_kv,
         )
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(
-            target=_serve, args=(child, model_path, dtype, kwargs), name="hf-engine", daemon=True
+        what = f"ProcessEngine: could not start an engine for {model_path!r}"
+        self._process, self._conn, _ = start_child(
+            _serve, (model_path, dtype, kwargs), "hf-engine", EngineError, what, _START_TIMEOUT_S
         )
-        self._process.start()
-        child.close()
         self._keys = itertools.count()
         self._lock = threading.Lock()  # guards sending and the waiting futures
         self._waiting: dict[int, asyncio.Future] = {}
         self._outbox: list[tuple[int, GenRequest]] = []
         self._error: str | None = None
         self._version = 0
-        if not self._conn.poll(_START_TIMEOUT_S):
-            self._process.kill()
-            raise EngineError(f"ProcessEngine: {model_path!r} did not load in {_START_TIMEOUT_S:.0f}s")
-        try:
-            _, _, (status, value) = self._conn.recv()
-        except EOFError:
-            self._process.join(5)
-            status, value = "error", f"the engine process exited (code {self._process.exitcode})"
-        if status == "error":
-            raise EngineError(f"ProcessEngine: could not start an engine for {model_path!r}:\n{value}")
         self._reader = threading.Thread(target=self._read, name="engine-pipe", daemon=True)
         self._reader.start()
 
@@ -212,7 +199,7 @@ class ProcessEngine:
 
     async def get_stats(self) -> Any:
         """The child engine's `EngineStats`."""
-        return await self._call("stats")
+        return await self._call("get_stats")
 
     async def aclose(self) -> None:
         self.close()

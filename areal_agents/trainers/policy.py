@@ -102,6 +102,20 @@ class Policy:
             dp=dp,
         )
 
+    def remote_train_step(
+        self,
+        trajectories: list[Trajectory],
+        cfg: TrainConfig,
+        pad_token_id: int,
+        generator_state: torch.Tensor,
+        dp: DataParallel | None = None,
+    ) -> tuple[dict[str, float], torch.Tensor]:
+        """`train_step` where the caller's generator lives in another process: its state in, its state out."""
+        generator = torch.Generator()
+        generator.set_state(generator_state)
+        stats = self.train_step(trajectories, cfg, pad_token_id, generator, dp)
+        return stats, generator.get_state()
+
     async def push_weights(self) -> None:
         await self.engine.update_weights(self.model.state_dict())  # pause, swap, version + 1, resume
 

@@ -191,12 +191,9 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
 
     async def prefix_hits() -> dict[str, float]:
         """The share of context tokens the engine took from its prefix cache since the last step (evals included)."""
-        if isinstance(main.engine, HFEngine):
-            stats = main.engine.stats
-        elif isinstance(main.engine, ProcessEngine):
-            stats = await main.engine.get_stats()
-        else:
+        if not isinstance(main.engine, (HFEngine, ProcessEngine)):
             return {}
+        stats = await main.engine.get_stats()
         hit, run = stats.prefix_hit_tokens, stats.prefill_tokens
         step_hit, step_run = hit - seen[0], run - seen[1]
         seen[:] = [hit, run]

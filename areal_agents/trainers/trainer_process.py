@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
+import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of the weights)
 from transformers import PreTrainedModel
 
 from areal_agents.config import TrainConfig
@@ -27,7 +27,7 @@ from areal_agents.models.loading import load_model, quiet_transformers
 from areal_agents.trainers.policy import load_trainable, open_policy_engine, trainer_threads
 from areal_agents.trainers.setup import seed_everything
 from areal_agents.types import Trajectory
-from areal_agents.workers import stop_child
+from areal_agents.workers import start_child, stop_child
 
 _START_TIMEOUT_S = 600.0
 
@@ -51,10 +51,7 @@ def _serve(conn: Any, cfg: TrainConfig, name: str, model_path: str, init_path: s
     conn.send(("ok", weights))
 
     def update(trajectories: list[Trajectory], pad: int, generator_state: torch.Tensor) -> tuple[dict, Any]:
-        generator = torch.Generator()
-        generator.set_state(generator_state)
-        stats = policy.train_step(trajectories, cfg, pad, generator)
-        return stats, generator.get_state()
+        return policy.remote_train_step(trajectories, cfg, pad, generator_state)
 
     @torch.no_grad()
     def publish() -> None:
@@ -97,25 +94,19 @@ class ProcessPolicy:
     ) -> None:
         self.name, self.engine, self.servers = name, engine, servers
         self.model_path, self.dtype = model_path, cfg.model.dtype
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(
-            target=_serve, args=(child, cfg, name, model_path, init_path, threads), name=f"trainer-{name}", daemon=True
+        self._process, self._conn, self._weights = start_child(
+            _serve,
+            (cfg, name, model_path, init_path, threads),
+            f"trainer-{name}",
+            TrainerProcessError,
+            f"trainer process {name!r} failed in start",
+            _START_TIMEOUT_S,
         )
-        self._process.start()
-        child.close()
         self._caller = ThreadPoolExecutor(1, f"trainer-{name}-pipe")  # waits on the pipe, off the event loop
         self._lock = threading.Lock()
         self._model: PreTrainedModel | None = None
-        try:
-            self._weights: dict[str, torch.Tensor] = self._receive("start", _START_TIMEOUT_S)
-        except BaseException:
-            self.close()
-            raise
 
-    def _receive(self, method: str, timeout: float | None = None) -> Any:
-        if timeout is not None and not self._conn.poll(timeout):
-            raise TrainerProcessError(f"trainer process {self.name!r}: no answer to {method} in {timeout:.0f}s")
+    def _receive(self, method: str) -> Any:
         try:
             status, value = self._conn.recv()
         except (EOFError, ConnectionError):
