@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from areal_agents.config import TrainConfig, load_config
@@ -59,3 +61,19 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(TrainConfig, write(tmp_path, "steps: [1\n"))
     with pytest.raises(ConfigError, match="expects the form key.sub=value"):
         load_config(TrainConfig, None, ["steps"])
+
+
+@pytest.mark.parametrize(
+    "path", sorted(Path(__file__).parents[1].glob("examples/*/*.yaml")), ids=lambda p: p.parent.name + "/" + p.name
+)
+def test_example_configs_load_and_make_their_envs(path):
+    """Every shipped recipe is a valid config; the toy tasks' envs (train and eval kwargs) can be made (math and
+    code load their datasets from the Hugging Face hub, out of reach here)."""
+    from areal_agents.config import SFTConfig  # noqa: PLC0415
+    from areal_agents.envs import make_env  # noqa: PLC0415
+
+    cfg = load_config(SFTConfig if path.name.startswith("sft") else TrainConfig, path)
+    if path.parent.name in ("math", "code"):
+        return
+    make_env(cfg.env.id, **cfg.env.kwargs).reset(seed=0)
+    make_env(cfg.env.id, **{**cfg.env.kwargs, **cfg.eval.env_kwargs}).reset(seed=0)

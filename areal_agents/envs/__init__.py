@@ -15,6 +15,7 @@ from areal_agents.envs.registry import describe_envs, import_env_module, make_en
 
 for _id, _entry in (
     ("areal_agents/Arithmetic-v0", "areal_agents.envs.arithmetic:ArithmeticEnv"),
+    ("areal_agents/Count-v0", "areal_agents.envs.count:CountEnv"),
     ("areal_agents/Math-v0", "areal_agents.envs.math:MathEnv"),
     ("areal_agents/Code-v0", "areal_agents.envs.code:CodeEnv"),
     ("areal_agents/Debate-v0", "areal_agents.envs.debate:DebateEnv"),
