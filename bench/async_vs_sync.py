@@ -1,13 +1,15 @@
 """Asynchronous vs synchronous RL: trained samples/s at max_staleness 0 (sync) vs 1, 2, 4, same run.
 
     .venv/bin/python bench/async_vs_sync.py --simulate          # a GPU-cluster latency model, no real model
-    .venv/bin/python bench/async_vs_sync.py --sft-model runs/arith/sft/model   # the real recipe on this CPU
+    .venv/bin/python bench/async_vs_sync.py --sft-model runs/count/sft/model   # a real recipe on this CPU
+    .venv/bin/python bench/async_vs_sync.py --task arithmetic --sft-model runs/arith/sft/model --max-turns 1
 
-Real mode: the arithmetic recipe (examples/arithmetic/rl.yaml) from the same SFT checkpoint, seed and
-prompts at each max_staleness, each in a fresh process, with multi-turn retries (``--max-turns`` 4: a
-wrong answer gets feedback and another turn, so episode lengths have a tail; 1 is the one-turn recipe);
-prints end-to-end samples/s over the training steps and the held-out accuracy after. Target on CPU:
->= 1.5x samples/s with accuracy within 5 points.
+Real mode: a recipe from the same SFT checkpoint, seed and prompts at each max_staleness, each in a
+fresh process; prints end-to-end samples/s over the training steps and the held-out accuracy after.
+``--task count`` (examples/count/rl.yaml): answers of long-tailed length (1 to 32 numbers, median 6), the
+case the target is set for: >= 1.5x samples/s with accuracy within 5 points. ``--task arithmetic``
+(examples/arithmetic/rl.yaml): answers of 2-4 characters, with multi-turn retries (``--max-turns`` 4: a
+wrong answer gets feedback and another turn; 1 is the one-turn recipe).
 
 Simulation: the real `RolloutController` drives a simulated inference cluster. Decoding advances every
 running sequence one token per step, and a step takes ``step_ms + per_seq_ms * running`` (memory-bound
@@ -155,8 +157,8 @@ async def simulate(max_staleness: int, args) -> dict[str, float]:
     }
 
 
-def train_once(overrides: list[str]) -> dict:
-    """One run of the arithmetic recipe (in a fresh process: no threads or OpenMP teams of another run)."""
+def train_once(recipe: Path, overrides: list[str]) -> dict:
+    """One run of a recipe (in a fresh process: no threads or OpenMP teams of another run)."""
     import transformers  # noqa: PLC0415
 
     from areal_agents.config import TrainConfig, load_config  # noqa: PLC0415
@@ -164,10 +166,11 @@ def train_once(overrides: list[str]) -> dict:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    recipe = Path(__file__).resolve().parents[1] / "examples" / "arithmetic" / "rl.yaml"
     return run_train(load_config(TrainConfig, recipe, overrides), progress=False)
 
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+TASKS = {"count": EXAMPLES / "count" / "rl.yaml", "arithmetic": EXAMPLES / "arithmetic" / "rl.yaml"}
 LAYOUTS = {
     "thread": [],  # the engine's decode thread, the event loop and the trainer thread in one process
     "processes": ["engine.own_process=true", "ppo.trainer=process"],  # engine and trainer in their own
@@ -175,9 +178,9 @@ LAYOUTS = {
 
 
 def real(args) -> None:  # noqa: ANN001
-    """The arithmetic recipe at each max_staleness and layout, same checkpoint, seed and prompts."""
+    """A recipe at each max_staleness and layout, same checkpoint, seed and prompts."""
     if not args.sft_model:
-        raise SystemExit("real mode needs --sft-model (e.g. runs/bench_arith/sft/model from bench/e2e_arith.py)")
+        raise SystemExit("real mode needs --sft-model (the task's SFT model: see examples/count/run.sh)")
     layouts = args.layouts.split(",")
     unknown = set(layouts) - set(LAYOUTS)
     if unknown:
@@ -190,13 +193,14 @@ def real(args) -> None:  # noqa: ANN001
                 f"model.path={args.sft_model}",
                 f"steps={args.rl_steps}",
                 f"rollout.max_staleness={eta}",
-                f"env.kwargs.max_turns={args.max_turns}",
+                *([f"env.kwargs.max_turns={args.max_turns}"] if args.task == "arithmetic" else []),
                 *LAYOUTS[layout],
                 *args.set,
             ]
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                results[eta, layout] = pool.submit(train_once, overrides).result()
-    print(f"\n== bench/async_vs_sync (real recipe, this CPU, max_turns {args.max_turns}, {' '.join(args.set)}) ==")
+                results[eta, layout] = pool.submit(train_once, TASKS[args.task], overrides).result()
+    turns = f", max_turns {args.max_turns}" if args.task == "arithmetic" else ""
+    print(f"\n== bench/async_vs_sync ({args.task} recipe, this CPU{turns}, {' '.join(args.set)}) ==")
     sync = [r for (eta, _), r in results.items() if eta == 0] or list(results.values())
     base = max(sync, key=lambda r: r["samples_per_s"])  # the faster synchronous layout
     for (eta, layout), r in results.items():
@@ -224,10 +228,11 @@ def main() -> None:
     parser.add_argument("--train-s", type=float, default=60.0, help="seconds per training step")
     parser.add_argument("--sync-s", type=float, default=5.0, help="seconds per weight update")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sft-model", default="", help="real mode: the SFT checkpoint (see bench/e2e_arith.py)")
+    parser.add_argument("--sft-model", default="", help="real mode: the task's SFT checkpoint")
     parser.add_argument("--rl-steps", type=int, default=100, help="real mode: RL steps per setting")
     parser.add_argument("--staleness", default="0,4", help="real mode: max_staleness values, comma-separated")
-    parser.add_argument("--max-turns", type=int, default=4, help="real mode: turns per episode (1: one-turn recipe)")
+    parser.add_argument("--task", choices=sorted(TASKS), default="count", help="real mode: the recipe")
+    parser.add_argument("--max-turns", type=int, default=4, help="real mode, arithmetic: turns per episode")
     parser.add_argument("--out", default="runs/bench_async", help="real mode: run directories")
     parser.add_argument("--set", action="append", default=[], help="real mode: a config override for every setting")
     parser.add_argument(
