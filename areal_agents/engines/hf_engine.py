@@ -1,14 +1,15 @@
 """`HFEngine`: an in-process transformers engine with continuous batching, interruptible between steps.
 
-Concurrent requests share one running batch: new ones are prefilled and merged into the left-padded KV
-cache between decode steps, finished ones leave it. Requests admitted together with the same context
-(the episodes of a GRPO group) are prefilled once, and a request that extends a finished one (the next
-turn of an episode) prefills only its new tokens (`PrefixCache`). ``pause()`` stops at a step boundary;
-``update_weights`` then swaps the weights, which invalidates the cache, so on ``resume()`` every running
-sequence is re-prefilled (prompt + tokens so far) and its later tokens carry the new version (AReaL's
-interruptible rollout). ``stale_kv="keep"`` keeps the old weights' keys and values instead (PipelineRL's
-in-flight weight update): no re-prefill; each token's recorded logprob is still that of the distribution
-it was sampled from, which is what decoupled PPO's behavior policy needs.
+Concurrent requests share one running batch: new ones are prefilled and written into spare rows of the
+left-padded KV cache between decode steps, finished ones leave it (the last rows move into their places).
+Requests admitted together with the same context (the episodes of a GRPO group) are prefilled once, and a
+request that extends a finished one (the next turn of an episode) prefills only its new tokens
+(`PrefixCache`). ``pause()`` stops at a step boundary; ``update_weights`` then swaps the weights, which
+invalidates the cache, so on ``resume()`` every running sequence is re-prefilled (prompt + tokens so far)
+and its later tokens carry the new version (AReaL's interruptible rollout). ``stale_kv="keep"`` keeps the
+old weights' keys and values instead (PipelineRL's in-flight weight update): no re-prefill; each token's
+recorded logprob is still that of the distribution it was sampled from, which is what decoupled PPO's
+behavior policy needs.
 ``abort()`` ends requests early with stop reason ``abort`` and the tokens so far (what ``serve-model``'s
 /pause_generation and /abort_request do); ``generate_once`` may return such a partial response, while
 ``agenerate`` resubmits prompt + tokens so far until the request completes, as the SGLang client does.
@@ -40,7 +41,7 @@ from areal_agents.types import GenRequest, GenResponse, SamplingParams, StopReas
 StaleKV = Literal["recompute", "keep"]  # what new weights do to the KV cache of running and finished requests
 ADMISSION_MAX_WAIT_S = 0.05  # the longest an idle engine holds arriving requests back to admit them together
 GATHER_FRACTION = 0.125  # a busy batch admits arrivals once they are this share of its live rows, or ...
-COMPACT_FRACTION = 0.25  # drop finished rows from the cache once they are this share of the batch
+COMPACT_FRACTION = 0.0625  # drop finished rows from the cache once they are this share of the batch
 
 
 @dataclass
@@ -76,40 +77,82 @@ class _Sequence:
 
 
 class _GrowingLayer(DynamicLayer):
-    """A KV cache layer that appends decode steps in place into spare room, instead of copying the
-    whole cache every step (`DynamicLayer` concatenates: half of a decode step's time at batch 256).
+    """A KV cache layer kept in a buffer with spare rows and columns, so that the running batch changes
+    in place: a decode step writes its column, arrivals write their rows, finished rows are replaced by
+    the last ones and leading columns nobody attends to are dropped, without copying the whole cache
+    (`DynamicLayer` concatenates every step; merging arrivals by concatenation copied every row).
 
-    ``keys`` / ``values`` stay plain tensors the engine may replace (merge, retire); a replaced one
-    is copied into fresh room on the next append."""
+    ``keys`` / ``values`` are views ``room[:rows, :, start:start + width]``; one the engine replaces by
+    another tensor (a prefill's rows picked by index) is copied into fresh room when next changed."""
 
     @classmethod
-    def adopt(cls, layer: DynamicLayer) -> _GrowingLayer:
+    def adopt(cls, layer: DynamicLayer, max_rows: int) -> _GrowingLayer:
         grown = cls()
         grown.__dict__.update(layer.__dict__)
-        grown._room = None
+        grown._room, grown._start, grown._view, grown._max_rows = None, 0, None, max_rows
         return grown
+
+    def _make_room(self, rows: int, left: int, right: int) -> None:
+        """Ensure room for ``rows`` rows, ``left`` columns before the view and ``right`` after it."""
+        n, width = self.keys.shape[0], self.keys.shape[-2]
+        room = self._room
+        if (
+            room is not None
+            and self.keys is self._view
+            and room[0].shape[0] >= rows
+            and self._start >= left
+            and room[0].shape[2] - self._start - width >= right
+        ):
+            return
+        capacity = max(rows, min(self._max_rows, 2 * rows))
+        self._start = max(left, 8, width // 4)
+        columns = self._start + width + max(right, 16, width // 2)
+        # zeros, not empty: columns a row does not attend to are masked, and must hold finite numbers
+        room = tuple(x.new_zeros(capacity, x.shape[1], columns, x.shape[-1]) for x in (self.keys, self.values))
+        room[0][:n, :, self._start : self._start + width] = self.keys
+        room[1][:n, :, self._start : self._start + width] = self.values
+        self._room = room
+        self._show(n, width)
+
+    def _show(self, rows: int, width: int) -> None:
+        keys, values = self._room
+        self.keys = keys[:rows, :, self._start : self._start + width]
+        self.values = values[:rows, :, self._start : self._start + width]
+        self._view = self.keys
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003
         if not self.is_initialized or self.keys.numel() == 0:
             return super().update(key_states, value_states, *args, **kwargs)
-        n, add = self.keys.shape[-2], key_states.shape[-2]
-        room = self._room
-        if (
-            room is None
-            or room[0].data_ptr() != self.keys.data_ptr()
-            or room[0].shape[:2] != self.keys.shape[:2]
-            or self.keys.stride() != room[0].stride()
-            or room[0].shape[-2] < n + add
-        ):
-            size = n + add + max(16, n // 2)
-            room = tuple(x.new_empty(*x.shape[:2], size, x.shape[-1]) for x in (self.keys, self.values))
-            room[0][:, :, :n] = self.keys
-            room[1][:, :, :n] = self.values
-            self._room = room
-        room[0][:, :, n : n + add] = key_states
-        room[1][:, :, n : n + add] = value_states
-        self.keys, self.values = room[0][:, :, : n + add], room[1][:, :, : n + add]
+        n, width, add = self.keys.shape[0], self.keys.shape[-2], key_states.shape[-2]
+        self._make_room(n, 0, add)
+        end = self._start + width
+        self._room[0][:n, :, end : end + add] = key_states
+        self._room[1][:n, :, end : end + add] = value_states
+        self._show(n, width + add)
         return self.keys, self.values
+
+    def add_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append rows whose last column lines up with the batch's (left padding; wider ones widen it)."""
+        n, width = self.keys.shape[0], self.keys.shape[-2]
+        k, w = keys.shape[0], keys.shape[-2]
+        wider = max(0, w - width)
+        self._make_room(n + k, wider, 0)
+        self._start -= wider
+        end = self._start + width + wider
+        self._room[0][n : n + k, :, end - w : end] = keys
+        self._room[1][n : n + k, :, end - w : end] = values
+        self._show(n + k, width + wider)
+
+    def keep_rows(self, holes: torch.Tensor, movers: torch.Tensor, rows: int, drop_columns: int) -> None:
+        """Keep the first ``rows`` rows, the last rows ``movers`` copied into ``holes``; drop leading columns."""
+        n, width = self.keys.shape[0], self.keys.shape[-2]
+        if self.keys is not self._view:
+            self._make_room(n, 0, 0)
+        if len(holes):
+            for x in self._room:
+                x[holes, :, self._start : self._start + width] = x[movers, :, self._start : self._start + width]
+        self._start += drop_columns
+        self._show(rows, width - drop_columns)
 
 
 @dataclass
@@ -330,9 +373,9 @@ class HFEngine:
             self._cv.wait(min(self.admission_window_s, remaining))
 
     def _gathering(self, batch: _Batch, aborts: bool) -> bool:
-        """Hold a few arrivals back while a busy batch decodes: every admission copies the running batch's
-        whole KV cache to merge the new rows in, so fewer, larger admissions cost less (multi-turn episodes
-        send their next turns one by one)."""
+        """Hold a few arrivals back while a busy batch decodes: every admission is a prefill pass of its own,
+        whose fixed cost the whole batch waits for, so fewer, larger admissions cost less (multi-turn
+        episodes send their next turns one by one)."""
         live = sum(not s.delivered for s in batch.rows) if self._incoming and not aborts else 0
         if live and len(self._incoming) < GATHER_FRACTION * live and self._gathered < self.gather_steps:
             self._gathered += 1
@@ -496,7 +539,7 @@ class HFEngine:
         self.stats.prefill_tokens += sum(len(c) for c in news)
         self.stats.prefix_hit_tokens += sum(start)
         cache = out.cache
-        cache.layers = [_GrowingLayer.adopt(layer) for layer in cache.layers]
+        cache.layers = [_GrowingLayer.adopt(layer, self.max_batch_size) for layer in cache.layers]
         return cache, attention, positions[:, -1], out.logits[:, -1]
 
     def _decode(self, batch: _Batch, version: int) -> None:
@@ -540,11 +583,7 @@ class HFEngine:
             return
         width = max(batch.attention.shape[1], new.attention.shape[1])
         for old_layer, new_layer in zip(batch.cache.layers, new.cache.layers):
-            for name in ("keys", "values"):
-                a, b = getattr(old_layer, name), getattr(new_layer, name)
-                a = F.pad(a, (0, 0, width - a.shape[-2], 0))
-                b = F.pad(b, (0, 0, width - b.shape[-2], 0))
-                setattr(old_layer, name, torch.cat([a, b], dim=0))
+            old_layer.add_rows(new_layer.keys, new_layer.values)
         batch.attention = torch.cat(
             [
                 F.pad(batch.attention, (width - batch.attention.shape[1], 0)),
@@ -557,8 +596,7 @@ class HFEngine:
 
     def _retire(self, batch: _Batch) -> None:
         """Hand back finished and aborted rows. Their rows leave the cache (with any all-padding columns)
-        once they are `COMPACT_FRACTION` of the batch: compaction copies the whole cache, which costs
-        more than decoding a few idle rows for a few steps."""
+        once they are `COMPACT_FRACTION` of the batch: the last live rows move into their places."""
         keep, finished = [], []
         for i, seq in enumerate(batch.rows):
             if not seq.delivered and (seq.stop_reason is not None or seq.abort):
@@ -579,8 +617,14 @@ class HFEngine:
         if not keep:
             batch.rows, batch.cache = [], None
             return
-        index = torch.tensor(keep)
-        batch.rows = [batch.rows[i] for i in keep]
+        n = len(keep)
+        holes = [i for i in range(n) if batch.rows[i].delivered]
+        movers = [i for i in keep if i >= n]  # as many as there are holes
+        order = list(range(n))
+        for hole, mover in zip(holes, movers):
+            order[hole] = mover
+        index = torch.tensor(order)
+        batch.rows = [batch.rows[i] for i in order]
         batch.attention, batch.positions, batch.pending = (
             batch.attention[index],
             batch.positions[index],
@@ -588,9 +632,9 @@ class HFEngine:
         )
         first = int(batch.attention.any(0).nonzero()[0])  # leading columns nobody attends to any more
         batch.attention = batch.attention[:, first:]
+        holes_t, movers_t = torch.tensor(holes, dtype=torch.long), torch.tensor(movers, dtype=torch.long)
         for layer in batch.cache.layers:
-            layer.keys = layer.keys[index, :, first:]
-            layer.values = layer.values[index, :, first:]
+            layer.keep_rows(holes_t, movers_t, n, first)
 
     def _finish(self, seq: _Sequence, reason: StopReason) -> None:
         if reason == "abort":

@@ -118,14 +118,14 @@ def test_weight_update_mid_generation_resumes_with_new_version(model, tokenizer,
 
 
 def test_finished_rows_left_in_the_cache_stay_finished(model, tokenizer, tiny_dir):
-    """One row of eight finishes early and stays in the KV cache (under a quarter of the batch) while the
+    """One row of seventeen finishes early and stays in the KV cache (under a sixteenth of the batch) while the
     rest decode on through a weight update: its response is final at once, nothing is added to it, the
     update re-prefills only the live rows, and every live row continues exactly."""
 
     engine = HFEngine(model, eos_token_ids=[], seed=0)
     new_weights = perturbed(tiny_dir)
-    prompts = [prompt(tokenizer, f"{i}+{i}=") for i in range(8)]
-    lengths = [4] + [60] * 7
+    prompts = [prompt(tokenizer, f"{i}+{i}=") for i in range(17)]
+    lengths = [4] + [60] * 16
 
     async def run():
         await engine.pause()  # admitted together
@@ -388,3 +388,40 @@ def test_a_busy_batch_gathers_a_few_arrivals_for_a_few_steps(model):
     eager = HFEngine(model, gather_steps=0)
     eager._incoming = [seq("x")]
     assert not eager._gathering(batch, aborts=False)
+
+
+def test_the_kv_cache_changes_rows_and_columns_in_place():
+    """Arrivals (narrower and wider than the batch), decode steps and compaction of finished rows give
+    the same keys as concatenating and indexing would, in the same buffer: nothing copies the whole cache."""
+    from transformers.cache_utils import DynamicLayer
+
+    from areal_agents.engines.hf_engine import _GrowingLayer
+
+    def kv(rows, width):
+        return torch.randn(rows, 2, width, 3), torch.randn(rows, 2, width, 3)
+
+    def left_pad(x, width):
+        return torch.nn.functional.pad(x, (0, 0, width - x.shape[-2], 0))
+
+    base = DynamicLayer()
+    base.update(*kv(4, 10))
+    layer = _GrowingLayer.adopt(base, max_rows=16)  # room for 8 rows: twice the first batch
+    expected = [layer.keys.clone(), layer.values.clone()]
+    step = kv(4, 1)  # a decode step: the first one moves the cache into room of its own
+    layer.update(*step)
+    expected = [torch.cat([e, s], dim=2) for e, s in zip(expected, step)]
+    buffer = layer.keys.untyped_storage().data_ptr()
+    for rows, width in [(3, 6), (1, 13)]:  # arrivals: narrower, then wider than the running batch
+        new = kv(rows, width)
+        layer.add_rows(*new)
+        w = max(expected[0].shape[2], width)
+        expected = [torch.cat([left_pad(e, w), left_pad(x, w)]) for e, x in zip(expected, new)]
+        step = kv(8 if rows == 1 else 7, 1)
+        layer.update(*step)
+        expected = [torch.cat([e, s], dim=2) for e, s in zip(expected, step)]
+        assert torch.equal(layer.keys, expected[0]) and torch.equal(layer.values, expected[1])
+    # rows 1 and 4 finished: the last two rows take their places; the 2 leading columns are dropped
+    layer.keep_rows(torch.tensor([1, 4]), torch.tensor([6, 7]), 6, 2)
+    order = [0, 6, 2, 3, 7, 5]
+    assert torch.equal(layer.keys, expected[0][order, :, 2:]) and torch.equal(layer.values, expected[1][order, :, 2:])
+    assert layer.keys.untyped_storage().data_ptr() == buffer
