@@ -108,30 +108,30 @@ class RolloutController:
         self._tasks: set[asyncio.Task] = set()
         self._paused = False
         self._next_index = start_index  # prompt i is seed_at(i): the data order is a pure function of i
-        self._unconsumed: set[int] = set()  # submitted, not yet handed to the trainer (or dropped)
+        self._unconsumed: dict[int, int] = {}  # submitted, not yet handed to the trainer (or dropped): its version
         self._episode = run_episode or self._run_locally
         self._fatal: BaseException | None = None
 
     # ---- consumer side ------------------------------------------------------------------------
 
     async def get_batch(self) -> list[Group]:
-        """The next ``batch_size`` accepted groups, oldest submissions first (waits for them).
-
-        A finished group whose oldest token is more than ``max_staleness`` versions behind the policy
-        (it was overtaken by faster groups while it ran) is rejected as stale and replaced.
+        """The next ``batch_size`` accepted groups, oldest finished first; a group submitted ``max_staleness``
+        versions ago is waited for (see `_may_take`). A group whose oldest token is still more than
+        ``max_staleness`` versions behind the policy (servers that report other versions) is rejected as
+        stale and replaced.
         """
         self._start()
         batch: list[Group] = []
         version = self.get_version()
         stale_run = 0
         while len(batch) < self.batch_size:
-            while not self._ready:
+            while not self._ready or not self._may_take(len(batch), version):
                 if self._fatal is not None:
                     raise self._fatal
                 self._ready_event.clear()
                 await self._ready_event.wait()
             index, group = heapq.heappop(self._ready)
-            self._unconsumed.discard(index)
+            self._unconsumed.pop(index, None)
             if _staleness(group.trajectories, version) > self.max_staleness:
                 self.stats.groups_stale += 1
                 stale_run += 1
@@ -151,6 +151,19 @@ class RolloutController:
         self.stats.staleness += [_staleness([t], version) for g in batch for t in g.trajectories]
         self._wakeup.set()
         return sorted(batch, key=lambda g: g.index)
+
+    def _may_take(self, taken: int, version: int) -> bool:
+        """Whether the batch may take the oldest finished group now. Groups submitted ``max_staleness`` or
+        more versions ago must be in this batch (in the next they would be too stale): while some still run,
+        their places are kept and the batch waits for them, instead of filling up with younger groups that
+        overtook them. Otherwise the long answers would be the ones dropped as stale: a bias to short ones,
+        and their compute lost."""
+        due = version - self.max_staleness
+        if self._unconsumed.get(self._ready[0][0], due) <= due:
+            return True
+        ready = {index for index, _ in self._ready}
+        overdue_running = sum(v <= due and i not in ready for i, v in self._unconsumed.items())
+        return taken + overdue_running < self.batch_size
 
     @property
     def data_position(self) -> int:
@@ -205,8 +218,8 @@ class RolloutController:
                 self.running_groups += 1
                 self.stats.groups_submitted += 1
                 index, self._next_index = self._next_index, self._next_index + 1
-                self._unconsumed.add(index)
-                task = asyncio.ensure_future(self._run_group(index, self.get_version()))
+                self._unconsumed[index] = self.get_version()
+                task = asyncio.ensure_future(self._run_group(index, self._unconsumed[index]))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             self._wakeup.clear()
@@ -229,16 +242,16 @@ class RolloutController:
             t.group_id = group_id
         if group.episodes == 0:
             self.stats.groups_dropped += 1
-            self._unconsumed.discard(index)
+            self._unconsumed.pop(index, None)
         elif self.group_filter is not None and not self.group_filter(group):
             self.stats.groups_rejected += 1
-            self._unconsumed.discard(index)
+            self._unconsumed.pop(index, None)
             self.ledger.accepted -= group.episodes
             self.ledger.rejected += group.episodes
         else:
             self.stats.groups_accepted += 1
             heapq.heappush(self._ready, (index, group))
-            self._ready_event.set()
+        self._ready_event.set()  # a group finished, or left: get_batch may take one, or stop waiting for it
         self._wakeup.set()
 
     async def _run_episode(self, seed: int, episode_id: str) -> list[Trajectory] | None:

@@ -131,3 +131,28 @@ def test_data_position_and_a_resumed_controller_continue_the_prompt_order():
     later = asyncio.run(train(resumed, version, steps=2))
     assert [g.index for b in later for g in b] == list(range(12, 20))
     assert resumed.stats.groups_submitted == 8 and resumed.stats.groups_stale == 0  # no burst after resume
+
+
+class LongTailAgent(FakeAgent):
+    """Every fourth prompt's episodes take 15x longer (long answers); tokens carry the version at generation."""
+
+    async def run_episode(self, env, *, seed, episode_id):
+        start = self.version[0]
+        await asyncio.sleep(0.06 if seed % 4 == 0 else 0.004)
+        return [
+            Trajectory([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], [-1, start, self.version[0]], episode_id=episode_id)
+        ]
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_slow_groups_are_waited_for_not_dropped_as_stale(max_staleness):
+    """Younger groups overtake the slow ones, but the batch keeps places for the groups that would be too
+    stale for the next one: no long answer is dropped (a bias to short answers), none is staler than the bound."""
+    version = [0]
+    controller = make_controller(LongTailAgent(version), version, max_staleness=max_staleness, max_concurrent_groups=64)
+    batches = asyncio.run(train(controller, version, steps=12))
+    consumed = sorted(g.index for b in batches for g in b)
+    assert controller.stats.groups_stale == 0 and controller.ledger.rejected == 0
+    assert consumed == list(range(48))  # in submission order overall: nothing skipped
+    assert max(controller.stats.staleness) <= max_staleness
+    assert any(sorted(g.index for g in b) != list(range(4 * i, 4 * i + 4)) for i, b in enumerate(batches))  # overtaken
