@@ -5,7 +5,8 @@
     .venv/bin/python bench/async_vs_sync.py --task arithmetic --sft-model runs/arith/sft/model --max-turns 1
 
 Real mode: a recipe from the same SFT checkpoint, seed and prompts at each max_staleness, each in a
-fresh process; prints end-to-end samples/s over the training steps and the held-out accuracy after.
+fresh process, with as many episodes in flight as the staleness gate lets in; prints end-to-end samples/s
+over the training steps and the held-out accuracy after.
 ``--task count`` (examples/count/rl.yaml): answers of long-tailed length (1 to 32 numbers, median 6), the
 case the target is set for: >= 1.5x samples/s with accuracy within 5 points. ``--task arithmetic``
 (examples/arithmetic/rl.yaml): answers of 2-4 characters, with multi-turn retries (``--max-turns`` 4: a
@@ -185,10 +186,15 @@ def real(args) -> None:  # noqa: ANN001
     unknown = set(layouts) - set(LAYOUTS)
     if unknown:
         raise SystemExit(f"--layouts: unknown {sorted(unknown)}; choose from {sorted(LAYOUTS)}")
+    from areal_agents.config import TrainConfig, load_config  # noqa: PLC0415
+
+    rollout = load_config(TrainConfig, TASKS[args.task]).rollout
     results = {}
     for eta in [int(x) for x in args.staleness.split(",")]:
         for layout in layouts:
             overrides = [
+                # episodes in flight: all the staleness gate lets in (a fixed cap would hold max_staleness 2+ back)
+                f"rollout.max_concurrent_rollouts={(eta + 1) * rollout.batch_size * rollout.group_size}",
                 f"run_dir={args.out}/staleness{eta}-{layout}",
                 f"model.path={args.sft_model}",
                 f"steps={args.rl_steps}",

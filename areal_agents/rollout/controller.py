@@ -153,17 +153,18 @@ class RolloutController:
         return sorted(batch, key=lambda g: g.index)
 
     def _may_take(self, taken: int, version: int) -> bool:
-        """Whether the batch may take the oldest finished group now. Groups submitted ``max_staleness`` or
-        more versions ago must be in this batch (in the next they would be too stale): while some still run,
-        their places are kept and the batch waits for them, instead of filling up with younger groups that
-        overtook them. Otherwise the long answers would be the ones dropped as stale: a bias to short ones,
-        and their compute lost."""
-        due = version - self.max_staleness
-        if self._unconsumed.get(self._ready[0][0], due) <= due:
-            return True
-        ready = {index for index, _ in self._ready}
-        overdue_running = sum(v <= due and i not in ready for i, v in self._unconsumed.items())
-        return taken + overdue_running < self.batch_size
+        """Whether the batch may take the oldest finished group now. A group submitted at version ``s`` must
+        be trained by version ``s + max_staleness``: a younger group may take a place only if the groups due
+        in each of the next batches still fit in them. Otherwise the slow groups (long answers), overtaken
+        by younger ones, would be the ones dropped as stale: a bias toward short answers, and compute lost."""
+        first = self._unconsumed.get(self._ready[0][0], version)
+        for ahead in range(self.max_staleness + 1):  # the groups due in this batch and the next ``ahead``
+            due = version - self.max_staleness + ahead
+            if first > due:
+                pending = sum(v <= due for v in self._unconsumed.values())
+                if taken + 1 + pending > (ahead + 1) * self.batch_size:
+                    return False
+        return True
 
     @property
     def data_position(self) -> int:
