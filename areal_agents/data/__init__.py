@@ -1,6 +1,6 @@
 """Datasets and loaders."""
 
 from areal_agents.data.base import BaseDataset, load_task_dataset
-from areal_agents.data.jsonl import read_chat_jsonl, read_jsonl
+from areal_agents.data.jsonl import read_chat_jsonl, read_jsonl, write_chat_jsonl
 
-__all__ = ["BaseDataset", "load_task_dataset", "read_chat_jsonl", "read_jsonl"]
+__all__ = ["BaseDataset", "load_task_dataset", "read_chat_jsonl", "read_jsonl", "write_chat_jsonl"]

@@ -1,8 +1,9 @@
-"""Read JSONL files with errors that name the file and line."""
+"""Read JSONL files with errors that name the file and line; write chat JSONL (SFT data)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +48,15 @@ def read_chat_jsonl(path: str | Path) -> list[list[dict[str, str]]]:
             raise ArealAgentsError(f"{path}: row {lineno}: no assistant message to learn from")
         conversations.append(messages)
     return conversations
+
+
+def write_chat_jsonl(path: str | Path, conversations: Iterable[list[dict[str, str]]]) -> int:
+    """Write ``{"messages": [...]}`` rows, what `read_chat_jsonl` and ``areal-agents sft`` read; returns the count."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with p.open("w", encoding="utf-8") as f:
+        for messages in conversations:
+            f.write(json.dumps({"messages": messages}) + "\n")
+            n += 1
+    return n

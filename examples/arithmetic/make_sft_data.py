@@ -4,11 +4,10 @@ python examples/arithmetic/make_sft_data.py runs/arith/sft_data.jsonl --n 5000
 """
 
 import argparse
-import json
-from pathlib import Path
 
 import numpy as np
 
+from areal_agents.data import write_chat_jsonl
 from areal_agents.envs.arithmetic import sample_problem
 
 
@@ -21,14 +20,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=12345)
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as f:
-        for _ in range(args.n):
-            p = sample_problem(rng, args.digits, args.operators, split="train")  # never a test problem
-            messages = [{"role": "user", "content": p.text}, {"role": "assistant", "content": str(p.answer)}]
-            f.write(json.dumps({"messages": messages}) + "\n")
-    print(f"{args.n} conversations written to {out}")
+    problems = (sample_problem(rng, args.digits, args.operators, split="train") for _ in range(args.n))  # no test one
+    conversations = (
+        [{"role": "user", "content": p.text}, {"role": "assistant", "content": str(p.answer)}] for p in problems
+    )
+    print(f"{write_chat_jsonl(args.out, conversations)} conversations written to {args.out}")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,10 @@ python examples/count/make_sft_data.py runs/count/sft_data.jsonl --n 20000
 """
 
 import argparse
-import json
-from pathlib import Path
 
 import numpy as np
 
+from areal_agents.data import write_chat_jsonl
 from areal_agents.envs.count import sample_count
 
 
@@ -23,14 +22,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=12345)
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as f:
-        for _ in range(args.n):
-            c = sample_count(rng, args.start_below, args.median_length, args.sigma, args.max_length, split="train")
-            messages = [{"role": "user", "content": c.text}, {"role": "assistant", "content": c.answer}]
-            f.write(json.dumps({"messages": messages}) + "\n")
-    print(f"{args.n} conversations written to {out}")
+    counts = (
+        sample_count(rng, args.start_below, args.median_length, args.sigma, args.max_length, split="train")
+        for _ in range(args.n)
+    )
+    conversations = ([{"role": "user", "content": c.text}, {"role": "assistant", "content": c.answer}] for c in counts)
+    print(f"{write_chat_jsonl(args.out, conversations)} conversations written to {args.out}")
 
 
 if __name__ == "__main__":

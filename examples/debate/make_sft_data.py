@@ -8,11 +8,10 @@ the round-2 prompt with noise, and RL has almost no reward to learn from.
 """
 
 import argparse
-import json
-from pathlib import Path
 
 import numpy as np
 
+from areal_agents.data import write_chat_jsonl
 from areal_agents.envs.arithmetic import sample_problem
 from areal_agents.envs.debate import ROUND_PROMPT
 
@@ -25,18 +24,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=12345)
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as f:
-        for i in range(args.n):
-            p = sample_problem(rng, args.digits, "+", split="train")  # never a test problem
-            messages = [{"role": "user", "content": p.text}, {"role": "assistant", "content": str(p.answer)}]
-            if i % 2:
-                peer = p.answer if rng.random() < 0.5 else p.answer + int(rng.choice([-10, -1, 1, 10]))
-                shown = ROUND_PROMPT.format(answers=f"debater_{int(rng.integers(2))}: {peer}", question=p.text)
-                messages += [{"role": "user", "content": shown}, {"role": "assistant", "content": str(p.answer)}]
-            f.write(json.dumps({"messages": messages}) + "\n")
-    print(f"{args.n} conversations written to {out}")
+
+    def conversation(i: int) -> list[dict[str, str]]:
+        p = sample_problem(rng, args.digits, "+", split="train")  # never a test problem
+        messages = [{"role": "user", "content": p.text}, {"role": "assistant", "content": str(p.answer)}]
+        if i % 2:
+            peer = p.answer if rng.random() < 0.5 else p.answer + int(rng.choice([-10, -1, 1, 10]))
+            shown = ROUND_PROMPT.format(answers=f"debater_{int(rng.integers(2))}: {peer}", question=p.text)
+            messages += [{"role": "user", "content": shown}, {"role": "assistant", "content": str(p.answer)}]
+        return messages
+
+    n = write_chat_jsonl(args.out, (conversation(i) for i in range(args.n)))
+    print(f"{n} conversations written to {args.out}")
 
 
 if __name__ == "__main__":
