@@ -11,16 +11,14 @@ disjoint ``train`` / ``test`` sets by a hash of the problem, so held-out evaluat
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
-from areal_agents.envs.base import TextEnv
+from areal_agents.envs.base import Split, TextEnv, hash_split
 
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-Split = Literal["all", "train", "test"]
 
 
 @dataclass(frozen=True)
@@ -39,8 +37,7 @@ class Problem:
 
     @property
     def split(self) -> Literal["train", "test"]:
-        """Deterministic ~10% test split, stable across runs, machines and Python versions."""
-        return "test" if zlib.crc32(self.text.encode()) % 10 == 0 else "train"
+        return hash_split(self.text)
 
 
 def sample_problem(rng: np.random.Generator, digits: int, operators: str, split: Split = "all") -> Problem:

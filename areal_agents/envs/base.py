@@ -5,7 +5,8 @@ from __future__ import annotations
 import copy
 import functools
 import string
-from typing import Any
+import zlib
+from typing import Any, Literal
 
 import gymnasium as gym
 from gymnasium import spaces
@@ -35,6 +36,14 @@ def text_space(max_length: int) -> spaces.Text:
     space = copy.copy(_text_space_template(max_length))
     space._np_random = None  # noqa: SLF001  (seeded lazily, per copy)
     return space
+
+
+Split = Literal["all", "train", "test"]  # which problems a generated task draws: a held-out test split, or all
+
+
+def hash_split(text: str) -> Literal["train", "test"]:
+    """A generated problem's split by its text: ~10% test, stable across runs, machines and Python versions."""
+    return "test" if zlib.crc32(text.encode()) % 10 == 0 else "train"
 
 
 class TextEnv(gym.Env[str, str]):

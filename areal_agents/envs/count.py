@@ -14,15 +14,12 @@ Problems split into ``train`` / ``test`` by a hash, as Arithmetic-v0's do.
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
-from areal_agents.envs.base import TextEnv
-
-Split = Literal["all", "train", "test"]
+from areal_agents.envs.base import Split, TextEnv, hash_split
 
 
 @dataclass(frozen=True)
@@ -40,8 +37,7 @@ class Count:
 
     @property
     def split(self) -> Literal["train", "test"]:
-        """Deterministic ~10% test split, stable across runs, machines and Python versions."""
-        return "test" if zlib.crc32(self.text.encode()) % 10 == 0 else "train"
+        return hash_split(self.text)
 
 
 def sample_count(
