@@ -276,33 +276,35 @@ EVEN_TASK = """
 from areal_agents.envs import TextEnv
 
 
-class EvenLength(TextEnv):
+class EvenSum(TextEnv):
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
-        return f"Say something of even length ({int(self.np_random.integers(1000))}).", {}
+        return f"Say something whose characters sum to an even number ({int(self.np_random.integers(1000))}).", {}
 
     def step(self, action):
-        return "", float(len(action) % 2 == 0), True, False, {}
+        return "", float(sum(map(ord, action)) % 2 == 0), True, False, {}
 """
 
 
 @pytest.mark.parametrize("recipe", ["rl.yaml", "rl_separate.yaml"])
 def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, monkeypatch):
     """2 RL steps of each debate recipe: per-agent rewards logged; separate policies each change, each
-    trained on exactly its own agent's trajectories. The task rewards even-length answers, so that an
-    untrained model's answers differ in reward and every policy gets a gradient."""
+    trained on exactly its own agent's trajectories. The task rewards answers whose character codes sum
+    to an even number: a coin flip per answer for an untrained model (not the length, which max_new_tokens
+    caps, so often the same), and with 4 groups of 4 per debater the chance that no group of a debater
+    differs in reward, leaving its policy without a gradient, is 2^-12."""
     (tmp_path / "even_task.py").write_text(EVEN_TASK)
     monkeypatch.syspath_prepend(str(tmp_path))
     run = tmp_path / "debate"
-    small = ["steps=2", "eval.num_problems=4", "rollout.batch_size=2", "rollout.group_size=2"]
-    small += ["env.kwargs.task_env=even_task:EvenLength", "env.kwargs.task_kwargs={}", "eval.env_kwargs={}"]
+    small = ["steps=2", "eval.num_problems=4", "rollout.batch_size=2", "rollout.group_size=4"]
+    small += ["env.kwargs.task_env=even_task:EvenSum", "env.kwargs.task_kwargs={}", "eval.env_kwargs={}"]
     small += ["ppo.filter_zero_variance_groups=false", f"model.path={tiny_dir}", f"run_dir={run}"]
     small += ["rollout.dump_trajectories=true"]
     if recipe == "rl_separate.yaml":
         small += [f"policies.debater_0={tiny_dir}", f"policies.debater_1={tiny_dir}"]
     assert main(["train", str(DEBATE / recipe), *small, "--no-progress"]) == 0
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["engine_version"] == 2 and summary["episodes"]["accepted"] == 8
+    assert summary["engine_version"] == 2 and summary["episodes"]["accepted"] == 16
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -316,7 +318,7 @@ def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, monkeypatch)
     tokenizer = load_tokenizer(tiny_dir)
     for step in (1, 2):
         rows = [json.loads(line) for line in (run / "trajectories" / f"step_{step}.jsonl").read_text().splitlines()]
-        assert sorted(row["agent_id"] for row in rows) == ["debater_0"] * 4 + ["debater_1"] * 4
+        assert sorted(row["agent_id"] for row in rows) == ["debater_0"] * 8 + ["debater_1"] * 8
         for row in rows:  # the loss mask is exactly this debater's own replies, one run per round
             runs = "".join("1" if m else " " for m in row["loss_mask"]).split()
             replies = [m["content"] for m in row["metadata"]["messages"] if m["role"] == "assistant"]
@@ -327,14 +329,14 @@ def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, monkeypatch)
             unmasked = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if not m])
             assert f"{other}: " in unmasked and f"{row['agent_id']}: " not in unmasked
     if recipe == "rl.yaml":
-        assert scalars.Scalars("train/trained_trajectories")[0].value == 8  # both debaters' turns, one model
+        assert scalars.Scalars("train/trained_trajectories")[0].value == 16  # both debaters' turns, one model
         return
     from areal_agents.models import load_model
 
     start = load_model(tiny_dir).state_dict()
     for agent in ("debater_0", "debater_1"):
-        # each policy trained on its own debater's 4 trajectories (2 prompts x 2 episodes) per step
-        assert [e.value for e in scalars.Scalars(f"train/{agent}/trained_trajectories")] == [4.0, 4.0]
+        # each policy trained on its own debater's 8 trajectories (2 prompts x 4 episodes) per step
+        assert [e.value for e in scalars.Scalars(f"train/{agent}/trained_trajectories")] == [8.0, 8.0]
         trained = load_model(run / "checkpoints" / "step_2" / "policies" / agent / "model").state_dict()
         assert any(not torch.equal(trained[k], start[k]) for k in start), f"{agent}'s weights did not change"
     a = load_model(run / "checkpoints" / "step_2" / "policies" / "debater_0" / "model").state_dict()
