@@ -89,6 +89,11 @@ class RolloutConfig:
         for name in ("max_staleness", "max_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expects a value >= 0, got {getattr(self, name)!r}")
+        if self.max_concurrent_rollouts < self.group_size:
+            raise ValueError(
+                f"max_concurrent_rollouts: expects at least group_size ({self.group_size}) episodes, a whole group "
+                f"at once, got {self.max_concurrent_rollouts}"
+            )
 
 
 @dataclass

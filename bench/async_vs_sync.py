@@ -5,8 +5,8 @@
     .venv/bin/python bench/async_vs_sync.py --task arithmetic --sft-model runs/arith/sft/model --max-turns 1
 
 Real mode: a recipe from the same SFT checkpoint, seed and prompts at each max_staleness, each in a
-fresh process, with as many episodes in flight as the staleness gate lets in; prints end-to-end samples/s
-over the training steps and the held-out accuracy after.
+fresh process, with 1.5x the engine's running requests in flight (the staleness gate permitting); prints
+end-to-end samples/s over the training steps and the held-out accuracy after.
 ``--task count`` (examples/count/rl.yaml): answers of long-tailed length (1 to 32 numbers, median 6), the
 case the target is set for: >= 1.5x samples/s with accuracy within 5 points. ``--task arithmetic``
 (examples/arithmetic/rl.yaml): answers of 2-4 characters, with multi-turn retries (``--max-turns`` 4: a
@@ -135,7 +135,7 @@ async def simulate(max_staleness: int, args) -> dict[str, float]:
         group_size=args.group_size,
         get_version=engine.get_version,
         max_staleness=max_staleness,
-        max_concurrent_groups=args.max_concurrent_groups,
+        max_concurrent_episodes=args.max_concurrent_episodes,
     )
     start = loop.time()
     staleness = []
@@ -188,13 +188,16 @@ def real(args) -> None:  # noqa: ANN001
         raise SystemExit(f"--layouts: unknown {sorted(unknown)}; choose from {sorted(LAYOUTS)}")
     from areal_agents.config import TrainConfig, load_config  # noqa: PLC0415
 
-    rollout = load_config(TrainConfig, TASKS[args.task]).rollout
+    recipe = load_config(TrainConfig, TASKS[args.task])
+    in_flight = recipe.engine.max_running_requests * 3 // 2
     results = {}
     for eta in [int(x) for x in args.staleness.split(",")]:
         for layout in layouts:
             overrides = [
-                # episodes in flight: all the staleness gate lets in (a fixed cap would hold max_staleness 2+ back)
-                f"rollout.max_concurrent_rollouts={(eta + 1) * rollout.batch_size * rollout.group_size}",
+                # episodes in flight: the engine's running requests and half as many queued, to take a row the
+                # moment one frees; a deeper queue only ages requests before their first token, and the batch
+                # then waits for the groups due
+                f"rollout.max_concurrent_rollouts={in_flight}",
                 f"run_dir={args.out}/staleness{eta}-{layout}",
                 f"model.path={args.sft_model}",
                 f"steps={args.rl_steps}",
@@ -225,7 +228,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-concurrent-groups", type=int, default=128)
+    parser.add_argument("--max-concurrent-episodes", type=int, default=1024)
     parser.add_argument("--median-tokens", type=int, default=2000)
     parser.add_argument("--sigma", type=float, default=0.8, help="log-normal spread of output lengths")
     parser.add_argument("--max-tokens", type=int, default=16000)

@@ -52,6 +52,8 @@ def test_choice_and_range_are_validated():
         load_config(TrainConfig, None, ["engine.backend=serve-model", "engine.own_process=true"])
     with pytest.raises(ConfigError, match=r"ppo.trainer: 'process' is for local runs"):
         load_config(TrainConfig, None, ["launcher=ray", "ppo.trainer=process"])
+    with pytest.raises(ConfigError, match=r"max_concurrent_rollouts: expects at least group_size \(16\) episodes"):
+        load_config(TrainConfig, None, ["rollout.group_size=16", "rollout.max_concurrent_rollouts=8"])
 
 
 def test_missing_and_malformed_files(tmp_path):

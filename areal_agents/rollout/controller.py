@@ -81,7 +81,7 @@ class RolloutController:
         group_size: int,
         get_version: Callable[[], int],
         max_staleness: int = 0,
-        max_concurrent_groups: int = 64,
+        max_concurrent_episodes: int = 256,
         group_filter: Callable[[Group], bool] | None = None,
         max_retries: int = 1,
         ledger: RolloutLedger | None = None,
@@ -90,17 +90,24 @@ class RolloutController:
         groups_before: int = 0,
         run_episode: Callable[[int, str], Awaitable[list[Trajectory]]] | None = None,
     ) -> None:
-        """``start_index`` and ``groups_before`` continue a resumed run: its first unconsumed prompt, and
-        the groups it had trained on (the capacity gate counts from the start of the run)."""
+        """``max_concurrent_episodes`` counts episodes still running, not their groups: a group whose other
+        episodes have ended holds one place, not ``group_size``, so a long answer does not keep the engine
+        underfull. ``start_index`` and ``groups_before`` continue a resumed run: its first unconsumed prompt,
+        and the groups it had trained on (the capacity gate counts from the start of the run)."""
+        if max_concurrent_episodes < group_size:
+            raise ValueError(
+                f"max_concurrent_episodes: expects at least group_size ({group_size}), got {max_concurrent_episodes}"
+            )
         self.agent, self.make_env, self.seed_at = agent, make_env, seed_at
         self.batch_size, self.group_size = batch_size, group_size
         self.get_version = get_version
-        self.max_staleness, self.max_concurrent_groups = max_staleness, max_concurrent_groups
+        self.max_staleness, self.max_concurrent_episodes = max_staleness, max_concurrent_episodes
         self.group_filter, self.max_retries = group_filter, max_retries
         self.ledger = ledger if ledger is not None else RolloutLedger()
         self.tag = tag
         self.stats = ControllerStats(groups_accepted=groups_before)
         self.running_groups = 0
+        self.running_episodes = 0
         self._ready: list[tuple[int, Group]] = []  # a heap by submission order
         self._ready_event: asyncio.Event | None = None
         self._wakeup: asyncio.Event | None = None
@@ -200,9 +207,11 @@ class RolloutController:
     # ---- producer side ------------------------------------------------------------------------
 
     def capacity(self) -> int:
-        """Groups the gate lets in now (accepted counts every group accepted so far, queued or consumed)."""
+        """Groups the gate lets in now (accepted counts every group accepted so far, queued or consumed).
+        The concurrency term is in places for whole groups: free episode places // group_size."""
+        free = (self.max_concurrent_episodes - self.running_episodes) // self.group_size
         return capacity(
-            self.max_concurrent_groups, self.running_groups, self.max_staleness, self.get_version(),
+            self.running_groups + free, self.running_groups, self.max_staleness, self.get_version(),
             self.batch_size, self.stats.groups_accepted,
         )  # fmt: skip
 
@@ -217,6 +226,7 @@ class RolloutController:
             n = 0 if self._paused else self.capacity()
             for _ in range(n):
                 self.running_groups += 1
+                self.running_episodes += self.group_size
                 self.stats.groups_submitted += 1
                 index, self._next_index = self._next_index, self._next_index + 1
                 self._unconsumed[index] = self.get_version()
@@ -256,6 +266,13 @@ class RolloutController:
         self._wakeup.set()
 
     async def _run_episode(self, seed: int, episode_id: str) -> list[Trajectory] | None:
+        try:
+            return await self._run_episode_with_retries(seed, episode_id)
+        finally:
+            self.running_episodes -= 1
+            self._wakeup.set()  # its place is free: another group may fit
+
+    async def _run_episode_with_retries(self, seed: int, episode_id: str) -> list[Trajectory] | None:
         self.ledger.submitted += 1
         for attempt in range(self.max_retries + 1):
             try:

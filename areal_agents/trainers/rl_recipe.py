@@ -160,7 +160,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         group_size=r.group_size,
         get_version=main.engine.get_version,
         max_staleness=r.max_staleness,
-        max_concurrent_groups=max(1, r.max_concurrent_rollouts // r.group_size),
+        max_concurrent_episodes=r.max_concurrent_rollouts,
         group_filter=_has_reward_variance if r.dynamic_sampling else None,
         max_retries=r.max_retries,
         ledger=ledger,

@@ -149,10 +149,54 @@ def test_slow_groups_are_waited_for_not_dropped_as_stale(max_staleness):
     """Younger groups overtake the slow ones, but the batch keeps places for the groups that would be too
     stale for the next one: no long answer is dropped (a bias to short answers), none is staler than the bound."""
     version = [0]
-    controller = make_controller(LongTailAgent(version), version, max_staleness=max_staleness, max_concurrent_groups=64)
+    controller = make_controller(
+        LongTailAgent(version), version, max_staleness=max_staleness, max_concurrent_episodes=192
+    )
     batches = asyncio.run(train(controller, version, steps=12))
     consumed = sorted(g.index for b in batches for g in b)
     assert controller.stats.groups_stale == 0 and controller.ledger.rejected == 0
     assert consumed == list(range(48))  # in submission order overall: nothing skipped
     assert max(controller.stats.staleness) <= max_staleness
     assert any(sorted(g.index for g in b) != list(range(4 * i, 4 * i + 4)) for i, b in enumerate(batches))  # overtaken
+
+
+class OneSlowEpisodeAgent(FakeAgent):
+    """The first episode of every group is slow (a long answer), the others quick; counts episodes at once."""
+
+    def __init__(self, version):
+        super().__init__(version)
+        self.running = self.peak = 0
+        self.groups_seen_at_once = 0
+        self.live_groups: dict[str, int] = {}
+
+    async def run_episode(self, env, *, seed, episode_id):
+        group = episode_id.split("/")[0]
+        self.running += 1
+        self.live_groups[group] = self.live_groups.get(group, 0) + 1
+        self.peak = max(self.peak, self.running)
+        self.groups_seen_at_once = max(self.groups_seen_at_once, len(self.live_groups))
+        try:
+            await asyncio.sleep(0.05 if episode_id.endswith("/e0") else 0.002)
+        finally:
+            self.running -= 1
+            self.live_groups[group] -= 1
+            if not self.live_groups[group]:
+                del self.live_groups[group]
+        return [Trajectory([1, 2], [0, 1], [0.0, -1.0], [-1, self.version[0]], reward=1.0, episode_id=episode_id)]
+
+
+def test_concurrency_counts_running_episodes_not_their_groups():
+    """A group whose quick episodes are done holds one place, not group_size: with room for 4 episodes and
+    groups of 3, the next group starts beside the slow episode (counting groups, one group at a time)."""
+    version = [0]
+    agent = OneSlowEpisodeAgent(version)
+    controller = make_controller(agent, version, max_staleness=4, max_concurrent_episodes=4)
+    batches = asyncio.run(train(controller, version, steps=3))
+    assert [len(b) for b in batches] == [4, 4, 4]
+    assert agent.peak <= 4  # the cap holds, in episodes
+    assert agent.groups_seen_at_once >= 2  # the next group ran beside the slow episode
+
+
+def test_concurrency_below_one_group_is_refused():
+    with pytest.raises(ValueError, match="max_concurrent_episodes"):
+        make_controller(FakeAgent([0]), [0], max_concurrent_episodes=2)
