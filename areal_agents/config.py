@@ -67,7 +67,11 @@ class RolloutConfig:
     temperature: float = _help("sampling temperature (the trainer scales logits by the same)", default=1.0)
     top_p: float = _help("nucleus sampling", default=1.0)
     top_k: int = _help("top-k sampling; 0 disables", default=0)
-    max_concurrent_rollouts: int = _help("episodes in flight at once", default=256)
+    max_concurrent_rollouts: int = _help(
+        "episodes running at once (one frees its place when it ends, though its group runs on); about 1.5x the "
+        "engines' running requests keeps them full without a queue",
+        default=256,
+    )
     max_staleness: int = _help(
         "batches rollouts may run ahead of training (0 = synchronous; k: samples at most k versions old)", default=0
     )
