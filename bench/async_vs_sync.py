@@ -188,7 +188,7 @@ def real(args) -> None:  # noqa: ANN001
         raise SystemExit(f"--layouts: unknown {sorted(unknown)}; choose from {sorted(LAYOUTS)}")
     from areal_agents.config import TrainConfig, load_config  # noqa: PLC0415
 
-    recipe = load_config(TrainConfig, TASKS[args.task])
+    recipe = load_config(TrainConfig, TASKS[args.task], args.set)  # as the runs will see it
     in_flight = recipe.engine.max_running_requests * 3 // 2
     results = {}
     for eta in [int(x) for x in args.staleness.split(",")]:
