@@ -215,14 +215,21 @@ def test_weight_update_mid_generation_through_the_server(server, tokenizer, tiny
     prompts = [prompt(tokenizer, f"{i}+{i}=") for i in range(6)]
     engine = SGLangEngine(server.addresses)
 
+    url = server.addresses[0]
+
+    async def generated_tokens():
+        return (await get(url, "/get_server_info"))[1]["engine"]["generated_tokens"]
+
     async def run():
+        start = await generated_tokens()
         tasks = [
             asyncio.ensure_future(
                 engine.agenerate(GenRequest(f"ep{i}/t0", p, SamplingParams(n_tokens, ignore_eos=True)))
             )
             for i, p in enumerate(prompts)
         ]
-        await asyncio.sleep(0.5)
+        while await generated_tokens() < start + 20 * len(prompts):  # mid-way by tokens, not by a sleep
+            await asyncio.sleep(0.01)
         await engine.update_weights_from_disk(str(tmp_path / "new"), version=1)
         try:
             return await asyncio.gather(*tasks)
