@@ -1,7 +1,9 @@
 """`HFEngine`: an in-process transformers engine with continuous batching, interruptible between steps.
 
-Concurrent requests share one running batch: new ones are prefilled and written into spare rows of the
-left-padded KV cache between decode steps, finished ones leave it (the last rows move into their places).
+Concurrent requests share one running batch: new ones are prefilled between decode steps, finished ones
+leave it (the last rows move into their places). Its KV cache is in segments (rows admitted together,
+each left-padded to its own width; neighbours merge when padding is cheaper than an attention call), so a
+young row does not attend over the padding of the oldest row's length (`SegmentedKV`).
 Requests admitted together with the same context (the episodes of a GRPO group) are prefilled once, and a
 request that extends a finished one (the next turn of an episode) prefills only its new tokens
 (`PrefixCache`). ``pause()`` stops at a step boundary; ``update_weights`` then swaps the weights, which
@@ -34,6 +36,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from areal_agents.engines.prefix_cache import PrefixCache
+from areal_agents.engines.segmented_attention import SEGMENTED_SDPA, SegmentedKV
 from areal_agents.engines.sampling import sample_tokens
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, GenResponse, SamplingParams, StopReason
@@ -42,6 +45,8 @@ StaleKV = Literal["recompute", "keep"]  # what new weights do to the KV cache of
 ADMISSION_MAX_WAIT_S = 0.05  # the longest an idle engine holds arriving requests back to admit them together
 GATHER_FRACTION = 0.125  # a busy batch admits arrivals once they are this share of its live rows, or ...
 COMPACT_FRACTION = 0.0625  # drop finished rows from the cache once they are this share of the batch
+MAX_SEGMENTS = 8  # KV cache segments of the running batch (each one an attention call per layer) ...
+MERGE_CELLS = 256  # ... two segments merge when padding one to the other costs fewer (row x column) cells
 
 
 @dataclass
@@ -52,6 +57,9 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # context tokens a prefill took from the prefix cache instead of running them
     decode_steps: int = 0
     generated_tokens: int = 0
+    kv_cells: int = 0  # (row x column) cells of the KV cache the decode steps attended over, padding included
+    kv_context_cells: int = 0  # ... of which rows' real tokens: their ratio is the padding the segments left
+    segments: int = 0  # KV cache segments, summed over decode steps
     aborted: int = 0  # submissions ended early by abort() (agenerate resubmits them)
     weight_updates: int = 0
     max_running: int = 0
@@ -107,10 +115,12 @@ class _GrowingLayer(DynamicLayer):
         capacity = max(rows, min(self._max_rows, 2 * rows))
         self._start = max(left, 8, width // 4)
         columns = self._start + width + max(right, 16, width // 2)
-        # zeros, not empty: columns a row does not attend to are masked, and must hold finite numbers
-        room = tuple(x.new_zeros(capacity, x.shape[1], columns, x.shape[-1]) for x in (self.keys, self.values))
-        room[0][:n, :, self._start : self._start + width] = self.keys
-        room[1][:n, :, self._start : self._start + width] = self.values
+        room = tuple(x.new_empty(capacity, x.shape[1], columns, x.shape[-1]) for x in (self.keys, self.values))
+        for r, x in zip(room, (self.keys, self.values)):
+            # columns a row does not attend to are masked and must hold finite numbers: the ones a wider arrival
+            # may bring into view are zeroed (spare rows' when `add_rows` takes them; right ones are written first)
+            r[:n, :, : self._start].zero_()
+            r[:n, :, self._start : self._start + width] = x
         self._room = room
         self._show(n, width)
 
@@ -139,8 +149,9 @@ class _GrowingLayer(DynamicLayer):
         self._make_room(n + k, wider, 0)
         self._start -= wider
         end = self._start + width + wider
-        self._room[0][n : n + k, :, end - w : end] = keys
-        self._room[1][n : n + k, :, end - w : end] = values
+        for r, x in zip(self._room, (keys, values)):
+            r[n : n + k, :, : end - w].zero_()
+            r[n : n + k, :, end - w : end] = x
         self._show(n + k, width + wider)
 
     def keep_rows(self, holes: torch.Tensor, movers: torch.Tensor, rows: int, drop_columns: int) -> None:
@@ -157,13 +168,46 @@ class _GrowingLayer(DynamicLayer):
 
 @dataclass
 class _Batch:
-    """The running batch (decode thread only): rows, their left-padded KV cache and next input token."""
+    """Rows decoded together (decode thread only): their left-padded KV cache and next input tokens. The
+    running batch is a list of them (segments), each as wide as its own rows need (`SegmentedKV`)."""
 
     rows: list[_Sequence] = field(default_factory=list)
     cache: DynamicCache | None = None
     attention: torch.Tensor | None = None  # [B, L] 1 = real token
     positions: torch.Tensor | None = None  # [B] position of each row's next input
     pending: torch.Tensor | None = None  # [B] sampled, not yet fed
+
+
+@dataclass
+class _Running:
+    """The running batch (decode thread only): segments of rows, oldest first, at most `MAX_SEGMENTS`."""
+
+    segments: list[_Batch] = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[_Sequence]:
+        return [seq for segment in self.segments for seq in segment.rows]
+
+
+class _SegmentedCache(DynamicCache):
+    """A decode step's cache as the model sees it: ``update`` writes each segment's rows into that
+    segment's layer and returns them all as `SegmentedKV`, which `segmented_sdpa` attends to."""
+
+    def __init__(self, segments: list[_Batch], rows: list[slice], masks: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.layers = list(segments[0].cache.layers)  # what transformers inspects (all full attention)
+        self._segments, self._rows, self._masks = segments, rows, masks
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):  # noqa: ANN002, ANN003
+        keys, values = [], []
+        for segment, rows in zip(self._segments, self._rows):
+            k, v = segment.cache.layers[layer_idx].update(key_states[rows], value_states[rows])
+            keys.append(k)
+            values.append(v)
+        return SegmentedKV(keys, self._rows, self._masks), SegmentedKV(values, self._rows, self._masks)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(segment.cache.layers[layer_idx].get_seq_length() for segment in self._segments)
 
 
 class HFEngine:
@@ -183,11 +227,23 @@ class HFEngine:
         prefix_cache_tokens: int = 65536,
         stale_kv: StaleKV = "recompute",
         gather_steps: int = 3,
+        max_segments: int = MAX_SEGMENTS,
     ) -> None:
         if stale_kv not in ("recompute", "keep"):
             raise ValueError(f"stale_kv: expects 'recompute' or 'keep', got {stale_kv!r}")
+        if max_segments < 1:
+            raise ValueError(f"max_segments: expects at least 1, got {max_segments!r}")
         self.model = model.eval()
         self.model.requires_grad_(False)
+        attention = model.config._attn_implementation  # noqa: SLF001
+        if attention == "sdpa":
+            model.set_attn_implementation(SEGMENTED_SDPA)  # the same attention, over a segmented KV cache
+        elif attention != SEGMENTED_SDPA:
+            raise EngineError(
+                f"HFEngine decodes with sdpa attention over a segmented KV cache; the model uses {attention!r}: "
+                "load it with attn_implementation='sdpa'"
+            )
+        self._sliding_window = _sliding_window(model)  # the segments' masks attend to every column
         eos = eos_token_ids if eos_token_ids is not None else model.generation_config.eos_token_id
         self.eos_token_ids = set([eos] if isinstance(eos, int) else (eos or []))
         pad = pad_token_id if pad_token_id is not None else model.config.pad_token_id
@@ -200,6 +256,7 @@ class HFEngine:
         self.prefixes = PrefixCache(prefix_cache_tokens)  # finished rows' KV (decode thread only)
         self.stale_kv = stale_kv
         self.gather_steps = gather_steps  # ... after this many decode steps (0: admit at every step)
+        self.max_segments = max_segments  # KV cache segments (1: one cache, left-padded to the oldest row)
         self._gathered = 0  # decode steps arrivals have been held back (decode thread only)
         self._version = version
         self._cv = threading.Condition()  # guards everything below, shared with the decode thread
@@ -372,7 +429,7 @@ class HFEngine:
                 return
             self._cv.wait(min(self.admission_window_s, remaining))
 
-    def _gathering(self, batch: _Batch, aborts: bool) -> bool:
+    def _gathering(self, batch: _Running, aborts: bool) -> bool:
         """Hold a few arrivals back while a busy batch decodes: every admission is a prefill pass of its own,
         whose fixed cost the whole batch waits for, so fewer, larger admissions cost less (multi-turn
         episodes send their next turns one by one)."""
@@ -397,7 +454,7 @@ class HFEngine:
     def _decode_loop(self) -> None:
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)  # this thread's OpenMP team only
-        batch = _Batch()
+        batch = _Running()
         try:
             while True:
                 with self._cv:
@@ -449,7 +506,7 @@ class HFEngine:
         self._outbox = []
 
     @torch.inference_mode()
-    def _step(self, batch: _Batch, incoming: list[_Sequence], stale: bool, version: int) -> None:
+    def _step(self, batch: _Running, incoming: list[_Sequence], stale: bool, version: int) -> None:
         """Admit (and re-prefill after a weight swap), then one decode step; retire finished rows."""
         start = time.perf_counter()
         live = [s for s in incoming if not s.abort]
@@ -458,13 +515,13 @@ class HFEngine:
                 self._finish(seq, "abort")
         if stale:
             self.prefixes.clear()
-        if stale and batch.rows:  # the cache holds the old weights' keys and values
+        if stale and batch.segments:  # the cache holds the old weights' keys and values
             live = [s for s in batch.rows if not s.delivered] + live
-            batch.rows, batch.cache = [], None
+            batch.segments = []
         if live:
-            self._merge(batch, self._prefill(live, version))
+            batch.segments.append(self._prefill(live, version))  # a segment of its own, or merged (`_retire`)
             self._retire(batch)
-        if batch.rows:
+        if batch.segments:
             self._decode(batch, version)
             self._retire(batch)
         self.stats.max_running = max(self.stats.max_running, sum(not s.delivered for s in batch.rows))
@@ -542,20 +599,45 @@ class HFEngine:
         cache.layers = [_GrowingLayer.adopt(layer, self.max_batch_size) for layer in cache.layers]
         return cache, attention, positions[:, -1], out.logits[:, -1]
 
-    def _decode(self, batch: _Batch, version: int) -> None:
-        n = len(batch.rows)
-        batch.attention = torch.cat([batch.attention, torch.ones((n, 1), dtype=torch.long)], dim=1)
+    def _decode(self, batch: _Running, version: int) -> None:
+        """One token for every row: one forward over all segments, each attending to its own cache."""
+        if self._sliding_window is not None:
+            self._fail_past_window(batch)
+        rows, masks, start = [], [], 0
+        for segment in batch.segments:
+            n = len(segment.rows)
+            segment.attention = torch.cat([segment.attention, torch.ones((n, 1), dtype=torch.long)], dim=1)
+            rows.append(slice(start, start + n))
+            start += n
+            bias = torch.zeros(segment.attention.shape, dtype=self.model.dtype)
+            masks.append(bias.masked_fill_(segment.attention == 0, float("-inf"))[:, None, None, :])
+            self.stats.kv_cells += segment.attention.numel()
+        self.stats.kv_context_cells += sum(int(s.attention.sum()) for s in batch.segments)
+        self.stats.segments += len(batch.segments)
         out = self.model(
-            input_ids=batch.pending[:, None],
-            attention_mask=batch.attention,
-            position_ids=batch.positions[:, None],
-            cache=batch.cache,
+            input_ids=torch.cat([s.pending for s in batch.segments])[:, None],
+            attention_mask=torch.zeros((start, 1, 1, 1), dtype=self.model.dtype),  # 4D: used as it is (unused)
+            position_ids=torch.cat([s.positions for s in batch.segments])[:, None],
+            cache=_SegmentedCache(batch.segments, rows, masks),
             use_cache=True,
         )
-        batch.cache = out.cache
-        batch.positions = batch.positions + 1
-        batch.pending = self._sample(batch.rows, out.logits[:, -1], version)
+        tokens = self._sample(batch.rows, out.logits[:, -1], version)
+        for segment, r in zip(batch.segments, rows):
+            segment.positions = segment.positions + 1
+            segment.pending = tokens[r]
         self.stats.decode_steps += 1
+
+    def _fail_past_window(self, batch: _Running) -> None:
+        """Fail the requests whose next token would not see its whole context (the masks have no window)."""
+        for segment in batch.segments:
+            for seq, position in zip(segment.rows, segment.positions.tolist()):
+                if not seq.delivered and position >= self._sliding_window:
+                    seq.delivered = True
+                    error = EngineError(
+                        f"request {seq.rid!r} reached the model's sliding attention window ({self._sliding_window} "
+                        "tokens), which HFEngine does not implement; serve such contexts with SGLang"
+                    )
+                    self._outbox.append((seq, error))
 
     def _sample(self, rows: list[_Sequence], logits: torch.Tensor, version: int) -> torch.Tensor:
         temperature = torch.tensor([s.sampling.temperature for s in rows], dtype=torch.float)
@@ -576,7 +658,7 @@ class HFEngine:
         return tokens
 
     def _merge(self, batch: _Batch, new: _Batch) -> None:
-        """Append ``new``'s rows to the running batch, left-padding the shorter cache to the same length."""
+        """Append ``new``'s rows to ``batch``'s, left-padding the shorter cache to the same length."""
         if not batch.rows:
             batch.rows, batch.cache, batch.attention = new.rows, new.cache, new.attention
             batch.positions, batch.pending = new.positions, new.pending
@@ -594,9 +676,33 @@ class HFEngine:
         batch.positions = torch.cat([batch.positions, new.positions])
         batch.pending = torch.cat([batch.pending, new.pending])
 
-    def _retire(self, batch: _Batch) -> None:
-        """Hand back finished and aborted rows. Their rows leave the cache (with any all-padding columns)
-        once they are `COMPACT_FRACTION` of the batch: the last live rows move into their places."""
+    def _retire(self, batch: _Running) -> None:
+        """Hand back finished and aborted rows, drop emptied segments and merge those cheap to merge."""
+        for segment in batch.segments:
+            self._retire_rows(segment)
+        batch.segments = [segment for segment in batch.segments if segment.rows]
+        self._consolidate(batch.segments)
+
+    def _consolidate(self, segments: list[_Batch]) -> None:
+        """Merge neighbouring segments while padding the narrower to the wider costs fewer than `MERGE_CELLS`
+        (row x column) cells a step, or while there are more than ``max_segments``: each segment is an
+        attention call per layer, each padded cell K and V read for nothing at every step."""
+        while len(segments) > 1:
+            widths = [segment.attention.shape[1] for segment in segments]
+            costs = [
+                abs(widths[i] - widths[i + 1]) * len(segments[i if widths[i] < widths[i + 1] else i + 1].rows)
+                for i in range(len(segments) - 1)
+            ]
+            i = min(range(len(costs)), key=costs.__getitem__)
+            if costs[i] >= MERGE_CELLS and len(segments) <= self.max_segments:
+                return
+            wide, narrow = sorted(segments[i : i + 2], key=lambda segment: -segment.attention.shape[1])
+            self._merge(wide, narrow)
+            segments[i : i + 2] = [wide]
+
+    def _retire_rows(self, batch: _Batch) -> None:
+        """Hand back a segment's finished and aborted rows. Their rows leave the cache (with any all-padding
+        columns) once they are `COMPACT_FRACTION` of the segment: the last live rows move into their places."""
         keep, finished = [], []
         for i, seq in enumerate(batch.rows):
             if not seq.delivered and (seq.stop_reason is not None or seq.abort):
@@ -642,6 +748,15 @@ class HFEngine:
         response = GenResponse(seq.tokens, seq.logprobs, seq.versions, reason, time.perf_counter() - seq.start)
         seq.delivered = True
         self._outbox.append((seq, response))  # handed over after the step (`_deliver`)
+
+
+def _sliding_window(model: PreTrainedModel) -> int | None:
+    """The model's sliding attention window, if any of its layers has one."""
+    window = getattr(model.config, "sliding_window", None)
+    layer_types = getattr(model.config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
 
 
 def _ignore_outcome(future: asyncio.Future) -> None:

@@ -425,3 +425,100 @@ def test_the_kv_cache_changes_rows_and_columns_in_place():
     order = [0, 6, 2, 3, 7, 5]
     assert torch.equal(layer.keys, expected[0][order, :, 2:]) and torch.equal(layer.values, expected[1][order, :, 2:])
     assert layer.keys.untyped_storage().data_ptr() == buffer
+
+
+def tiny_llama(**kwargs):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    return LlamaForCausalLM(LlamaConfig(**{**config, **kwargs}, attn_implementation="sdpa"))
+
+
+def test_grouped_query_heads_decode_as_transformers_generate():
+    """Two KV heads for four query heads, prompts of different lengths joining a running batch in
+    segments of their own: the engine gives generate's greedy tokens."""
+    from areal_agents.engines.segmented_attention import SEGMENTED_SDPA
+
+    model = tiny_llama(num_key_value_heads=2)
+    reference = tiny_llama(num_key_value_heads=2)  # the same weights, left as stock sdpa
+    engine = HFEngine(model, eos_token_ids=[])
+    assert model.config._attn_implementation == SEGMENTED_SDPA
+    prompts = [[3 + i] * (2 + 5 * i) for i in range(4)]
+
+    async def one(i):
+        await asyncio.sleep(0.01 * i)
+        return await engine.agenerate(GenRequest(str(i), prompts[i], SamplingParams(9 + 3 * i, temperature=0)))
+
+    async def run():
+        return await asyncio.gather(*(one(i) for i in range(4)))
+
+    for p, r in zip(prompts, asyncio.run(run())):
+        ref = reference.generate(torch.tensor([p]), max_new_tokens=len(r.output_tokens), do_sample=False)
+        assert r.output_tokens == ref[0, len(p) :].tolist()
+
+
+def test_attention_other_than_sdpa_is_refused():
+    model = tiny_llama()
+    model.set_attn_implementation("eager")
+    with pytest.raises(EngineError, match="the model uses 'eager': load it with attn_implementation='sdpa'"):
+        HFEngine(model)
+
+
+def test_a_sequence_past_the_sliding_window_fails_with_the_window_named():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    model = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, sliding_window=8, attn_implementation="sdpa",
+        )
+    )
+    engine = HFEngine(model, eos_token_ids=[])
+
+    async def run():
+        requests = [GenRequest("short", [1, 2, 3], SamplingParams(5, 0)), GenRequest("long", [1, 2], SamplingParams(9, 0))]
+        return await asyncio.gather(*(engine.agenerate(r) for r in requests), return_exceptions=True)
+
+    short, long = asyncio.run(run())
+    assert len(short.output_tokens) == 5  # within the window, beside a request that passes it
+    assert isinstance(long, EngineError) and "'long' reached the model's sliding attention window (8 tokens)" in str(long)
+    again = asyncio.run(engine.agenerate(GenRequest("again", [4], SamplingParams(6, 0))))  # the engine goes on
+    assert len(again.output_tokens) == 6
+
+
+def test_kv_cache_segments_give_the_tokens_of_one_padded_cache(model, tokenizer):
+    """Three waves of 16 requests, each arriving 30 decode steps after the one before: with segments
+    (each wave's cache as wide as its own rows) the greedy tokens are those of one left-padded cache
+    and of generate, with less padding attended."""
+    waves = [[(f"{w}{i}*{i + 7}=", 70 - 25 * w + i % 5) for i in range(16)] for w in range(3)]
+
+    def run(max_segments):
+        engine = HFEngine(model, eos_token_ids=[], max_segments=max_segments)
+
+        async def wave(w):
+            while engine.stats.decode_steps < 30 * w:
+                await asyncio.sleep(0.001)
+            requests = [GenRequest(f"{w}-{i}", prompt(tokenizer, t), SamplingParams(n, 0.0)) for i, (t, n) in enumerate(waves[w])]
+            return await asyncio.gather(*(engine.agenerate(r) for r in requests))
+
+        async def all_waves():
+            return await asyncio.gather(*(wave(w) for w in range(3)))
+
+        return [[r.output_tokens for r in responses] for responses in asyncio.run(all_waves())], engine.stats
+
+    segmented, stats = run(8)
+    padded, one_cache = run(1)
+    assert segmented == padded
+    assert one_cache.segments == one_cache.decode_steps and stats.segments > stats.decode_steps
+    assert stats.kv_context_cells / stats.kv_cells > one_cache.kv_context_cells / one_cache.kv_cells
+    for w in range(3):
+        text, n = waves[w][0]
+        ids = prompt(tokenizer, text)
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+        assert segmented[w][0] == ref[0, len(ids) :].tolist()
+
+
+def test_max_segments_is_checked(model):
+    with pytest.raises(ValueError, match="max_segments: expects at least 1, got 0"):
+        HFEngine(model, max_segments=0)

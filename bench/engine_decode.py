@@ -1,0 +1,116 @@
+"""`HFEngine` under the count recipe's load: a KV cache in segments against one left-padded cache.
+
+    .venv/bin/python bench/engine_decode.py [--model runs/count/sft/model] [--groups 120 --repeats 2]
+
+The load of `bench/async_vs_sync.py --task count` at max_staleness 4: groups of 16 requests sharing a
+prompt, ``--in-flight`` groups running (a finished group is replaced at once), answers of long-tailed
+length (a log-normal number of counted numbers, median 6, up to 32: 6 to 130 tokens), one engine thread
+as the processes layout runs it. The same engine, model and requests with ``max_segments`` 8 (the
+default) and 1 (one cache as wide as the oldest row: the engine before segments), alternated
+``--repeats`` times; prints ms per decode step, samples/s, the share of attended KV cells that were
+padding, and the ratios. Lengths are forced (``ignore_eos``) so both do the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+import transformers
+
+from areal_agents.engines import HFEngine
+from areal_agents.engines.hf_engine import MAX_SEGMENTS
+from areal_agents.models import load_model, load_tokenizer, save_tiny_model
+from areal_agents.types import GenRequest, SamplingParams
+
+
+def count_load(tokenizer, groups: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, the group's answer lengths in tokens) for ``groups`` count problems."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(groups):
+        first = rng.randrange(1000)
+        lengths = []
+        for _ in range(16):
+            numbers = min(32, max(1, round(6 * math.exp(0.8 * rng.gauss(0, 1)))))
+            lengths.append(min(136, 4 * numbers + 2))  # "n, " per number: ~4 characters
+        text = f"Count from {first} to {first + max(lengths) // 4}."
+        messages = [{"role": "user", "content": text}]
+        out.append((tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False), lengths))
+    return out
+
+
+def run_load(engine: HFEngine, load: list[tuple[list[int], list[int]]], in_flight: int) -> tuple[float, float, float]:
+    """Samples/s, ms per decode step and the padding share of attended KV cells, ``in_flight`` groups at once."""
+
+    async def group(g: int, prompt: list[int], lengths: list[int]) -> None:
+        await asyncio.gather(
+            *(
+                engine.agenerate(GenRequest(f"{g}-{i}", prompt, SamplingParams(n, temperature=1.0, ignore_eos=True)))
+                for i, n in enumerate(lengths)
+            )
+        )
+
+    async def run() -> None:
+        gate = asyncio.Semaphore(in_flight)
+
+        async def gated(g: int, prompt: list[int], lengths: list[int]) -> None:
+            async with gate:
+                await group(g, prompt, lengths)
+
+        await asyncio.gather(*(gated(g, p, n) for g, (p, n) in enumerate(load)))
+
+    st = engine.stats
+    steps, busy, cells, context = st.decode_steps, st.busy_seconds, st.kv_cells, st.kv_context_cells
+    start = time.perf_counter()
+    asyncio.run(run())
+    wall = time.perf_counter() - start
+    ms = 1000 * (st.busy_seconds - busy) / max(1, st.decode_steps - steps)
+    return 16 * len(load) / wall, ms, 1 - (st.kv_context_cells - context) / max(1, st.kv_cells - cells)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a checkpoint (default: a fresh tiny model)")
+    parser.add_argument("--groups", type=int, default=120, help="groups of 16 requests per measurement")
+    parser.add_argument("--in-flight", type=int, default=24, help="groups running at once")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    transformers.utils.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    settings = {f"{MAX_SEGMENTS} segments": MAX_SEGMENTS, "1 segment": 1}
+    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in settings}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model or save_tiny_model(tmp)
+        tokenizer = load_tokenizer(path)
+        load = count_load(tokenizer, args.groups, seed=0)
+        for _ in range(args.repeats):
+            for name, segments in settings.items():
+                engine = HFEngine(
+                    load_model(path), max_batch_size=256, num_threads=args.threads, prefix_cache_tokens=0,
+                    stale_kv="keep", seed=0, max_segments=segments,
+                )
+                run_load(engine, load[: args.in_flight], args.in_flight)  # warm-up
+                results[name].append(run_load(engine, load, args.in_flight))
+                engine.close()
+    print(f"== bench/engine_decode ({args.groups} groups of 16, {args.in_flight} in flight, {args.threads} thread) ==")
+    med = {name: [statistics.median(r[i] for r in runs) for i in range(3)] for name, runs in results.items()}
+    for name, runs in results.items():
+        each = ", ".join(f"{r[1]:.2f}" for r in runs)
+        rate, ms, padding = med[name]
+        print(f"{name:>11}: {ms:6.2f} ms a decode step ({each}), {rate:6.1f} samples/s, {padding:.0%} of KV cells padding")
+    (ours, base) = med[f"{MAX_SEGMENTS} segments"], med["1 segment"]
+    print(f"segments: decode step {base[1] / ours[1]:.2f}x faster, samples/s {ours[0] / base[0]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
+
+
