@@ -132,8 +132,8 @@ def open_policy_engine(name: str, cfg: TrainConfig, model_path: str, run_dir: Pa
     """The policy's inference engine, serving ``model_path``, and the servers behind it (or None)."""
     engine_dir = run_dir if name == SHARED else run_dir / "policies" / name
     engine = cfg.engine
-    if engine.backend == "serve-model" and cfg.rollout.max_staleness == 0:
-        engine = replace(engine, cpu_threads=0)  # launched servers never decode beside an update: all cores
+    if engine.backend in ("hf", "serve-model") and cfg.rollout.max_staleness == 0:
+        engine = replace(engine, cpu_threads=0)  # a synchronous run never decodes beside an update: all cores
     return open_engine(engine, model_path, cfg.model.dtype, run_dir=engine_dir, seed=cfg.seed)
 
 

@@ -49,3 +49,14 @@ def test_launched_servers_take_all_cores_in_sync_runs_and_one_thread_beside_asyn
     policy.open_policy_engine("policy", cfg, "m", tmp_path)
     threads = [c[c.index("--cpu-threads") + 1] for c in commands]
     assert threads == ["0", "1"]
+
+
+def test_the_in_process_engine_takes_all_cores_in_sync_runs_and_its_threads_beside_async_updates(tiny_dir, tmp_path):
+    threads = []
+    for staleness in (0, 2):
+        cfg = TrainConfig()
+        cfg.rollout.max_staleness = staleness
+        engine, servers = policy.open_policy_engine("policy", cfg, str(tiny_dir), tmp_path)
+        threads.append(engine.num_threads)
+        engine.close()
+    assert threads == [None, 1]  # None: torch's default, every core
