@@ -176,6 +176,7 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
             max_running_requests=args.max_running_requests,
             prefix_cache_tokens=args.prefix_cache_tokens,
             stale_kv=args.stale_kv,
+            kv_dtype=args.kv_dtype,
             cpu_threads=args.cpu_threads,
             seed=args.seed,
         )
@@ -277,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["recompute", "keep"],
         default="recompute",
         help="after a weight update: recompute running requests' KV with the new weights, or keep the old",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="dtype of the KV cache decode steps attend to (auto: the model's)",
     )
     p.add_argument("--cpu-threads", type=int, default=0, help="intra-op threads of the decode thread (0 = all cores)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")

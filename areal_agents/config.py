@@ -224,6 +224,12 @@ class EngineConfig:
         "update: no re-prefill; tokens' recorded logprobs stay those they were sampled with, as decoupled PPO needs)",
         default="recompute",
     )
+    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _help(
+        "hf engine / serve-model: dtype of the KV cache decode steps attend to (auto = the model's). bfloat16 "
+        "halves the bytes one-token attention reads (a CPU decode step 1.46x faster at 232 rows); the tokens' "
+        "logprobs stay those they were sampled with, now ~5e-4 from the trainer's float32 forward on average",
+        default="auto",
+    )
     startup_timeout_s: float = _help("seconds to wait for a launched server's /health", default=600.0)
     request_timeout_s: float = _help("seconds before a /generate call is retried", default=3600.0)
     max_retries: int = _help("retries (exponential backoff) of a call on connection errors and 5xx", default=5)

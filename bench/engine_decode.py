@@ -1,14 +1,15 @@
-"""`HFEngine` under the count recipe's load: a KV cache in segments against one left-padded cache.
+"""`HFEngine` under the count recipe's load: its KV cache in segments, and in bfloat16, against one cache.
 
     .venv/bin/python bench/engine_decode.py [--model runs/count/sft/model] [--groups 120 --repeats 2]
 
 The load of `bench/async_vs_sync.py --task count` at max_staleness 4: groups of 16 requests sharing a
 prompt, ``--in-flight`` groups running (a finished group is replaced at once), answers of long-tailed
 length (a log-normal number of counted numbers, median 6, up to 32: 6 to 130 tokens), one engine thread
-as the processes layout runs it. The same engine, model and requests with ``max_segments`` 8 (the
-default) and 1 (one cache as wide as the oldest row: the engine before segments), alternated
-``--repeats`` times; prints ms per decode step, samples/s, the share of attended KV cells that were
-padding, and the ratios. Lengths are forced (``ignore_eos``) so both do the same work.
+as the processes layout runs it. The same engine, model and requests with ``max_segments`` 1 (one
+float32 cache as wide as the oldest row: the engine before segments, the baseline), 8 (the default),
+and 8 with ``kv_dtype="bfloat16"``, alternated ``--repeats`` times; prints ms per decode step,
+samples/s, the share of attended KV cells that were padding, and the ratios to the baseline. Lengths are
+forced (``ignore_eos``) so all do the same work.
 """
 
 from __future__ import annotations
@@ -85,17 +86,21 @@ def main() -> None:
     args = parser.parse_args()
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
-    settings = {f"{MAX_SEGMENTS} segments": MAX_SEGMENTS, "1 segment": 1}
+    settings = {
+        "1 segment": (1, "auto"),
+        f"{MAX_SEGMENTS} segments": (MAX_SEGMENTS, "auto"),
+        f"{MAX_SEGMENTS} segments, bfloat16 KV": (MAX_SEGMENTS, "bfloat16"),
+    }
     results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or save_tiny_model(tmp)
         tokenizer = load_tokenizer(path)
         load = count_load(tokenizer, args.groups, seed=0)
         for _ in range(args.repeats):
-            for name, segments in settings.items():
+            for name, (segments, kv_dtype) in settings.items():
                 engine = HFEngine(
                     load_model(path), max_batch_size=256, num_threads=args.threads, prefix_cache_tokens=0,
-                    stale_kv="keep", seed=0, max_segments=segments,
+                    stale_kv="keep", seed=0, max_segments=segments, kv_dtype=kv_dtype,
                 )
                 run_load(engine, load[: args.in_flight], args.in_flight)  # warm-up
                 results[name].append(run_load(engine, load, args.in_flight))
@@ -105,9 +110,11 @@ def main() -> None:
     for name, runs in results.items():
         each = ", ".join(f"{r[1]:.2f}" for r in runs)
         rate, ms, padding = med[name]
-        print(f"{name:>11}: {ms:6.2f} ms a decode step ({each}), {rate:6.1f} samples/s, {padding:.0%} of KV cells padding")
-    (ours, base) = med[f"{MAX_SEGMENTS} segments"], med["1 segment"]
-    print(f"segments: decode step {base[1] / ours[1]:.2f}x faster, samples/s {ours[0] / base[0]:.2f}x")
+        base = med["1 segment"]
+        print(
+            f"{name:>24}: {ms:6.2f} ms a decode step ({each}) = {base[1] / ms:.2f}x faster, {rate:6.1f} samples/s "
+            f"= {rate / base[0]:.2f}x, {padding:.0%} of the KV cells attended were padding"
+        )
 
 
 if __name__ == "__main__":

@@ -94,10 +94,11 @@ class _GrowingLayer(DynamicLayer):
     another tensor (a prefill's rows picked by index) is copied into fresh room when next changed."""
 
     @classmethod
-    def adopt(cls, layer: DynamicLayer, max_rows: int) -> _GrowingLayer:
+    def adopt(cls, layer: DynamicLayer, max_rows: int, dtype: torch.dtype) -> _GrowingLayer:
+        """``layer`` (a prefill's) as a growing one whose room holds ``dtype`` keys and values."""
         grown = cls()
         grown.__dict__.update(layer.__dict__)
-        grown._room, grown._start, grown._view, grown._max_rows = None, 0, None, max_rows
+        grown._room, grown._start, grown._view, grown._max_rows, grown._dtype = None, 0, None, max_rows, dtype
         return grown
 
     def _make_room(self, rows: int, left: int, right: int) -> None:
@@ -115,7 +116,9 @@ class _GrowingLayer(DynamicLayer):
         capacity = max(rows, min(self._max_rows, 2 * rows))
         self._start = max(left, 8, width // 4)
         columns = self._start + width + max(right, 16, width // 2)
-        room = tuple(x.new_empty(capacity, x.shape[1], columns, x.shape[-1]) for x in (self.keys, self.values))
+        room = tuple(
+            x.new_empty(capacity, x.shape[1], columns, x.shape[-1], dtype=self._dtype) for x in (self.keys, self.values)
+        )
         for r, x in zip(room, (self.keys, self.values)):
             # columns a row does not attend to are masked and must hold finite numbers: the ones a wider arrival
             # may bring into view are zeroed (spare rows' when `add_rows` takes them; right ones are written first)
@@ -228,6 +231,7 @@ class HFEngine:
         stale_kv: StaleKV = "recompute",
         gather_steps: int = 3,
         max_segments: int = MAX_SEGMENTS,
+        kv_dtype: str | torch.dtype | None = None,
     ) -> None:
         if stale_kv not in ("recompute", "keep"):
             raise ValueError(f"stale_kv: expects 'recompute' or 'keep', got {stale_kv!r}")
@@ -257,6 +261,7 @@ class HFEngine:
         self.stale_kv = stale_kv
         self.gather_steps = gather_steps  # ... after this many decode steps (0: admit at every step)
         self.max_segments = max_segments  # KV cache segments (1: one cache, left-padded to the oldest row)
+        self.kv_dtype = _kv_dtype(kv_dtype, model.dtype)  # of the KV cache decode steps attend to
         self._gathered = 0  # decode steps arrivals have been held back (decode thread only)
         self._version = version
         self._cv = threading.Condition()  # guards everything below, shared with the decode thread
@@ -581,8 +586,9 @@ class HFEngine:
         positions = (attention.cumsum(-1) - 1).clamp(min=0) + torch.tensor(start)[:, None]
         past = None
         if any(start):
-            keys, values, past_mask = self.prefixes.gather(hits)
-            past = DynamicCache(ddp_cache_data=list(zip(keys, values)))
+            keys, values, past_mask = self.prefixes.gather(hits)  # in kv_dtype: the prefill runs in the model's
+            dtype = self.model.dtype
+            past = DynamicCache(ddp_cache_data=[(k.to(dtype), v.to(dtype)) for k, v in zip(keys, values)])
             attention = torch.cat([past_mask, attention], dim=1)
         out = self.model(
             input_ids=input_ids,
@@ -596,7 +602,7 @@ class HFEngine:
         self.stats.prefill_tokens += sum(len(c) for c in news)
         self.stats.prefix_hit_tokens += sum(start)
         cache = out.cache
-        cache.layers = [_GrowingLayer.adopt(layer, self.max_batch_size) for layer in cache.layers]
+        cache.layers = [_GrowingLayer.adopt(layer, self.max_batch_size, self.kv_dtype) for layer in cache.layers]
         return cache, attention, positions[:, -1], out.logits[:, -1]
 
     def _decode(self, batch: _Running, version: int) -> None:
@@ -609,7 +615,7 @@ class HFEngine:
             segment.attention = torch.cat([segment.attention, torch.ones((n, 1), dtype=torch.long)], dim=1)
             rows.append(slice(start, start + n))
             start += n
-            bias = torch.zeros(segment.attention.shape, dtype=self.model.dtype)
+            bias = torch.zeros(segment.attention.shape, dtype=self.kv_dtype)
             masks.append(bias.masked_fill_(segment.attention == 0, float("-inf"))[:, None, None, :])
             self.stats.kv_cells += segment.attention.numel()
         self.stats.kv_context_cells += sum(int(s.attention.sum()) for s in batch.segments)
@@ -748,6 +754,17 @@ class HFEngine:
         response = GenResponse(seq.tokens, seq.logprobs, seq.versions, reason, time.perf_counter() - seq.start)
         seq.delivered = True
         self._outbox.append((seq, response))  # handed over after the step (`_deliver`)
+
+
+KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _kv_dtype(kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:
+    if isinstance(kv_dtype, torch.dtype):
+        return kv_dtype
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype: expects one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
+    return KV_DTYPES.get(kv_dtype or "auto") or model_dtype
 
 
 def _sliding_window(model: PreTrainedModel) -> int | None:

@@ -76,7 +76,7 @@ def server_command(cfg: EngineConfig, model_path: str, dtype: str, port: int, in
             sys.executable, "-m", "areal_agents.cli", "serve-model", "--model-path", model_path, "--host", host,
             "--port", str(port), "--dtype", dtype, "--max-running-requests", str(cfg.max_running_requests),
             "--prefix-cache-tokens", str(cfg.prefix_cache_tokens), "--stale-kv", cfg.stale_kv,
-            "--cpu-threads", str(cfg.cpu_threads),
+            "--kv-dtype", cfg.kv_dtype, "--cpu-threads", str(cfg.cpu_threads),
             *cfg.extra_args,
         ]  # fmt: skip
     raise EngineError(f"engine.backend must be 'hf', 'serve-model' or 'sglang' to launch servers, got {backend!r}")
@@ -159,6 +159,7 @@ def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path
             num_threads=cfg.cpu_threads or None,
             prefix_cache_tokens=cfg.prefix_cache_tokens,
             stale_kv=cfg.stale_kv,
+            kv_dtype=cfg.kv_dtype,
         )
         if cfg.own_process:
             return ProcessEngine(model_path, dtype, **kwargs), None

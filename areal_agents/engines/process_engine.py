@@ -129,6 +129,7 @@ class ProcessEngine:
         num_threads: int | None = None,
         prefix_cache_tokens: int = 65536,
         stale_kv: str = "recompute",
+        kv_dtype: str = "auto",
     ) -> None:
         kwargs = dict(
             max_batch_size=max_batch_size,
@@ -136,6 +137,7 @@ class ProcessEngine:
             num_threads=num_threads,
             prefix_cache_tokens=prefix_cache_tokens,
             stale_kv=stale_kv,
+            kv_dtype=kv_dtype,
         )
         what = f"ProcessEngine: could not start an engine for {model_path!r}"
         self._process, self._conn, _ = start_child(

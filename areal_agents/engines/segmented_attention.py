@@ -37,11 +37,13 @@ def segmented_sdpa(module, query, key, value, attention_mask, dropout=0.0, scali
     """sdpa per segment of `SegmentedKV` keys and values (``attention_mask`` is then unused); else sdpa."""
     if not isinstance(key, SegmentedKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    dtype = key.parts[0].dtype  # a cache kept in another dtype than the model's: attend in the cache's
+    q = query.to(dtype)
     outs = [
-        sdpa_attention_forward(module, query[rows], k, v, mask, dropout, scaling, **kwargs)[0]
+        sdpa_attention_forward(module, q[rows], k, v, mask.to(dtype), dropout, scaling, **kwargs)[0]
         for rows, k, v, mask in zip(key.rows, key.parts, value.parts, key.masks)
     ]
-    return torch.cat(outs), None  # [B, q, H, D], as sdpa returns
+    return torch.cat(outs).to(query.dtype), None  # [B, q, H, D], as sdpa returns
 
 
 AttentionInterface.register(SEGMENTED_SDPA, segmented_sdpa)

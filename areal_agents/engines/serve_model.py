@@ -34,6 +34,7 @@ class ModelServerConfig:
     max_running_requests: int = 256
     prefix_cache_tokens: int = 65536
     stale_kv: str = "recompute"
+    kv_dtype: str = "auto"  # the KV cache's dtype (auto: the model's)
     cpu_threads: int = 0  # the decode thread's intra-op threads (0: torch's default, all cores)
     seed: int = 0
 
@@ -233,6 +234,7 @@ def serve_model(cfg: ModelServerConfig) -> None:
         seed=cfg.seed,
         prefix_cache_tokens=cfg.prefix_cache_tokens,
         stale_kv=cfg.stale_kv,
+        kv_dtype=cfg.kv_dtype,
         num_threads=cfg.cpu_threads or None,
     )
     app = build_app(engine, tokenizer, cfg)

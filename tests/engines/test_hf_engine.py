@@ -522,3 +522,53 @@ def test_kv_cache_segments_give_the_tokens_of_one_padded_cache(model, tokenizer)
 def test_max_segments_is_checked(model):
     with pytest.raises(ValueError, match="max_segments: expects at least 1, got 0"):
         HFEngine(model, max_segments=0)
+
+
+def test_a_bfloat16_kv_cache_samples_close_to_the_model_through_segments_and_next_turns(model, tokenizer):
+    """kv_dtype=bfloat16: the rooms hold bfloat16, prefill runs in the model's dtype (cached prefixes
+    converted back), and every logprob stays close to a float32 forward pass of the same tokens."""
+    engine = HFEngine(model, eos_token_ids=[], seed=5, kv_dtype="bfloat16")
+    reply = prompt(tokenizer, "wrong, again:")[1:]
+
+    async def episode(i):
+        while engine.stats.decode_steps < 6 * i:  # later episodes join a running batch: segments
+            await asyncio.sleep(0.001)
+        context, turns = prompt(tokenizer, f"{i}+{i * 13}="), []
+        for turn in range(2):
+            r = await engine.agenerate(GenRequest(f"{i}.{turn}", context, SamplingParams(12 + (i + turn) % 5)))
+            turns.append((list(context), r))
+            context = context + r.output_tokens + reply
+        return turns
+
+    async def run():
+        return await asyncio.gather(*(episode(i) for i in range(6)))
+
+    async def waves():  # 16 rows 20 decode steps after 16 others: segments of their own
+        start = engine.stats.decode_steps
+
+        async def wave(w):
+            while engine.stats.decode_steps < start + 20 * w:
+                await asyncio.sleep(0.001)
+            requests = [GenRequest(f"w{w}.{i}", prompt(tokenizer, f"{w}{i}*3="), SamplingParams(40)) for i in range(16)]
+            return await asyncio.gather(*(engine.agenerate(r) for r in requests))
+
+        return await asyncio.gather(wave(0), wave(1))
+
+    episodes = asyncio.run(run())
+    steps, segments = engine.stats.decode_steps, engine.stats.segments
+    for w, responses in enumerate(asyncio.run(waves())):
+        episodes.append([(prompt(tokenizer, f"{w}{i}*3="), r) for i, r in enumerate(responses)])
+    assert engine.stats.prefix_hit_tokens > 0 and engine.stats.segments - segments > engine.stats.decode_steps - steps
+    assert engine.kv_dtype == torch.bfloat16
+    gaps = []
+    for turns in episodes:
+        for ctx, r in turns:
+            ref = forward_logprobs(model, ctx + r.output_tokens, len(r.output_tokens))
+            gaps.append((ref - torch.tensor(r.output_logprobs)).abs())
+    gaps = torch.cat(gaps)
+    assert 0 < gaps.mean() < 0.01 and gaps.max() < 0.25  # bfloat16 keys and values: close, not exact
+
+
+def test_kv_dtype_is_checked(model):
+    with pytest.raises(ValueError, match="kv_dtype: expects one of .*'bfloat16'.*got 'bf16'"):
+        HFEngine(model, kv_dtype="bf16")

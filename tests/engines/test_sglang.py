@@ -323,3 +323,17 @@ def test_serve_model_cli_help_lists_the_sglang_flags():
     )
     for flag in ("--model-path", "--host", "--port"):
         assert flag in out.stdout
+
+
+def test_kv_dtype_reaches_the_engine_the_run_opens(tiny_dir, tmp_path):
+    """engine.kv_dtype: the in-process engine, the engine process and launched serve-model servers."""
+    from areal_agents.engines.launcher import open_engine
+    from areal_agents.engines.serve_model import ModelServerConfig
+    from areal_agents.cli import build_parser
+
+    engine, _ = open_engine(EngineConfig(kv_dtype="bfloat16"), str(tiny_dir), "float32", run_dir=tmp_path)
+    assert engine.kv_dtype == torch.bfloat16
+    command = server_command(EngineConfig(backend="serve-model", kv_dtype="bfloat16"), "m", "float32", 1, 0)
+    assert command[command.index("--kv-dtype") + 1] == "bfloat16"
+    args = build_parser().parse_args(command[command.index("serve-model") :])
+    assert args.kv_dtype == "bfloat16" and ModelServerConfig("m", kv_dtype=args.kv_dtype).kv_dtype == "bfloat16"
