@@ -94,11 +94,12 @@ class _GrowingLayer(DynamicLayer):
     another tensor (a prefill's rows picked by index) is copied into fresh room when next changed."""
 
     @classmethod
-    def adopt(cls, layer: DynamicLayer, max_rows: int, dtype: torch.dtype) -> _GrowingLayer:
-        """``layer`` (a prefill's) as a growing one whose room holds ``dtype`` keys and values."""
+    def adopt(cls, layer: DynamicLayer, max_rows: int, dtype: torch.dtype | None = None) -> _GrowingLayer:
+        """``layer`` (a prefill's) as a growing one whose room holds ``dtype`` keys and values (default: its own)."""
         grown = cls()
         grown.__dict__.update(layer.__dict__)
-        grown._room, grown._start, grown._view, grown._max_rows, grown._dtype = None, 0, None, max_rows, dtype
+        grown._room, grown._start, grown._view, grown._max_rows = None, 0, None, max_rows
+        grown._dtype = dtype or layer.keys.dtype
         return grown
 
     def _make_room(self, rows: int, left: int, right: int) -> None:
