@@ -22,6 +22,26 @@ def forward_logprobs(model, ids, n_out, temperature=1.0):
     return logp[-n_out:]
 
 
+def run_multi_turn(engine, tokenizer, episodes, turns, new_tokens):
+    """Episodes whose next request is the context + output + a reply, started 3 ms apart (merges leave
+    holes in the rows); ``new_tokens(i, turn)`` tokens a turn. [(context, response)] per episode."""
+    reply = prompt(tokenizer, "wrong, again:")[1:]
+
+    async def episode(i):
+        await asyncio.sleep(0.003 * i)
+        context, out = prompt(tokenizer, f"{i}+{i * 13}="), []
+        for turn in range(turns):
+            r = await engine.agenerate(GenRequest(f"{i}.{turn}", context, SamplingParams(new_tokens(i, turn))))
+            out.append((list(context), r))
+            context = context + r.output_tokens + reply
+        return out
+
+    async def run():
+        return await asyncio.gather(*(episode(i) for i in range(episodes)))
+
+    return asyncio.run(run())
+
+
 def perturbed(tiny_dir):
     """The tiny model with noise on every weight: "new weights" for an update."""
     from areal_agents.models import load_model
@@ -241,21 +261,7 @@ def test_next_turns_reuse_the_cache_of_the_previous_turn(model, tokenizer):
     tokens are prefilled, the rest comes from the prefix cache, and every logprob equals a full forward
     pass, while other episodes join and leave the running batch (cache rows with padding holes)."""
     engine = HFEngine(model, eos_token_ids=[], seed=5)
-    reply = prompt(tokenizer, "wrong, again:")[1:]
-
-    async def episode(i):
-        await asyncio.sleep(0.003 * i)  # staggered: merges leave holes in the rows
-        context, turns = prompt(tokenizer, f"{i}+{i * 13}="), []
-        for turn in range(3):
-            r = await engine.agenerate(GenRequest(f"{i}.{turn}", context, SamplingParams(3 + (i + turn) % 5)))
-            turns.append((list(context), r))
-            context = context + r.output_tokens + reply
-        return turns
-
-    async def run():
-        return await asyncio.gather(*(episode(i) for i in range(8)))
-
-    episodes = asyncio.run(run())
+    episodes = run_multi_turn(engine, tokenizer, 8, 3, lambda i, turn: 3 + (i + turn) % 5)
     contexts = sum(len(ctx) for turns in episodes for ctx, _ in turns)
     assert engine.stats.prefix_hit_tokens > contexts / 2  # the later turns came from the cache
     assert engine.stats.prefill_tokens + engine.stats.prefix_hit_tokens == contexts
@@ -528,20 +534,7 @@ def test_a_bfloat16_kv_cache_samples_close_to_the_model_through_segments_and_nex
     """kv_dtype=bfloat16: the rooms hold bfloat16, prefill runs in the model's dtype (cached prefixes
     converted back), and every logprob stays close to a float32 forward pass of the same tokens."""
     engine = HFEngine(model, eos_token_ids=[], seed=5, kv_dtype="bfloat16")
-    reply = prompt(tokenizer, "wrong, again:")[1:]
-
-    async def episode(i):
-        while engine.stats.decode_steps < 6 * i:  # later episodes join a running batch: segments
-            await asyncio.sleep(0.001)
-        context, turns = prompt(tokenizer, f"{i}+{i * 13}="), []
-        for turn in range(2):
-            r = await engine.agenerate(GenRequest(f"{i}.{turn}", context, SamplingParams(12 + (i + turn) % 5)))
-            turns.append((list(context), r))
-            context = context + r.output_tokens + reply
-        return turns
-
-    async def run():
-        return await asyncio.gather(*(episode(i) for i in range(6)))
+    episodes = run_multi_turn(engine, tokenizer, 6, 2, lambda i, turn: 12 + (i + turn) % 5)
 
     async def waves():  # 16 rows 20 decode steps after 16 others: segments of their own
         start = engine.stats.decode_steps
@@ -554,7 +547,6 @@ def test_a_bfloat16_kv_cache_samples_close_to_the_model_through_segments_and_nex
 
         return await asyncio.gather(wave(0), wave(1))
 
-    episodes = asyncio.run(run())
     steps, segments = engine.stats.decode_steps, engine.stats.segments
     for w, responses in enumerate(asyncio.run(waves())):
         episodes.append([(prompt(tokenizer, f"{w}{i}*3="), r) for i, r in enumerate(responses)])
