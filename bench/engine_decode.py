@@ -99,8 +99,14 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, (segments, kv_dtype) in settings.items():
                 engine = HFEngine(
-                    load_model(path), max_batch_size=256, num_threads=args.threads, prefix_cache_tokens=0,
-                    stale_kv="keep", seed=0, max_segments=segments, kv_dtype=kv_dtype,
+                    load_model(path),
+                    max_batch_size=256,
+                    num_threads=args.threads,
+                    prefix_cache_tokens=0,
+                    stale_kv="keep",
+                    seed=0,
+                    max_segments=segments,
+                    kv_dtype=kv_dtype,
                 )
                 run_load(engine, load[: args.in_flight], args.in_flight)  # warm-up
                 results[name].append(run_load(engine, load, args.in_flight))
@@ -119,5 +125,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-

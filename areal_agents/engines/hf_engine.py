@@ -36,8 +36,8 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from areal_agents.engines.prefix_cache import PrefixCache
-from areal_agents.engines.segmented_attention import SEGMENTED_SDPA, SegmentedKV
 from areal_agents.engines.sampling import sample_tokens
+from areal_agents.engines.segmented_attention import SEGMENTED_SDPA, SegmentedKV
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, GenResponse, SamplingParams, StopReason
 
@@ -47,6 +47,7 @@ GATHER_FRACTION = 0.125  # a busy batch admits arrivals once they are this share
 COMPACT_FRACTION = 0.0625  # drop finished rows from the cache once they are this share of the batch
 MAX_SEGMENTS = 8  # KV cache segments of the running batch (each one an attention call per layer) ...
 MERGE_CELLS = 256  # ... two segments merge when padding one to the other costs fewer (row x column) cells
+KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -184,7 +185,7 @@ class _Batch:
 
 @dataclass
 class _Running:
-    """The running batch (decode thread only): segments of rows, oldest first, at most `MAX_SEGMENTS`."""
+    """The running batch (decode thread only): segments of rows, oldest first (``HFEngine.max_segments``)."""
 
     segments: list[_Batch] = field(default_factory=list)
 
@@ -757,10 +758,8 @@ class HFEngine:
         self._outbox.append((seq, response))  # handed over after the step (`_deliver`)
 
 
-KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def _kv_dtype(kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: a name of `KV_DTYPES` (auto: the model's) or a torch dtype."""
     if isinstance(kv_dtype, torch.dtype):
         return kv_dtype
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:

@@ -476,19 +476,30 @@ def test_a_sequence_past_the_sliding_window_fails_with_the_window_named():
 
     model = MistralForCausalLM(
         MistralConfig(
-            vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=2, sliding_window=8, attn_implementation="sdpa",
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=8,
+            attn_implementation="sdpa",
         )
     )
     engine = HFEngine(model, eos_token_ids=[])
 
     async def run():
-        requests = [GenRequest("short", [1, 2, 3], SamplingParams(5, 0)), GenRequest("long", [1, 2], SamplingParams(9, 0))]
+        requests = [
+            GenRequest("short", [1, 2, 3], SamplingParams(5, 0)),
+            GenRequest("long", [1, 2], SamplingParams(9, 0)),
+        ]
         return await asyncio.gather(*(engine.agenerate(r) for r in requests), return_exceptions=True)
 
     short, long = asyncio.run(run())
     assert len(short.output_tokens) == 5  # within the window, beside a request that passes it
-    assert isinstance(long, EngineError) and "'long' reached the model's sliding attention window (8 tokens)" in str(long)
+    assert isinstance(long, EngineError) and "'long' reached the model's sliding attention window (8 tokens)" in str(
+        long
+    )
     again = asyncio.run(engine.agenerate(GenRequest("again", [4], SamplingParams(6, 0))))  # the engine goes on
     assert len(again.output_tokens) == 6
 
@@ -505,7 +516,10 @@ def test_kv_cache_segments_give_the_tokens_of_one_padded_cache(model, tokenizer)
         async def wave(w):
             while engine.stats.decode_steps < 30 * w:
                 await asyncio.sleep(0.001)
-            requests = [GenRequest(f"{w}-{i}", prompt(tokenizer, t), SamplingParams(n, 0.0)) for i, (t, n) in enumerate(waves[w])]
+            requests = [
+                GenRequest(f"{w}-{i}", prompt(tokenizer, t), SamplingParams(n, 0.0))
+                for i, (t, n) in enumerate(waves[w])
+            ]
             return await asyncio.gather(*(engine.agenerate(r) for r in requests))
 
         async def all_waves():

@@ -42,8 +42,13 @@ def test_ordinary_tensors_are_plain_sdpa():
     """Prefill, padded batches and generate: the same outputs as a model left on stock sdpa."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, attn_implementation="sdpa",
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
     )
     model = LlamaForCausalLM(config).eval()
     ids = torch.randint(0, 50, (3, 9))

@@ -327,9 +327,9 @@ def test_serve_model_cli_help_lists_the_sglang_flags():
 
 def test_kv_dtype_reaches_the_engine_the_run_opens(tiny_dir, tmp_path):
     """engine.kv_dtype: the in-process engine, the engine process and launched serve-model servers."""
+    from areal_agents.cli import build_parser
     from areal_agents.engines.launcher import open_engine
     from areal_agents.engines.serve_model import ModelServerConfig
-    from areal_agents.cli import build_parser
 
     engine, _ = open_engine(EngineConfig(kv_dtype="bfloat16"), str(tiny_dir), "float32", run_dir=tmp_path)
     assert engine.kv_dtype == torch.bfloat16
