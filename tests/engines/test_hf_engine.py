@@ -433,12 +433,15 @@ def test_the_kv_cache_changes_rows_and_columns_in_place():
     assert layer.keys.untyped_storage().data_ptr() == buffer
 
 
+TINY_CONFIG = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
 def tiny_llama(**kwargs):
+    """A randomly initialised 2-layer Llama on sdpa attention (seed 0: the same weights each call)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-    return LlamaForCausalLM(LlamaConfig(**{**config, **kwargs}, attn_implementation="sdpa"))
+    return LlamaForCausalLM(LlamaConfig(**{**TINY_CONFIG, **kwargs}, attn_implementation="sdpa"))
 
 
 def test_grouped_query_heads_decode_as_transformers_generate():
@@ -474,18 +477,8 @@ def test_attention_other_than_sdpa_is_refused():
 def test_a_sequence_past_the_sliding_window_fails_with_the_window_named():
     from transformers import MistralConfig, MistralForCausalLM
 
-    model = MistralForCausalLM(
-        MistralConfig(
-            vocab_size=50,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            sliding_window=8,
-            attn_implementation="sdpa",
-        )
-    )
+    config = {**TINY_CONFIG, "num_hidden_layers": 1, "num_key_value_heads": 2, "sliding_window": 8}
+    model = MistralForCausalLM(MistralConfig(**config, attn_implementation="sdpa"))
     engine = HFEngine(model, eos_token_ids=[])
 
     async def run():

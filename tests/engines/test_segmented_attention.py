@@ -1,6 +1,6 @@
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_hf_engine import tiny_llama
 
 from areal_agents.engines.segmented_attention import SEGMENTED_SDPA, SegmentedKV, segmented_sdpa
 
@@ -40,17 +40,7 @@ def test_segments_of_different_widths_attend_as_one_padded_batch():
 
 def test_ordinary_tensors_are_plain_sdpa():
     """Prefill, padded batches and generate: the same outputs as a model left on stock sdpa."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(num_key_value_heads=2).eval()
     ids = torch.randint(0, 50, (3, 9))
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[0, :4] = 0
