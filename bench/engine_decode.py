@@ -4,7 +4,7 @@
 
 The load of `bench/async_vs_sync.py --task count` at max_staleness 4: groups of 16 requests sharing a
 prompt, ``--in-flight`` groups running (a finished group is replaced at once), answers of long-tailed
-length (a log-normal number of counted numbers, median 6, up to 32: 6 to 130 tokens), one engine thread
+length (`sample_count`'s log-normal number of counted numbers, median 6, up to 32), one engine thread
 as the processes layout runs it. The same engine, model and requests with ``max_segments`` 1 (one
 float32 cache as wide as the oldest row: the engine before segments, the baseline), 8 (the default),
 and 8 with ``kv_dtype="bfloat16"``, alternated ``--repeats`` times; prints ms per decode step,
@@ -16,34 +16,37 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
-import random
 import statistics
 import tempfile
 import time
 
+import numpy as np
 import torch
 import transformers
 
 from areal_agents.engines import HFEngine
 from areal_agents.engines.hf_engine import MAX_SEGMENTS
+from areal_agents.envs.count import Count, sample_count
 from areal_agents.models import load_model, load_tokenizer, save_tiny_model
 from areal_agents.types import GenRequest, SamplingParams
 
 
 def count_load(tokenizer, groups: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, the group's answer lengths in tokens) for ``groups`` count problems."""
-    rng = random.Random(seed)
+    """(prompt ids, the group's answer lengths in tokens) for ``groups`` Count-v0 problems: each answer's
+    length is that of a count drawn as the env draws them (`sample_count`), with its EOS, capped at 136."""
+    rng = np.random.default_rng(seed)
+
+    def draw() -> Count:
+        return sample_count(rng, start_below=100, median_length=6, sigma=0.8, max_length=32)
+
+    def answer_tokens() -> int:
+        return min(136, len(tokenizer.encode(draw().answer, add_special_tokens=False)) + 1)
+
     out = []
     for _ in range(groups):
-        first = rng.randrange(1000)
-        lengths = []
-        for _ in range(16):
-            numbers = min(32, max(1, round(6 * math.exp(0.8 * rng.gauss(0, 1)))))
-            lengths.append(min(136, 4 * numbers + 2))  # "n, " per number: ~4 characters
-        text = f"Count from {first} to {first + max(lengths) // 4}."
-        messages = [{"role": "user", "content": text}]
-        out.append((tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False), lengths))
+        messages = [{"role": "user", "content": draw().text}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        out.append((prompt, [answer_tokens() for _ in range(16)]))
     return out
 
 

@@ -39,6 +39,7 @@ from areal_agents.engines.prefix_cache import PrefixCache
 from areal_agents.engines.sampling import sample_tokens
 from areal_agents.engines.segmented_attention import SEGMENTED_SDPA, SegmentedKV
 from areal_agents.errors import EngineError
+from areal_agents.models.loading import DTYPES
 from areal_agents.types import GenRequest, GenResponse, SamplingParams, StopReason
 
 StaleKV = Literal["recompute", "keep"]  # what new weights do to the KV cache of running and finished requests
@@ -47,7 +48,6 @@ GATHER_FRACTION = 0.125  # a busy batch admits arrivals once they are this share
 COMPACT_FRACTION = 0.0625  # drop finished rows from the cache once they are this share of the batch
 MAX_SEGMENTS = 8  # KV cache segments of the running batch (each one an attention call per layer) ...
 MERGE_CELLS = 256  # ... two segments merge when padding one to the other costs fewer (row x column) cells
-KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -620,7 +620,7 @@ class HFEngine:
             bias = torch.zeros(segment.attention.shape, dtype=self.kv_dtype)
             masks.append(bias.masked_fill_(segment.attention == 0, float("-inf"))[:, None, None, :])
             self.stats.kv_cells += segment.attention.numel()
-        self.stats.kv_context_cells += sum(int(s.attention.sum()) for s in batch.segments)
+            self.stats.kv_context_cells += int(segment.attention.sum())
         self.stats.segments += len(batch.segments)
         out = self.model(
             input_ids=torch.cat([s.pending for s in batch.segments])[:, None],
@@ -759,12 +759,14 @@ class HFEngine:
 
 
 def _kv_dtype(kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype: a name of `KV_DTYPES` (auto: the model's) or a torch dtype."""
+    """The KV cache's dtype: 'auto' (the model's), a name of `DTYPES` or a torch dtype."""
     if isinstance(kv_dtype, torch.dtype):
         return kv_dtype
-    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype: expects one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
-    return KV_DTYPES.get(kv_dtype or "auto") or model_dtype
+    if kv_dtype in (None, "auto"):
+        return model_dtype
+    if kv_dtype not in DTYPES:
+        raise ValueError(f"kv_dtype: expects one of {sorted(['auto', *DTYPES])}, got {kv_dtype!r}")
+    return DTYPES[kv_dtype]
 
 
 def _sliding_window(model: PreTrainedModel) -> int | None:

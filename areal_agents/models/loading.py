@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from areal_agents.errors import ModelLoadError
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config names
 
 
 def quiet_transformers() -> None:
@@ -35,7 +35,7 @@ def load_model(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
     """``AutoModelForCausalLM.from_pretrained`` from a local directory, offline."""
     p = _check_path(path)
     try:
-        return AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype], local_files_only=True)
+        return AutoModelForCausalLM.from_pretrained(p, dtype=DTYPES[dtype], local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load model from {p}: {e}".splitlines()[0]) from None
 
