@@ -161,23 +161,26 @@ def _share_prompts(trajs: list[Trajectory], starts: list[int]) -> SharedPrompts:
 
 @dataclass(frozen=True)
 class _Pass:
-    """One SDPA call: ``n`` sequences gathered (index ``total`` = a zero pad) to ``width`` queries and
-    ``key_width`` keys; ``mask`` None means plain causal; ``keep`` picks the real queries."""
+    """One SDPA call over ``n`` sequences padded to ``width`` queries and ``key_width`` keys; ``mask``
+    None means plain causal."""
 
-    query_index: torch.Tensor
-    key_index: torch.Tensor
+    n: int
     width: int
     key_width: int
     mask: torch.Tensor | None
-    keep: torch.Tensor
 
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """The SDPA calls that make up attention over one packed row, and where their outputs go."""
+    """The SDPA calls that make up attention over one packed row. Queries and keys of every call are
+    gathered from the row in one ``index_select`` each (a pad points at token 0: its key is masked and
+    its query's output dropped), so the backward pass scatters into one gradient per tensor rather
+    than one per call; ``output_index`` picks each row position's output from the calls' outputs."""
 
     passes: tuple[_Pass, ...]
-    restore: torch.Tensor | None  # row position -> index into the passes' concatenated outputs (None: in order)
+    query_index: torch.Tensor
+    key_index: torch.Tensor
+    output_index: torch.Tensor
 
 
 @functools.lru_cache(maxsize=64)
@@ -186,32 +189,34 @@ def attention_plan(
 ) -> AttentionPlan:
     """Causal attention within each ``(start, length)`` of ``causal``; each completion ``(start, length,
     prompt start, prompt length)`` attends to all of its prompt and causally to itself."""
-    passes, covered = [], []
+    passes, queries, keys, output = [], [], [], torch.empty(total, dtype=torch.long)
     for bucket in _buckets(sorted(causal, key=lambda s: s[1])):
         width = max(n for _, n in bucket)
-        gather = torch.tensor([s + t if t < n else total for s, n in bucket for t in range(width)])
-        keep = torch.tensor([k * width + t for k, (_, n) in enumerate(bucket) for t in range(n)])
-        passes.append(_Pass(gather, gather, width, width, None, keep))
-        covered += [s + t for s, n in bucket for t in range(n)]
+        _place(output, len(queries), width, [(s, n) for s, n in bucket])
+        gather = [s + t if t < n else 0 for s, n in bucket for t in range(width)]
+        queries += gather
+        keys += gather
+        passes.append(_Pass(len(bucket), width, width, None))
     for bucket in _buckets(sorted(completions, key=lambda c: c[1])):
         width, prompt_width = max(c[1] for c in bucket), max(c[3] for c in bucket)
-        query = [s + t if t < n else total for s, n, _, _ in bucket for t in range(width)]
-        keys = []
+        _place(output, len(queries), width, [(s, n) for s, n, _, _ in bucket])
+        query = [s + t if t < n else 0 for s, n, _, _ in bucket for t in range(width)]
         for k, (_, _, p0, p) in enumerate(bucket):
-            keys += [p0 + t if t < p else total for t in range(prompt_width)] + query[k * width : (k + 1) * width]
+            keys += [p0 + t if t < p else 0 for t in range(prompt_width)] + query[k * width : (k + 1) * width]
+        queries += query
         prompt_ok = torch.arange(prompt_width)[None, :] < torch.tensor([c[3] for c in bucket])[:, None]  # [n, Pw]
         causal_ok = torch.ones(width, width, dtype=torch.bool).tril()  # [W, W]
         mask = torch.cat(
             [prompt_ok[:, None, :].expand(-1, width, -1), causal_ok[None].expand(len(bucket), -1, -1)], dim=2
         )[:, None]  # [n, 1, W, Pw + W]
-        keep = torch.tensor([k * width + t for k, (_, n, _, _) in enumerate(bucket) for t in range(n)])
-        passes.append(_Pass(torch.tensor(query), torch.tensor(keys), width, prompt_width + width, mask, keep))
-        covered += [s + t for s, n, _, _ in bucket for t in range(n)]
-    restore = None
-    if covered != list(range(total)):
-        restore = torch.empty(total, dtype=torch.long)
-        restore[torch.tensor(covered)] = torch.arange(total)
-    return AttentionPlan(tuple(passes), restore)
+        passes.append(_Pass(len(bucket), width, prompt_width + width, mask))
+    return AttentionPlan(tuple(passes), torch.tensor(queries), torch.tensor(keys), output)
+
+
+def _place(output: torch.Tensor, offset: int, width: int, spans: list[tuple[int, int]]) -> None:
+    """Point each row position of ``spans`` at its query in a call laid out ``[len(spans), width]`` from ``offset``."""
+    for k, (s, n) in enumerate(spans):
+        output[s : s + n] = torch.arange(offset + k * width, offset + k * width + n)
 
 
 def _buckets(spans: list) -> list[list]:
@@ -236,18 +241,20 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    q, k, v = (torch.cat([x[0], x.new_zeros(x.shape[1], 1, x.shape[3])], dim=1) for x in (query, key, value))
+    query_sizes = [p.n * p.width for p in plan.passes]
+    key_sizes = [p.n * p.key_width for p in plan.passes]
+    qs = query[0].index_select(1, plan.query_index).split(query_sizes, dim=1)  # [H, n * W, D] a call
+    ks = key[0].index_select(1, plan.key_index).split(key_sizes, dim=1)
+    vs = value[0].index_select(1, plan.key_index).split(key_sizes, dim=1)
     outs = []
-    for p in plan.passes:
-        qs = q.index_select(1, p.query_index).unflatten(1, (-1, p.width)).transpose(0, 1)
-        ks, vs = (x.index_select(1, p.key_index).unflatten(1, (-1, p.key_width)).transpose(0, 1) for x in (k, v))
+    for p, q, k, v in zip(plan.passes, qs, ks, vs):
+        q = q.unflatten(1, (p.n, p.width)).transpose(0, 1)  # [n, H, W, D]
+        k, v = (x.unflatten(1, (p.n, p.key_width)).transpose(0, 1) for x in (k, v))
         out = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, scale=scaling, dropout_p=dropout
+            q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scaling, dropout_p=dropout
         )
-        outs.append(out.transpose(0, 1).flatten(1, 2).index_select(1, p.keep))  # [H, real tokens, D]
-    out = torch.cat(outs, dim=1)
-    if plan.restore is not None:
-        out = out.index_select(1, plan.restore)
+        outs.append(out.transpose(0, 1).flatten(1, 2))  # [H, n * W, D]
+    out = torch.cat(outs, dim=1).index_select(1, plan.output_index)
     return out[None].transpose(1, 2).contiguous(), None
 
 
