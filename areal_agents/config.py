@@ -157,6 +157,12 @@ class PPOConfig:
         default=True,
     )
     filter_zero_variance_groups: bool = _help("drop groups whose rewards are all equal", default=True)
+    stream_updates: bool = _help(
+        "with max_staleness > 0, one optimizer step a batch and group advantages (grpo, dr_grpo, rloo), and a "
+        "local trainer: start forward/backward on a batch's finished groups while its last still generate (the "
+        "same gradient)",
+        default=True,
+    )
 
     def __post_init__(self) -> None:
         _check_positive(self, "lr", "eps_clip", "ppo_epochs", "num_minibatches", "micro_batch_tokens")

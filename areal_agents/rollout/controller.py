@@ -7,8 +7,9 @@ A producer task submits groups (``group_size`` episodes of one prompt) whenever 
 counted in groups, where ``version`` is the engine's policy version (one per weight update). With
 ``max_staleness = 0`` exactly one batch is produced per version: synchronous RL. With ``k > 0`` the
 producer runs up to ``k`` batches ahead, so no sample is more than ``k`` versions older than the policy
-it trains. Finished groups queue up for `get_batch`; a group filter (e.g. zero reward variance, for
-dynamic sampling) rejects groups, which then do not count toward the batch.
+it trains. Finished groups queue up for `get_batch` (or `stream_batch`, a group at a time); a group
+filter (e.g. zero reward variance, for dynamic sampling) rejects groups, which then do not count
+toward the batch.
 
 Every episode is accounted for in the `RolloutLedger`: submitted = accepted + rejected + failed +
 env_failed + engine_failed + worker_failed + cancelled + running. Env failures (`EnvError`), engine
@@ -25,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from areal_agents.agents.base import Agent
@@ -122,17 +123,22 @@ class RolloutController:
     # ---- consumer side ------------------------------------------------------------------------
 
     async def get_batch(self) -> list[Group]:
-        """The next ``batch_size`` accepted groups, oldest finished first; a group submitted ``max_staleness``
+        """The next ``batch_size`` accepted groups (see `stream_batch`), in prompt order."""
+        return sorted([group async for group in self.stream_batch()], key=lambda g: g.index)
+
+    async def stream_batch(self) -> AsyncIterator[Group]:
+        """The next ``batch_size`` accepted groups, each as soon as it may be taken (oldest finished
+        first), so a trainer can start on them while the rest finish; a group submitted ``max_staleness``
         versions ago is waited for (see `_may_take`). A group whose oldest token is still more than
         ``max_staleness`` versions behind the policy (servers that report other versions) is rejected as
         stale and replaced.
         """
         self._start()
-        batch: list[Group] = []
+        taken: list[Group] = []
         version = self.get_version()
         stale_run = 0
-        while len(batch) < self.batch_size:
-            while not self._ready or not self._may_take(len(batch), version):
+        while len(taken) < self.batch_size:
+            while not self._ready or not self._may_take(len(taken), version):
                 if self._fatal is not None:
                     raise self._fatal
                 self._ready_event.clear()
@@ -153,11 +159,11 @@ class RolloutController:
                 self.ledger.rejected += group.episodes
                 self._wakeup.set()
                 continue
-            batch.append(group)
+            taken.append(group)
             stale_run = 0
-        self.stats.staleness += [_staleness([t], version) for g in batch for t in g.trajectories]
-        self._wakeup.set()
-        return sorted(batch, key=lambda g: g.index)
+            self.stats.staleness += [_staleness([t], version) for t in group.trajectories]
+            self._wakeup.set()
+            yield group
 
     def _may_take(self, taken: int, version: int) -> bool:
         """Whether the batch may take the oldest finished group now. A group submitted at version ``s`` must

@@ -20,7 +20,7 @@ from areal_agents.errors import ConfigError
 from areal_agents.models.loading import load_model
 from areal_agents.trainers.critic import ValueModel
 from areal_agents.trainers.distributed import DataParallel
-from areal_agents.trainers.ppo import ppo_update
+from areal_agents.trainers.ppo import StreamedUpdate, ppo_update
 from areal_agents.trainers.setup import make_optimizer
 from areal_agents.types import Trajectory
 
@@ -41,6 +41,7 @@ class Policy:
     critic_optimizer: torch.optim.Optimizer | None = None
     servers: Any = None  # launched model servers, stopped at the end
     trainer: ThreadPoolExecutor | None = None  # the one thread its updates run on (see `update`)
+    streamed: StreamedUpdate | None = None  # the update being fed in parts (`update_part`), if any
 
     def close(self) -> None:
         """Stop its trainer thread (launched model servers are stopped by whoever launched them)."""
@@ -70,13 +71,46 @@ class Policy:
         Always the same thread, with ``ppo.cpu_threads`` intra-op threads: torch's OpenMP workers belong
         to the thread that starts them, and every extra set competes for the same cores (updates hopping
         between pool threads, beside the engine's and the event loop's, ran ~1.5x slower)."""
+        step = functools.partial(self.train_step, trajectories, cfg, pad_token_id, generator)
+        return await self._in_trainer(step, cfg)
+
+    async def update_part(self, trajectories: list[Trajectory], cfg: TrainConfig, pad_token_id: int) -> None:
+        """Forward and backward on part of a batch (whole groups) in the trainer thread; `finish_update`
+        steps. The rollout loop feeds a batch's groups as they finish (``ppo.stream_updates``)."""
+        await self._in_trainer(functools.partial(self.train_part, trajectories, cfg, pad_token_id), cfg)
+
+    async def finish_update(self, cfg: TrainConfig, pad_token_id: int, generator: torch.Generator) -> dict[str, float]:
+        """The optimizer step of the parts fed so far (none: a skipped step, as `update` of no data); its stats."""
+        return await self._in_trainer(functools.partial(self.finish_step, cfg, pad_token_id, generator), cfg)
+
+    async def _in_trainer(self, call: functools.partial, cfg: TrainConfig) -> Any:
         if self.trainer is None:
             threads = cfg.ppo.cpu_threads or trainer_threads(cfg)
             self.trainer = ThreadPoolExecutor(
                 1, f"trainer-{self.name}", initializer=torch.set_num_threads, initargs=(threads,)
             )
-        step = functools.partial(self.train_step, trajectories, cfg, pad_token_id, generator)
-        return await asyncio.get_running_loop().run_in_executor(self.trainer, step)
+        return await asyncio.get_running_loop().run_in_executor(self.trainer, call)
+
+    def train_part(self, trajectories: list[Trajectory], cfg: TrainConfig, pad_token_id: int) -> None:
+        """`StreamedUpdate.add` (the first part of a batch starts the update)."""
+        if self.streamed is None:
+            self.streamed = StreamedUpdate(
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                cfg.ppo,
+                temperature=cfg.rollout.temperature,
+                pad_token_id=pad_token_id,
+                ref_model=self.reference,
+            )
+        self.streamed.add(trajectories)
+
+    def finish_step(self, cfg: TrainConfig, pad_token_id: int, generator: torch.Generator) -> dict[str, float]:
+        """`StreamedUpdate.finish` of the parts fed since the last step."""
+        if self.streamed is None:
+            self.train_part([], cfg, pad_token_id)
+        update, self.streamed = self.streamed, None
+        return update.finish(generator)
 
     def train_step(
         self,
@@ -114,6 +148,15 @@ class Policy:
         generator = torch.Generator()
         generator.set_state(generator_state)
         stats = self.train_step(trajectories, cfg, pad_token_id, generator, dp)
+        return stats, generator.get_state()
+
+    def remote_finish_step(
+        self, cfg: TrainConfig, pad_token_id: int, generator_state: torch.Tensor
+    ) -> tuple[dict[str, float], torch.Tensor]:
+        """`finish_step` where the caller's generator lives in another process: its state in, its state out."""
+        generator = torch.Generator()
+        generator.set_state(generator_state)
+        stats = self.finish_step(cfg, pad_token_id, generator)
         return stats, generator.get_state()
 
     async def push_weights(self) -> None:

@@ -35,6 +35,7 @@ from areal_agents.rollout.evaluate import evaluate
 from areal_agents.trainers.checkpoint import checkpoints, load_trainer_state, prune_checkpoints, save_checkpoint
 from areal_agents.trainers.metrics import MetricsWriter, prefixed
 from areal_agents.trainers.policy import SHARED, Policy, open_policy
+from areal_agents.trainers.ppo import streamable
 from areal_agents.trainers.setup import held_out_seeds, open_checked_backend, prepare_run_dir, seed_everything
 from areal_agents.trainers.trainer_process import ProcessPolicy, open_process_policy
 from areal_agents.types import SamplingParams, Trajectory
@@ -199,24 +200,35 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         seen[:] = [hit, run]
         return {"engine/prefix_hit_rate": step_hit / max(step_hit + step_run, 1)}
 
+    # a local trainer can start on a batch's finished groups while its last generate (the same gradient)
+    stream = (
+        cfg.ppo.stream_updates
+        and r.max_staleness > 0
+        and streamable(cfg.ppo)
+        and all(isinstance(p, (Policy, ProcessPolicy)) for p in policies.values())
+    )
     bar = tqdm(range(first_step, cfg.steps + 1), desc="rl", disable=not progress, dynamic_ncols=True)
     done = min(first_step - 1, cfg.steps)  # the last step trained
     for step in bar:
         t0 = time.perf_counter()
-        groups = await controller.get_batch()  # episodes keep running while we train (max_staleness > 0)
-        trajectories = [t for g in groups for t in g.trajectories]
+        # episodes keep running while we train (max_staleness > 0); t1: the batch's last group in hand
+        if stream:
+            groups, per_policy, t1 = await _streamed_update(controller, policies, cfg, pad, generator)
+        else:
+            groups = await controller.get_batch()
+            t1 = time.perf_counter()
+            per_policy = {}
+            for name, batch in _route(_trajectories(groups), policies).items():  # each on its own agents' data
+                per_policy[name] = await policies[name].update(batch, cfg, pad, generator)
+        trajectories = _trajectories(groups)
         with open(run_dir / "data_order.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "prompts": [g.index for g in groups]}) + "\n")
         if r.dump_trajectories:
             _dump(run_dir / "trajectories" / f"step_{step}.jsonl", trajectories)
-        t1 = time.perf_counter()
         stats: dict[str, float] = {}
-        trained = 0.0
-        for name, batch in _route(trajectories, policies).items():  # each policy trains on its own agents' data
-            policy_stats = await policies[name].update(batch, cfg, pad, generator)
-            trained += policy_stats.get("trained_trajectories", 0.0)
+        for name, policy_stats in per_policy.items():
             stats |= policy_stats if name == SHARED else prefixed(name, policy_stats)
-        stats["trained_trajectories"] = trained
+        stats["trained_trajectories"] = sum(s.get("trained_trajectories", 0.0) for s in per_policy.values())
         spent = totals["step_seconds"] + time.perf_counter() - t0
         last = step == cfg.steps or bool(cfg.max_train_minutes and spent >= 60 * cfg.max_train_minutes)
         if last:
@@ -330,6 +342,47 @@ def _state(engine: InferenceEngine, ledger: RolloutLedger) -> dict[str, Any]:
         "version": engine.get_version(),
         "ledger": _ledger(ledger),
     }
+
+
+async def _streamed_update(
+    controller: RolloutController, policies: dict[str, Policy], cfg: TrainConfig, pad: int, generator: torch.Generator
+) -> tuple[list[Group], dict[str, dict[str, float]], float]:
+    """Take a batch and train on it, feeding each policy's update the groups taken so far whenever it is
+    free (``ppo.stream_updates``): its forward/backward runs while the batch's last groups generate.
+    The batch (prompt order), each policy's stats, and when its last group was taken."""
+    taken: asyncio.Queue[Group | None] = asyncio.Queue()
+    last = [0.0]
+
+    async def take() -> None:
+        try:
+            async for group in controller.stream_batch():
+                taken.put_nowait(group)
+            last[0] = time.perf_counter()
+        finally:
+            taken.put_nowait(None)  # the end, or the controller's error (re-raised by ``await feeder``)
+
+    feeder = asyncio.ensure_future(take())
+    groups: list[Group] = []
+    try:
+        end = False
+        while not end:
+            part = [await taken.get()]
+            while not taken.empty():
+                part.append(taken.get_nowait())
+            end = part[-1] is None
+            part = [g for g in part if g is not None]
+            groups += part
+            routed = _route(_trajectories(part), policies).items() if part else ()
+            await asyncio.gather(*(policies[name].update_part(b, cfg, pad) for name, b in routed if b))
+        await feeder
+    finally:
+        feeder.cancel()
+    stats = {name: await policy.finish_update(cfg, pad, generator) for name, policy in policies.items()}
+    return sorted(groups, key=lambda g: g.index), stats, last[0]
+
+
+def _trajectories(groups: list[Group]) -> list[Trajectory]:
+    return [t for g in groups for t in g.trajectories]
 
 
 def _route(trajectories: list[Trajectory], policies: dict[str, Policy]) -> dict[str, list[Trajectory]]:

@@ -59,8 +59,16 @@ def _serve(conn: Any, cfg: TrainConfig, name: str, model_path: str, init_path: s
         for key, value in policy.model.state_dict().items():
             weights[key].copy_(value)
 
+    def update_part(trajectories: list[Trajectory], pad: int) -> None:
+        policy.train_part(trajectories, cfg, pad)
+
+    def finish_update(pad: int, generator_state: torch.Tensor) -> tuple[dict, Any]:
+        return policy.remote_finish_step(cfg, pad, generator_state)
+
     calls = {
         "update": update,
+        "update_part": update_part,
+        "finish_update": finish_update,
         "publish": publish,
         "train_state": policy.train_state,
         "load_train_state": policy.load_train_state,
@@ -79,7 +87,8 @@ def _serve(conn: Any, cfg: TrainConfig, name: str, model_path: str, init_path: s
 
 
 class ProcessPolicy:
-    """What the RL recipe needs of a policy (`update`, `push_weights`, `model`, train state), with the
+    """What the RL recipe needs of a policy (`update` or `update_part` + `finish_update`, `push_weights`,
+    `model`, train state), with the
     trainer in a spawned process and generation on ``engine`` in this one."""
 
     def __init__(
@@ -135,6 +144,15 @@ class ProcessPolicy:
         self, trajectories: list[Trajectory], cfg: TrainConfig, pad_token_id: int, generator: torch.Generator
     ) -> dict[str, float]:
         stats, state = await self._acall("update", trajectories, pad_token_id, generator.get_state())
+        generator.set_state(state)
+        return stats
+
+    async def update_part(self, trajectories: list[Trajectory], cfg: TrainConfig, pad_token_id: int) -> None:
+        """Forward and backward on part of a batch in the trainer process (`Policy.update_part`)."""
+        await self._acall("update_part", trajectories, pad_token_id)
+
+    async def finish_update(self, cfg: TrainConfig, pad_token_id: int, generator: torch.Generator) -> dict[str, float]:
+        stats, state = await self._acall("finish_update", pad_token_id, generator.get_state())
         generator.set_state(state)
         return stats
 

@@ -200,3 +200,22 @@ def test_concurrency_counts_running_episodes_not_their_groups():
 def test_concurrency_below_one_group_is_refused():
     with pytest.raises(ValueError, match="max_concurrent_episodes"):
         make_controller(FakeAgent([0]), [0], max_concurrent_episodes=2)
+
+
+def test_stream_batch_hands_out_finished_groups_while_the_slow_one_runs():
+    """`stream_batch` yields each group when it may be taken: the quick groups of a synchronous batch come
+    while its slow group (a long answer) still runs, and the batch is the one `get_batch` would give."""
+    version = [0]
+    controller = make_controller(LongTailAgent(version), version)  # seed 1000 + i: group 0 is the slow one
+
+    async def first_batch():
+        seen = []
+        async for group in controller.stream_batch():
+            seen.append((group.index, controller.running_groups))
+        await controller.aclose()
+        return seen
+
+    seen = asyncio.run(first_batch())
+    assert sorted(i for i, _ in seen) == [0, 1, 2, 3]
+    assert seen[0][1] == 1 and seen[-1] == (0, 0)  # the slow group 0 still ran when the first came; it came last
+    assert len(controller.stats.staleness) == 4 * 3  # every consumed trajectory's staleness, as get_batch counts
