@@ -188,17 +188,18 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         prune_checkpoints(run_dir, cfg.keep_checkpoints)
         return path
 
-    seen = [0, 0]  # a local hf engine's prefix-cache hit tokens and prefilled tokens, at the last step
+    seen = [0, 0, 0.0, time.perf_counter()]  # a local hf engine's prefix hits, prefills, busy seconds; when
 
-    async def prefix_hits() -> dict[str, float]:
-        """The share of context tokens the engine took from its prefix cache since the last step (evals included)."""
+    async def engine_use() -> dict[str, float]:
+        """Of a local hf engine since the last step (evals included): the share of context tokens taken
+        from its prefix cache, and of the time it was busy (prefill or decode)."""
         if not isinstance(main.engine, (HFEngine, ProcessEngine)):
             return {}
-        stats = await main.engine.get_stats()
-        hit, run = stats.prefix_hit_tokens, stats.prefill_tokens
-        step_hit, step_run = hit - seen[0], run - seen[1]
-        seen[:] = [hit, run]
-        return {"engine/prefix_hit_rate": step_hit / max(step_hit + step_run, 1)}
+        stats, now = await main.engine.get_stats(), time.perf_counter()
+        hit, run, busy = stats.prefix_hit_tokens - seen[0], stats.prefill_tokens - seen[1], stats.busy_seconds - seen[2]
+        elapsed = now - seen[3]
+        seen[:] = [stats.prefix_hit_tokens, stats.prefill_tokens, stats.busy_seconds, now]
+        return {"engine/prefix_hit_rate": hit / max(hit + run, 1), "engine/busy_fraction": busy / max(elapsed, 1e-9)}
 
     # a local trainer can start on a batch's finished groups while its last generate (the same gradient)
     stream = (
@@ -211,12 +212,14 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
     done = min(first_step - 1, cfg.steps)  # the last step trained
     for step in bar:
         t0 = time.perf_counter()
-        # episodes keep running while we train (max_staleness > 0); t1: the batch's last group in hand
+        # episodes keep running while we train (max_staleness > 0); t1: the batch's last group in hand;
+        # waited: seconds the trainer sat idle for rollouts
         if stream:
-            groups, per_policy, t1 = await _streamed_update(controller, policies, cfg, pad, generator)
+            groups, per_policy, t1, waited = await _streamed_update(controller, policies, cfg, pad, generator)
         else:
             groups = await controller.get_batch()
             t1 = time.perf_counter()
+            waited = t1 - t0
             per_policy = {}
             for name, batch in _route(_trajectories(groups), policies).items():  # each on its own agents' data
                 per_policy[name] = await policies[name].update(batch, cfg, pad, generator)
@@ -260,15 +263,16 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         }
         perf = {
             "gen_tokens_per_s": generated / max(t1 - t0, 1e-9),
-            "trained_samples_per_s": stats.get("trained_trajectories", 0.0) / max(t2 - t1, 1e-9),
-            "train_tokens_per_s": sum(len(t) for t in trajectories) / max(t2 - t1, 1e-9),
+            "trained_samples_per_s": stats.get("trained_trajectories", 0.0) / max(t2 - t0 - waited, 1e-9),
+            "train_tokens_per_s": sum(len(t) for t in trajectories) / max(t2 - t0 - waited, 1e-9),
+            "rollout_wait_seconds": waited,
             "step_seconds": t2 - t0,
             **_gpu_utilisation(),
         }
         totals["trained_samples"] += int(stats.get("trained_trajectories", 0))
         totals["generated_tokens"] += generated
         totals["rollout_seconds"] += t1 - t0
-        totals["train_seconds"] += t2 - t1
+        totals["train_seconds"] += t2 - t0 - waited
         totals["step_seconds"] += t2 - t0
         totals["consumed_samples"] += len(trajectories)
         metrics.log(
@@ -278,7 +282,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
                 **prefixed("train", stats),
                 **prefixed("perf", perf),
                 "engine/version": float(main.engine.get_version()),
-                **(await prefix_hits()),
+                **(await engine_use()),
             },
         )
         metrics.histogram(step, "rollout/staleness", staleness)
@@ -349,9 +353,10 @@ async def _streamed_update(
 ) -> tuple[list[Group], dict[str, dict[str, float]], float]:
     """Take a batch and train on it, feeding each policy's update the groups taken so far whenever it is
     free (``ppo.stream_updates``): its forward/backward runs while the batch's last groups generate.
-    The batch (prompt order), each policy's stats, and when its last group was taken."""
+    The batch (prompt order), each policy's stats, when its last group was taken, and the seconds the
+    trainer waited for groups."""
     taken: asyncio.Queue[Group | None] = asyncio.Queue()
-    last = [0.0]
+    last, waited = [0.0], 0.0
 
     async def take() -> None:
         try:
@@ -366,7 +371,12 @@ async def _streamed_update(
     try:
         end = False
         while not end:
-            part = [await taken.get()]
+            if taken.empty():
+                idle = time.perf_counter()
+                part = [await taken.get()]
+                waited += time.perf_counter() - idle
+            else:
+                part = [taken.get_nowait()]
             while not taken.empty():
                 part.append(taken.get_nowait())
             end = part[-1] is None
@@ -378,7 +388,7 @@ async def _streamed_update(
     finally:
         feeder.cancel()
     stats = {name: await policy.finish_update(cfg, pad, generator) for name, policy in policies.items()}
-    return sorted(groups, key=lambda g: g.index), stats, last[0]
+    return sorted(groups, key=lambda g: g.index), stats, last[0], waited
 
 
 def _trajectories(groups: list[Group]) -> list[Trajectory]:
