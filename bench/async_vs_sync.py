@@ -6,7 +6,9 @@
 
 Real mode: a recipe from the same SFT checkpoint, seed and prompts at each max_staleness, each in a
 fresh process, with 1.5x the engine's running requests in flight (the staleness gate permitting); prints
-end-to-end samples/s over the training steps and the held-out accuracy after.
+end-to-end samples/s over the training steps and the held-out accuracy after. ``--repeats N`` runs
+every setting N times, the settings alternating, and prints medians (runs here vary by 10-20%, the
+synchronous ones most: their two-thread teams suffer most when the host is busy).
 ``--task count`` (examples/count/rl.yaml): answers of long-tailed length (1 to 32 numbers, median 6), the
 case the target is set for: >= 1.5x samples/s with accuracy within 5 points. ``--task arithmetic``
 (examples/arithmetic/rl.yaml): answers of 2-4 characters, with multi-turn retries (``--max-turns`` 4: a
@@ -27,6 +29,7 @@ import asyncio
 import itertools
 import multiprocessing
 import random
+import statistics
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -190,35 +193,42 @@ def real(args) -> None:  # noqa: ANN001
 
     recipe = load_config(TrainConfig, TASKS[args.task], args.set)  # as the runs will see it
     in_flight = recipe.engine.max_running_requests * 3 // 2
-    results = {}
-    for eta in [int(x) for x in args.staleness.split(",")]:
-        for layout in layouts:
-            overrides = [
-                # episodes in flight: the engine's running requests and half as many queued, to take a row the
-                # moment one frees; a deeper queue only ages requests before their first token, and the batch
-                # then waits for the groups due
-                f"rollout.max_concurrent_rollouts={in_flight}",
-                f"run_dir={args.out}/staleness{eta}-{layout}",
-                f"model.path={args.sft_model}",
-                f"steps={args.rl_steps}",
-                f"rollout.max_staleness={eta}",
-                *([f"env.kwargs.max_turns={args.max_turns}"] if args.task == "arithmetic" else []),
-                *LAYOUTS[layout],
-                *args.set,
-            ]
-            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                results[eta, layout] = pool.submit(train_once, TASKS[args.task], overrides).result()
+    results: dict[tuple[int, str], list[dict]] = {}
+    for repeat in range(args.repeats):  # settings alternate: a slow spell of the machine hits each alike
+        for eta in [int(x) for x in args.staleness.split(",")]:
+            for layout in layouts:
+                run_dir = f"{args.out}/staleness{eta}-{layout}" + (f"-{repeat + 1}" if args.repeats > 1 else "")
+                overrides = [
+                    # episodes in flight: the engine's running requests and half as many queued, to take a row
+                    # the moment one frees; a deeper queue only ages requests before their first token, and the
+                    # batch then waits for the groups due
+                    f"rollout.max_concurrent_rollouts={in_flight}",
+                    f"run_dir={run_dir}",
+                    f"model.path={args.sft_model}",
+                    f"steps={args.rl_steps}",
+                    f"rollout.max_staleness={eta}",
+                    *([f"env.kwargs.max_turns={args.max_turns}"] if args.task == "arithmetic" else []),
+                    *LAYOUTS[layout],
+                    *args.set,
+                ]
+                with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                    run = pool.submit(train_once, TASKS[args.task], overrides).result()
+                results.setdefault((eta, layout), []).append(run)
     turns = f", max_turns {args.max_turns}" if args.task == "arithmetic" else ""
-    print(f"\n== bench/async_vs_sync ({args.task} recipe, this CPU{turns}, {' '.join(args.set)}) ==")
-    sync = [r for (eta, _), r in results.items() if eta == 0] or list(results.values())
-    base = max(sync, key=lambda r: r["samples_per_s"])  # the faster synchronous layout
-    for (eta, layout), r in results.items():
-        ratio = r["samples_per_s"] / base["samples_per_s"]
-        points = 100 * (r["accuracy_after"] - base["accuracy_after"])
+    runs = f", median of {args.repeats} runs each" if args.repeats > 1 else ""
+    print(f"\n== bench/async_vs_sync ({args.task} recipe, this CPU{turns}{runs}, {' '.join(args.set)}) ==")
+    rate = {key: statistics.median(r["samples_per_s"] for r in rs) for key, rs in results.items()}
+    accuracy = {key: statistics.median(r["accuracy_after"] for r in rs) for key, rs in results.items()}
+    sync = [key for key in results if key[0] == 0] or list(results)
+    base = max(sync, key=rate.get)  # the faster synchronous layout
+    for (eta, layout), rs in results.items():
+        key = (eta, layout)
+        each = " (" + ", ".join(f"{r['samples_per_s']:.1f}" for r in rs) + ")" if len(rs) > 1 else ""
+        points = 100 * (accuracy[key] - accuracy[base])
         print(
-            f"max_staleness {eta} ({layout:9s}): {r['samples_per_s']:6.1f} samples/s = {ratio:.2f}x the faster sync "
-            f"| held-out accuracy {r['accuracy_before']:.1%} -> {r['accuracy_after']:.1%} ({points:+.1f} points; "
-            f"{r['steps']} steps, {r['episodes']['rejected']} episodes dropped as stale)"
+            f"max_staleness {eta} ({layout:9s}): {rate[key]:6.1f} samples/s{each} = {rate[key] / rate[base]:.2f}x the "
+            f"faster sync | held-out accuracy {rs[0]['accuracy_before']:.1%} -> {accuracy[key]:.1%} ({points:+.1f} "
+            f"points; {rs[0]['steps']} steps, {sum(r['episodes']['rejected'] for r in rs)} episodes dropped as stale)"
         )
 
 
@@ -242,6 +252,9 @@ def main() -> None:
     parser.add_argument("--staleness", default="0,4", help="real mode: max_staleness values, comma-separated")
     parser.add_argument("--task", choices=sorted(TASKS), default="count", help="real mode: the recipe")
     parser.add_argument("--max-turns", type=int, default=4, help="real mode, arithmetic: turns per episode")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="real mode: runs of each setting, alternated; medians are printed"
+    )
     parser.add_argument("--out", default="runs/bench_async", help="real mode: run directories")
     parser.add_argument("--set", action="append", default=[], help="real mode: a config override for every setting")
     parser.add_argument(

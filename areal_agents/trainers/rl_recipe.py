@@ -188,18 +188,23 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         prune_checkpoints(run_dir, cfg.keep_checkpoints)
         return path
 
-    seen = [0, 0, 0.0, time.perf_counter()]  # a local hf engine's prefix hits, prefills, busy seconds; when
+    seen: dict[str, float] = {"time": time.perf_counter()}  # a local hf engine's counters at the last step
 
     async def engine_use() -> dict[str, float]:
-        """Of a local hf engine since the last step (evals included): the share of context tokens taken
-        from its prefix cache, and of the time it was busy (prefill or decode)."""
+        """Of a local hf engine since the last step (evals included): the share of context tokens its
+        prefills took from the prefix cache, of the time it was busy, and its rows per decode step."""
         if not isinstance(main.engine, (HFEngine, ProcessEngine)):
             return {}
         stats, now = await main.engine.get_stats(), time.perf_counter()
-        hit, run, busy = stats.prefix_hit_tokens - seen[0], stats.prefill_tokens - seen[1], stats.busy_seconds - seen[2]
-        elapsed = now - seen[3]
-        seen[:] = [stats.prefix_hit_tokens, stats.prefill_tokens, stats.busy_seconds, now]
-        return {"engine/prefix_hit_rate": hit / max(hit + run, 1), "engine/busy_fraction": busy / max(elapsed, 1e-9)}
+        keys = ("prefix_hit_tokens", "prefill_tokens", "busy_seconds", "generated_tokens", "decode_steps")
+        new = {k: float(getattr(stats, k)) for k in keys} | {"time": now}
+        d = {k: v - seen.get(k, 0.0) for k, v in new.items()}
+        seen.update(new)
+        return {
+            "engine/prefix_hit_rate": d["prefix_hit_tokens"] / max(d["prefix_hit_tokens"] + d["prefill_tokens"], 1),
+            "engine/busy_fraction": d["busy_seconds"] / max(d["time"], 1e-9),
+            "engine/rows_per_decode_step": d["generated_tokens"] / max(d["decode_steps"], 1),
+        }
 
     # a local trainer can start on a batch's finished groups while its last generate (the same gradient)
     stream = (
