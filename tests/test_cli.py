@@ -260,9 +260,38 @@ def test_async_run_with_engine_and_trainer_in_their_own_processes_trains_and_res
     assert state["scheduler"]["last_epoch"] == 2 and state["optimizer"]["state"]  # fetched from the trainer process
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    assert "engine/prefix_hit_rate" in EventAccumulator(str(run / "tensorboard")).Reload().Tags()["scalars"]
+    scalars = EventAccumulator(str(run / "tensorboard")).Reload().Tags()["scalars"]
+    for key in ("engine/prefix_hit_rate", "engine/busy_fraction", "engine/rows_per_decode_step"):
+        assert key in scalars, key
+    assert "perf/rollout_wait_seconds" in scalars  # streamed updates (max_staleness 1): the trainer's idle time
     assert main([*args, "steps=3", "--resume", "--no-progress"]) == 0
     assert json.loads((run / "summary.json").read_text())["engine_version"] == 3
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_async_run_in_one_process_streams_its_updates_or_not(tmp_path, tiny_dir, stream, monkeypatch):
+    """max_staleness 1 with the trainer thread: the update fed group by group (`Policy.update_part` and
+    `finish_update`, never `update`) with ppo.stream_updates, else whole (never `update_part`)."""
+    from areal_agents.trainers.policy import Policy
+
+    calls = []
+    for name in ("update", "update_part", "finish_update"):
+        original = getattr(Policy, name)
+
+        async def counted(self, *args, _original=original, _name=name):
+            calls.append(_name)
+            return await _original(self, *args)
+
+        monkeypatch.setattr(Policy, name, counted)
+    _, rl = write_configs(tmp_path, tiny_dir)
+    args = ["train", str(rl), "rollout.max_staleness=1", f"ppo.stream_updates={str(stream).lower()}"]
+    assert main([*args, "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
+    assert summary["engine_version"] == 2 and summary["episodes"]["running"] == 0
+    if stream:
+        assert "update" not in calls and calls.count("finish_update") == 2 and "update_part" in calls
+    else:
+        assert calls == ["update", "update"]
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_dir):
