@@ -315,11 +315,11 @@ class EvenSum(TextEnv):
 """
 
 
-@pytest.mark.parametrize("recipe", ["rl.yaml", "rl_separate.yaml"])
-def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, monkeypatch):
+@pytest.mark.parametrize("recipe, staleness", [("rl.yaml", 0), ("rl_separate.yaml", 0), ("rl_separate.yaml", 1)])
+def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, staleness, monkeypatch):
     """2 RL steps of each debate recipe: per-agent rewards logged; separate policies each change, each
-    trained on exactly its own agent's trajectories. The task rewards answers whose character codes sum
-    to an even number: a coin flip per answer for an untrained model (not the length, which max_new_tokens
+    trained on exactly its own agent's trajectories (at max_staleness 1, each policy's update streamed).
+    The task rewards answers whose character codes sum to an even number: a coin flip per answer for an untrained model (not the length, which max_new_tokens
     caps, so often the same), and with 4 groups of 4 per debater the chance that no group of a debater
     differs in reward, leaving its policy without a gradient, is 2^-12."""
     (tmp_path / "even_task.py").write_text(EVEN_TASK)
@@ -331,9 +331,11 @@ def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, monkeypatch)
     small += ["rollout.dump_trajectories=true"]
     if recipe == "rl_separate.yaml":
         small += [f"policies.debater_0={tiny_dir}", f"policies.debater_1={tiny_dir}"]
+    small += [f"rollout.max_staleness={staleness}"]
     assert main(["train", str(DEBATE / recipe), *small, "--no-progress"]) == 0
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["engine_version"] == 2 and summary["episodes"]["accepted"] == 16
+    assert summary["engine_version"] == 2
+    assert summary["episodes"]["accepted"] == 16 if staleness == 0 else summary["episodes"]["accepted"] >= 16
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

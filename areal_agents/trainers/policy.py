@@ -145,22 +145,23 @@ class Policy:
         dp: DataParallel | None = None,
     ) -> tuple[dict[str, float], torch.Tensor]:
         """`train_step` where the caller's generator lives in another process: its state in, its state out."""
-        generator = torch.Generator()
-        generator.set_state(generator_state)
-        stats = self.train_step(trajectories, cfg, pad_token_id, generator, dp)
-        return stats, generator.get_state()
+        return _with_generator(generator_state, lambda g: self.train_step(trajectories, cfg, pad_token_id, g, dp))
 
     def remote_finish_step(
         self, cfg: TrainConfig, pad_token_id: int, generator_state: torch.Tensor
     ) -> tuple[dict[str, float], torch.Tensor]:
         """`finish_step` where the caller's generator lives in another process: its state in, its state out."""
-        generator = torch.Generator()
-        generator.set_state(generator_state)
-        stats = self.finish_step(cfg, pad_token_id, generator)
-        return stats, generator.get_state()
+        return _with_generator(generator_state, lambda g: self.finish_step(cfg, pad_token_id, g))
 
     async def push_weights(self) -> None:
         await self.engine.update_weights(self.model.state_dict())  # pause, swap, version + 1, resume
+
+
+def _with_generator(state: torch.Tensor, call: Any) -> tuple[dict[str, float], torch.Tensor]:
+    """``call(generator)`` on a generator in ``state``: its result, and the generator's state after."""
+    generator = torch.Generator()
+    generator.set_state(state)
+    return call(generator), generator.get_state()
 
 
 def open_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, run_dir: Path) -> Policy:

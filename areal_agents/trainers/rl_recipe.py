@@ -355,7 +355,7 @@ def _state(engine: InferenceEngine, ledger: RolloutLedger) -> dict[str, Any]:
 
 async def _streamed_update(
     controller: RolloutController, policies: dict[str, Policy], cfg: TrainConfig, pad: int, generator: torch.Generator
-) -> tuple[list[Group], dict[str, dict[str, float]], float]:
+) -> tuple[list[Group], dict[str, dict[str, float]], float, float]:
     """Take a batch and train on it, feeding each policy's update the groups taken so far whenever it is
     free (``ppo.stream_updates``): its forward/backward runs while the batch's last groups generate.
     The batch (prompt order), each policy's stats, when its last group was taken, and the seconds the

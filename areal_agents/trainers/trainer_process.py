@@ -87,9 +87,8 @@ def _serve(conn: Any, cfg: TrainConfig, name: str, model_path: str, init_path: s
 
 
 class ProcessPolicy:
-    """What the RL recipe needs of a policy (`update` or `update_part` + `finish_update`, `push_weights`,
-    `model`, train state), with the
-    trainer in a spawned process and generation on ``engine`` in this one."""
+    """What the RL recipe needs of a policy (`update`, or `update_part` and `finish_update`; `push_weights`,
+    `model`, train state), with the trainer in a spawned process and generation on ``engine`` in this one."""
 
     def __init__(
         self,
