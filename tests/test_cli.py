@@ -319,9 +319,10 @@ class EvenSum(TextEnv):
 def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, staleness, monkeypatch):
     """2 RL steps of each debate recipe: per-agent rewards logged; separate policies each change, each
     trained on exactly its own agent's trajectories (at max_staleness 1, each policy's update streamed).
-    The task rewards answers whose character codes sum to an even number: a coin flip per answer for an untrained model (not the length, which max_new_tokens
-    caps, so often the same), and with 4 groups of 4 per debater the chance that no group of a debater
-    differs in reward, leaving its policy without a gradient, is 2^-12."""
+    The task rewards answers whose character codes sum to an even number: a coin flip per answer for an
+    untrained model (not the length, which max_new_tokens caps, so often the same), and with 4 groups of
+    4 per debater the chance that no group of a debater differs in reward, leaving its policy without a
+    gradient, is 2^-12."""
     (tmp_path / "even_task.py").write_text(EVEN_TASK)
     monkeypatch.syspath_prepend(str(tmp_path))
     run = tmp_path / "debate"
