@@ -162,8 +162,8 @@ class RolloutController:
             taken.append(group)
             stale_run = 0
             self.stats.staleness += [_staleness([t], version) for t in group.trajectories]
-            self._wakeup.set()
             yield group
+        self._wakeup.set()
 
     def _may_take(self, taken: int, version: int) -> bool:
         """Whether the batch may take the oldest finished group now. A group submitted at version ``s`` must

@@ -376,12 +376,9 @@ async def _streamed_update(
     try:
         end = False
         while not end:
-            if taken.empty():
-                idle = time.perf_counter()
-                part = [await taken.get()]
-                waited += time.perf_counter() - idle
-            else:
-                part = [taken.get_nowait()]
+            idle = time.perf_counter()
+            part = [await taken.get()]  # at once if groups are waiting
+            waited += time.perf_counter() - idle
             while not taken.empty():
                 part.append(taken.get_nowait())
             end = part[-1] is None
