@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from areal_agents.engines.llama_decode import LlamaDecodeStep
 from areal_agents.engines.prefix_cache import PrefixCache
 from areal_agents.engines.sampling import sample_tokens
 from areal_agents.engines.segmented_attention import SEGMENTED_SDPA, SegmentedKV
@@ -234,6 +235,7 @@ class HFEngine:
         gather_steps: int = 3,
         max_segments: int = MAX_SEGMENTS,
         kv_dtype: str | torch.dtype | None = None,
+        fast_decode: bool = True,
     ) -> None:
         if stale_kv not in ("recompute", "keep"):
             raise ValueError(f"stale_kv: expects 'recompute' or 'keep', got {stale_kv!r}")
@@ -249,6 +251,8 @@ class HFEngine:
                 f"HFEngine decodes with sdpa attention over a segmented KV cache; the model uses {attention!r}: "
                 "load it with attn_implementation='sdpa'"
             )
+        # decode steps of Llama-family models run `LlamaDecodeStep` (False, or another model: transformers' forward)
+        self._decode_step = LlamaDecodeStep.of(model) if fast_decode else None
         self._sliding_window = _sliding_window(model)  # the segments' masks attend to every column
         eos = eos_token_ids if eos_token_ids is not None else model.generation_config.eos_token_id
         self.eos_token_ids = set([eos] if isinstance(eos, int) else (eos or []))
@@ -622,14 +626,20 @@ class HFEngine:
             self.stats.kv_cells += segment.attention.numel()
             self.stats.kv_context_cells += int(segment.attention.sum())
         self.stats.segments += len(batch.segments)
-        out = self.model(
-            input_ids=torch.cat([s.pending for s in batch.segments])[:, None],
-            attention_mask=torch.zeros((start, 1, 1, 1), dtype=self.model.dtype),  # 4D: used as it is (unused)
-            position_ids=torch.cat([s.positions for s in batch.segments])[:, None],
-            cache=_SegmentedCache(batch.segments, rows, masks),
-            use_cache=True,
-        )
-        tokens = self._sample(batch.rows, out.logits[:, -1], version)
+        input_ids = torch.cat([s.pending for s in batch.segments])
+        positions = torch.cat([s.positions for s in batch.segments])
+        cache = _SegmentedCache(batch.segments, rows, masks)
+        if self._decode_step is not None:
+            logits = self._decode_step(input_ids, positions, cache)
+        else:
+            logits = self.model(
+                input_ids=input_ids[:, None],
+                attention_mask=torch.zeros((start, 1, 1, 1), dtype=self.model.dtype),  # 4D: used as it is (unused)
+                position_ids=positions[:, None],
+                cache=cache,
+                use_cache=True,
+            ).logits[:, -1]
+        tokens = self._sample(batch.rows, logits, version)
         for segment, r in zip(batch.segments, rows):
             segment.positions = segment.positions + 1
             segment.pending = tokens[r]

@@ -27,7 +27,7 @@ def sample_tokens(
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     logprobs_all = torch.log_softmax(logits / scale[:, None], dim=-1)
 
-    filtered = logprobs_all.clone()
+    filtered = logprobs_all
     vocab = logits.shape[-1]
     if bool((top_k > 0).any()):
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
@@ -40,6 +40,16 @@ def sample_tokens(
         drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
         filtered = filtered.scatter(1, order, sorted_lp.masked_fill(drop, float("-inf")))
 
-    sampled = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(1)
+    sampled = _inverse_cdf(filtered.exp(), generator)
     tokens = torch.where(greedy, logprobs_all.argmax(-1), sampled)
     return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index a row drawn in proportion to ``weights [B, V]`` (unnormalised, >= 0): the first whose
+    cumulative weight reaches a uniform share of the row's total, which lands on a zero-weight token never.
+    ``torch.multinomial`` does the same with an exponential draw per token: on the engine's decode step it
+    cost more than the whole draw here. The sums are in float64 so that tail tokens keep their share."""
+    cdf = weights.double().cumsum(-1)
+    u = 1.0 - torch.rand(weights.shape[0], 1, dtype=torch.float64, generator=generator)  # (0, 1]
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp(max=weights.shape[-1] - 1)

@@ -1,0 +1,110 @@
+"""`LlamaDecodeStep`: the engine's own decode step gives transformers' tokens and logprobs."""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from areal_agents.engines import HFEngine
+from areal_agents.engines.llama_decode import LlamaDecodeStep
+from areal_agents.types import GenRequest, SamplingParams
+
+TINY = dict(vocab_size=60, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+FAMILIES = {
+    "llama": (LlamaForCausalLM, LlamaConfig, dict(attention_bias=True, mlp_bias=True)),
+    "llama-gqa": (LlamaForCausalLM, LlamaConfig, dict(num_key_value_heads=2)),
+    "mistral": (MistralForCausalLM, MistralConfig, dict(num_key_value_heads=2, sliding_window=None)),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(num_key_value_heads=2)),  # q/k/v biases
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(num_key_value_heads=2, head_dim=16)),  # per-head q/k norms
+}
+PROMPTS = [[3 + i] * (2 + 5 * i) + [7, 8] for i in range(5)]  # different lengths: segments of their own
+
+
+def family_model(family, seed=0):
+    cls, config_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = cls(config_cls(**{**TINY, **extra}, attn_implementation="sdpa"))
+    with torch.no_grad():  # non-trivial norm weights and biases (initialised to 1 and 0)
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def staggered(engine, temperature, new_tokens=9):
+    """The prompts arriving 10 ms apart (each joins the running batch as a segment), all answered."""
+
+    async def one(i):
+        await asyncio.sleep(0.01 * i)
+        sampling = SamplingParams(new_tokens + 2 * i, temperature=temperature)
+        return await engine.agenerate(GenRequest(str(i), PROMPTS[i], sampling))
+
+    async def run():
+        return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_tokens_are_transformers_generate(family):
+    engine = HFEngine(family_model(family), eos_token_ids=[])
+    assert engine._decode_step is not None
+    reference = family_model(family)
+    for p, r in zip(PROMPTS, staggered(engine, temperature=0)):
+        ref = reference.generate(torch.tensor([p]), max_new_tokens=len(r.output_tokens), do_sample=False)
+        assert r.output_tokens == ref[0, len(p) :].tolist()
+    engine.close()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sampled_logprobs_are_those_of_a_transformers_forward_pass(family):
+    """Sampled rows (no greedy path to hide behind) through this step and through transformers' forward
+    (``fast_decode=False``): each token's logprob is a full forward pass's."""
+    reference = family_model(family)
+    for fast in (True, False):
+        engine = HFEngine(family_model(family), eos_token_ids=[], seed=3, fast_decode=fast)
+        assert (engine._decode_step is not None) == fast
+        for p, r in zip(PROMPTS, staggered(engine, temperature=1.0)):
+            with torch.no_grad():
+                logits = reference(torch.tensor([p + r.output_tokens])).logits[0, len(p) - 1 : -1]
+            expected = logits.log_softmax(-1).gather(1, torch.tensor(r.output_tokens)[:, None]).squeeze(1)
+            assert torch.allclose(torch.tensor(r.output_logprobs), expected, atol=1e-5)
+        engine.close()
+
+
+def test_weights_changed_in_place_are_used_at_the_next_step():
+    """The fused q/k/v and gate/up copies follow the parameters: new weights loaded by `update_weights`,
+    and a weight changed in place behind the engine's back."""
+    model, reference = family_model("qwen2"), family_model("qwen2", seed=1)
+    engine = HFEngine(model, eos_token_ids=[])
+    staggered(engine, temperature=0)
+    asyncio.run(engine.update_weights(reference.state_dict()))
+    for p, r in zip(PROMPTS, staggered(engine, temperature=0)):
+        ref = reference.generate(torch.tensor([p]), max_new_tokens=len(r.output_tokens), do_sample=False)
+        assert r.output_tokens == ref[0, len(p) :].tolist()
+    with torch.no_grad():
+        for m in (model, reference):
+            m.model.layers[1].self_attn.k_proj.weight.mul_(-3.0)
+            m.model.layers[0].mlp.up_proj.weight.add_(0.5)
+    for p, r in zip(PROMPTS, staggered(engine, temperature=0)):
+        ref = reference.generate(torch.tensor([p]), max_new_tokens=len(r.output_tokens), do_sample=False)
+        assert r.output_tokens == ref[0, len(p) :].tolist()
+    engine.close()
+
+
+def test_other_models_decode_through_transformers_forward():
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, attn_implementation="sdpa"))
+    assert LlamaDecodeStep.of(gpt2) is None
+    assert LlamaDecodeStep.of(family_model("llama")) is not None
