@@ -177,6 +177,7 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
             prefix_cache_tokens=args.prefix_cache_tokens,
             stale_kv=args.stale_kv,
             kv_dtype=args.kv_dtype,
+            fast_decode=args.fast_decode,
             cpu_threads=args.cpu_threads,
             seed=args.seed,
         )
@@ -284,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16", "float16"],
         default="auto",
         help="dtype of the KV cache decode steps attend to (auto: the model's)",
+    )
+    p.add_argument(
+        "--fast-decode",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode Llama-family models with the engine's own step (--no-fast-decode: transformers' forward)",
     )
     p.add_argument("--cpu-threads", type=int, default=0, help="intra-op threads of the decode thread (0 = all cores)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")

@@ -236,6 +236,12 @@ class EngineConfig:
         "logprobs stay those they were sampled with, now ~5e-4 from the trainer's float32 forward on average",
         default="auto",
     )
+    fast_decode: bool = _help(
+        "hf engine / serve-model: decode Llama-family models (llama, mistral, qwen2, qwen3) with the engine's own "
+        "step (q/k/v and gate/up fused: those weights held twice) instead of transformers' forward; other models "
+        "always use transformers'",
+        default=True,
+    )
     startup_timeout_s: float = _help("seconds to wait for a launched server's /health", default=600.0)
     request_timeout_s: float = _help("seconds before a /generate call is retried", default=3600.0)
     max_retries: int = _help("retries (exponential backoff) of a call on connection errors and 5xx", default=5)

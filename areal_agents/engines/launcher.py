@@ -77,6 +77,7 @@ def server_command(cfg: EngineConfig, model_path: str, dtype: str, port: int, in
             "--port", str(port), "--dtype", dtype, "--max-running-requests", str(cfg.max_running_requests),
             "--prefix-cache-tokens", str(cfg.prefix_cache_tokens), "--stale-kv", cfg.stale_kv,
             "--kv-dtype", cfg.kv_dtype, "--cpu-threads", str(cfg.cpu_threads),
+            *([] if cfg.fast_decode else ["--no-fast-decode"]),
             *cfg.extra_args,
         ]  # fmt: skip
     raise EngineError(f"engine.backend must be 'hf', 'serve-model' or 'sglang' to launch servers, got {backend!r}")
@@ -160,6 +161,7 @@ def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path
             prefix_cache_tokens=cfg.prefix_cache_tokens,
             stale_kv=cfg.stale_kv,
             kv_dtype=cfg.kv_dtype,
+            fast_decode=cfg.fast_decode,
         )
         if cfg.own_process:
             return ProcessEngine(model_path, dtype, **kwargs), None

@@ -130,6 +130,7 @@ class ProcessEngine:
         prefix_cache_tokens: int = 65536,
         stale_kv: str = "recompute",
         kv_dtype: str = "auto",
+        fast_decode: bool = True,
     ) -> None:
         kwargs = dict(
             max_batch_size=max_batch_size,
@@ -138,6 +139,7 @@ class ProcessEngine:
             prefix_cache_tokens=prefix_cache_tokens,
             stale_kv=stale_kv,
             kv_dtype=kv_dtype,
+            fast_decode=fast_decode,
         )
         what = f"ProcessEngine: could not start an engine for {model_path!r}"
         self._process, self._conn, _ = start_child(

@@ -35,6 +35,7 @@ class ModelServerConfig:
     prefix_cache_tokens: int = 65536
     stale_kv: str = "recompute"
     kv_dtype: str = "auto"  # the KV cache's dtype (auto: the model's)
+    fast_decode: bool = True  # Llama-family models decode with the engine's own step (`LlamaDecodeStep`)
     cpu_threads: int = 0  # the decode thread's intra-op threads (0: torch's default, all cores)
     seed: int = 0
 
@@ -235,6 +236,7 @@ def serve_model(cfg: ModelServerConfig) -> None:
         prefix_cache_tokens=cfg.prefix_cache_tokens,
         stale_kv=cfg.stale_kv,
         kv_dtype=cfg.kv_dtype,
+        fast_decode=cfg.fast_decode,
         num_threads=cfg.cpu_threads or None,
     )
     app = build_app(engine, tokenizer, cfg)

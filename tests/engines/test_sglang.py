@@ -337,3 +337,19 @@ def test_kv_dtype_reaches_the_engine_the_run_opens(tiny_dir, tmp_path):
     assert command[command.index("--kv-dtype") + 1] == "bfloat16"
     args = build_parser().parse_args(command[command.index("serve-model") :])
     assert args.kv_dtype == "bfloat16" and ModelServerConfig("m", kv_dtype=args.kv_dtype).kv_dtype == "bfloat16"
+
+
+def test_fast_decode_switch_reaches_the_engine_the_run_opens(tiny_dir, tmp_path):
+    """engine.fast_decode=false: the in-process engine and launched serve-model servers decode through
+    transformers' forward."""
+    from areal_agents.cli import build_parser
+    from areal_agents.engines.launcher import open_engine
+
+    engine, _ = open_engine(EngineConfig(), str(tiny_dir), "float32", run_dir=tmp_path)
+    assert engine._decode_step is not None  # the tiny model is a Llama
+    engine, _ = open_engine(EngineConfig(fast_decode=False), str(tiny_dir), "float32", run_dir=tmp_path)
+    assert engine._decode_step is None
+    for fast in (True, False):
+        command = server_command(EngineConfig(backend="serve-model", fast_decode=fast), "m", "float32", 1, 0)
+        assert ("--no-fast-decode" in command) != fast
+        assert build_parser().parse_args(command[command.index("serve-model") :]).fast_decode == fast
