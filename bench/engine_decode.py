@@ -1,4 +1,4 @@
-"""`HFEngine` under the count recipe's load: its KV cache in segments, and in bfloat16, against one cache.
+"""`HFEngine` under the count recipe's load: its KV cache in segments, in bfloat16, and its own decode step.
 
     .venv/bin/python bench/engine_decode.py [--model runs/count/sft/model] [--groups 120 --repeats 2]
 
@@ -7,9 +7,10 @@ prompt, ``--in-flight`` groups running (a finished group is replaced at once), a
 length (`sample_count`'s log-normal number of counted numbers, median 6, up to 32), one engine thread
 as the processes layout runs it. The same engine, model and requests with ``max_segments`` 1 (one
 float32 cache as wide as the oldest row: the engine before segments, the baseline), 8 (the default),
-and 8 with ``kv_dtype="bfloat16"``, alternated ``--repeats`` times; prints ms per decode step,
-samples/s, the share of attended KV cells that were padding, and the ratios to the baseline. Lengths are
-forced (``ignore_eos``) so all do the same work.
+8 with ``kv_dtype="bfloat16"``, these three through transformers' forward (``fast_decode=False``), and
+the last with the engine's own Llama decode step (`LlamaDecodeStep`, the default), alternated
+``--repeats`` times; prints ms per decode step, samples/s, the share of attended KV cells that were
+padding, and the ratios to the baseline. Lengths are forced (``ignore_eos``) so all do the same work.
 """
 
 from __future__ import annotations
@@ -90,9 +91,10 @@ def main() -> None:
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
     settings = {
-        "1 segment": (1, "auto"),
-        f"{MAX_SEGMENTS} segments": (MAX_SEGMENTS, "auto"),
-        f"{MAX_SEGMENTS} segments, bfloat16 KV": (MAX_SEGMENTS, "bfloat16"),
+        "1 segment": (1, "auto", False),
+        f"{MAX_SEGMENTS} segments": (MAX_SEGMENTS, "auto", False),
+        f"{MAX_SEGMENTS} segments, bfloat16 KV": (MAX_SEGMENTS, "bfloat16", False),
+        "... + own decode step": (MAX_SEGMENTS, "bfloat16", True),
     }
     results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,7 +102,7 @@ def main() -> None:
         tokenizer = load_tokenizer(path)
         load = count_load(tokenizer, args.groups, seed=0)
         for _ in range(args.repeats):
-            for name, (segments, kv_dtype) in settings.items():
+            for name, (segments, kv_dtype, fast_decode) in settings.items():
                 engine = HFEngine(
                     load_model(path),
                     max_batch_size=256,
@@ -110,6 +112,7 @@ def main() -> None:
                     seed=0,
                     max_segments=segments,
                     kv_dtype=kv_dtype,
+                    fast_decode=fast_decode,
                 )
                 run_load(engine, load[: args.in_flight], args.in_flight)  # warm-up
                 results[name].append(run_load(engine, load, args.in_flight))
