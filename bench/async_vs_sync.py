@@ -230,6 +230,12 @@ def real(args) -> None:  # noqa: ANN001
             f"faster sync | held-out accuracy {rs[0]['accuracy_before']:.1%} -> {accuracy[key]:.1%} ({points:+.1f} "
             f"points; {rs[0]['steps']} steps, {sum(r['episodes']['rejected'] for r in rs)} episodes dropped as stale)"
         )
+    print("where the training steps' time went (medians): the trainer busy, and the engine busy decoding")
+    for (eta, layout), rs in results.items():
+        trainer = statistics.median(r["train_seconds"] / r["step_seconds"] for r in rs)
+        busy = [r["engine_busy_fraction"] for r in rs if r.get("engine_busy_fraction") is not None]
+        engine = f", engine busy {statistics.median(busy):.0%}" if busy else ""
+        print(f"max_staleness {eta} ({layout:9s}): trainer busy {trainer:.0%}{engine}")
 
 
 def main() -> None:

@@ -256,6 +256,8 @@ def test_async_run_with_engine_and_trainer_in_their_own_processes_trains_and_res
     run = tmp_path / "rl"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["engine_version"] == 2 and summary["episodes"]["running"] == 0
+    assert 0 < summary["train_seconds"] < summary["step_seconds"]  # where the steps' time went
+    assert 0 < summary["engine_busy_fraction"] <= 1.05  # of the engine process, over the training steps
     state = torch.load(run / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
     assert state["scheduler"]["last_epoch"] == 2 and state["optimizer"]["state"]  # fetched from the trainer process
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

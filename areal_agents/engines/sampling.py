@@ -47,7 +47,7 @@ def sample_tokens(
 
 def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One index a row drawn in proportion to ``weights [B, V]`` (unnormalised, >= 0): the first whose
-    cumulative weight reaches a uniform share of the row's total, which lands on a zero-weight token never.
+    cumulative weight reaches a uniform share of the row's total (never a zero-weight token).
     ``torch.multinomial`` does the same with an exponential draw per token: on the engine's decode step it
     cost more than the whole draw here. The sums are in float64 so that tail tokens keep their share."""
     cdf = weights.double().cumsum(-1)

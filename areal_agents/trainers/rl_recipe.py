@@ -173,7 +173,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
     before = await run_eval(0) if state is None else {"accuracy": state["accuracy_before"]}
     print(f"held-out greedy accuracy before RL: {before['accuracy']:.1%} ({len(eval_seeds)} problems)")
     totals = {"trained_samples": 0, "consumed_samples": 0, "generated_tokens": 0, "rollout_seconds": 0.0}
-    totals |= {"train_seconds": 0.0, "step_seconds": 0.0}
+    totals |= {"train_seconds": 0.0, "step_seconds": 0.0, "engine_busy_seconds": 0.0}
     last_save = time.monotonic()
 
     def checkpoint(step: int) -> Path:
@@ -200,12 +200,15 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         new = {k: float(getattr(stats, k)) for k in keys} | {"time": now}
         d = {k: v - seen.get(k, 0.0) for k, v in new.items()}
         seen.update(new)
+        totals["engine_busy_seconds"] += d["busy_seconds"]
         return {
             "engine/prefix_hit_rate": d["prefix_hit_tokens"] / max(d["prefix_hit_tokens"] + d["prefill_tokens"], 1),
             "engine/busy_fraction": d["busy_seconds"] / max(d["time"], 1e-9),
             "engine/rows_per_decode_step": d["generated_tokens"] / max(d["decode_steps"], 1),
         }
 
+    await engine_use()  # the counters from here on: the training steps' (and their evals')
+    totals["engine_busy_seconds"] = 0.0
     # a local trainer can start on a batch's finished groups while its last generate (the same gradient)
     stream = (
         cfg.ppo.stream_updates
@@ -328,6 +331,15 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         # end to end over the training steps (rollout waits + training + weight pushes), evals excluded
         "samples_per_s": totals["consumed_samples"] / max(totals["step_seconds"], 1e-9),
         "generated_tokens_per_s": totals["generated_tokens"] / max(totals["rollout_seconds"], 1e-9),
+        # where the training steps' time went: the trainer busy (the rest it waited for rollouts), and the
+        # share of it a local hf engine was busy decoding (None for other engines)
+        "step_seconds": totals["step_seconds"],
+        "train_seconds": totals["train_seconds"],
+        "engine_busy_fraction": (
+            totals["engine_busy_seconds"] / max(totals["step_seconds"], 1e-9)
+            if isinstance(main.engine, (HFEngine, ProcessEngine))
+            else None
+        ),
         "episodes": _ledger(ledger),
         "episode_retries": controller.stats.retries,  # env, engine or worker failures run again
         "checkpoint": str(ckpt),
