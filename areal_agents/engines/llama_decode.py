@@ -46,7 +46,7 @@ class LlamaDecodeStep:
         body = getattr(model, "model", None)
         if config.model_type not in LLAMA_FAMILY or body is None or not hasattr(body, "rotary_emb"):
             return None
-        if getattr(config, "pretraining_tp", 1) != 1:
+        if getattr(config, "pretraining_tp", 1) != 1 or not all(_stock_layer(layer) for layer in body.layers):
             return None
         return cls(model)
 
@@ -87,6 +87,14 @@ class LlamaDecodeStep:
             fused = _Fused.of(attn, mlp)
             self._fused[index] = (key, fused)
         return fused
+
+
+def _stock_layer(layer: torch.nn.Module) -> bool:
+    """The decoder layer has the modules this step reads (remote code under a stock model_type may not)."""
+    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj", "mlp.act_fn", "input_layernorm", "post_attention_layernorm")  # fmt: skip
+    modules = dict(layer.named_modules())
+    return all(name in modules for name in names) and hasattr(layer.self_attn, "scaling")
 
 
 class _Fused:

@@ -107,4 +107,7 @@ def test_weights_changed_in_place_are_used_at_the_next_step():
 def test_other_models_decode_through_transformers_forward():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, attn_implementation="sdpa"))
     assert LlamaDecodeStep.of(gpt2) is None
-    assert LlamaDecodeStep.of(family_model("llama")) is not None
+    llama = family_model("llama")
+    assert LlamaDecodeStep.of(llama) is not None
+    del llama.model.layers[1].mlp.up_proj  # a layer of another shape under the llama model_type
+    assert LlamaDecodeStep.of(llama) is None
