@@ -17,11 +17,14 @@ sources changes: the step compares each parameter's identity and in-place versio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
+from transformers.models.llama.modeling_llama import rotate_half
 
-from areal_agents.engines.segmented_attention import SegmentedKV
+from areal_agents.engines.segmented_attention import attend_segments
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # the same decoder layer; qwen3 adds per-head q/k norms
 
@@ -37,7 +40,7 @@ class LlamaDecodeStep:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.qk_norm = config.model_type == "qwen3"
-        self._fused: list[tuple[tuple, _Fused]] = [((), _Fused())] * len(model.model.layers)
+        self._fused: list[tuple[tuple, _Fused | None]] = [((), None)] * len(model.model.layers)
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> LlamaDecodeStep | None:
@@ -64,10 +67,10 @@ class LlamaDecodeStep:
             qk = qkv[:, : self.q_size + self.kv_size].view(b, 1, heads + self.kv_heads, d)
             if self.qk_norm:
                 qk = torch.cat([_rms_norm(qk[:, :, :heads], attn.q_norm), _rms_norm(qk[:, :, heads:], attn.k_norm)], 2)
-            qk = (qk * cos + _rotate_half(qk) * sin).transpose(1, 2)  # [B, heads + kv_heads, 1, D]
+            qk = (qk * cos + rotate_half(qk) * sin).transpose(1, 2)  # [B, heads + kv_heads, 1, D]
             v = qkv[:, self.q_size + self.kv_size :].view(b, self.kv_heads, 1, d)
             keys, values = cache.update(qk[:, heads:], v, index)
-            out = _attend(qk[:, :heads], keys, values, attn.scaling, self.kv_heads != heads)  # [B, heads, 1, D]
+            out = attend_segments(qk[:, :heads], keys, values, attn.scaling)  # [B, heads, 1, D]
             hidden = hidden + F.linear(out.reshape(b, self.q_size), attn.o_proj.weight, attn.o_proj.bias)
             mlp = layer.mlp
             gate, up = F.linear(
@@ -97,21 +100,19 @@ def _stock_layer(layer: torch.nn.Module) -> bool:
     return all(name in modules for name in names) and hasattr(layer.self_attn, "scaling")
 
 
+@dataclass(frozen=True)
 class _Fused:
     """A layer's q/k/v weights stacked into one matrix, and gate/up into another (biases alike)."""
 
     qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None
     gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None
 
     @classmethod
     def of(cls, attn: torch.nn.Module, mlp: torch.nn.Module) -> _Fused:
-        fused = cls()
         with torch.no_grad():
-            fused.qkv, fused.qkv_bias = _stack(attn.q_proj, attn.k_proj, attn.v_proj)
-            fused.gate_up, fused.gate_up_bias = _stack(mlp.gate_proj, mlp.up_proj)
-        return fused
+            return cls(*_stack(attn.q_proj, attn.k_proj, attn.v_proj), *_stack(mlp.gate_proj, mlp.up_proj))
 
 
 def _stack(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -124,24 +125,8 @@ def _stack(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     )
 
 
-def _attend(q: torch.Tensor, keys: SegmentedKV, values: SegmentedKV, scale: float, gqa: bool) -> torch.Tensor:
-    """sdpa per segment, in the cache's dtype; the rows back in the query's dtype and order."""
-    dtype = keys.parts[0].dtype
-    qc = q.to(dtype)
-    outs = [
-        F.scaled_dot_product_attention(qc[rows], k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        for rows, k, v, mask in zip(keys.rows, keys.parts, values.parts, keys.masks)
-    ]
-    return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(q.dtype)
-
-
 def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     """transformers' RMSNorm (normalised in float32, cast back, then scaled) as one fused op."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
     return norm.weight * F.rms_norm(x.float(), norm.weight.shape, None, norm.variance_epsilon).to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -52,8 +52,9 @@ def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> to
     cost more than the whole draw here. The sums are in float64 so that tail tokens keep their share."""
     cdf = weights.double().cumsum(-1)
     total = cdf[:, -1:]
-    if not bool(torch.isfinite(total).all() and (total > 0).all()):  # as torch.multinomial refuses them
-        bad = (~(torch.isfinite(total) & (total > 0))).squeeze(1).nonzero().squeeze(1).tolist()
+    ok = torch.isfinite(total) & (total > 0)
+    if not bool(ok.all()):  # as torch.multinomial refuses them
+        bad = (~ok).squeeze(1).nonzero().squeeze(1).tolist()
         raise ValueError(f"sample_tokens: next-token logits of rows {bad[:8]} are not finite (NaN or inf)")
     u = 1.0 - torch.rand(weights.shape[0], 1, dtype=torch.float64, generator=generator)  # (0, 1]
     return torch.searchsorted(cdf, u * total).squeeze(1).clamp(max=weights.shape[-1] - 1)

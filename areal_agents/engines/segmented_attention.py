@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -37,13 +38,22 @@ def segmented_sdpa(module, query, key, value, attention_mask, dropout=0.0, scali
     """sdpa per segment of `SegmentedKV` keys and values (``attention_mask`` is then unused); else sdpa."""
     if not isinstance(key, SegmentedKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    dtype = key.parts[0].dtype  # a cache kept in another dtype than the model's: attend in the cache's
+    return attend_segments(query, key, value, scaling, dropout).transpose(1, 2).contiguous(), None  # [B, q, H, D]
+
+
+def attend_segments(
+    query: torch.Tensor, keys: SegmentedKV, values: SegmentedKV, scale: float | None = None, dropout: float = 0.0
+) -> torch.Tensor:
+    """``query [B, H, q, D]`` attending each segment's rows to its keys and values with sdpa, in the cache's
+    dtype (a cache kept in another dtype than the model's); ``[B, H, q, D]`` in the query's dtype."""
+    dtype = keys.parts[0].dtype
     q = query.to(dtype)
+    gqa = query.shape[1] != keys.parts[0].shape[1]
     outs = [
-        sdpa_attention_forward(module, q[rows], k, v, mask.to(dtype), dropout, scaling, **kwargs)[0]
-        for rows, k, v, mask in zip(key.rows, key.parts, value.parts, key.masks)
+        F.scaled_dot_product_attention(q[rows], k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+        for rows, k, v, mask in zip(keys.rows, keys.parts, values.parts, keys.masks)
     ]
-    return torch.cat(outs).to(query.dtype), None  # [B, q, H, D], as sdpa returns
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(query.dtype)
 
 
 AttentionInterface.register(SEGMENTED_SDPA, segmented_sdpa)

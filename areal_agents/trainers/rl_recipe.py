@@ -190,10 +190,12 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
 
     seen: dict[str, float] = {"time": time.perf_counter()}  # a local hf engine's counters at the last step
 
+    local_engine = isinstance(main.engine, (HFEngine, ProcessEngine))  # whose counters it can read
+
     async def engine_use() -> dict[str, float]:
         """Of a local hf engine since the last step (evals included): the share of context tokens its
         prefills took from the prefix cache, of the time it was busy, and its rows per decode step."""
-        if not isinstance(main.engine, (HFEngine, ProcessEngine)):
+        if not local_engine:
             return {}
         stats, now = await main.engine.get_stats(), time.perf_counter()
         keys = ("prefix_hit_tokens", "prefill_tokens", "busy_seconds", "generated_tokens", "decode_steps")
@@ -336,9 +338,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         "step_seconds": totals["step_seconds"],
         "train_seconds": totals["train_seconds"],
         "engine_busy_fraction": (
-            totals["engine_busy_seconds"] / max(totals["step_seconds"], 1e-9)
-            if isinstance(main.engine, (HFEngine, ProcessEngine))
-            else None
+            totals["engine_busy_seconds"] / max(totals["step_seconds"], 1e-9) if local_engine else None
         ),
         "episodes": _ledger(ledger),
         "episode_retries": controller.stats.retries,  # env, engine or worker failures run again
