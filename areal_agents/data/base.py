@@ -8,7 +8,7 @@ A dataset source is one of (first match wins):
 - any other string: a plain Hugging Face id, as ``hf:`` without the prefix.
 
     ds = load_task_dataset("math500")                              # bundled; prompt_key from the set
-    ds = load_task_dataset("gsm8k", split="train")
+    ds = load_task_dataset("gsm8k", split="test")                  # a set's train split is its default
     ds = load_task_dataset("problems.jsonl", prompt_key="question")
     ds[0]   # {"id": "...", "prompt": "...", "answer": "...", ...the row's other fields}
 

@@ -4,11 +4,16 @@ Each action is read for its last fenced code block:
 - a block whose info string ends in ``run`` (e.g. ```` ```python run ````) is executed in the sandbox on
   the problem's public tests (or with no input when there are none); the observation reports each test's
   verdict and the program's output. At most ``max_runs`` runs per episode.
-- any other code block is the submission: judged on public + private tests with LiveCodeBench's semantics;
-  reward 1 if all pass (or the fraction passed with ``partial_reward``); the episode ends.
+- any other code block is the submission, judged on all its tests; reward 1 if all pass (or the fraction
+  passed with ``partial_reward``); the episode ends.
 - no code block: the agent is told so, and it costs a turn.
 
-    env = gymnasium.make("areal_agents/Code-v0", dataset="lcb.jsonl", max_turns=4, max_runs=2)
+Rows may be LiveCodeBench's (``question_content``; stdin or functional tests, LCB's semantics), MBPP's
+(``text`` + ``test_list``: the first assert is shown and is the public test) or HumanEval's (``prompt`` +
+``entry_point``: the answer is the whole function).
+
+    env = gymnasium.make("areal_agents/Code-v0")   # bundled MBPP train (task ids 601-974)
+    env = gymnasium.make("areal_agents/Code-v0", dataset="lcb_v5", max_turns=4, max_runs=2)
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ import json
 import re
 from typing import Any
 
-from areal_agents.data.base import load_task_dataset
+from areal_agents.data.base import BaseDataset, load_task_dataset, raw_rows
 from areal_agents.envs.base import TextEnv
-from areal_agents.rewards.code import CodeJudge, decode_tests, stdout_matches
+from areal_agents.rewards.code import CodeJudge, JudgeResult, decode_tests, stdout_matches
 from areal_agents.rewards.extract import strip_thinking
 from areal_agents.sandbox import LocalSandbox
 
@@ -27,10 +32,37 @@ _BLOCK = re.compile(r"```[ \t]*([^\n`]*)\n(.*?)```", re.DOTALL)
 
 STDIN_INSTRUCTION = "Read the input from standard input, solve the problem and write the answer to standard output."
 FUNCTIONAL_INSTRUCTION = "Complete this starter code:\n```python\n{starter}\n```"
+MBPP_INSTRUCTION = "Write the function in a ```python block. Your code should pass this test:\n```python\n{test}\n```"
+HUMANEVAL_INSTRUCTION = (
+    "Complete this function; submit the whole function in a ```python block:\n```python\n{prompt}```"
+)
 HOW_TO = (
     "To test your code on the examples first, put it in a block opened with ```python run. "
     "Submit your final solution in a plain ```python block."
 )
+# row format -> (prompt key, id key); the format is read off the dataset's first row
+FORMATS = {"lcb": ("question_content", "question_id"), "mbpp": ("text", "task_id"), "humaneval": ("prompt", "task_id")}
+
+
+def row_format(row: dict[str, Any], source: str = "") -> str:
+    """``lcb``, ``mbpp`` or ``humaneval``, by the keys of a dataset row."""
+    if "question_content" in row:
+        return "lcb"
+    if "test_list" in row and "text" in row:
+        return "mbpp"
+    if "entry_point" in row and "test" in row:
+        return "humaneval"
+    raise ValueError(
+        f"Expects rows of {source or 'the dataset'} in LiveCodeBench (question_content), MBPP (text, test_list) "
+        f"or HumanEval (prompt, entry_point, test) form; the first row has keys {sorted(row)}"
+    )
+
+
+def load_code_dataset(dataset: str, split: str | None) -> tuple[str, BaseDataset]:
+    """``(row format, dataset)``; rows keep their fields, ``prompt`` and ``id`` come from the format's keys."""
+    fmt = row_format(raw_rows(dataset, split)[0], dataset)
+    prompt_key, id_key = FORMATS[fmt]
+    return fmt, load_task_dataset(dataset, split=split, prompt_key=prompt_key, id_key=id_key)
 
 
 def _last_block(text: str) -> tuple[str, str] | None:
@@ -43,9 +75,9 @@ class CodeEnv(TextEnv):
 
     def __init__(
         self,
-        dataset: str,
+        dataset: str = "mbpp",
         *,
-        split: str = "test",
+        split: str | None = None,
         max_turns: int = 4,
         max_runs: int = 3,
         partial_reward: bool = False,
@@ -59,7 +91,7 @@ class CodeEnv(TextEnv):
         if not isinstance(max_runs, int) or max_runs < 0:
             raise ValueError(f"Expects max_runs to be an int >= 0, got {max_runs!r}")
         self._data_args = (dataset, split)
-        self.data = load_task_dataset(dataset, split=split, prompt_key="question_content", id_key="question_id")
+        self.format, self.data = load_code_dataset(dataset, split)
         self.max_turns, self.max_runs, self.partial_reward = max_turns, max_runs, partial_reward
         self.max_feedback_chars = max_feedback_chars
         self.judge = CodeJudge(LocalSandbox(), timeout_s=timeout_s, memory_mb=memory_mb)
@@ -73,8 +105,7 @@ class CodeEnv(TextEnv):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        dataset, split = self._data_args
-        self.data = load_task_dataset(dataset, split=split, prompt_key="question_content", id_key="question_id")
+        self.format, self.data = load_code_dataset(*self._data_args)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
         super().reset(seed=seed)
@@ -82,17 +113,39 @@ class CodeEnv(TextEnv):
             index = int(options["index"])
         else:
             index = int(self.np_random.integers(len(self.data)))
+        if not 0 <= index < len(self.data):
+            raise ValueError(f"options['index'] must be in [0, {len(self.data)}), got {index}")
         self.row, self.turn, self.runs = self.data[index], 0, 0
-        starter = (self.row.get("starter_code") or "").strip()
-        instruction = FUNCTIONAL_INSTRUCTION.format(starter=starter) if starter else STDIN_INSTRUCTION
-        runs = f" {HOW_TO} You have {self.max_runs} runs." if self.max_runs else ""
-        return f"{self.row['prompt']}\n\n{instruction}{runs}", {"role": "user", "index": index, "id": self.row["id"]}
+        runs = f" {HOW_TO} You have {self.max_runs} run{'s' * (self.max_runs != 1)}." if self.max_runs else ""
+        info = {"role": "user", "index": index, "id": self.row["id"]}
+        if self.format == "humaneval":
+            return HUMANEVAL_INSTRUCTION.format(prompt=self.row["prompt"]) + runs, info
+        if self.format == "mbpp":
+            instruction = MBPP_INSTRUCTION.format(test=self.row["test_list"][0])
+        elif starter := (self.row.get("starter_code") or "").strip():
+            instruction = FUNCTIONAL_INSTRUCTION.format(starter=starter)
+        else:
+            instruction = STDIN_INSTRUCTION
+        return f"{self.row['prompt']}\n\n{instruction}{runs}", info
+
+    def _judge(self, code: str) -> JudgeResult:
+        """The submission on all of the problem's tests."""
+        if self.format == "mbpp":
+            return self.judge.judge_mbpp(code, self.row)
+        if self.format == "humaneval":
+            return self.judge.judge_humaneval(code, self.row, whole_function=True)
+        return self.judge.judge_lcb(code, self.row, code_is_raw=True)
 
     def _run_feedback(self, code: str) -> str:
-        tests = decode_tests(self.row.get("public_test_cases"))
         lines = [f"Run {self.runs} of {self.max_runs}."]
-        if not tests:
-            r = self.judge.sandbox.run(code, timeout_s=self.judge.timeout_s, memory_mb=self.judge.memory_mb)
+        tests = decode_tests(self.row.get("public_test_cases")) if self.format == "lcb" else []
+        if self.format == "mbpp":
+            shown = {**self.row, "test_list": self.row["test_list"][:1]}
+            r = self.judge.judge_mbpp(code, shown)
+            lines.append(f"example 1: {r.statuses[0]}" + (f"\nstderr:\n{r.message}" if r.message else ""))
+        elif self.format == "humaneval" or not tests:
+            program = f"{self.row['prompt']}\n{code}" if self.format == "humaneval" else code
+            r = self.judge.sandbox.run(program, timeout_s=self.judge.timeout_s, memory_mb=self.judge.memory_mb)
             lines.append(f"status: {r.status}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}")
         elif tests[0].get("testtype") == "functional":
             func = json.loads(self.row.get("metadata") or "{}").get("func_name", "")
@@ -128,7 +181,7 @@ class CodeEnv(TextEnv):
             if last_turn:
                 return "", 0.0, True, False, {**info, "passed": 0, "total": 0}
             return "No code block found. Put your solution in a ```python block.", 0.0, False, False, info
-        result = self.judge.judge_lcb(block[1], self.row, code_is_raw=True)
+        result = self._judge(block[1])
         reward = result.fraction if self.partial_reward else float(result.all_passed)
         info.update(passed=result.passed, total=result.total, statuses=result.statuses)
         return "", reward, True, False, info

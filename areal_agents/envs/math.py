@@ -1,6 +1,7 @@
 """`areal_agents/Math-v0`: math problems from a dataset, rewarded by answer verification.
 
-    env = gymnasium.make("areal_agents/Math-v0", dataset="../shared/data/aime24.jsonl", max_turns=2)
+    env = gymnasium.make("areal_agents/Math-v0")        # bundled GSM8K train, a set no eval preset holds
+    env = gymnasium.make("areal_agents/Math-v0", dataset="aime24", max_turns=2)   # or a JSONL path, hf:ORG/NAME
     obs, info = env.reset(seed=0)                       # the problem, with the answer-format instruction
     obs, reward, terminated, truncated, info = env.step("... \\boxed{204}")
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Literal
 
-from areal_agents.data.base import BaseDataset, load_task_dataset
+from areal_agents.data.base import BaseDataset, builtin_for, load_task_dataset
 from areal_agents.envs.base import TextEnv
 from areal_agents.importing import load_object
 from areal_agents.rewards.base import RewardFunction, RewardResult, as_result
@@ -38,7 +39,7 @@ def reward_pool(workers: int = 2) -> WorkerPool:
         return _pool
 
 
-def _load(dataset: str, split: str, prompt_key: str, dataset_class: str) -> BaseDataset:
+def _load(dataset: str, split: str | None, prompt_key: str | None, dataset_class: str) -> BaseDataset:
     cls = load_object(dataset_class, "env kwarg dataset_class") if dataset_class else BaseDataset
     if not (isinstance(cls, type) and issubclass(cls, BaseDataset)):
         raise ValueError(f"Expects dataset_class to name a BaseDataset subclass, got {dataset_class!r}")
@@ -58,10 +59,10 @@ class MathEnv(TextEnv):
 
     def __init__(
         self,
-        dataset: str,
+        dataset: str = "gsm8k",
         *,
-        split: str = "test",
-        prompt_key: str = "problem",
+        split: str | None = None,
+        prompt_key: str | None = None,
         answer_key: str = "answer",
         prompt_template: str = DEFAULT_TEMPLATE,
         max_turns: int = 1,
@@ -73,8 +74,11 @@ class MathEnv(TextEnv):
         reward: str = "",
         dataset_class: str = "",
     ) -> None:
-        """``reward``: a ``module:Class`` (constructed with no arguments) or ``module:function`` replacing
-        `MathReward`; ``dataset_class``: a ``module:Class`` subclass of `BaseDataset` that reshapes rows."""
+        """``dataset``: a bundled set's name, a JSONL path or a hub id (see `load_task_dataset`); with no
+        arguments, bundled GSM8K train. ``split``/``prompt_key``: default to the bundled set's own (its
+        train split where it has one), else "test" and "problem". ``reward``: a ``module:Class``
+        (constructed with no arguments) or ``module:function`` replacing `MathReward`;
+        ``dataset_class``: a ``module:Class`` subclass of `BaseDataset` that reshapes rows."""
         super().__init__(max_observation_length=65536, max_action_length=1_000_000)
         if not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"Expects max_turns to be an int >= 1, got {max_turns!r}")
@@ -84,6 +88,8 @@ class MathEnv(TextEnv):
             raise ValueError(f"Expects reward_mode 'pool' or 'inline', got {reward_mode!r}")
         if "{prompt}" not in prompt_template:
             raise ValueError("Expects prompt_template to contain {prompt}")
+        if prompt_key is None and builtin_for(dataset) is None:
+            prompt_key = "problem"
         self._data_args = (dataset, split, prompt_key, dataset_class)
         self.data = _load(*self._data_args)
         if answer_key not in self.data[0]:

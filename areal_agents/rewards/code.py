@@ -183,9 +183,11 @@ class CodeJudge:
         status = "pass" if r.status == "ok" else ("wrong_answer" if "AssertionError" in r.stderr else r.status)
         return JudgeResult(int(status == "pass"), 1, [status], r.stderr[-500:])
 
-    def judge_humaneval(self, solution: str, row: dict[str, Any]) -> JudgeResult:
-        """``solution`` is the function body that follows ``row["prompt"]`` (as canonical_solution is)."""
-        return self.judge_program(f"{row['prompt']}{solution}\n\n{row['test']}\n\ncheck({row['entry_point']})\n")
+    def judge_humaneval(self, solution: str, row: dict[str, Any], *, whole_function: bool = False) -> JudgeResult:
+        """``solution`` is the function body that follows ``row["prompt"]`` (as canonical_solution is), or
+        with ``whole_function`` a complete definition (what chat models write), run after the prompt's imports."""
+        glue = "\n" if whole_function else ""
+        return self.judge_program(f"{row['prompt']}{glue}{solution}\n\n{row['test']}\n\ncheck({row['entry_point']})\n")
 
     def judge_mbpp(self, code: str, row: dict[str, Any], *, challenge: bool = False) -> JudgeResult:
         asserts = row["test_list"] + (row.get("challenge_test_list") or [] if challenge else [])

@@ -1,7 +1,7 @@
 """Datasets shipped inside the package: pinned, offline copies of public evaluation and training sets.
 
     load_task_dataset("aime24")                    # the bundled AIME 2024 (its one split, "test")
-    load_task_dataset("gsm8k", split="train")      # GSM8K train
+    load_task_dataset("gsm8k", split="test")       # GSM8K test (a set's train split is its default)
     load_task_dataset("hf:HuggingFaceH4/aime_2024", split="train")   # the hub's copy instead
 
 Origins and licences are in SOURCES.md beside the files; ``areal-agents datasets`` lists them.
@@ -22,7 +22,7 @@ class BuiltinDataset:
 
     name: str
     description: str
-    files: dict[str, str]  # split -> file name in this package folder
+    files: dict[str, str]  # split -> file name in this package folder; the first is the default split
     prompt_key: str
     id_key: str
     hub: str  # the same set, with the same fields, on the Hugging Face hub ("" when there is none)
@@ -94,7 +94,7 @@ BUILTIN: dict[str, BuiltinDataset] = {
         BuiltinDataset(
             "gsm8k",
             "GSM8K grade-school math",
-            {"test": "gsm8k_test.jsonl", "train": "gsm8k_train.jsonl"},
+            {"train": "gsm8k_train.jsonl", "test": "gsm8k_test.jsonl"},
             "question",
             "id",
             "",
