@@ -190,8 +190,9 @@ class CodeJudge:
         return self.judge_program(f"{row['prompt']}{glue}{solution}\n\n{row['test']}\n\ncheck({row['entry_point']})\n")
 
     def judge_mbpp(self, code: str, row: dict[str, Any], *, challenge: bool = False) -> JudgeResult:
+        """The asserts of ``test_list`` after the code and the row's setup (which may use the code's classes)."""
         asserts = row["test_list"] + (row.get("challenge_test_list") or [] if challenge else [])
-        return self.judge_program(f"{row.get('test_setup_code') or ''}\n{code}\n\n" + "\n".join(asserts) + "\n")
+        return self.judge_program(f"{code}\n{row.get('test_setup_code') or ''}\n\n" + "\n".join(asserts) + "\n")
 
 
 def _result(statuses: list[str], total: int) -> JudgeResult:
