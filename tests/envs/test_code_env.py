@@ -3,29 +3,29 @@
 import json
 import shutil
 import warnings
-from pathlib import Path
 
 import gymnasium as gym
 import pytest
 from gymnasium.utils.env_checker import check_env
 
 import areal_agents  # noqa: F401
+from areal_agents.data.builtin import BUILTIN
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-pytestmark = [
-    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed"),
-    pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}"),
-]
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 LEAP = "y = int(input())\nprint(366 if (y % 4 == 0 and y % 100 != 0) or y % 400 == 0 else 365)\n"
 
 
-def index_of(qid):
-    rows = [json.loads(line) for line in open(DATA / "lcb_subset.jsonl")]
-    return next(i for i, r in enumerate(rows) if r["question_id"] == qid)
+def rows(name):
+    """The rows of bundled set ``name``."""
+    return [json.loads(line) for line in BUILTIN[name].path().read_text().splitlines()]
+
+
+def index_of(qid, name="lcb_v5_subset"):
+    return next(i for i, r in enumerate(rows(name)) if r["question_id"] == qid)
 
 
 def test_run_then_submit_stdin_problem():
-    env = gym.make("areal_agents/Code-v0", dataset=str(DATA / "lcb_subset.jsonl"), max_turns=4, max_runs=1)
+    env = gym.make("areal_agents/Code-v0", dataset="lcb_v5_subset", max_turns=4, max_runs=1)
     obs, info = env.reset(options={"index": index_of("abc365_a")})
     assert "standard input" in obs and "```python run" in obs
     wrong = "print(365)\n"
@@ -39,9 +39,8 @@ def test_run_then_submit_stdin_problem():
 
 
 def test_functional_problem_and_partial_reward():
-    env = gym.make("areal_agents/Code-v0", dataset=str(DATA / "lcb_sandboxfusion3.jsonl"), partial_reward=True)
-    rows = [json.loads(line) for line in open(DATA / "lcb_sandboxfusion3.jsonl")]
-    obs, _ = env.reset(options={"index": next(i for i, r in enumerate(rows) if r["question_id"] == "2727")})
+    env = gym.make("areal_agents/Code-v0", dataset="lcb_hidden3", partial_reward=True)
+    obs, _ = env.reset(options={"index": index_of("2727", "lcb_hidden3")})
     assert "class Solution" in obs
     solution = (
         "class Solution:\n    def countSeniors(self, details):\n"
@@ -52,7 +51,7 @@ def test_functional_problem_and_partial_reward():
 
 
 def test_no_code_then_out_of_turns():
-    env = gym.make("areal_agents/Code-v0", dataset=str(DATA / "lcb_subset.jsonl"), max_turns=2)
+    env = gym.make("areal_agents/Code-v0", dataset="lcb_v5_subset", max_turns=2)
     env.reset(seed=0)
     obs, reward, terminated, _, _ = env.step("I think it is easy.")
     assert obs.startswith("No code block") and not terminated
@@ -63,7 +62,7 @@ def test_no_code_then_out_of_turns():
 def test_check_env_and_pickling():
     import pickle
 
-    env = gym.make("areal_agents/Code-v0", dataset=str(DATA / "lcb_subset.jsonl"))
+    env = gym.make("areal_agents/Code-v0", dataset="lcb_v5_subset")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_env(env.unwrapped)
@@ -79,7 +78,7 @@ def test_code_env_through_the_env_server_in_worker_processes():
     async def play(url):
         pool = RemoteEnvPool(url)
         try:
-            env = pool.make("areal_agents/Code-v0", dataset=str(DATA / "lcb_subset.jsonl"))
+            env = pool.make("areal_agents/Code-v0", dataset="lcb_v5_subset")
             await env.areset(options={"index": index_of("abc365_a")})
             result = await env.astep(f"```python\n{LEAP}```")
             await env.aclose()

@@ -9,11 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from areal_agents.data.builtin import BUILTIN
 from areal_agents.eval.metrics import maj_at_k, pass_at_k, report_ks
 from areal_agents.eval.runner import EvalSettings, evaluate_dataset
 from areal_agents.types import GenResponse
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+
+def lines(name):
+    """The lines (one JSON row each) of bundled set ``name``."""
+    return BUILTIN[name].path().read_text().splitlines()
 
 
 @pytest.mark.parametrize(
@@ -78,15 +82,14 @@ def run(tmp_path, tokenizer, dataset, golds, right, n, breakdown=()):
     return asyncio.run(evaluate_dataset(settings, engine, tokenizer, tmp_path / "out", progress=False))
 
 
-@pytest.mark.skipif(not DATA.is_dir(), reason="shared data not found")
 def test_aime24_metrics_are_exact(tmp_path, tokenizer):
-    golds = [json.loads(line)["answer"] for line in (DATA / "aime24.jsonl").read_text().splitlines()]
+    golds = [json.loads(line)["answer"] for line in lines("aime24")]
     assert len(golds) == 30
 
     def right(i, j):  # problems 0-9 always right, 10-19 right on sample 0 only, 20-29 never
         return i < 10 or (i < 20 and j == 0)
 
-    summary = run(tmp_path, tokenizer, DATA / "aime24.jsonl", golds, right, n=4)
+    summary = run(tmp_path, tokenizer, "aime24", golds, right, n=4)
     assert summary["problems"] == 30 and summary["samples"] == 120
     assert summary["avg@4"] == pytest.approx((10 + 10 * 0.25) / 30)
     assert summary["pass@1"] == pytest.approx((10 + 10 * 0.25) / 30)
@@ -102,9 +105,8 @@ def test_aime24_metrics_are_exact(tmp_path, tokenizer):
     assert first["finish_reason"] == "stop" and first["tokens"] > 0
 
 
-@pytest.mark.skipif(not DATA.is_dir(), reason="shared data not found")
 def test_math500_slice_with_latex_answers_and_breakdown(tmp_path, tokenizer):
-    rows = [json.loads(line) for line in (DATA / "math500.jsonl").read_text().splitlines()[:20]]
+    rows = [json.loads(line) for line in lines("math500")[:20]]
     sliced = tmp_path / "math500_slice.jsonl"
     sliced.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -119,25 +121,23 @@ def test_math500_slice_with_latex_answers_and_breakdown(tmp_path, tokenizer):
     assert sum(v["problems"] for v in summary["by_level"].values()) == 20
 
 
-@pytest.mark.skipif(not DATA.is_dir(), reason="shared data not found")
 def test_an_interrupted_run_resumes_with_what_it_scored(tmp_path, tokenizer):
-    golds = [json.loads(line)["answer"] for line in (DATA / "aime24.jsonl").read_text().splitlines()]
+    golds = [json.loads(line)["answer"] for line in lines("aime24")]
     out = tmp_path / "out"
     out.mkdir()
     # an earlier run scored (0, 0) as wrong (kept as is) and was cut in the middle of a line
     kept = {"problem_id": "2024-I-1", "index": 0, "sample": 0, "completion": "x", "answer": "1", "correct": False}
     kept |= {"reward": 0.0, "tokens": 1, "finish_reason": "stop"}
     (out / "samples.jsonl").write_text(json.dumps(kept) + "\n" + '{"problem_id": "2024-I-1", "ind')
-    summary = run(tmp_path, tokenizer, DATA / "aime24.jsonl", golds, lambda i, j: True, n=1)
+    summary = run(tmp_path, tokenizer, "aime24", golds, lambda i, j: True, n=1)
     assert summary["samples"] == 30
     assert summary["avg@1"] == pytest.approx(29 / 30)  # the kept sample was not run again
 
 
-@pytest.mark.skipif(not DATA.is_dir(), reason="shared data not found")
 def test_cli_eval_of_the_tiny_model_on_a_math500_slice(tmp_path, tiny_dir, capsys):
     from areal_agents.cli import main
 
-    rows = (DATA / "math500.jsonl").read_text().splitlines()[:50]
+    rows = lines("math500")[:50]
     sliced = tmp_path / "math500.jsonl"  # named like the preset: its sampling defaults and breakdown apply
     sliced.write_text("\n".join(rows) + "\n")
     out = tmp_path / "eval"
@@ -173,12 +173,11 @@ class ScriptedCodeEngine:
         return GenResponse(tokens, [-0.1] * len(tokens), [0] * len(tokens), "stop")
 
 
-@pytest.mark.skipif(not DATA.is_dir(), reason="shared data not found")
 def test_lcb_hidden_tests_through_the_sandbox(tmp_path, tokenizer):
     from areal_agents.eval.presets import PRESETS
 
     correct, wrong = _code_judge_solutions()
-    qids = [json.loads(line)["question_id"] for line in (DATA / "lcb_sandboxfusion3.jsonl").read_text().splitlines()]
+    qids = [json.loads(line)["question_id"] for line in lines("lcb_hidden3")]
 
     def reply(i, j):  # sample 0 right, sample 1 wrong, for every problem
         return f"```python\n{(correct if j == 0 else wrong)[qids[i]]}```"
@@ -186,7 +185,7 @@ def test_lcb_hidden_tests_through_the_sandbox(tmp_path, tokenizer):
     lcb = PRESETS["lcb"]
     settings = EvalSettings(
         env_id=lcb.env_id,
-        env_kwargs={**lcb.env_kwargs, "dataset": str(DATA / "lcb_sandboxfusion3.jsonl")},
+        env_kwargs={**lcb.env_kwargs, "dataset": "lcb_hidden3"},
         n_samples=2,
         temperature=0.6,
         top_p=0.95,
@@ -199,15 +198,14 @@ def test_lcb_hidden_tests_through_the_sandbox(tmp_path, tokenizer):
     assert "maj@1" not in summary  # code has no answer to vote on
 
 
-@pytest.mark.skipif(not DATA.is_dir(), reason="shared data not found")
 def test_lcb_date_window_filters_problems(tmp_path, tokenizer):
-    rows = [json.loads(line) for line in (DATA / "lcb_subset.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in lines("lcb_v5_subset")]
     window = ("2024-09-01", "2024-10-01")
     inside = sum(window[0] <= r["contest_date"][:10] < window[1] for r in rows)
     assert 0 < inside < len(rows)
     settings = EvalSettings(
         env_id="areal_agents/Code-v0",
-        env_kwargs={"dataset": str(DATA / "lcb_subset.jsonl"), "max_turns": 1, "max_runs": 0},
+        env_kwargs={"dataset": "lcb_v5_subset", "max_turns": 1, "max_runs": 0},
         n_samples=1,
         temperature=0.6,
         top_p=0.95,
@@ -233,7 +231,7 @@ def test_eval_report_compares_runs(tmp_path, capsys):
     assert main(["eval-report", str(tmp_path / "missing")]) == 2
 
 
-# Hand-written solutions to four lcb_subset problems (by row index), right and subtly wrong.
+# Hand-written solutions to four lcb_v5_subset problems (by row index), right and subtly wrong.
 LCB_SUBSET_RIGHT = {
     0: "y = int(input())\nprint(366 if (y % 4 == 0 and y % 100 != 0) or y % 400 == 0 else 365)\n",
     21: "class Solution:\n    def finalPositionOfSnake(self, n: int, commands: List[str]) -> int:\n"
@@ -254,7 +252,6 @@ LCB_SUBSET_WRONG = {
 }
 
 
-@pytest.mark.skipif(not DATA.is_dir(), reason="shared data not found")
 def test_lcb_subset_right_and_wrong_solutions(tmp_path, tokenizer):
     def reply(i, j):  # four problems: right on sample 0, wrong on sample 1; the rest: a wrong program
         code = (LCB_SUBSET_RIGHT if j == 0 else LCB_SUBSET_WRONG).get(i, "print(0)\n")
@@ -262,7 +259,7 @@ def test_lcb_subset_right_and_wrong_solutions(tmp_path, tokenizer):
 
     settings = EvalSettings(
         env_id="areal_agents/Code-v0",
-        env_kwargs={"dataset": str(DATA / "lcb_subset.jsonl"), "max_turns": 1, "max_runs": 0},
+        env_kwargs={"dataset": "lcb_v5_subset", "max_turns": 1, "max_runs": 0},
         n_samples=2,
         temperature=0.6,
         top_p=0.95,
@@ -280,7 +277,7 @@ def test_lcb_subset_right_and_wrong_solutions(tmp_path, tokenizer):
 def test_eval_config_file_and_its_errors(tmp_path, tiny_dir):
     from areal_agents.cli import main
 
-    rows = (DATA / "aime24.jsonl").read_text().splitlines()[:3]
+    rows = lines("aime24")[:3]
     sliced = tmp_path / "three.jsonl"
     sliced.write_text("\n".join(rows) + "\n")
     config = tmp_path / "eval.yaml"

@@ -1,4 +1,5 @@
-"""The code judge on real datasets: canonical solutions pass, mutated ones fail (0 false passes)."""
+"""The code judge on real datasets (the bundled sets and a test fixture): canonical solutions pass, mutated
+ones fail (0 false passes)."""
 
 import base64
 import json
@@ -9,17 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from areal_agents.data.builtin import BUILTIN
 from areal_agents.rewards.code import CodeJudge, decode_tests, extract_code, stdout_matches
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-pytestmark = [
-    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed"),
-    pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}"),
-]
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "data"
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
 
 def rows(name):
-    return [json.loads(line) for line in open(DATA / name)]
+    """The rows of bundled set ``name``."""
+    return [json.loads(line) for line in BUILTIN[name].path().read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_compressed_private_tests_decode_and_refuse_code():
 
 @pytest.mark.slow
 def test_all_humaneval_canonical_solutions_pass_and_mutants_fail(judge):
-    data = rows("humaneval.jsonl")
+    data = rows("humaneval")
     failures = [r["task_id"] for r in data if not judge.judge_humaneval(r["canonical_solution"], r).all_passed]
     assert not failures
     mutant = (
@@ -74,7 +74,9 @@ def test_all_humaneval_canonical_solutions_pass_and_mutants_fail(judge):
 
 
 def test_mbpp_samples_pass_and_off_by_one_mutants_fail(judge):
-    for r in rows("mbpp_sandboxfusion20.jsonl"):
+    data = rows("mbpp_test20")
+    assert len(data) == 20
+    for r in data:
         assert judge.judge_mbpp(r["code"], r).all_passed, r["task_id"]
         name = r["test_list"][0].split("assert ")[1].split("(")[0].strip()
         wrong = r["code"] + f"\n_real_{name} = {name}\ndef {name}(*a, **k):\n    return [_real_{name}(*a, **k)]\n"
@@ -82,7 +84,9 @@ def test_mbpp_samples_pass_and_off_by_one_mutants_fail(judge):
 
 
 def test_stdin_cases_give_exactly_their_expected_pass(judge):
-    for r in rows("code_stdin_verl_prime.jsonl"):
+    cases = [json.loads(line) for line in (FIXTURES / "code_stdin_verl_prime.jsonl").read_text().splitlines()]
+    assert len(cases) == 12
+    for r in cases:
         result = judge.judge_stdin(r["program"], [{"input": r["stdin"], "output": r["expected_stdout"]}])
         assert result.all_passed is r["expected_pass"], r["id"]
 
@@ -104,7 +108,7 @@ WRONG = {
 
 @pytest.mark.parametrize("qid", list(CORRECT))
 def test_livecodebench_hidden_tests_judge_correct_and_incorrect(judge, qid):
-    (row,) = [r for r in rows("lcb_sandboxfusion3.jsonl") if r["question_id"] == qid]
+    (row,) = [r for r in rows("lcb_hidden3") if r["question_id"] == qid]
     good = judge.judge_lcb(f"Here:\n```python\n{CORRECT[qid]}```", row)
     assert good.all_passed and good.total == len(decode_tests(row["private_test_cases"])), good
     bad = judge.judge_lcb(f"```python\n{WRONG[qid]}```", row)

@@ -10,9 +10,6 @@ import areal_agents  # noqa: F401
 from areal_agents.data import BaseDataset, load_task_dataset
 from areal_agents.errors import ArealAgentsError
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
-
 
 def test_jsonl_dataset_rows_have_id_and_prompt(tmp_path):
     path = tmp_path / "rows.jsonl"
@@ -40,9 +37,8 @@ def test_subclass_reshapes_rows(tmp_path):
     assert load_task_dataset(str(path), cls=Upper)[0]["prompt"] == "HI"
 
 
-@needs_data
 def test_math_env_single_and_multi_turn():
-    env = gym.make("areal_agents/Math-v0", dataset=str(DATA / "aime24.jsonl"), max_turns=2, turn_discount=0.5)
+    env = gym.make("areal_agents/Math-v0", dataset="aime24", max_turns=2, turn_discount=0.5)
     obs, info = env.reset(seed=1)
     answer = env.unwrapped.row["answer"]
     assert env.unwrapped.row["problem"] in obs and obs.endswith("within \\boxed{}.")
@@ -51,24 +47,22 @@ def test_math_env_single_and_multi_turn():
     _, reward, terminated, _, step_info = env.step(f"Thus \\boxed{{{answer}}}.")
     assert (reward, terminated, step_info["correct"]) == (0.5, True, True)
 
-    single = gym.make("areal_agents/Math-v0", dataset=str(DATA / "math500.jsonl"), format_reward=0.1)
+    single = gym.make("areal_agents/Math-v0", dataset="math500", format_reward=0.1)
     single.reset(options={"index": 0})
     gold = single.unwrapped.row["answer"]
     assert single.step(f"The answer is $\\boxed{{{gold}}}$")[1] == pytest.approx(1.1)
 
 
-@needs_data
 def test_math_env_passes_check_env():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_env(gym.make("areal_agents/Math-v0", dataset=str(DATA / "aime25.jsonl"), reward_mode="inline").unwrapped)
+        check_env(gym.make("areal_agents/Math-v0", dataset="aime25", reward_mode="inline").unwrapped)
 
 
-@needs_data
 def test_math_env_pickles_small_and_restores():
     import pickle
 
-    env = gym.make("areal_agents/Math-v0", dataset=str(DATA / "math500.jsonl"))
+    env = gym.make("areal_agents/Math-v0", dataset="math500")
     env.reset(seed=3)
     blob = pickle.dumps(env)
     assert len(blob) < 20_000  # the 500 rows stay behind
@@ -76,12 +70,11 @@ def test_math_env_pickles_small_and_restores():
     assert len(restored.unwrapped.data) == 500 and restored.unwrapped.row == env.unwrapped.row
 
 
-@needs_data
 def test_reward_and_dataset_class_named_from_config(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     env = gym.make(
         "areal_agents/Math-v0",
-        dataset=str(DATA / "aime24.jsonl"),
+        dataset="aime24",
         reward="user_plugins:LengthReward",
         dataset_class="user_plugins:Shouting",
         reward_mode="inline",
@@ -90,13 +83,13 @@ def test_reward_and_dataset_class_named_from_config(monkeypatch):
     assert env.unwrapped.row["prompt"].isupper() or not any(c.isalpha() for c in env.unwrapped.row["prompt"])
     assert env.step("12")[1] == 1.0
     with pytest.raises(ArealAgentsError, match="has no attribute 'Nope'"):
-        gym.make("areal_agents/Math-v0", dataset=str(DATA / "aime24.jsonl"), reward="user_plugins:Nope")
+        gym.make("areal_agents/Math-v0", dataset="aime24", reward="user_plugins:Nope")
 
 
-@needs_data
 def test_every_aime_problem_is_a_valid_observation():
     """Unicode in problems (AIME 2025 #26 has a bullet) is inside the observation space."""
-    env = gym.make("areal_agents/Math-v0", dataset=str(DATA / "aime25.jsonl"), reward_mode="inline").unwrapped
+    env = gym.make("areal_agents/Math-v0", dataset="aime25", reward_mode="inline").unwrapped
+    assert len(env.data) == 30
     for i in range(len(env.data)):
         observation, _ = env.reset(options={"index": i})
         assert observation in env.observation_space, i

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from areal_agents.data.builtin import BUILTIN
 from areal_agents.rewards import verify_math
 from areal_agents.rewards.math import check_math
 from areal_agents.rewards.math_reward import MathReward, warm_up
 from areal_agents.rewards.service import RewardService
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "data"
 
 
 @pytest.mark.parametrize(
@@ -44,13 +44,12 @@ def test_fast_path_settles_plain_numbers_without_sympy():
     assert check_math("\\boxed{\\sqrt{2}}", "\\sqrt{2}").method == "math_verify"
 
 
-@needs_data
 @pytest.mark.slow
 def test_agreement_on_math_verify_cases():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from math_reward import case_config
 
-    cases = [json.loads(line) for line in open(DATA / "mathverify_cases.jsonl")]
+    cases = [json.loads(line) for line in open(FIXTURES / "mathverify_cases.jsonl")]
     agree = sum(check_math(c["pred"], c["gold"], case_config(c)).correct == c["expected"] for c in cases)
     assert agree >= 268
 
@@ -58,11 +57,11 @@ def test_agreement_on_math_verify_cases():
 STYLES = ("Thus the result is $\\boxed{{{}}}$.", "After simplifying, the answer is {}.", "Work above.\n{}")
 
 
-@needs_data
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["math500", "aime24", "aime25"])
 def test_gold_answers_verify_against_themselves_in_three_styles(name):
-    rows = [json.loads(line) for line in open(DATA / f"{name}.jsonl")]
+    rows = [json.loads(line) for line in BUILTIN[name].path().read_text().splitlines()]
+    assert len(rows) == {"math500": 500, "aime24": 30, "aime25": 30}[name]
     items = [(style.format(r["answer"]), {"answer": r["answer"]}) for r in rows for style in STYLES]
 
     async def run():
