@@ -1,4 +1,4 @@
-"""`areal-agents` command line: tiny-model, sft, train, envs.
+"""`areal-agents` command line: build, train, evaluate and serve multi-turn RL agents.
 
 User mistakes (a missing config file, an unknown key or env id, a bad model path) print one line and
 exit with code 2, no traceback.
@@ -95,7 +95,8 @@ def cmd_serve_env(args: argparse.Namespace) -> None:
 
 
 def _apply_eval_config(args: argparse.Namespace) -> None:
-    """Options from ``--config`` fill what the command line left unset; unknown keys are errors."""
+    """Options from ``--config`` fill what the command line left unset; unknown keys are errors. ``env`` may
+    also be a train config's env section (``{id, kwargs, module}``)."""
     from pathlib import Path
 
     import yaml
@@ -107,46 +108,99 @@ def _apply_eval_config(args: argparse.Namespace) -> None:
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expects a mapping of eval options, got {type(values).__name__}")
+        env = values.pop("env", None)
+        if isinstance(env, dict):
+            unknown = set(env) - {"id", "kwargs", "module"}
+            if unknown:
+                raise ConfigError(f"{path}: env: unknown key(s) {sorted(unknown)}; expects id, kwargs, module")
+            values = {**values, "env": env.get("id"), "env_kwargs": env.get("kwargs"), "module": env.get("module")}
+        elif env is not None:
+            values["env"] = env
         known = {k for k in vars(args) if k not in ("fn", "command", "config")}
         for key, value in values.items():
             name = key.replace("-", "_")
             if name not in known:
                 raise ConfigError(f"unknown eval option {key!r} in {path}.{did_you_mean(name, known)}")
-            if getattr(args, name) in (None, [], False, ""):
+            if name == "module" and isinstance(value, str):
+                value = [value]
+            if getattr(args, name) in (None, [], False, "") and value is not None:
                 setattr(args, name, value)
-    for name in ("dataset", "model"):
-        if not getattr(args, name):
-            raise ConfigError(f"eval needs --{name} (or '{name}:' in --config)")
+    if not args.model:
+        raise ConfigError("eval needs --model (or 'model:' in --config)")
+    if not (args.dataset or args.env):
+        raise ConfigError("eval needs --dataset or --env (or 'dataset:' / 'env:' in --config)")
+
+
+def _env_kwargs(value: object) -> dict:
+    """``--env-kwargs`` as JSON text, or a mapping from --config."""
+    import json
+
+    from areal_agents.errors import ConfigError
+
+    if value in (None, ""):
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--env-kwargs: expects a JSON object, got {value!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--env-kwargs: expects a JSON object (a mapping), got {value!r}")
+    return value
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    import re
     from pathlib import Path
 
     from areal_agents.config import EngineConfig
-    from areal_agents.eval.runner import print_summary, run_eval
+    from areal_agents.envs.registry import import_env_module
+    from areal_agents.eval.runner import eval_settings, print_summary, run_eval
 
     _apply_eval_config(args)
+    for module in args.module:
+        import_env_module(module)
     _quiet_transformers()
-    out = args.out or str(Path("runs/eval") / Path(args.dataset).stem)
-    engine = EngineConfig(backend=args.engine or "hf", urls=list(args.engine_url))
-    summary = run_eval(
+    settings = eval_settings(
         args.dataset,
-        args.model,
-        out,
+        env_id=args.env,
+        env_kwargs=_env_kwargs(args.env_kwargs),
         preset=args.preset,
-        engine=engine,
+        hub=args.hub,
         n_samples=args.n_samples,
         temperature=args.temperature,
         top_p=args.top_p,
         max_new_tokens=args.max_new_tokens,
-        concurrency=args.concurrency or 64,
-        seed=args.seed or 0,
-        system_prompt=args.system_prompt,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        system_prompt=args.system_prompt or None,
         date_range=(str(args.lcb_start), str(args.lcb_end or "9999-12-31")) if args.lcb_start else None,
-        progress=not args.no_progress,
+        num_problems=args.num_problems,
+        success_threshold=args.success_threshold,
     )
-    print_summary(summary, title=f"{args.dataset} ({args.model})")
+    name = Path(args.dataset).stem if args.dataset else re.sub(r"[^\w.-]+", "_", args.env)
+    out = args.out or str(Path("runs/eval") / name)
+    engine = EngineConfig(backend=args.engine or "hf", urls=list(args.engine_url))
+    summary = run_eval(settings, args.model, out, engine=engine, progress=not args.no_progress)
+    print_summary(summary, title=f"{args.dataset or args.env} ({args.model})")
     print(f"samples: {Path(out) / 'samples.jsonl'}\nsummary: {Path(out) / 'summary.json'}")
+
+
+def cmd_datasets(args: argparse.Namespace) -> None:
+    from areal_agents.data.builtin import BUILTIN
+
+    rows = []
+    for d in BUILTIN.values():
+        for split in d.files:
+            with d.path(split).open(encoding="utf-8") as f:
+                count = sum(1 for line in f if line.strip())
+            rows.append((d.name, split, str(count), d.licence, d.description))
+    widths = [max(len(r[k]) for r in [("name", "split", "rows", "licence", ""), *rows]) for k in range(4)]
+    for r in [("name", "split", "rows", "licence", "what"), *rows]:
+        print("  ".join(f"{c:<{w}}" for c, w in zip(r, widths)) + "  " + r[4])
+    print("origins and licences: " + str(next(iter(BUILTIN.values())).path().with_name("SOURCES.md")))
 
 
 def cmd_eval_report(args: argparse.Namespace) -> None:
@@ -212,23 +266,50 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run_dir")
         p.set_defaults(fn=fn)
 
-    p = sub.add_parser("eval", help="evaluate a model: avg@n, pass@k, maj@k on AIME, MATH-500, LiveCodeBench, ...")
-    p.add_argument("--config", default=None, help="YAML file of these options (dataset: ..., n_samples: ...)")
-    p.add_argument("--dataset", default=None, help="aime24 | aime25 | math500 | lcb | a JSONL path | an HF id")
-    p.add_argument("--preset", default=None, help="settings for a path or id: aime24, aime25, math500, math, lcb")
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a model: avg@n, pass@k, maj@k on AIME, MATH-500, LiveCodeBench, ... or any env",
+    )
+    p.add_argument("--config", default=None, help="YAML file of these options (dataset: ..., env: {id, kwargs})")
+    p.add_argument(
+        "--dataset",
+        default=None,
+        help="a preset (aime24, aime25, math500, gsm8k, lcb, humaneval), a bundled set (areal-agents datasets), "
+        "a JSONL path, or hf:ORG/NAME",
+    )
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="settings for a path or id: aime24, aime25, math500, gsm8k, math, lcb, humaneval, code",
+    )
+    p.add_argument(
+        "--hub", action="store_true", help="load the preset's copy from the Hugging Face hub, not the bundled one"
+    )
+    p.add_argument("--env", default=None, help="evaluate this env id instead of a dataset's (e.g. my/Env-v0)")
+    p.add_argument("--module", action="append", default=[], help="import this module first (registers env ids)")
+    p.add_argument("--env-kwargs", default=None, help="JSON object of env kwargs, e.g. '{\"max_turns\": 2}'")
+    p.add_argument(
+        "--num-problems", type=int, default=None, help="the first N problems (an env without a dataset: seeds 0..N-1)"
+    )
+    p.add_argument(
+        "--success-threshold",
+        type=float,
+        default=1.0,
+        help="the return that counts as success when the env reports no info['success'] (default 1.0)",
+    )
     p.add_argument("--model", default=None, help="model directory (a transformers checkpoint)")
     p.add_argument("--engine", choices=["hf", "serve-model", "sglang"], default=None, help="default: hf")
     p.add_argument("--engine-url", action="append", default=[], help="running SGLang-protocol servers")
     p.add_argument("--n-samples", type=int, default=None, help="samples per problem (default: the preset's)")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None, help="default: the preset's")
+    p.add_argument("--top-p", type=float, default=None, help="default: the preset's")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the preset's")
     p.add_argument("--concurrency", type=int, default=None, help="episodes in flight (default 64)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="default 0")
     p.add_argument("--system-prompt", default="")
     p.add_argument("--lcb-start", default=None, help="LiveCodeBench: problems with contest_date >= this (ISO)")
     p.add_argument("--lcb-end", default=None, help="LiveCodeBench: ... and < this date")
-    p.add_argument("--out", default=None, help="output directory (default runs/eval/DATASET); reruns resume")
+    p.add_argument("--out", default=None, help="output directory (default runs/eval/DATASET or ENV); reruns resume")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(fn=cmd_eval)
 
@@ -240,12 +321,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="a train run directory (with tensorboard/)")
     p.set_defaults(fn=cmd_plot)
 
+    p = sub.add_parser("datasets", help="list the bundled datasets (names for --dataset and env kwargs)")
+    p.set_defaults(fn=cmd_datasets)
+
     p = sub.add_parser("envs", help="list registered env ids with a one-line description")
     p.add_argument("--module", action="append", default=[], help="import this module first (registers ids)")
     p.add_argument("--all", action="store_true", help="include gymnasium's own envs")
     p.set_defaults(fn=cmd_envs)
 
-    p = sub.add_parser("serve-env", help="run the env-step HTTP server (docs/env-protocol.md)")
+    p = sub.add_parser(
+        "serve-env",
+        help="run the env-step HTTP server (docs/env-protocol.md)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument(
@@ -263,7 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--module", action="append", default=[], help="import this module first (registers ids)")
     p.set_defaults(fn=cmd_serve_env)
 
-    p = sub.add_parser("serve-model", help="serve a model over SGLang's native HTTP API on CPU (docs/serve-model.md)")
+    p = sub.add_parser(
+        "serve-model",
+        help="serve a model over SGLang's native HTTP API on CPU (docs/serve-model.md)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--model-path", required=True, help="transformers checkpoint directory")
     p.add_argument("--tokenizer-path", default=None, help="default: the model path")
     p.add_argument("--host", default="127.0.0.1")

@@ -1,8 +1,13 @@
 """`areal-agents eval`: n samples per problem through the training envs and engines; scored, saved, resumable.
 
-Writes ``OUT/samples.jsonl`` (one line per finished sample, appended as they finish, so an interrupted run
-keeps what it scored and a rerun does only the rest) and ``OUT/summary.json`` (avg@n, pass@k, maj@k, mean
-response length, truncation rate, per-difficulty breakdown).
+Any registered env evaluates: its problems are its dataset's rows when it has one (``env.unwrapped.data``),
+else the episodes reset with seeds 0..num_problems-1. A sample succeeds when the env's last info says so
+(``success``, or ``correct`` as the math and code envs report it), else when its return reaches
+``success_threshold``.
+
+Writes ``OUT/samples.jsonl`` (one line per finished sample, appended as they finish, so an interrupted
+run keeps what it scored and a rerun does only the rest) and ``OUT/summary.json`` (avg@n, pass@k, maj@k,
+mean response length, truncation rate, per-difficulty breakdown, the model).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import asyncio
 import json
 import logging
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +30,7 @@ from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.envs.pool import LocalEnvPool
 from areal_agents.errors import ConfigError
 from areal_agents.eval.metrics import maj_at_k, pass_at_k, report_ks
-from areal_agents.eval.presets import resolve
+from areal_agents.eval.presets import Preset, resolve
 from areal_agents.models.loading import load_tokenizer
 from areal_agents.types import SamplingParams
 
@@ -45,16 +50,31 @@ class EvalSettings:
     breakdown: tuple[str, ...] = ()
     system_prompt: str = ""
     date_range: tuple[str, str] | None = None  # keep rows whose contest_date is in [start, end) (ISO dates)
+    num_problems: int | None = None  # the first N problems (rows, or seeds 0..N-1 of an env without a dataset)
+    success_threshold: float = 1.0  # a sample's return that counts as success when the env reports none
 
 
-class _AtIndex:
-    """An `AsyncEnv` that always resets to problem ``index`` of its dataset."""
+@dataclass(frozen=True)
+class Problem:
+    """One problem: a dataset row (``index`` set) or an env seed (``row`` empty)."""
 
-    def __init__(self, env: AsyncEnv, index: int) -> None:
-        self.env, self.index = env, index
+    number: int
+    problem_id: str
+    index: int | None = None
+    seed: int | None = None
+    row: dict[str, Any] = field(default_factory=dict)
+
+
+class _AtProblem:
+    """An `AsyncEnv` that always resets to one problem: its dataset row, or its seed."""
+
+    def __init__(self, env: AsyncEnv, problem: Problem) -> None:
+        self.env, self.problem = env, problem
 
     async def areset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
-        return await self.env.areset(seed=seed, options={**(options or {}), "index": self.index})
+        if self.problem.index is None:
+            return await self.env.areset(seed=self.problem.seed, options=options)
+        return await self.env.areset(seed=seed, options={**(options or {}), "index": self.problem.index})
 
     async def astep(self, action: str):  # noqa: ANN201
         return await self.env.astep(action)
@@ -83,6 +103,53 @@ def _done(path: Path) -> dict[tuple[int, int], dict[str, Any]]:
     return out
 
 
+def _problems(settings: EvalSettings, data: Any) -> list[Problem]:
+    """The problems to evaluate: the dataset's rows (in the date window), or seeds 0..num_problems-1."""
+    if data is None:
+        if not settings.num_problems:
+            raise ConfigError(
+                f"{settings.env_id} has no dataset: give --num-problems (episodes reset with seeds 0..N-1)"
+            )
+        return [Problem(k, f"seed{k}", seed=k) for k in range(settings.num_problems)]
+    rows = [(i, row) for i, row in enumerate(data.rows) if _in_window(row, settings.date_range)]
+    if not rows:
+        raise ConfigError(
+            f"no problem of {settings.env_kwargs.get('dataset')} has a contest_date in {settings.date_range}"
+        )
+    rows = rows[: settings.num_problems] if settings.num_problems else rows
+    return [Problem(i, str(row.get("id", i)), index=i, row=row) for i, row in rows]
+
+
+def _notes(data: Any, env: Any) -> list[str]:
+    """What a reader of the scores must know: LiveCodeBench rows without hidden tests."""
+    if getattr(env, "format", None) == "lcb" and not any(r.get("private_test_cases") for r in data.rows):
+        return [
+            "LiveCodeBench public tests only: these scores are not comparable to published LiveCodeBench scores, "
+            "which judge hidden tests too"
+        ]
+    return []
+
+
+async def _probe(settings: EvalSettings, pool: LocalEnvPool) -> tuple[list[Problem], list[str]]:
+    probe = pool.make(settings.env_id, **settings.env_kwargs)
+    try:
+        env = getattr(probe, "env", None)
+        if env is None:
+            raise ConfigError(f"{settings.env_id} is a multi-agent env; eval runs single-agent envs")
+        data = getattr(env.unwrapped, "data", None)
+        data = data if hasattr(data, "rows") else None
+        return _problems(settings, data), _notes(data, env.unwrapped) if data is not None else []
+    finally:
+        await probe.aclose()
+
+
+def _success(info: dict[str, Any], reward: float, threshold: float) -> bool:
+    for key in ("success", "correct"):
+        if key in info:
+            return bool(info[key])
+    return reward >= threshold
+
+
 async def evaluate_dataset(
     settings: EvalSettings, engine: InferenceEngine, tokenizer: Any, out_dir: str | Path, progress: bool = True
 ) -> dict[str, Any]:
@@ -91,16 +158,9 @@ async def evaluate_dataset(
     out.mkdir(parents=True, exist_ok=True)
     samples_path = out / "samples.jsonl"
     pool = LocalEnvPool("thread", workers=4, step_timeout=None)
-    probe = pool.make(settings.env_id, **settings.env_kwargs)
-    rows = probe.env.unwrapped.data.rows
-    await probe.aclose()
+    problems, notes = await _probe(settings, pool)
     done = _done(samples_path)
-    problems = [i for i, row in enumerate(rows) if _in_window(row, settings.date_range)]
-    if not problems:
-        raise ConfigError(
-            f"no problem of {settings.env_kwargs.get('dataset')} has a contest_date in {settings.date_range}"
-        )
-    todo = [(i, j) for i in problems for j in range(settings.n_samples) if (i, j) not in done]
+    todo = [(p, j) for p in problems for j in range(settings.n_samples) if (p.number, j) not in done]
     sampling = SamplingParams(settings.max_new_tokens, settings.temperature, settings.top_p)
     agent = ChatAgent(engine, tokenizer, sampling, system_prompt=settings.system_prompt)
     gate = asyncio.Semaphore(settings.concurrency)
@@ -108,9 +168,10 @@ async def evaluate_dataset(
 
     failed: list[str] = []
 
-    async def one(i: int, j: int) -> None:
+    async def one(problem: Problem, j: int) -> None:
+        i = problem.number
         async with gate:
-            env = _AtIndex(pool.make(settings.env_id, **settings.env_kwargs), i)
+            env = _AtProblem(pool.make(settings.env_id, **settings.env_kwargs), problem)
             try:
                 trajectories = await agent.run_episode(env, seed=settings.seed + j, episode_id=f"p{i}/s{j}")
             except Exception as e:  # noqa: BLE001  (one bad sample must not end the run; a rerun retries it)
@@ -122,16 +183,16 @@ async def evaluate_dataset(
         info = t.metadata.get("final_info", {})
         last = t.input_ids[-1] if t.input_ids else None
         record = {
-            "problem_id": rows[i].get("id", str(i)),
+            "problem_id": problem.problem_id,
             "index": i,
             "sample": j,
             "completion": t.metadata["messages"][-1]["content"],
             "answer": info.get("answer"),
-            "correct": bool(info.get("correct", t.reward >= 1.0)),
+            "correct": _success(info, t.reward, settings.success_threshold),
             "reward": t.reward,
             "tokens": sum(x.num_generated for x in trajectories),
             "finish_reason": "stop" if last == tokenizer.eos_token_id else "length",
-            **{k: rows[i][k] for k in settings.breakdown if k in rows[i]},
+            **{k: problem.row[k] for k in settings.breakdown if k in problem.row},
         }
         with samples_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -139,56 +200,68 @@ async def evaluate_dataset(
         bar.update()
 
     try:
-        await asyncio.gather(*(one(i, j) for i, j in todo))
+        await asyncio.gather(*(one(p, j) for p, j in todo))
     finally:
         bar.close()
         await pool.aclose()
-    chosen = set(problems)
+    chosen = {p.number for p in problems}
     summary = summarize([r for r in done.values() if r["index"] in chosen], settings.n_samples, settings.breakdown)
     summary["failed_samples"] = len(failed)  # not in samples.jsonl: a rerun runs them again
+    if notes:
+        summary["notes"] = notes
     summary["settings"] = asdict(settings)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
+def eval_settings(
+    dataset: str | None,
+    *,
+    env_id: str | None = None,
+    env_kwargs: dict[str, Any] | None = None,
+    preset: str | None = None,
+    hub: bool = False,
+    **overrides: Any,
+) -> EvalSettings:
+    """Settings for ``--dataset`` (through its preset) or ``--env`` (a user's env, its kwargs as given);
+    ``overrides`` (n_samples, temperature, ...) that are None keep the preset's values."""
+    kwargs = dict(env_kwargs or {})
+    if env_id and not (dataset or preset):
+        p = Preset(env_id, "", max_new_tokens=4096)
+    else:
+        if not dataset:
+            raise ConfigError("eval needs --dataset (a preset, a bundled set, a JSONL path or a hub id) or --env")
+        source, split, p = resolve(dataset, preset, hub)
+        if not source:
+            raise ConfigError(f"--dataset {dataset!r}: give a JSONL path, a bundled set or a hub id")
+        kwargs = {**p.env_kwargs, "dataset": source, **({"split": split} if split else {}), **kwargs}
+    values = {k: v for k, v in overrides.items() if v is not None}
+    return EvalSettings(
+        env_id=env_id or p.env_id,
+        env_kwargs=kwargs,
+        n_samples=values.pop("n_samples", p.n_samples),
+        temperature=values.pop("temperature", p.temperature),
+        top_p=values.pop("top_p", p.top_p),
+        max_new_tokens=values.pop("max_new_tokens", p.max_new_tokens),
+        breakdown=p.breakdown,
+        **values,
+    )
+
+
 def run_eval(
-    dataset: str,
+    settings: EvalSettings,
     model_path: str,
     out_dir: str | Path,
     *,
-    preset: str | None = None,
     engine: EngineConfig | None = None,
-    n_samples: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    max_new_tokens: int | None = None,
-    concurrency: int = 64,
-    seed: int = 0,
-    system_prompt: str = "",
-    date_range: tuple[str, str] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Evaluate ``model_path`` on ``dataset`` (a preset name, a JSONL path or an HF id); unset sampling
-    settings come from the preset."""
-    source, p = resolve(dataset, preset)
-    if not source:
-        raise ConfigError(f"--dataset {dataset!r}: give a JSONL path or a Hugging Face id")
-    settings = EvalSettings(
-        env_id=p.env_id,
-        env_kwargs={**p.env_kwargs, "dataset": source, "split": p.split},
-        n_samples=n_samples or p.n_samples,
-        temperature=p.temperature if temperature is None else temperature,
-        top_p=p.top_p if top_p is None else top_p,
-        max_new_tokens=max_new_tokens or p.max_new_tokens,
-        concurrency=concurrency,
-        seed=seed,
-        breakdown=p.breakdown,
-        system_prompt=system_prompt,
-        date_range=date_range,
-    )
+    """Evaluate ``model_path`` with ``settings`` (see `eval_settings`); the summary names the model."""
     out = Path(out_dir)
     tokenizer = load_tokenizer(model_path)
-    rollout_engine, servers = open_engine(engine or EngineConfig(), model_path, "float32", run_dir=out, seed=seed)
+    rollout_engine, servers = open_engine(
+        engine or EngineConfig(), model_path, "float32", run_dir=out, seed=settings.seed
+    )
 
     async def main() -> dict[str, Any]:
         try:
@@ -197,10 +270,13 @@ def run_eval(
             await rollout_engine.aclose()
 
     try:
-        return asyncio.run(main())
+        summary = asyncio.run(main())
     finally:
         if servers is not None:
             servers.stop()
+    summary["model"] = str(model_path)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
 
 
 def print_summary(summary: dict[str, Any], title: str = "") -> None:
@@ -229,6 +305,8 @@ def print_summary(summary: dict[str, Any], title: str = "") -> None:
                 acc = next(v for k, v in row.items() if k.startswith("avg@"))
                 sub.add_row(name, str(row["problems"]), f"{100 * acc:.1f}%")
             console.print(sub)
+    for note in summary.get("notes", []):
+        console.print(f"note: {note}")
 
 
 def summarize(records: list[dict[str, Any]], n: int, breakdown: tuple[str, ...] = ()) -> dict[str, Any]:

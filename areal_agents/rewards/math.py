@@ -28,7 +28,8 @@ class _DropTimeoutNotice(logging.Filter):
         return "Timeout is disabled" not in record.getMessage()
 
 
-logging.getLogger("math_verify.parser").addFilter(_DropTimeoutNotice())
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_DropTimeoutNotice())
 
 
 @dataclass(frozen=True)
