@@ -17,6 +17,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from areal_agents.errors import ArealAgentsError
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, as Qwen models use. The assistant turn ends with <|im_end|>, which is also the EOS token.
 CHAT_TEMPLATE = (
@@ -82,9 +84,25 @@ def build_tiny_model(
     return LlamaForCausalLM(config)
 
 
-def save_tiny_model(out_dir: str | Path, seed: int = 0, **model_kwargs: int) -> Path:
-    """Build the tokenizer and model and ``save_pretrained`` both into ``out_dir``."""
+def save_tiny_model(out_dir: str | Path, seed: int = 0, overwrite: bool = False, **model_kwargs: int) -> Path:
+    """Build the tokenizer and model and ``save_pretrained`` both into ``out_dir``.
+
+    ``out_dir`` must be new or an empty directory; with ``overwrite=True`` the model's files replace
+    those of the same name in it (and a file at that path is removed).
+
+    Raises:
+        ArealAgentsError: ``out_dir`` is a file or a non-empty directory and ``overwrite`` is False.
+    """
     out = Path(out_dir)
+    is_file = out.exists() and not out.is_dir()
+    if not overwrite and (is_file or out.is_dir() and any(out.iterdir())):
+        what = "is a file" if is_file else "is a directory that is not empty"
+        raise ArealAgentsError(
+            f"tiny model path {str(out)!r} already exists and {what}: choose a new path or remove it first "
+            "(from Python, save_tiny_model(..., overwrite=True) writes over it)"
+        )
+    if is_file:
+        out.unlink()
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(
         len(tokenizer),

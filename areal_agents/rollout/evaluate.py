@@ -8,14 +8,21 @@ from collections.abc import Callable
 from areal_agents.agents.base import Agent
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ArealAgentsError
+from areal_agents.progress import plural
 from areal_agents.rollout.episodes import run_groups
 from areal_agents.types import Trajectory
 
 
-async def distinct_seeds(make_env: Callable[[], AsyncEnv], n: int, start: int = 0, chunk: int = 64) -> list[int]:
+async def distinct_seeds(
+    make_env: Callable[[], AsyncEnv], n: int, start: int = 0, chunk: int = 64, key: str = "eval.num_problems"
+) -> list[int]:
     """The first ``n`` seeds from ``start`` whose first observations are all different.
 
     So an evaluation set of n seeds is n distinct problems, fixed across runs and machines.
+
+    Raises:
+        ArealAgentsError: the env yields fewer than ``n`` distinct problems in its first ``100 * n``
+            seeds; the message names the config key that asked for ``n`` (``key``).
     """
 
     async def first_observation(seed: int) -> str:
@@ -29,7 +36,11 @@ async def distinct_seeds(make_env: Callable[[], AsyncEnv], n: int, start: int = 
     seed = start
     while len(seeds) < n:
         if seed - start > 100 * n:
-            raise ArealAgentsError(f"the env yields only {len(seeds)} distinct problems; asked for {n}")
+            raise ArealAgentsError(
+                f"{key}={n}, but the env yields only {plural(len(seeds), 'distinct problem')} (in seeds {start} "
+                f"to {seed - 1}): set {key}={len(seeds)} or fewer, or evaluate on an env or split with more "
+                "problems (eval.env_kwargs)"
+            )
         batch = list(range(seed, seed + chunk))
         for s, observation in zip(batch, await asyncio.gather(*(first_observation(s) for s in batch))):
             if observation not in seen and len(seeds) < n:

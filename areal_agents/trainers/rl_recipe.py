@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from areal_agents.agents.factory import make_rollout_agent
 from areal_agents.config import TrainConfig
@@ -29,6 +28,7 @@ from areal_agents.engines.sglang_engine import SGLangEngine
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ConfigError
 from areal_agents.models.loading import load_tokenizer
+from areal_agents.progress import plural, progress_bar
 from areal_agents.rollout.controller import Group, RolloutController
 from areal_agents.rollout.episodes import RolloutLedger
 from areal_agents.rollout.evaluate import evaluate
@@ -171,7 +171,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
     )
     start = time.perf_counter()
     before = await run_eval(0) if state is None else {"accuracy": state["accuracy_before"]}
-    print(f"held-out greedy accuracy before RL: {before['accuracy']:.1%} ({len(eval_seeds)} problems)")
+    print(f"held-out greedy accuracy before RL: {before['accuracy']:.1%} ({plural(len(eval_seeds), 'problem')})")
     totals = {"trained_samples": 0, "consumed_samples": 0, "generated_tokens": 0, "rollout_seconds": 0.0}
     totals |= {"train_seconds": 0.0, "step_seconds": 0.0, "engine_busy_seconds": 0.0}
     last_save = time.monotonic()
@@ -218,9 +218,11 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         and streamable(cfg.ppo)
         and all(isinstance(p, (Policy, ProcessPolicy)) for p in policies.values())
     )
-    bar = tqdm(range(first_step, cfg.steps + 1), desc="rl", disable=not progress, dynamic_ncols=True)
+    # counts steps of the whole run (a resumed one starts at its checkpoint); updated at each step's end,
+    # so the last step (which leaves the loop by `break`) is counted too
     done = min(first_step - 1, cfg.steps)  # the last step trained
-    for step in bar:
+    bar = progress_bar(total=cfg.steps, initial=done, desc="rl", enabled=progress)
+    for step in range(first_step, cfg.steps + 1):
         t0 = time.perf_counter()
         # episodes keep running while we train (max_staleness > 0); t1: the batch's last group in hand;
         # waited: seconds the trainer sat idle for rollouts
@@ -302,6 +304,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
             tok_s=f"{perf['gen_tokens_per_s']:.0f}",
             refresh=False,
         )
+        bar.update()
         if cfg.eval.every and step % cfg.eval.every == 0 and not last:
             result = await run_eval(step)
             bar.write(f"step {step}: held-out greedy accuracy {result['accuracy']:.1%}")
@@ -349,8 +352,8 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(
         f"held-out greedy accuracy after RL:  {after['accuracy']:.1%}  "
-        f"(before {before['accuracy']:.1%}, {summary['eval_problems']} problems)\n"
-        f"{done} steps in {wall:.0f}s | {summary['trained_samples_per_s']:.0f} trained samples/s | "
+        f"(before {before['accuracy']:.1%}, {plural(summary['eval_problems'], 'problem')})\n"
+        f"{plural(done, 'step')} in {wall:.0f}s | {summary['trained_samples_per_s']:.0f} trained samples/s | "
         f"{summary['generated_tokens_per_s']:.0f} generated tokens/s | "
         f"engine version {summary['engine_version']}\n"
         f"checkpoint: {ckpt}\ntensorboard: {run_dir / 'tensorboard'}"

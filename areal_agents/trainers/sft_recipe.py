@@ -12,13 +12,13 @@ import time
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.config import SFTConfig
 from areal_agents.data.jsonl import read_chat_jsonl
 from areal_agents.engines.hf_engine import HFEngine
 from areal_agents.models.loading import load_model, load_tokenizer
+from areal_agents.progress import plural, progress_bar
 from areal_agents.rollout.evaluate import evaluate
 from areal_agents.trainers.checkpoint import save_model
 from areal_agents.trainers.metrics import MetricsWriter, prefixed
@@ -76,11 +76,11 @@ def _sft(cfg, conversations, backend, loop, progress):
     start = time.perf_counter()
     before = run_eval(0)
     if before:
-        print(f"held-out greedy accuracy before SFT: {before['accuracy']:.1%} ({len(seeds)} problems)")
+        print(f"held-out greedy accuracy before SFT: {before['accuracy']:.1%} ({plural(len(seeds), 'problem')})")
     optimizer, scheduler = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.warmup_steps)
     generator = torch.Generator().manual_seed(cfg.seed)
     order: list[int] = []
-    bar = tqdm(range(1, cfg.steps + 1), desc="sft", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(range(1, cfg.steps + 1), desc="sft", enabled=progress)
     trained_tokens = 0
     for step in bar:
         if len(order) < cfg.batch_size:  # reshuffle each epoch
@@ -121,6 +121,6 @@ def _sft(cfg, conversations, backend, loop, progress):
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if after:
-        print(f"held-out greedy accuracy after SFT: {after['accuracy']:.1%} ({len(seeds)} problems)")
+        print(f"held-out greedy accuracy after SFT: {after['accuracy']:.1%} ({plural(len(seeds), 'problem')})")
     print(f"fine-tuned model: {model_dir}")
     return summary

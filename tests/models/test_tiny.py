@@ -3,7 +3,7 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_agents.errors import ModelLoadError
+from areal_agents.errors import ArealAgentsError, ModelLoadError
 from areal_agents.models import load_model, load_tokenizer, save_tiny_model
 
 
@@ -40,3 +40,38 @@ def test_bad_model_paths(tmp_path):
         load_model(tmp_path / "missing")
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_tokenizer(tmp_path)
+
+
+SMALL = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32}
+
+
+def test_saving_onto_a_non_empty_directory_or_a_file_names_the_path(tmp_path):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    with pytest.raises(ArealAgentsError, match=r"tiny model path '.*taken' already exists and is a directory that"):
+        save_tiny_model(taken, **SMALL)
+    with pytest.raises(ArealAgentsError, match=r"'.*a_file' already exists and is a file: choose a new path"):
+        save_tiny_model(a_file, **SMALL)
+    assert (taken / "notes.txt").read_text() == "mine" and a_file.read_text() == "mine"  # untouched
+
+
+def test_overwrite_writes_over_an_existing_model(tmp_path):
+    save_tiny_model(tmp_path / "m", seed=0, **SMALL)
+    save_tiny_model(tmp_path / "m", seed=1, overwrite=True, **SMALL)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    assert (save_tiny_model(a_file, overwrite=True, **SMALL) / "config.json").is_file()
+
+
+def test_cli_tiny_model_onto_an_existing_model_is_one_line_exit_2(tmp_path, capsys):
+    from areal_agents.cli import main
+
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    assert main(["tiny-model", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already exists" in err and str(out) in err
