@@ -1,6 +1,6 @@
 """Math reward: agreement on the math-verify equivalence cases, and service throughput vs raw math-verify.
 
-    .venv/bin/python bench/math_reward.py [--cases ../shared/data/mathverify_cases.jsonl] [--repeats 3]
+    .venv/bin/python bench/math_reward.py [--cases tests/fixtures/data/mathverify_cases.jsonl] [--repeats 3]
 
 Agreement: `MathReward` with each case's comparison settings (extraction targets, precision, strict,
 set relations) against ``expected``; every disagreement is listed. Throughput: the same pairs through a
@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from pathlib import Path
 
+from areal_agents.data.builtin import BUILTIN
+from areal_agents.data.jsonl import read_jsonl
 from areal_agents.rewards.math import MathVerifyConfig
 from areal_agents.rewards.math_reward import MathReward, warm_up
 from areal_agents.rewards.service import RewardService
 
-DEFAULT_CASES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mathverify_cases.jsonl"
+DEFAULT_CASES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "data" / "mathverify_cases.jsonl"
 
 
 def case_config(case: dict) -> MathVerifyConfig:
@@ -82,7 +83,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="passes over the cases for the throughput")
     args = parser.parse_args()
-    cases = [json.loads(line) for line in open(args.cases)]
+    cases = read_jsonl(args.cases)
 
     warm_up()  # the raw baseline gets the same warm start as the service's workers
     raw_agree, raw_seconds = raw_math_verify(cases * args.repeats)
@@ -112,8 +113,7 @@ def main() -> None:
     print(f"timeouts {metrics['timeouts']:.0f}, errors {metrics['errors']:.0f}")
 
     # An RL-shaped load: AIME answers (integers) in boxed completions, 8 samples per problem, half wrong.
-    data = Path(args.cases).parent
-    aime = [json.loads(line) for name in ("aime24", "aime25") for line in open(data / f"{name}.jsonl")]
+    aime = [row for name in ("aime24", "aime25") for row in read_jsonl(BUILTIN[name].path())]  # bundled
     rl_items = [
         {
             "gold": r["answer"],

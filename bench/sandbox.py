@@ -1,26 +1,25 @@
 """Isolated executions/s of `LocalSandbox` against bare `python3 -c` spawns, measured in the same run.
 
-    .venv/bin/python bench/sandbox.py [--seconds 5]
+    .venv/bin/python bench/sandbox.py [--seconds 5] [--humaneval 164]
 
 Bare: ``subprocess.run([python3, "-c", "print(1)"])`` with no isolation at all. Sandbox: the same
 program, fully isolated (bwrap namespaces, rlimits, no capabilities, unprivileged uid), at 1 and 2
 concurrent runs: warm (the default: a fork server per slot clones each run) and cold (bwrap + python
-started per run). Target (issue 5): >= 3x the bare spawn rate, fully isolated.
+started per run); then the code judge on the bundled HumanEval's canonical solutions. Target (issue 5):
+>= 3x the bare spawn rate, fully isolated.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
+from areal_agents.data.builtin import BUILTIN
+from areal_agents.data.jsonl import read_jsonl
 from areal_agents.rewards.code import CodeJudge
 from areal_agents.sandbox import LocalSandbox
-
-HUMANEVAL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "humaneval.jsonl"
 
 PYTHON = "/usr/bin/python3"
 
@@ -43,6 +42,7 @@ def rate(fn, seconds: float, concurrency: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--humaneval", type=int, default=164, help="HumanEval problems to judge (all 164)")
     args = parser.parse_args()
     sandbox, cold = LocalSandbox(), LocalSandbox(warm=False)
 
@@ -64,14 +64,13 @@ def main() -> None:
             f" | isolated cold {slow:5.1f}/s = {slow / base:.2f}x"
         )
 
-    if HUMANEVAL.is_file():
-        rows = [json.loads(line) for line in open(HUMANEVAL)]
-        judge = CodeJudge(sandbox)
-        start = time.perf_counter()
-        passed = sum(judge.judge_humaneval(r["canonical_solution"], r).all_passed for r in rows)
-        elapsed = time.perf_counter() - start
-        rate_s = len(rows) / elapsed
-        print(f"judge on HumanEval: {rate_s:.1f} problems/s, 1 worker ({passed}/{len(rows)} canonical pass)")
+    rows = read_jsonl(BUILTIN["humaneval"].path())[: args.humaneval]
+    judge = CodeJudge(sandbox)
+    start = time.perf_counter()
+    passed = sum(judge.judge_humaneval(r["canonical_solution"], r).all_passed for r in rows)
+    elapsed = time.perf_counter() - start
+    rate_s = len(rows) / elapsed
+    print(f"judge on HumanEval (bundled): {rate_s:.1f} problems/s, 1 worker ({passed}/{len(rows)} canonical pass)")
 
 
 if __name__ == "__main__":
