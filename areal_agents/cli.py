@@ -38,7 +38,7 @@ def cmd_tiny_model(args: argparse.Namespace) -> None:
     from areal_agents.models.tiny import save_tiny_model
 
     _quiet_transformers()
-    out = save_tiny_model(args.out_dir, seed=args.seed)
+    out = save_tiny_model(args.out_dir, seed=args.seed, overwrite=args.overwrite)
     print(f"tiny model and tokenizer saved to {out}")
 
 
@@ -247,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tiny-model", help="build a tiny Llama model + char tokenizer for CPU runs and tests")
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="write over a model already at OUT_DIR")
     p.set_defaults(fn=cmd_tiny_model)
 
     for name, fn, cls, text in (
@@ -261,7 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("config", help="YAML config file")
         p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. ppo.lr=3e-4")
-        p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+        p.add_argument(
+            "--no-progress", action="store_true", help="no progress output (a log file gets a progress line every 30 s)"
+        )
         if name == "train":
             p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run_dir")
         p.set_defaults(fn=fn)

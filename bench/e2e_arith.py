@@ -27,7 +27,7 @@ RECIPE = ROOT / "examples" / "arithmetic"
 
 def prepare_sft(out: Path, seed: int, steps: int | None = None) -> SFTConfig:
     """The recipe's SFT start, ready to run: a tiny model, 20,000 demonstrations and the sft.yaml config."""
-    save_tiny_model(out / "tiny")
+    save_tiny_model(out / "tiny", overwrite=True)
     data = out / "sft_data.jsonl"
     subprocess.run(
         [sys.executable, str(RECIPE / "make_sft_data.py"), str(data), "--n", "20000"],

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/eval_throughput.py [--model runs/arith/sft/model] [--problems 50] [--n-samples 4]
 
-Runs the tiny model (built here if no --model) on a MATH-500 slice from ../shared/data (or --dataset),
+Runs the tiny model (built here if no --model) on the first problems of bundled MATH-500 (or --dataset),
 twice in the same run: with 64 episodes in flight and with 1 (the baseline), and prints the ratio.
 """
 
@@ -20,8 +20,6 @@ from areal_agents.engines.hf_engine import HFEngine
 from areal_agents.eval.runner import EvalSettings, evaluate_dataset
 from areal_agents.models import load_model, load_tokenizer, save_tiny_model
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
-
 
 async def timed(settings: EvalSettings, model_dir: str, out: Path) -> tuple[float, dict]:
     engine = HFEngine(load_model(model_dir), seed=0)
@@ -36,7 +34,7 @@ async def timed(settings: EvalSettings, model_dir: str, out: Path) -> tuple[floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="a model directory; default: a fresh tiny model")
-    parser.add_argument("--dataset", default=str(DATA))
+    parser.add_argument("--dataset", default="math500", help="a bundled set, a JSONL path or hf:ORG/NAME")
     parser.add_argument("--problems", type=int, default=50)
     parser.add_argument("--n-samples", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -44,8 +42,6 @@ def main() -> None:
     transformers.utils.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(save_tiny_model(Path(tmp) / "tiny"))
-        sliced = Path(tmp) / "slice.jsonl"
-        sliced.write_text("\n".join(Path(args.dataset).read_text().splitlines()[: args.problems]) + "\n")
         print(
             f"== bench/eval_throughput: {args.problems} problems x {args.n_samples} samples, "
             f"{args.max_new_tokens} new tokens, model {model} =="
@@ -54,12 +50,13 @@ def main() -> None:
         for concurrency in (1, 64):
             settings = EvalSettings(
                 env_id="areal_agents/Math-v0",
-                env_kwargs={"dataset": str(sliced), "split": "test"},
+                env_kwargs={"dataset": args.dataset},
                 n_samples=args.n_samples,
                 temperature=0.6,
                 top_p=0.95,
                 max_new_tokens=args.max_new_tokens,
                 concurrency=concurrency,
+                num_problems=args.problems,
             )
             seconds, summary = asyncio.run(timed(settings, model, Path(tmp) / f"out{concurrency}"))
             rates[concurrency] = summary["samples"] / seconds

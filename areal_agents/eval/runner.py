@@ -20,8 +20,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.config import EngineConfig
 from areal_agents.engines.base import InferenceEngine
@@ -32,6 +30,7 @@ from areal_agents.errors import ConfigError
 from areal_agents.eval.metrics import maj_at_k, pass_at_k, report_ks
 from areal_agents.eval.presets import Preset, resolve
 from areal_agents.models.loading import load_tokenizer
+from areal_agents.progress import progress_bar
 from areal_agents.types import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -164,7 +163,7 @@ async def evaluate_dataset(
     sampling = SamplingParams(settings.max_new_tokens, settings.temperature, settings.top_p)
     agent = ChatAgent(engine, tokenizer, sampling, system_prompt=settings.system_prompt)
     gate = asyncio.Semaphore(settings.concurrency)
-    bar = tqdm(total=len(todo), desc="eval", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=len(todo), desc="eval", enabled=progress)
 
     failed: list[str] = []
 

@@ -99,7 +99,7 @@ def save_tiny_model(out_dir: str | Path, seed: int = 0, overwrite: bool = False,
         what = "is a file" if is_file else "is a directory that is not empty"
         raise ArealAgentsError(
             f"tiny model path {str(out)!r} already exists and {what}: choose a new path or remove it first "
-            "(from Python, save_tiny_model(..., overwrite=True) writes over it)"
+            "(tiny-model --overwrite, or save_tiny_model(..., overwrite=True), writes over it)"
         )
     if is_file:
         out.unlink()

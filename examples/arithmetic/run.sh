@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUN=runs/arith
 
-areal-agents tiny-model "$RUN/tiny"
+areal-agents tiny-model --overwrite "$RUN/tiny"   # the same model each time (seeded)
 python examples/arithmetic/make_sft_data.py "$RUN/sft_data.jsonl" --n 20000
 areal-agents sft examples/arithmetic/sft.yaml
 areal-agents train examples/arithmetic/rl.yaml "$@"

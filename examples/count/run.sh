@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUN=runs/count
 
-areal-agents tiny-model "$RUN/tiny"
+areal-agents tiny-model --overwrite "$RUN/tiny"   # the same model each time (seeded)
 python examples/count/make_sft_data.py "$RUN/sft_data.jsonl" --n 20000
 areal-agents sft examples/count/sft.yaml
 areal-agents train examples/count/rl.yaml "$@"
