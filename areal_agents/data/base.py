@@ -64,9 +64,10 @@ def builtin_for(source: str) -> BuiltinDataset | None:
 
 
 def _hub_rows(source: str, split: str) -> list[dict[str, Any]]:
-    """Rows of ``[hf:]ORG/NAME[?key=value&...]`` from the Hugging Face hub."""
+    """Rows of ``[hf:]ORG/NAME[?key=value&...]`` from the Hugging Face hub (true/false values are booleans)."""
     name, _, query = source.removeprefix(HUB_PREFIX).partition("?")
-    params = dict(parse_qsl(query, keep_blank_values=True))
+    params: dict[str, Any] = dict(parse_qsl(query, keep_blank_values=True))
+    params = {k: {"true": True, "false": False}.get(v.lower(), v) for k, v in params.items()}
     try:
         import datasets
     except ImportError:

@@ -173,9 +173,11 @@ def test_hub_sources_pass_their_split_and_parameters_mocked_hub(monkeypatch):
     source = "hf:livecodebench/code_generation_lite?version_tag=release_v5"
     assert raw_rows(source, "test") == ({"problem": "p", "answer": "1"},)
     assert raw_rows("HuggingFaceH4/aime_2024", "train")  # a plain ORG/NAME id is a hub id too
+    assert raw_rows("hf:org/scripted?trust_remote_code=true&name=main", None)
     assert calls == [
         ("livecodebench/code_generation_lite", "test", {"version_tag": "release_v5"}),
         ("HuggingFaceH4/aime_2024", "train", {}),
+        ("org/scripted", "test", {"trust_remote_code": True, "name": "main"}),
     ]
     monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
     with pytest.raises(ArealAgentsError, match=r"areal-agents\[hf\]"):
