@@ -167,7 +167,7 @@ def test_hub_sources_pass_their_split_and_parameters_mocked_hub(monkeypatch):
 
     calls = []
     fake = types.ModuleType("datasets")
-    fake.load_dataset = lambda name, split, **kw: calls.append((name, split, kw)) or [{"problem": "p", "answer": "1"}]
+    fake.load_dataset = lambda path, split, **kw: calls.append((path, split, kw)) or [{"problem": "p", "answer": "1"}]
     monkeypatch.setitem(sys.modules, "datasets", fake)
     raw_rows.cache_clear()
     source = "hf:livecodebench/code_generation_lite?version_tag=release_v5"
