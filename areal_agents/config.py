@@ -33,7 +33,7 @@ def _help(text: str, **kw: Any) -> Any:
 class ModelConfig:
     path: str = _help("directory of a transformers checkpoint (config, weights, tokenizer)", default="")
     dtype: Literal["float32", "bfloat16", "float16"] = _help(
-        "parameter dtype; float32 on CPU (bf16 is ~6x slower there)", default="float32"
+        "parameter dtype; float32 on CPU (bf16 is much slower there)", default="float32"
     )
 
 
@@ -109,7 +109,7 @@ class PPOConfig:
         "after warm-up: constant, or decay to 0 over the run (linear or cosine)", default="constant"
     )
     activation_checkpointing: bool = _help(
-        "recompute activations in the backward pass: less memory for long sequences, ~30% more compute",
+        "recompute activations in the backward pass: less memory for long sequences, one more forward of compute",
         default=False,
     )
     max_grad_norm: float = _help("gradient-norm clip", default=1.0)
@@ -217,7 +217,7 @@ class EngineConfig:
     )
     own_process: bool = _help(
         "hf engine: run it in a child process of its own, with its own GIL (requests and weights go over a pipe, "
-        "not HTTP); async runs on a small machine: see the README for when it pays",
+        "not HTTP); async runs on a small machine: see docs/benchmarks.md for when it pays",
         default=False,
     )
     prefix_cache_tokens: int = _help(
@@ -232,8 +232,8 @@ class EngineConfig:
     )
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _help(
         "hf engine / serve-model: dtype of the KV cache decode steps attend to (auto = the model's). bfloat16 "
-        "halves the bytes one-token attention reads (a CPU decode step 1.46x faster at 232 rows); the tokens' "
-        "logprobs stay those they were sampled with, now ~5e-4 from the trainer's float32 forward on average",
+        "halves the bytes one-token attention reads; the tokens' logprobs stay those they were sampled with, "
+        "no longer exactly the trainer's float32 forward's (docs/benchmarks.md)",
         default="auto",
     )
     fast_decode: bool = _help(

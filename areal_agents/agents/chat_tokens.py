@@ -25,7 +25,7 @@ def _encode_cached(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[int, 
 
 @functools.lru_cache(maxsize=4096)
 def _render_cached(tokenizer: PreTrainedTokenizerBase, key: str) -> str:
-    """The episodes of a group start from the same messages: render the chat template (~50 us) once.
+    """The episodes of a group start from the same messages: render the chat template once.
     ``key`` is the JSON of ``[messages, tools, add_generation_prompt]`` (key order kept)."""
     messages, tools, generation_prompt = json.loads(key)
     return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)

@@ -64,8 +64,8 @@ class RolloutWorker:
 class RolloutWorkers:
     """The driver's side: ``await workers.run_episode(seed, episode_id)`` on the least busy live worker.
 
-    The episodes of one group, submitted together, travel in one actor call (a Ray call costs ~1 ms of
-    CPU here, 16x fewer calls at group size 16); the controller waits for the whole group anyway."""
+    The episodes of one group, submitted together, travel in one actor call (a Ray call's CPU cost is
+    paid once, not group_size times); the controller waits for the whole group anyway."""
 
     def __init__(self, actors: list, recovery_timeout_s: float) -> None:
         self.actors = actors

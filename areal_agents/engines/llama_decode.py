@@ -3,9 +3,9 @@
 On a small model much of a decode step is per-op and per-module overhead, not arithmetic. This step runs
 the model's own weights through fewer ops, as serving engines (SGLang, vLLM) keep model code of their own
 for decoding: q, k and v in one matrix product (gate and up in another), rotary embedding on q and k at
-once, fused RMSNorm, no module hooks or output records. It saves a fixed cost a step: on the tiny count
-model a step was 1.06-1.11x faster at ~100 rows and 1.01-1.03x at 256 (`bench/engine_decode.py`), where
-one-token attention, bound by reading the KV cache from memory, is most of it. Prefill and training keep
+once, fused RMSNorm, no module hooks or output records. It saves a fixed cost a step, so it pays most on
+small batches, less where one-token attention, bound by reading the KV cache from memory, is most of the
+step (figures: `bench/engine_decode.py`, docs/benchmarks.md). Prefill and training keep
 transformers' forward; tests check this step's tokens and logprobs against it.
 
 The fused weights are copies (attention and MLP weights held twice), made again when any of their

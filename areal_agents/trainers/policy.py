@@ -70,7 +70,7 @@ class Policy:
 
         Always the same thread, with ``ppo.cpu_threads`` intra-op threads: torch's OpenMP workers belong
         to the thread that starts them, and every extra set competes for the same cores (updates hopping
-        between pool threads, beside the engine's and the event loop's, ran ~1.5x slower)."""
+        between pool threads, beside the engine's and the event loop's, ran slower)."""
         step = functools.partial(self.train_step, trajectories, cfg, pad_token_id, generator)
         return await self._in_trainer(step, cfg)
 
@@ -184,8 +184,8 @@ def open_policy_engine(name: str, cfg: TrainConfig, model_path: str, run_dir: Pa
 def trainer_threads(cfg: TrainConfig) -> int:
     """Intra-op threads of the trainer (thread or process) when ``ppo.cpu_threads`` is 0: all cores, less
     those of the local CPU engines (in this process, its own, or launched serve-model servers) that keep
-    decoding during updates (max_staleness > 0). Oversubscribed OpenMP teams wait on each other: async
-    arithmetic ran at 0.7x the throughput of this split, beside launched serve-model at 0.2x."""
+    decoding during updates (max_staleness > 0). Oversubscribed OpenMP teams wait on each other
+    (measured: docs/benchmarks.md, "CPU threads")."""
     e = cfg.engine
     if cfg.rollout.max_staleness == 0 or e.urls or e.backend == "sglang" or not e.cpu_threads:
         return DEFAULT_CPU_THREADS
