@@ -31,7 +31,7 @@ def _text_space_template(max_length: int) -> UnicodeText:
 def text_space(max_length: int) -> spaces.Text:
     """The text space of observations and actions: any string up to ``max_length``, empty allowed.
 
-    A copy of a cached instance: building the charset index costs ~0.2 ms, paid per episode otherwise;
+    A copy of a cached instance: building the charset index is not free, and would be paid per episode;
     each copy has its own random generator."""
     space = copy.copy(_text_space_template(max_length))
     space._np_random = None  # noqa: SLF001  (seeded lazily, per copy)

@@ -1,7 +1,7 @@
 """`RemoteEnvPool` / `RemoteEnv`: the `AsyncEnv` interface over the env-step server's HTTP API.
 
-One pooled ``aiohttp.ClientSession`` serves every session (aiohttp rather than httpx: ~5x the
-requests/s here at 256 concurrent sessions). Steps issued in the same event-loop tick by
+One pooled ``aiohttp.ClientSession`` serves every session (aiohttp rather than httpx: more
+requests/s at hundreds of concurrent sessions; docs/benchmarks.md). Steps issued in the same event-loop tick by
 different sessions of one server are coalesced into one ``POST /v1/step`` (``batch_steps=True``), which
 is what lets thousands of concurrent episodes share a server cheaply.
 

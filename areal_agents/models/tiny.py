@@ -2,7 +2,7 @@
 
 Saved with ``save_pretrained`` and loaded back through ``AutoModelForCausalLM`` / ``AutoTokenizer``,
 the same code path as a real checkpoint. Characters are single tokens, so arithmetic is learnable by a
-~200k-parameter model on 2 CPU cores in minutes.
+model small enough to train on a laptop CPU.
 
     save_tiny_model("runs/tiny")            # or: areal-agents tiny-model runs/tiny
     model = AutoModelForCausalLM.from_pretrained("runs/tiny")

@@ -41,7 +41,7 @@ def sft_update(
 ) -> dict[str, float]:
     """One optimizer step of token-weighted NLL over the loss tokens of ``trajectories``."""
     model.train()
-    # Padded micro-batches: the SFT figures in README were measured so (packing gives the same gradients).
+    # Padded micro-batches: the SFT figures in docs/benchmarks.md were measured so (packing: the same gradients).
     mbs = make_micro_batches(trajectories, micro_batch_tokens, pad_token_id=pad_token_id, pack=False)
     total = sum(mb.num_loss_tokens for mb in mbs)
     optimizer.zero_grad(set_to_none=True)
