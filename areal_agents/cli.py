@@ -49,7 +49,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from areal_agents.trainers.rl_recipe import run_train
 
     _quiet_transformers()
-    run_train(cfg, progress=not args.no_progress, resume=args.resume)
+    run_train(cfg, progress=not args.no_progress, resume=args.resume, allow_config_change=args.allow_config_change)
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
@@ -267,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
         if name == "train":
             p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run_dir")
+            p.add_argument(
+                "--allow-config-change",
+                action="store_true",
+                help="--resume with changed model/env/rollout/ppo/engine/seed keys (listed when refused)",
+            )
         p.set_defaults(fn=fn)
 
     p = sub.add_parser(

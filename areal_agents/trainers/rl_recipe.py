@@ -41,7 +41,9 @@ from areal_agents.trainers.trainer_process import ProcessPolicy, open_process_po
 from areal_agents.types import SamplingParams, Trajectory
 
 
-def run_train(cfg: TrainConfig, progress: bool = True, resume: bool = False) -> dict[str, Any]:
+def run_train(
+    cfg: TrainConfig, progress: bool = True, resume: bool = False, allow_config_change: bool = False
+) -> dict[str, Any]:
     """Run RL as configured (``resume``: from the run's newest checkpoint); return the summary also
     written to ``run_dir/summary.json``."""
     state, found = None, None
