@@ -183,7 +183,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     name = Path(args.dataset).stem if args.dataset else re.sub(r"[^\w.-]+", "_", args.env)
     out = args.out or str(Path("runs/eval") / name)
     engine = EngineConfig(backend=args.engine or "hf", urls=list(args.engine_url))
-    summary = run_eval(settings, args.model, out, engine=engine, progress=not args.no_progress)
+    progress = not args.no_progress
+    summary = run_eval(settings, args.model, out, engine=engine, progress=progress, new_dir_on_mismatch=not args.out)
+    out = summary["out"]  # OUT-2, ... when OUT holds another run's samples and --out was not given
     print_summary(summary, title=f"{args.dataset or args.env} ({args.model})")
     print(f"samples: {Path(out) / 'samples.jsonl'}\nsummary: {Path(out) / 'summary.json'}")
 
@@ -317,7 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system-prompt", default="")
     p.add_argument("--lcb-start", default=None, help="LiveCodeBench: problems with contest_date >= this (ISO)")
     p.add_argument("--lcb-end", default=None, help="LiveCodeBench: ... and < this date")
-    p.add_argument("--out", default=None, help="output directory (default runs/eval/DATASET or ENV); reruns resume")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output directory; a rerun of the same model and settings resumes (default runs/eval/DATASET "
+        "or ENV, or -2, -3, ... when that holds another run's samples)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(fn=cmd_eval)
 

@@ -29,6 +29,7 @@ from areal_agents.envs.pool import LocalEnvPool
 from areal_agents.errors import ConfigError
 from areal_agents.eval.metrics import maj_at_k, pass_at_k, report_ks
 from areal_agents.eval.presets import Preset, resolve
+from areal_agents.eval.provenance import RunMismatch, claim, fresh_candidates, model_digest, rows_digest
 from areal_agents.models.loading import load_tokenizer
 from areal_agents.progress import progress_bar
 from areal_agents.types import SamplingParams
@@ -51,6 +52,16 @@ class EvalSettings:
     date_range: tuple[str, str] | None = None  # keep rows whose contest_date is in [start, end) (ISO dates)
     num_problems: int | None = None  # the first N problems (rows, or seeds 0..N-1 of an env without a dataset)
     success_threshold: float = 1.0  # a sample's return that counts as success when the env reports none
+
+    def __post_init__(self) -> None:
+        """Out-of-range numbers stop here, named as the command line spells them."""
+        for name in ("n_samples", "concurrency", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.num_problems is not None and self.num_problems < 1:
+            raise ConfigError(f"--num-problems must be >= 1, got {self.num_problems}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {self.temperature}, {self.top_p}")
 
 
 @dataclass(frozen=True)
@@ -129,17 +140,26 @@ def _notes(data: Any, env: Any) -> list[str]:
     return []
 
 
-async def _probe(settings: EvalSettings, pool: LocalEnvPool) -> tuple[list[Problem], list[str]]:
+async def _probe(settings: EvalSettings, pool: LocalEnvPool) -> tuple[list[Problem], list[str], str | None]:
+    """The problems, the notes on them, and the hash of the env's dataset (None for an env without one)."""
     probe = pool.make(settings.env_id, **settings.env_kwargs)
     try:
         env = getattr(probe, "env", None)
         if env is None:
             raise ConfigError(f"{settings.env_id} is a multi-agent env; eval runs single-agent envs")
         data = getattr(env.unwrapped, "data", None)
-        data = data if hasattr(data, "rows") else None
-        return _problems(settings, data), _notes(data, env.unwrapped) if data is not None else []
+        if not hasattr(data, "rows"):
+            return _problems(settings, None), [], None
+        return _problems(settings, data), _notes(data, env.unwrapped), rows_digest(data.rows)
     finally:
         await probe.aclose()
+
+
+def _identity(settings: EvalSettings, base: dict[str, Any] | None, dataset_hash: str | None) -> dict[str, Any]:
+    """What the samples depend on: ``base`` (model, engine), the env, the sampling, the dataset."""
+    sampling = {k: getattr(settings, k) for k in ("temperature", "top_p", "max_new_tokens", "system_prompt", "seed")}
+    env = {"id": settings.env_id, "kwargs": settings.env_kwargs}
+    return {**(base or {}), "env": env, "sampling": sampling, "dataset_hash": dataset_hash}
 
 
 def _success(info: dict[str, Any], reward: float, threshold: float) -> bool:
@@ -150,14 +170,28 @@ def _success(info: dict[str, Any], reward: float, threshold: float) -> bool:
 
 
 async def evaluate_dataset(
-    settings: EvalSettings, engine: InferenceEngine, tokenizer: Any, out_dir: str | Path, progress: bool = True
+    settings: EvalSettings,
+    engine: InferenceEngine,
+    tokenizer: Any,
+    out_dir: str | Path,
+    progress: bool = True,
+    identity: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run every (problem, sample) not yet in ``samples.jsonl``; return (and write) the summary."""
+    """Run every (problem, sample) not yet in ``samples.jsonl``; return (and write) the summary.
+
+    ``identity`` (the model and engine, see `run_eval`) joins the settings and the dataset's hash in
+    ``run.json``: samples of another run there raise `RunMismatch` before anything is generated."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     samples_path = out / "samples.jsonl"
     pool = LocalEnvPool("thread", workers=4, step_timeout=None)
-    problems, notes = await _probe(settings, pool)
+    try:
+        problems, notes, dataset_hash = await _probe(settings, pool)
+        identity = _identity(settings, identity, dataset_hash)
+        claim(out, identity)
+    except BaseException:
+        await pool.aclose()
+        raise
+    stamp = {k: identity.get(k) for k in ("model", "model_hash", "engine", "sampling", "dataset_hash")}
     done = _done(samples_path)
     todo = [(p, j) for p in problems for j in range(settings.n_samples) if (p.number, j) not in done]
     sampling = SamplingParams(settings.max_new_tokens, settings.temperature, settings.top_p)
@@ -192,6 +226,7 @@ async def evaluate_dataset(
             "tokens": sum(x.num_generated for x in trajectories),
             "finish_reason": "stop" if last == tokenizer.eos_token_id else "length",
             **{k: problem.row[k] for k in settings.breakdown if k in problem.row},
+            "run": stamp,
         }
         with samples_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -209,6 +244,7 @@ async def evaluate_dataset(
     if notes:
         summary["notes"] = notes
     summary["settings"] = asdict(settings)
+    summary["run"] = identity
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -254,26 +290,40 @@ def run_eval(
     *,
     engine: EngineConfig | None = None,
     progress: bool = True,
+    new_dir_on_mismatch: bool = False,
 ) -> dict[str, Any]:
-    """Evaluate ``model_path`` with ``settings`` (see `eval_settings`); the summary names the model."""
-    out = Path(out_dir)
+    """Evaluate ``model_path`` with ``settings`` (see `eval_settings`) into ``out_dir``, resuming the
+    samples there when they come from the same model, engine, settings and dataset. With
+    ``new_dir_on_mismatch`` (no ``--out`` given) samples of another run send this one to ``OUT-2``, ...;
+    else they raise `RunMismatch` naming what differs. The summary's ``out`` says where it went."""
+    engine = engine or EngineConfig()
     tokenizer = load_tokenizer(model_path)
-    rollout_engine, servers = open_engine(
-        engine or EngineConfig(), model_path, "float32", run_dir=out, seed=settings.seed
-    )
+    identity = {
+        "model": str(model_path),
+        "model_hash": model_digest(model_path),
+        "engine": {"backend": engine.backend, "urls": list(engine.urls)},
+    }
+    candidates = fresh_candidates(Path(out_dir)) if new_dir_on_mismatch else [Path(out_dir)]
+    rollout_engine, servers = open_engine(engine, model_path, "float32", run_dir=Path(out_dir), seed=settings.seed)
 
-    async def main() -> dict[str, Any]:
+    async def main() -> tuple[Path, dict[str, Any]]:
         try:
-            return await evaluate_dataset(settings, rollout_engine, tokenizer, out, progress)
+            for out in candidates:
+                try:
+                    return out, await evaluate_dataset(settings, rollout_engine, tokenizer, out, progress, identity)
+                except RunMismatch:
+                    if out == candidates[-1]:
+                        raise
+            raise AssertionError("unreachable")
         finally:
             await rollout_engine.aclose()
 
     try:
-        summary = asyncio.run(main())
+        out, summary = asyncio.run(main())
     finally:
         if servers is not None:
             servers.stop()
-    summary["model"] = str(model_path)
+    summary["out"] = str(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -24,6 +24,8 @@ def _check_path(path: str | Path) -> Path:
     p = Path(path)
     if not str(path):
         raise ModelLoadError("model.path is empty: set it to a checkpoint directory")
+    if p.exists() and not p.is_dir():
+        raise ModelLoadError(f"model path {p} is a file, not a directory: give the checkpoint's directory")
     if not p.is_dir():
         raise ModelLoadError(f"model path does not exist: {p}")
     if not (p / "config.json").is_file():

@@ -68,7 +68,7 @@ class GoldEngine:
         return GenResponse(tokens, [-0.1] * len(tokens), [0] * len(tokens), "stop")
 
 
-def run(tmp_path, tokenizer, dataset, golds, right, n, breakdown=()):
+def run(tmp_path, tokenizer, dataset, golds, right, n, breakdown=(), num_problems=None):
     settings = EvalSettings(
         env_id="areal_agents/Math-v0",
         env_kwargs={"dataset": str(dataset), "split": "test"},
@@ -77,6 +77,7 @@ def run(tmp_path, tokenizer, dataset, golds, right, n, breakdown=()):
         top_p=0.95,
         max_new_tokens=64,
         breakdown=breakdown,
+        num_problems=num_problems,
     )
     engine = GoldEngine(tokenizer, golds, right)
     return asyncio.run(evaluate_dataset(settings, engine, tokenizer, tmp_path / "out", progress=False))
@@ -123,12 +124,10 @@ def test_math500_slice_with_latex_answers_and_breakdown(tmp_path, tokenizer):
 
 def test_an_interrupted_run_resumes_with_what_it_scored(tmp_path, tokenizer):
     golds = [json.loads(line)["answer"] for line in lines("aime24")]
-    out = tmp_path / "out"
-    out.mkdir()
-    # an earlier run scored (0, 0) as wrong (kept as is) and was cut in the middle of a line
-    kept = {"problem_id": "2024-I-1", "index": 0, "sample": 0, "completion": "x", "answer": "1", "correct": False}
-    kept |= {"reward": 0.0, "tokens": 1, "finish_reason": "stop"}
-    (out / "samples.jsonl").write_text(json.dumps(kept) + "\n" + '{"problem_id": "2024-I-1", "ind')
+    # an earlier run of the same settings scored (0, 0) as wrong (kept as is), then was cut mid-line
+    run(tmp_path, tokenizer, "aime24", golds, lambda i, j: False, n=1, num_problems=1)
+    with (tmp_path / "out" / "samples.jsonl").open("a") as f:
+        f.write('{"problem_id": "2024-I-1", "ind')
     summary = run(tmp_path, tokenizer, "aime24", golds, lambda i, j: True, n=1)
     assert summary["samples"] == 30
     assert summary["avg@1"] == pytest.approx(29 / 30)  # the kept sample was not run again

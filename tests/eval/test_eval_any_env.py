@@ -116,7 +116,7 @@ def test_cli_evaluates_a_user_env_with_the_tiny_model(user_envs, tiny_dir, capsy
     assert main([*args, "--n-samples", "2", "--max-new-tokens", "4", "--no-progress"]) == 0
     summary = json.loads((user_envs / "runs" / "eval" / "my_Letter-v0" / "summary.json").read_text())
     assert summary["problems"] == 4 and summary["samples"] == 8 and summary["failed_samples"] == 0
-    assert summary["model"] == str(tiny_dir) and summary["settings"]["env_id"] == "my/Letter-v0"
+    assert summary["run"]["model"] == str(tiny_dir) and summary["settings"]["env_id"] == "my/Letter-v0"
     assert "avg@2" in capsys.readouterr().out
 
 
