@@ -14,6 +14,7 @@ import uvicorn
 
 from areal_agents.config import EnvConfig
 from areal_agents.engines.launcher import free_port
+from areal_agents.envs.registry import import_env_module, modules_for
 from areal_agents.envs.remote import RemoteEnvPool
 from areal_agents.envs.server import EnvServer, ServerConfig, build_app
 from areal_agents.errors import ClusterError
@@ -26,7 +27,7 @@ class EnvServerActor:
     def __init__(self, cfg: EnvConfig) -> None:
         host = ray.util.get_node_ip_address()
         port = free_port(host)
-        modules = [cfg.module] if cfg.module else []
+        modules = modules_for(cfg.id, cfg.module)  # a server imports no module a client names: the run's, at start
         server_cfg = ServerConfig(host, port, cfg.mode, cfg.workers, cfg.step_timeout, modules=modules)
         self.env_server = EnvServer(server_cfg)
         app = build_app(self.env_server)
@@ -70,6 +71,8 @@ class EnvServers:
 
     @classmethod
     def launch(cls, cfg: EnvConfig, replicas: int, num_cpus: float, max_restarts: int, timeout_s: float):
+        for module in modules_for(cfg.id, cfg.module):
+            import_env_module(module)  # a module that fails to import is one line here, not an actor's traceback
         names = [f"areal-env-server-{uuid.uuid4().hex[:8]}-{i}" for i in range(replicas)]
         options = {"num_cpus": num_cpus, "max_restarts": max_restarts}
         actors = [EnvServerActor.options(name=name, **options).remote(cfg) for name in names]

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import importlib
 import pickle
 from concurrent.futures import ThreadPoolExecutor
@@ -86,14 +87,15 @@ class PooledEnv:
                 return fn(*args)
             if pool.mode == "thread":
                 async with asyncio.timeout(pool.step_timeout):
-                    return await asyncio.get_running_loop().run_in_executor(pool.threads, fn, *args)
+                    context = contextvars.copy_context()  # e.g. a server's `only_modules` reaches the thread
+                    return await asyncio.get_running_loop().run_in_executor(pool.threads, context.run, fn, *args)
             return await pool.workers.call(fn, *args, timeout=pool.step_timeout)
         except (TimeoutError, CallTimeout):
             raise EnvError("timeout", f"{self.env_id} {name} exceeded {pool.step_timeout}s") from None
         except WorkerDied as e:
             raise EnvError("worker_died", f"{self.env_id} {name}: {e}") from None
         except RemoteError as e:
-            raise EnvError("env_error", f"{self.env_id} {name} raised {e}") from None
+            raise EnvError("env_error", f"{self.env_id} {name} raised {e}") from e  # the cause names the type
         except ArealAgentsError:
             raise
         except Exception as e:

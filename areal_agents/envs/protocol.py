@@ -22,9 +22,14 @@ class _Strict(BaseModel):
 
 
 class CreateSession(_Strict):
-    env_id: str = Field(description="gymnasium id, e.g. areal_agents/Arithmetic-v0")
+    env_id: str = Field(
+        description="an id registered on the server (GET /v1/envs), e.g. areal_agents/Arithmetic-v0, or "
+        "module:Class for a module the server imported at start"
+    )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for gymnasium.make")
-    seed: int | None = Field(default=None, description="reset seed; the same seed gives the same episode")
+    seed: int | None = Field(
+        default=None, ge=0, description="reset seed, an integer >= 0; the same seed gives the same episode"
+    )
     options: dict[str, Any] | None = Field(default=None, description="reset options")
 
 
@@ -48,7 +53,10 @@ class BatchStepRequest(_Strict):
 
 
 class ErrorRecord(BaseModel):
-    type: str = Field(description="env_error | timeout | worker_died | not_found | conflict | bad_request ...")
+    type: str = Field(
+        description="bad_request | unknown_env | unknown_session | episode_over | payload_too_large | "
+        "too_many_sessions ... (4xx); env_error | timeout | worker_died (the env failed)"
+    )
     message: str
 
 

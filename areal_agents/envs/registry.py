@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
+import traceback
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import gymnasium as gym
@@ -12,13 +16,59 @@ from areal_agents.errors import ArealAgentsError, UnknownEnvError, did_you_mean
 
 
 def import_env_module(module: str) -> None:
-    """Import a user module whose import registers env ids (``env.module`` in config)."""
+    """Import a user module whose import registers env ids (``env.module`` in config, ``--module``).
+
+    Any exception while importing becomes an `ArealAgentsError` naming the module, the error and where it
+    was raised, so the CLI prints one line."""
     if not module:
         return
     try:
         importlib.import_module(module)
     except ImportError as e:
         raise ArealAgentsError(f"env.module {module!r} cannot be imported: {e}") from None
+    except Exception as e:
+        raise ArealAgentsError(f"env.module {module!r} failed while importing: {_described(e)}") from None
+
+
+def _described(e: Exception) -> str:
+    """``Type: message (file:line)``: a SyntaxError's own position, else the frame that raised."""
+    if isinstance(e, SyntaxError):
+        return f"{type(e).__name__}: {e.msg} ({e.filename}:{e.lineno})"
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
+def modules_for(env_id: str, module: str = "") -> list[str]:
+    """The modules an env server must import at start to serve ``env_id``: ``module`` (``env.module``)
+    and the module of a ``module:Name`` id. A server imports no module named in a request."""
+    id_module = env_id.split(":", 1)[0] if ":" in env_id else ""
+    return [m for m in dict.fromkeys((module, id_module)) if m]
+
+
+# The modules a `module:Name` string (an env id, a kwarg naming an object) may name while `only_modules` is
+# active, i.e. while an env server makes a client's env; None: any.
+_allowed_modules: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "allowed_env_modules", default=None
+)
+
+
+@contextlib.contextmanager
+def only_modules(modules: Iterable[str]) -> Iterator[None]:
+    """Within this block `make_env` resolves ``module:Name`` only for ``modules`` (already imported) and
+    imports nothing a caller names: an env server makes its clients' envs inside it."""
+    token = _allowed_modules.set(frozenset(modules))
+    try:
+        yield
+    finally:
+        _allowed_modules.reset(token)
+
+
+def module_allowed(module: str) -> bool:
+    """Whether a ``module:Name`` string may name ``module`` here: always, except inside `only_modules`
+    (an env server making a client's env), where only its start-up modules may be named."""
+    allowed = _allowed_modules.get()
+    return allowed is None or module in allowed
 
 
 def _resolve(env_id: str) -> str:
@@ -26,6 +76,11 @@ def _resolve(env_id: str) -> str:
     if env_id in gym.registry or ":" not in env_id:
         return env_id
     module, attr = env_id.split(":", 1)
+    if not module_allowed(module):
+        raise UnknownEnvError(
+            f"unknown env id {env_id!r}: this env server imports no module a request names, and {module!r} is "
+            f"not one of its start-up modules; start it with --module {module}.{did_you_mean(env_id, gym.registry)}"
+        )
     import_env_module(module)
     if attr in gym.registry:
         return attr

@@ -37,8 +37,9 @@ from areal_agents.envs.protocol import (
     StepResult,
     dumps,
 )
-from areal_agents.envs.registry import describe_envs
+from areal_agents.envs.registry import describe_envs, only_modules
 from areal_agents.errors import ArealAgentsError, EnvError, UnknownEnvError
+from areal_agents.workers import RemoteError
 
 
 @dataclass
@@ -113,34 +114,61 @@ class EnvServer:
         self.cfg = cfg
         self.pool = LocalEnvPool(cfg.mode, cfg.workers, cfg.step_timeout, cfg.modules)
         self.sessions: dict[str, Session] = {}
+        self.opening = 0  # creations between the cap check and their session's registration
         self.metrics = Metrics()
 
     # -- sessions ------------------------------------------------------------------------------
 
     async def create(self, req: CreateSession) -> dict[str, Any]:
-        if len(self.sessions) >= self.cfg.max_sessions:
+        open_or_opening = len(self.sessions) + self.opening
+        if open_or_opening >= self.cfg.max_sessions:
             raise HTTPError(
                 429,
                 "too_many_sessions",
-                f"{len(self.sessions)} sessions are open, the cap is {self.cfg.max_sessions}; "
+                f"{open_or_opening} sessions are open or opening, the cap is {self.cfg.max_sessions}; "
                 "close finished sessions or start the server with a larger --max-sessions",
             )
+        self.opening += 1  # the place is taken before the first await, so concurrent creations see it
         try:
-            env = self.pool.make(req.env_id, **req.kwargs)
+            with only_modules(self.cfg.modules):  # a request imports nothing, not even through kwargs
+                env = self._make(req)
+                observation, info = await self._reset(env, req)
+            sid = uuid.uuid4().hex
+            self.sessions[sid] = Session(env, req.env_id, time.monotonic())
+        finally:
+            self.opening -= 1
+        self.metrics.counters["sessions_created"] += 1
+        return {"session_id": sid, "observation": observation, "info": info}
+
+    def _make(self, req: CreateSession) -> PooledEnv:
+        """The env of a new session; a request may name only ids registered here or in a start-up module."""
+        try:
+            return self.pool.make(req.env_id, **req.kwargs)
         except UnknownEnvError as e:
             raise HTTPError(404, "unknown_env", str(e)) from None
         except ArealAgentsError as e:
             raise HTTPError(400, "bad_request", str(e)) from None
+        except Exception as e:  # the env's constructor failed for a reason of its own
+            raise HTTPError(500, "env_error", f"cannot make {req.env_id}: {type(e).__name__}: {e}") from None
+
+    async def _reset(self, env: PooledEnv, req: CreateSession) -> tuple[str, dict]:
+        """The first observation; a reset that rejects the request's arguments is the client's mistake (400)."""
         try:
-            observation, info = await env.areset(seed=req.seed, options=req.options)
+            return await env.areset(seed=req.seed, options=req.options)
         except EnvError as e:
-            self.metrics.errors[e.kind] += 1
+            if _clients_mistake(e):
+                error = HTTPError(400, "bad_request", f"reset failed: {e.detail}; check the kwargs, seed and options")
+            else:
+                error = HTTPError(500 if e.kind == "env_error" else 504, e.kind, f"reset failed: {e.detail}")
+        except UnknownEnvError as e:
+            error = HTTPError(404, "unknown_env", f"reset failed: {e}")
+        except ArealAgentsError as e:
+            error = HTTPError(400, "bad_request", f"reset failed: {e}")
+        except BaseException:  # cancelled (the client went away): no session, no env left open
             await env.aclose()
-            raise HTTPError(500 if e.kind == "env_error" else 504, e.kind, f"reset failed: {e.detail}") from None
-        sid = uuid.uuid4().hex
-        self.sessions[sid] = Session(env, req.env_id, time.monotonic())
-        self.metrics.counters["sessions_created"] += 1
-        return {"session_id": sid, "observation": observation, "info": info}
+            raise
+        await env.aclose()
+        raise error
 
     def _get(self, sid: str) -> Session:
         session = self.sessions.get(sid)
@@ -229,6 +257,13 @@ class EnvServer:
         await self.pool.aclose()
 
 
+def _clients_mistake(e: EnvError) -> bool:
+    """A reset that raised TypeError or ValueError: the request's kwargs, seed or options do not fit the env."""
+    cause = e.__cause__
+    name = cause.type_name if isinstance(cause, RemoteError) else type(cause).__name__
+    return e.kind == "env_error" and (isinstance(cause, TypeError | ValueError) or name in ("TypeError", "ValueError"))
+
+
 def _failed(sid: str, type_: str, message: str) -> dict[str, Any]:
     """A `StepResult` for a step that did not happen normally; the episode is over."""
     return {
@@ -251,7 +286,11 @@ def _error(status: int, type_: str, message: str) -> Response:
 
 
 class BodyLimit:
-    """ASGI middleware: refuse request bodies over ``max_bytes`` with 413 before parsing them."""
+    """ASGI middleware: refuse request bodies over ``max_bytes`` with 413 before parsing them.
+
+    A declared Content-Length over the limit is refused at once; any other body (chunked, or a wrong
+    length) is read up to the limit and then handed to the app whole, so the limit never depends on how
+    the body was sent."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -259,20 +298,30 @@ class BodyLimit:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and int(length) > self.max_bytes:
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
             return await self._reject(scope, receive, send)
-        seen = 0
-
-        async def counting_receive() -> dict:
-            nonlocal seen
+        chunks, seen, more = [], 0, True
+        while more:
             message = await receive()
-            seen += len(message.get("body", b""))
+            if message["type"] != "http.request":
+                return  # the client went away: nobody to answer
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
             if seen > self.max_bytes:
-                raise HTTPError(413, "payload_too_large", f"request body over {self.max_bytes} bytes")
-            return message
+                return await self._reject(scope, receive, send)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        replayed = False
 
-        await self.app(scope, counting_receive, send)
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: a disconnect, when it comes
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
 
     async def _reject(self, scope: dict, receive: Any, send: Any) -> None:
         response = _error(413, "payload_too_large", f"request body over {self.max_bytes} bytes (--max-body-bytes)")

@@ -20,3 +20,15 @@ def test_separate_policies_are_refused_on_ray(tiny_dir, tmp_path, capsys):
     args = [f"model.path={tiny_dir}", f"run_dir={tmp_path}", "launcher=ray", f"policies.a={tiny_dir}"]
     assert main(["train", RECIPE, *args, "--no-progress"]) == 2
     assert "launcher=ray: separate `policies` are not supported on Ray yet" in capsys.readouterr().err
+
+
+def test_a_run_env_module_that_fails_to_import_stops_the_env_server_launch_in_one_line(tmp_path, monkeypatch):
+    """The driver imports what the env servers will (env.module, the module of env.id) before any actor starts."""
+    from areal_agents.cluster.env_servers import EnvServers
+    from areal_agents.config import EnvConfig
+    from areal_agents.errors import ArealAgentsError
+
+    (tmp_path / "raising_run_envs.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ArealAgentsError, match=r"'raising_run_envs' failed while importing: RuntimeError: no GPU here"):
+        EnvServers.launch(EnvConfig(id="raising_run_envs:Env"), 1, 1.0, 0, 5.0)
