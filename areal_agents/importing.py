@@ -13,6 +13,12 @@ def load_object(spec: str, what: str = "object") -> Any:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ArealAgentsError(f"{what} {spec!r}: expects the form 'package.module:Name'")
+    from areal_agents.envs.registry import module_allowed  # noqa: PLC0415  (envs import this module)
+
+    if not module_allowed(module_name):
+        raise ArealAgentsError(
+            f"{what} {spec!r}: this env server imports no module a request names; start it with --module {module_name}"
+        )
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:

@@ -8,7 +8,7 @@ from typing import Any
 from areal_agents.config import EnvConfig
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.envs.pool import LocalEnvPool
-from areal_agents.envs.registry import import_env_module
+from areal_agents.envs.registry import import_env_module, modules_for
 from areal_agents.envs.remote import EnvServerProcess, RemoteEnvPool
 
 
@@ -41,6 +41,6 @@ def open_env_backend(cfg: EnvConfig) -> EnvBackend:
         return EnvBackend(cfg, LocalEnvPool(cfg.mode, cfg.workers, cfg.step_timeout, [cfg.module]))
     if cfg.server_url:
         return EnvBackend(cfg, RemoteEnvPool(cfg.server_url))
-    modules = [cfg.module] if cfg.module else []
+    modules = modules_for(cfg.id, cfg.module)
     server = EnvServerProcess(mode=cfg.mode, workers=cfg.workers, step_timeout=cfg.step_timeout, module=modules)
     return EnvBackend(cfg, RemoteEnvPool(server.url), server)

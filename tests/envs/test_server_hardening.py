@@ -139,7 +139,6 @@ def test_module_class_ids_resolve_in_modules_imported_at_start(user_module):
         assert status == 200, body
 
 
-@pytest.mark.xfail(strict=True, reason="needs importing.load_object to check registry.module_allowed (not ours)")
 def test_env_kwargs_naming_an_object_pick_it_only_from_start_up_modules():
     """Math-v0's ``reward`` names a ``module:attr``: ``builtins:exec`` with ``reward_mode=inline`` would make
     the server exec every action the client sends. Within a request, only a --module may be named."""
@@ -149,7 +148,6 @@ def test_env_kwargs_naming_an_object_pick_it_only_from_start_up_modules():
         assert status == 400 and "--module builtins" in body["error"]["message"], body
 
 
-@pytest.mark.xfail(strict=True, reason="needs envs/backends.py to start its server with modules_for(id, module)")
 def test_a_run_through_its_own_env_server_serves_its_module_class_id(user_module, tmp_path, monkeypatch):
     """``env.backend=server`` with ``env.id=module:Class`` and no ``env.module``: the run's server imports it."""
     name, _ = user_module
