@@ -9,10 +9,13 @@ from torch.utils.tensorboard import SummaryWriter
 
 
 class MetricsWriter:
-    """``log(step, {"train/loss": 0.1, ...})`` writes scalars; keeps the latest value of each key."""
+    """``log(step, {"train/loss": 0.1, ...})`` writes scalars; keeps the latest value of each key.
 
-    def __init__(self, log_dir: str | Path) -> None:
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+    ``purge_step``: TensorBoard hides what earlier writers to ``log_dir`` logged at this step and after (a
+    resumed run's redone steps replace their first records); None keeps everything."""
+
+    def __init__(self, log_dir: str | Path, purge_step: int | None = None) -> None:
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
         self.latest: dict[str, float] = {}
 
     def log(self, step: int, scalars: dict[str, float]) -> None:

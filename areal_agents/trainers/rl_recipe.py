@@ -8,11 +8,9 @@ greedy accuracy is measured before and after (and every ``eval.every`` steps).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import importlib.util
 import json
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +31,19 @@ from areal_agents.rollout.controller import Group, RolloutController
 from areal_agents.rollout.episodes import RolloutLedger
 from areal_agents.rollout.evaluate import evaluate
 from areal_agents.trainers.checkpoint import checkpoints, load_trainer_state, prune_checkpoints, save_checkpoint
+from areal_agents.trainers.interrupt import Interrupt
 from areal_agents.trainers.metrics import MetricsWriter, prefixed
 from areal_agents.trainers.policy import SHARED, Policy, open_policy
 from areal_agents.trainers.ppo import streamable
+from areal_agents.trainers.resume import check_resume_config, forget_after, with_config_rates
 from areal_agents.trainers.setup import held_out_seeds, open_checked_backend, prepare_run_dir, seed_everything
+from areal_agents.trainers.step_stats import (
+    dump_trajectories,
+    gpu_utilisation,
+    has_reward_variance,
+    ledger_counts,
+    reward_breakdown,
+)
 from areal_agents.trainers.trainer_process import ProcessPolicy, open_process_policy
 from areal_agents.types import SamplingParams, Trajectory
 
@@ -44,13 +51,15 @@ from areal_agents.types import SamplingParams, Trajectory
 def run_train(
     cfg: TrainConfig, progress: bool = True, resume: bool = False, allow_config_change: bool = False
 ) -> dict[str, Any]:
-    """Run RL as configured (``resume``: from the run's newest checkpoint); return the summary also
-    written to ``run_dir/summary.json``."""
-    state, found = None, None
+    """Run RL as configured (``resume``: from the run's newest checkpoint, with the run's saved config
+    less `FREE_KEYS` unless ``allow_config_change``); return the summary also written to
+    ``run_dir/summary.json``. SIGINT or SIGTERM save the last finished step first (`Interrupt`)."""
+    state, found, changes = None, None, []
     if resume:
         found = checkpoints(cfg.run_dir)
         if not found:
             raise ConfigError(f"--resume: no complete checkpoint under {Path(cfg.run_dir) / 'checkpoints'}")
+        changes = check_resume_config(cfg.run_dir, cfg, allow_config_change)
     starts = dict(cfg.policies) if cfg.policies else {SHARED: cfg.model.path}  # policy name -> starting model
     tokenizer = load_tokenizer(cfg.model.path)
     run_dir = prepare_run_dir(cfg.run_dir, cfg)
@@ -58,39 +67,43 @@ def run_train(
     if found:
         state = load_trainer_state(found[-1])  # also puts the global RNGs back
         print(f"resuming from {found[-1]} (step {state['step']}, policy version {state['version']})")
+        if changes:
+            print(f"with config changes (--allow-config-change): {'; '.join(changes)}")
+    forget_after(run_dir, state["step"] if state else 0)  # steps after the checkpoint are redone, and logged anew
     policies: dict[str, Policy] = {}
     cluster = None
     # This thread runs the event loop (agents, envs), not tensors: one intra-op thread, so the torch
     # work it does start (weight swaps) adds no OpenMP team beside the trainer's and the engine's.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        if cfg.launcher == "ray":  # the same run, its parts as Ray actors (areal_agents/cluster)
-            if importlib.util.find_spec("ray") is None:
-                raise ConfigError("launcher=ray needs Ray, which is not installed: pip install 'areal-agents[ray]'")
-            from areal_agents.cluster.launcher import RayLauncher  # noqa: PLC0415
+    with Interrupt() as interrupt:  # SIGTERM before the loop runs: SystemExit(143), servers stopped
+        try:
+            if cfg.launcher == "ray":  # the same run, its parts as Ray actors (areal_agents/cluster)
+                if importlib.util.find_spec("ray") is None:
+                    raise ConfigError("launcher=ray needs Ray, which is not installed: pip install 'areal-agents[ray]'")
+                from areal_agents.cluster.launcher import RayLauncher  # noqa: PLC0415
 
-            cluster = RayLauncher(cfg)
-        for name, start in starts.items():
-            path = str(found[-1] / _model_dir(name)) if found else start
+                cluster = RayLauncher(cfg)
+            for name, start in starts.items():
+                path = str(found[-1] / _model_dir(name)) if found else start
+                if cluster is not None:
+                    policies[name] = cluster.open_policy(name, path, start, run_dir)
+                elif cfg.ppo.trainer == "process":
+                    policies[name] = open_process_policy(name, cfg, path, start, run_dir)
+                else:
+                    policies[name] = open_policy(name, cfg, path, start, run_dir)
+                if state is not None:
+                    policies[name].engine.set_version(state["version"])
+            return interrupt.run(_train(cfg, tokenizer, policies, run_dir, progress, state, interrupt, cluster))
+        finally:
+            for policy in policies.values():
+                if policy.servers is not None:
+                    policy.servers.stop()
+                if isinstance(policy, (Policy, ProcessPolicy)):  # a Ray trainer group is closed by cluster.shutdown()
+                    policy.close()
             if cluster is not None:
-                policies[name] = cluster.open_policy(name, path, start, run_dir)
-            elif cfg.ppo.trainer == "process":
-                policies[name] = open_process_policy(name, cfg, path, start, run_dir)
-            else:
-                policies[name] = open_policy(name, cfg, path, start, run_dir)
-            if state is not None:
-                policies[name].engine.set_version(state["version"])
-        return asyncio.run(_train(cfg, tokenizer, policies, run_dir, progress, state, cluster))
-    finally:
-        for policy in policies.values():
-            if policy.servers is not None:
-                policy.servers.stop()
-            if isinstance(policy, (Policy, ProcessPolicy)):  # a Ray trainer group is closed by cluster.shutdown()
-                policy.close()
-        if cluster is not None:
-            cluster.shutdown()
-        torch.set_num_threads(threads)
+                cluster.shutdown()
+            torch.set_num_threads(threads)
 
 
 def _model_dir(name: str) -> str:
@@ -98,7 +111,7 @@ def _model_dir(name: str) -> str:
     return "model" if name == SHARED else f"policies/{name}/model"
 
 
-async def _train(cfg, tokenizer, policies, run_dir, progress, state, cluster=None):
+async def _train(cfg, tokenizer, policies, run_dir, progress, state, interrupt, cluster=None):
     # a bad env id or kwargs fail here
     backend = await open_checked_backend(cfg.env, cfg.eval, cluster.env_backend() if cluster else None)
     r = cfg.rollout
@@ -115,7 +128,13 @@ async def _train(cfg, tokenizer, policies, run_dir, progress, state, cluster=Non
             SamplingParams(r.max_new_tokens, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p),
         ):
             agents.append(make_rollout_agent(r, engine, tokenizer, sampling))
-        return await _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progress, state, cluster)
+        return await _train_loop(
+            cfg, tokenizer, policies, backend, agents, run_dir, progress, state, interrupt, cluster
+        )
+    except asyncio.CancelledError:
+        if not interrupt.caught():
+            raise
+        await interrupt.stop()  # the loop's handler: save the last finished step; raises Interrupted
     finally:
         for agent in agents:
             if hasattr(agent, "aclose"):
@@ -125,22 +144,25 @@ async def _train(cfg, tokenizer, policies, run_dir, progress, state, cluster=Non
             await policy.engine.aclose()
 
 
-async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progress, state, cluster):
+async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progress, state, interrupt, cluster):
     r = cfg.rollout
     agent, greedy = agents
     main = next(iter(policies.values()))  # its engine's version is the run's (all advance together)
     eval_seeds = await held_out_seeds(backend, cfg.eval)
-    metrics = MetricsWriter(run_dir / "tensorboard")
     ledger = RolloutLedger()
     generator = torch.Generator().manual_seed(cfg.seed)
     first_step, data_position = 1, 0
     if state is not None:
-        for name, policy in policies.items():
-            policy.load_train_state(state if name == SHARED else state["policies"][name])
+        ppo = cfg.ppo
+        for name, policy in policies.items():  # the rates of the config (an allowed change takes effect)
+            train_state = state if name == SHARED else state["policies"][name]
+            policy.load_train_state(with_config_rates(train_state, ppo.lr, ppo.weight_decay, ppo.critic_lr))
         generator.set_state(state["generator"])
         ledger = RolloutLedger(**{k: v for k, v in state["ledger"].items() if k != "running"})
         ledger.submitted -= state["ledger"]["running"]  # episodes cut off by the stop run again
         first_step, data_position = state["step"] + 1, state["data_position"]
+    # TensorBoard hides what an earlier run logged from here on (a resumed run redoes those steps)
+    metrics = MetricsWriter(run_dir / "tensorboard", purge_step=first_step if state is not None else 0)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def make_eval_env() -> AsyncEnv:
@@ -164,7 +186,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         get_version=main.engine.get_version,
         max_staleness=r.max_staleness,
         max_concurrent_episodes=r.max_concurrent_rollouts,
-        group_filter=_has_reward_variance if r.dynamic_sampling else None,
+        group_filter=has_reward_variance if r.dynamic_sampling else None,
         max_retries=r.max_retries,
         ledger=ledger,
         start_index=data_position,
@@ -178,17 +200,39 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
     totals |= {"train_seconds": 0.0, "step_seconds": 0.0, "engine_busy_seconds": 0.0}
     last_save = time.monotonic()
 
-    def checkpoint(step: int) -> Path:
+    def snapshot() -> dict[str, Any]:
+        """What a checkpoint of the step just finished holds besides the policies' weights and train state."""
         extra = {"data_position": controller.data_position, "generator": generator.get_state()}
-        extra["accuracy_before"] = before["accuracy"]
+        return extra | {"accuracy_before": before["accuracy"]} | _state(main.engine, ledger)
+
+    saved, snap = first_step - 1, {}  # the newest checkpoint's step; `snapshot` at the last step's end
+
+    def checkpoint(step: int, extra: dict[str, Any]) -> Path:
+        nonlocal saved
         if SHARED in policies:
-            extra |= policies[SHARED].train_state()
+            extra = extra | policies[SHARED].train_state()
         else:
-            extra["policies"] = {name: p.train_state() for name, p in policies.items()}
+            extra = extra | {"policies": {name: p.train_state() for name, p in policies.items()}}
         models = {_model_dir(name): p.model for name, p in policies.items()}
-        path = save_checkpoint(run_dir, step, models, tokenizer, _state(main.engine, ledger) | extra)
+        path = save_checkpoint(run_dir, step, models, tokenizer, extra)
         prune_checkpoints(run_dir, cfg.keep_checkpoints)
+        saved = step
         return path
+
+    async def save_on_interrupt() -> None:
+        """A signal abandoned the step in progress (untrained): checkpoint the last finished one."""
+        await controller.aclose()
+        metrics.close()
+        if done <= saved:
+            print(f"stopped by {interrupt.name}: no step finished since the checkpoint of step {saved}, none written")
+            return
+        for policy in policies.values():  # an abandoned streamed update's backward may still be running
+            if isinstance(policy, Policy) and policy.trainer is not None:
+                await asyncio.get_running_loop().run_in_executor(policy.trainer, int)
+        path = checkpoint(done, snap)
+        print(f"stopped by {interrupt.name} after step {done}: checkpoint {path} (--resume continues from it)")
+
+    interrupt.on_stop = save_on_interrupt
 
     seen: dict[str, float] = {"time": time.perf_counter()}  # a local hf engine's counters at the last step
 
@@ -229,9 +273,12 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         # episodes keep running while we train (max_staleness > 0); t1: the batch's last group in hand;
         # waited: seconds the trainer sat idle for rollouts
         if stream:
-            groups, per_policy, t1, waited = await _streamed_update(controller, policies, cfg, pad, generator)
+            groups, per_policy, t1, waited = await _streamed_update(
+                controller, policies, cfg, pad, generator, interrupt
+            )
         else:
             groups = await controller.get_batch()
+            interrupt.hold()  # the update starts: a signal now waits for the step's end
             t1 = time.perf_counter()
             waited = t1 - t0
             per_policy = {}
@@ -241,7 +288,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         with open(run_dir / "data_order.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "prompts": [g.index for g in groups]}) + "\n")
         if r.dump_trajectories:
-            _dump(run_dir / "trajectories" / f"step_{step}.jsonl", trajectories)
+            dump_trajectories(run_dir / "trajectories" / f"step_{step}.jsonl", trajectories)
         stats: dict[str, float] = {}
         for name, policy_stats in per_policy.items():
             stats |= policy_stats if name == SHARED else prefixed(name, policy_stats)
@@ -273,7 +320,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
             "running_groups": float(controller.running_groups),
             "staleness_mean": float(np.mean(staleness)),
             "staleness_max": float(max(staleness)),
-            **_reward_breakdown(trajectories, cfg.env.id),
+            **reward_breakdown(trajectories, cfg.env.id),
         }
         perf = {
             "gen_tokens_per_s": generated / max(t1 - t0, 1e-9),
@@ -281,7 +328,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
             "train_tokens_per_s": sum(len(t) for t in trajectories) / max(t2 - t0 - waited, 1e-9),
             "rollout_wait_seconds": waited,
             "step_seconds": t2 - t0,
-            **_gpu_utilisation(),
+            **gpu_utilisation(),
         }
         totals["trained_samples"] += int(stats.get("trained_trajectories", 0))
         totals["generated_tokens"] += generated
@@ -307,15 +354,16 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
             refresh=False,
         )
         bar.update()
+        done, snap = step, snapshot()
+        interrupt.release()  # a signal that came while the step trained stops the run here
         if cfg.eval.every and step % cfg.eval.every == 0 and not last:
             result = await run_eval(step)
             bar.write(f"step {step}: held-out greedy accuracy {result['accuracy']:.1%}")
         every_steps = cfg.save_every and step % cfg.save_every == 0
         every_minutes = cfg.save_every_minutes and time.monotonic() - last_save >= 60 * cfg.save_every_minutes
         if (every_steps or every_minutes) and not last:
-            checkpoint(step)
+            checkpoint(step, snap)
             last_save = time.monotonic()
-        done = step
         if last:
             break
     bar.close()
@@ -324,7 +372,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
     if done < cfg.steps:
         print(f"stopped after step {done}: max_train_minutes={cfg.max_train_minutes:g} of training steps spent")
     after = await run_eval(done)
-    ckpt = checkpoint(done)
+    ckpt = checkpoint(done, snapshot())
     metrics.close()
     wall = time.perf_counter() - start
     summary = {
@@ -345,7 +393,7 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
         "engine_busy_fraction": (
             totals["engine_busy_seconds"] / max(totals["step_seconds"], 1e-9) if local_engine else None
         ),
-        "episodes": _ledger(ledger),
+        "episodes": ledger_counts(ledger),
         "episode_retries": controller.stats.retries,  # env, engine or worker failures run again
         "checkpoint": str(ckpt),
     }
@@ -366,12 +414,17 @@ async def _train_loop(cfg, tokenizer, policies, backend, agents, run_dir, progre
 def _state(engine: InferenceEngine, ledger: RolloutLedger) -> dict[str, Any]:
     return {
         "version": engine.get_version(),
-        "ledger": _ledger(ledger),
+        "ledger": ledger_counts(ledger),
     }
 
 
 async def _streamed_update(
-    controller: RolloutController, policies: dict[str, Policy], cfg: TrainConfig, pad: int, generator: torch.Generator
+    controller: RolloutController,
+    policies: dict[str, Policy],
+    cfg: TrainConfig,
+    pad: int,
+    generator: torch.Generator,
+    interrupt: Interrupt,
 ) -> tuple[list[Group], dict[str, dict[str, float]], float, float]:
     """Take a batch and train on it, feeding each policy's update the groups taken so far whenever it is
     free (``ppo.stream_updates``): its forward/backward runs while the batch's last groups generate.
@@ -406,6 +459,7 @@ async def _streamed_update(
         await feeder
     finally:
         feeder.cancel()
+    interrupt.hold()  # the optimizer steps: a signal now waits for the step's end
     stats = {name: await policy.finish_update(cfg, pad, generator) for name, policy in policies.items()}
     return sorted(groups, key=lambda g: g.index), stats, last[0], waited
 
@@ -426,52 +480,3 @@ def _route(trajectories: list[Trajectory], policies: dict[str, Policy]) -> dict[
             )
         out[t.agent_id].append(t)
     return out
-
-
-def _dump(path: Path, trajectories: list[Trajectory]) -> None:
-    """The step's training data as JSONL, one trajectory a line (tokens, masks, logprobs, versions, rewards)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for t in trajectories:
-            row = dataclasses.asdict(t)
-            row["metadata"] = json.loads(json.dumps(t.metadata, default=str))
-            f.write(json.dumps(row) + "\n")
-
-
-def _ledger(ledger: RolloutLedger) -> dict[str, int]:
-    return {**dataclasses.asdict(ledger), "running": ledger.running}
-
-
-def _reward_breakdown(trajectories: list[Trajectory], default_env: str) -> dict[str, float]:
-    """Mean reward per env (``metadata["env"]``, else the run's env id) and of each turn; with several
-    agents also per agent (``reward_agent/ID``) and per agent and turn (``reward_turn/ID/K``)."""
-    by_env: dict[str, list[float]] = defaultdict(list)
-    by_agent: dict[str, list[float]] = defaultdict(list)
-    by_turn: dict[tuple[str, int], list[float]] = defaultdict(list)
-    for t in trajectories:
-        if t.metadata.get("segment", 0) != 0:
-            continue  # later segments of an episode repeat its rewards
-        by_env[str(t.metadata.get("env", default_env))].append(t.reward)
-        by_agent[t.agent_id].append(t.reward)
-        for k, r in enumerate(t.turn_rewards):
-            by_turn[(t.agent_id, k + 1)].append(r)
-    out = {f"reward_env/{env}": float(np.mean(v)) for env, v in by_env.items()}
-    if len(by_agent) > 1:
-        out |= {f"reward_agent/{a}": float(np.mean(v)) for a, v in sorted(by_agent.items())}
-        return out | {f"reward_turn/{a}/{k}": float(np.mean(v)) for (a, k), v in sorted(by_turn.items())}
-    return out | {f"reward_turn/{k}": float(np.mean(v)) for (_, k), v in sorted(by_turn.items())}
-
-
-def _gpu_utilisation() -> dict[str, float]:
-    """Utilisation (%) of each visible GPU, when there is one and NVML can read it."""
-    if not torch.cuda.is_available():
-        return {}
-    try:
-        return {f"gpu{i}_utilisation": float(torch.cuda.utilization(i)) for i in range(torch.cuda.device_count())}
-    except Exception:  # noqa: BLE001  (no pynvml / NVML: skip rather than fail a run over a metric)
-        return {}
-
-
-def _has_reward_variance(group: Group) -> bool:
-    """Dynamic sampling's filter: a group whose rewards are all equal teaches GRPO nothing."""
-    return len({t.reward for t in group.trajectories}) > 1

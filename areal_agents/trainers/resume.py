@@ -1,0 +1,145 @@
+"""What `train --resume` checks and cleans before it continues a run.
+
+A resume continues the run its checkpoint belongs to, so it may change only how long the run goes on and
+what it records (`FREE_KEYS`); any other difference from the run's saved ``config.json`` (model, env,
+rollout, ppo, engine, seed, ...) would train something else under the same name, and needs
+``--allow-config-change``. Records of steps after the checkpoint (a step cut off by a kill, or trained
+after the last save) are dropped, so each step is written once: its redo replaces it.
+
+Example::
+
+    changes = config_changes(json.loads((run_dir / "config.json").read_text()), config_to_dict(cfg))
+    # ["ppo.lr: 0.0001 -> 0.001"]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from areal_agents.config import config_to_dict
+from areal_agents.errors import ConfigError
+
+# keys a resume may change: the run's length, checkpointing, evaluation and logging, and where the same run
+# executes (docs/cluster.md: a Ray run resumes locally and the other way round, with any number of ranks)
+FREE_KEYS = (
+    "run_dir",
+    "steps",
+    "max_train_minutes",
+    "save_every",
+    "save_every_minutes",
+    "keep_checkpoints",
+    "eval",
+    "rollout.dump_trajectories",
+    "launcher",
+    "ray",
+)
+_ABSENT = "(absent)"
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}, "c": {}}`` -> ``{"a.b": 1}`` (lists stay whole values)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _free(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in FREE_KEYS)
+
+
+def config_changes(saved: dict[str, Any], new: dict[str, Any], defaults: dict[str, Any] | None = None) -> list[str]:
+    """The differences outside `FREE_KEYS` between a run's saved config and a new one, as
+    ``"dotted.key: old -> new"`` lines, sorted. A key the saved config lacks (it predates the key) counts
+    as changed only if the new value differs from ``defaults`` (the config class's own)."""
+    old, cur = _flat(saved), _flat(json.loads(json.dumps(new)))
+    base = _flat(json.loads(json.dumps(defaults))) if defaults is not None else {}
+    changes = []
+    for key in sorted(old.keys() | cur.keys()):
+        if _free(key):
+            continue
+        before, after = old.get(key, base.get(key, _ABSENT)), cur.get(key, _ABSENT)
+        if before != after:
+            changes.append(f"{key}: {_show(before)} -> {_show(after)}")
+    return changes
+
+
+def _show(value: Any) -> str:
+    return value if value == _ABSENT else json.dumps(value)
+
+
+def check_resume_config(run_dir: str | Path, cfg: Any, allow_change: bool) -> list[str]:
+    """Compare ``cfg`` with the run's saved ``config.json`` (none: nothing to compare); return the changes
+    outside `FREE_KEYS`, allowed by ``allow_change``, else raise `ConfigError` naming them."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        return []
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--resume: {path} is not valid JSON ({e}); restore it or start a new run_dir") from None
+    changes = config_changes(saved, config_to_dict(cfg), config_to_dict(type(cfg)()))
+    if changes and not allow_change:
+        raise ConfigError(
+            f"--resume: the config differs from the run's ({path}): {'; '.join(changes)}. Resume with the saved "
+            "values, or pass --allow-config-change to continue the run with the new ones (free to change: steps, "
+            "max_train_minutes, save_every*, keep_checkpoints, eval.*, rollout.dump_trajectories, launcher, ray.*)"
+        )
+    return changes
+
+
+def with_config_rates(train_state: dict[str, Any], lr: float, weight_decay: float, critic_lr: float) -> dict[str, Any]:
+    """A policy's checkpointed train state with the config's learning rates and weight decay, the schedule's
+    progress and the optimizer moments kept: an allowed change of ``ppo.lr`` (or ``critic_lr``,
+    ``weight_decay``) takes effect, where loading the optimizer state would put the old values back."""
+    out = dict(train_state)
+    out["optimizer"], factors = _with_rates(train_state["optimizer"], lr, weight_decay)
+    scheduler = train_state["scheduler"]
+    if scheduler["base_lrs"] != [lr] * len(scheduler["base_lrs"]):
+        out["scheduler"] = {**scheduler, "base_lrs": [lr] * len(factors), "_last_lr": [lr * f for f in factors]}
+    if "critic_optimizer" in train_state:
+        out["critic_optimizer"], _ = _with_rates(train_state["critic_optimizer"], critic_lr, weight_decay)
+    return out
+
+
+def _with_rates(optimizer: dict[str, Any], lr: float, weight_decay: float) -> tuple[dict[str, Any], list[float]]:
+    """An optimizer state dict with base rate ``lr`` (the current rate scaled as the schedule has it now);
+    the schedule's factor of each group. Unchanged groups are left bit for bit."""
+    groups, factors = [], []
+    for group in optimizer["param_groups"]:
+        base = group.get("initial_lr", group["lr"])
+        factors.append(group["lr"] / base if base else 1.0)
+        group = {**group, "weight_decay": weight_decay}
+        if base != lr:
+            group |= {"lr": lr * factors[-1], "initial_lr": lr} if "initial_lr" in group else {"lr": lr}
+        groups.append(group)
+    return {**optimizer, "param_groups": groups}, factors
+
+
+def forget_after(run_dir: str | Path, step: int) -> None:
+    """Drop the run's records of steps after ``step`` (``data_order.jsonl`` rows, trajectory dumps), which
+    the resumed run writes again. TensorBoard's are hidden by the writer's ``purge_step``."""
+    run_dir = Path(run_dir)
+    order = run_dir / "data_order.jsonl"
+    if order.is_file():
+        kept = [line for line in order.read_text().splitlines(keepends=True) if _step_of(line) <= step]
+        tmp = order.with_name(order.name + ".tmp")
+        tmp.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept))
+        os.replace(tmp, order)
+    for dump in (run_dir / "trajectories").glob("step_*.jsonl"):
+        if dump.stem[5:].isdigit() and int(dump.stem[5:]) > step:
+            dump.unlink()
+
+
+def _step_of(line: str) -> int:
+    """The step of a ``data_order.jsonl`` row; a torn last row (a kill mid-write) counts as after every step."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62
