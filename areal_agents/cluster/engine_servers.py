@@ -1,11 +1,14 @@
 """Model servers (serve-model on CPU, SGLang on GPU) as Ray actors, placed by the resources they ask
-for; each actor runs the same server command the local launcher would and stops it when it goes."""
+for; each actor runs the same server command the local launcher would, restarts it (on the same address,
+with the run's current weights: `Supervisor`) when it dies or reports its engine failed, and stops it
+when it goes."""
 
 from __future__ import annotations
 
 import ctypes
 import signal
 import subprocess
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import ray
 
 from areal_agents.config import EngineConfig
 from areal_agents.engines.launcher import ServerGroup, free_port, server_command, wait_healthy
+from areal_agents.engines.server_supervisor import Supervisor
 
 
 def _die_with_parent() -> None:
@@ -20,20 +24,28 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _spawn(command: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+        )
+
+
 @ray.remote
 class EngineServerActor:
-    def __init__(self, cfg: EngineConfig, model_path: str, dtype: str, log_dir: str, index: int) -> None:
+    def __init__(
+        self, cfg: EngineConfig, model_path: str, dtype: str, log_dir: str, index: int, weights_dir: str | None
+    ) -> None:
+        since = time.time()
         host = ray.util.get_node_ip_address()
         port = free_port(host)
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs, so an SGLang server counts from GPU 0
         # a serve-model actor has its node's share to itself: its decode thread takes all the cores torch sees
-        command = server_command(replace(cfg, host=host, cpu_threads=0), model_path, dtype, port, 0)
+        cfg = replace(cfg, host=host, cpu_threads=0)
         log = Path(log_dir) / f"{cfg.backend}-{index}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
-            )
+        log.write_bytes(b"")
+        proc = _spawn(server_command(cfg, model_path, dtype, port, 0), log)
         self.group = ServerGroup([f"http://{host}:{port}"], [proc], [log])
         try:
             wait_healthy(self.group, cfg.startup_timeout_s)
@@ -41,8 +53,20 @@ class EngineServerActor:
             self.group.stop()
             raise
 
+        def command_for(i: int, path: str, tokenizer: str, version: str | None) -> list[str]:
+            return server_command(cfg, path, dtype, port, 0, tokenizer_path=tokenizer, weight_version=version)
+
+        weights = Path(weights_dir) if weights_dir else None
+        self.group.supervisor = Supervisor(
+            self.group, command_for, model_path, weights, spawn=_spawn, startup_timeout_s=cfg.startup_timeout_s,
+            since=since,
+        ).start()  # fmt: skip
+
     def url(self) -> str:
         return self.group.addresses[0]
+
+    def restarts(self) -> int:
+        return len(self.group.supervisor.restarts) if self.group.supervisor else 0
 
     def stop(self) -> None:
         self.group.stop()
@@ -51,10 +75,21 @@ class EngineServerActor:
 class EngineServers:
     """The model servers of one policy; ``stop()`` like a local `ServerGroup`."""
 
-    def __init__(self, cfg: EngineConfig, model_path: str, dtype: str, log_dir: Path, cpus: float, gpus: float):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model_path: str,
+        dtype: str,
+        log_dir: Path,
+        cpus: float,
+        gpus: float,
+        weights_dir: Path | None = None,
+    ):
+        """``weights_dir``: where the run writes weight updates (default: ``engine_weights`` beside ``log_dir``)."""
         options = {"num_cpus": cpus, "num_gpus": gpus}
+        weights = str(weights_dir or Path(log_dir).parent / "engine_weights")
         self.actors = [
-            EngineServerActor.options(**options).remote(cfg, model_path, dtype, str(log_dir), i)
+            EngineServerActor.options(**options).remote(cfg, model_path, dtype, str(log_dir), i, weights)
             for i in range(cfg.num_servers)
         ]
         self.addresses = ray.get([a.url.remote() for a in self.actors])

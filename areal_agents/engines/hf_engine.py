@@ -12,6 +12,9 @@ and its later tokens carry the new version (AReaL's interruptible rollout). ``st
 old weights' keys and values instead (PipelineRL's in-flight weight update): no re-prefill; each token's
 recorded logprob is still that of the distribution it was sampled from, which is what decoupled PPO's
 behavior policy needs.
+Every request is checked first (`check_request`: token ids in the vocabulary, the prompt within the
+model's context, ``max_new_tokens`` capped at the context left); an error in one request's prefill, decode
+step or sampling fails that request alone. ``health()`` says whether the decode loop itself still runs.
 ``abort()`` ends requests early with stop reason ``abort`` and the tokens so far (what ``serve-model``'s
 /pause_generation and /abort_request do); ``generate_once`` may return such a partial response, while
 ``agenerate`` resubmits prompt + tokens so far until the request completes, as the SGLang client does.
@@ -33,14 +36,15 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
 
+from areal_agents.engines.kv_buffer import GrowingLayer as _GrowingLayer
+from areal_agents.engines.kv_buffer import kv_dtype_of
 from areal_agents.engines.llama_decode import LlamaDecodeStep
 from areal_agents.engines.prefix_cache import PrefixCache
+from areal_agents.engines.request_checks import RequestLimits, check_request
 from areal_agents.engines.sampling import sample_tokens
 from areal_agents.engines.segmented_attention import SEGMENTED_SDPA, SegmentedKV
 from areal_agents.errors import EngineError
-from areal_agents.models.loading import DTYPES
 from areal_agents.types import GenRequest, GenResponse, SamplingParams, StopReason
 
 StaleKV = Literal["recompute", "keep"]  # what new weights do to the KV cache of running and finished requests
@@ -49,6 +53,7 @@ GATHER_FRACTION = 0.125  # a busy batch admits arrivals once they are this share
 COMPACT_FRACTION = 0.0625  # drop finished rows from the cache once they are this share of the batch
 MAX_SEGMENTS = 8  # KV cache segments of the running batch (each one an attention call per layer) ...
 MERGE_CELLS = 256  # ... two segments merge when padding one to the other costs fewer (row x column) cells
+STALL_S = 600.0  # seconds a decode step may take before `health` calls the thread stuck
 
 
 @dataclass
@@ -63,6 +68,7 @@ class EngineStats:
     kv_context_cells: int = 0  # ... of which rows' real tokens: their ratio is the padding the segments left
     segments: int = 0  # KV cache segments, summed over decode steps
     aborted: int = 0  # submissions ended early by abort() (agenerate resubmits them)
+    failed: int = 0  # requests failed by an error in their own prefill, decode or sampling (the others go on)
     weight_updates: int = 0
     max_running: int = 0
     busy_seconds: float = 0.0
@@ -84,92 +90,6 @@ class _Sequence:
     abort: bool = False
     delivered: bool = False  # handed back; its row may stay in the batch until the next compaction
     start: float = field(default_factory=time.perf_counter)
-
-
-class _GrowingLayer(DynamicLayer):
-    """A KV cache layer kept in a buffer with spare rows and columns, so that the running batch changes
-    in place: a decode step writes its column, arrivals write their rows, finished rows are replaced by
-    the last ones and leading columns nobody attends to are dropped, without copying the whole cache
-    (`DynamicLayer` concatenates every step; merging arrivals by concatenation copied every row).
-
-    ``keys`` / ``values`` are views ``room[:rows, :, start:start + width]``; one the engine replaces by
-    another tensor (a prefill's rows picked by index) is copied into fresh room when next changed."""
-
-    @classmethod
-    def adopt(cls, layer: DynamicLayer, max_rows: int, dtype: torch.dtype | None = None) -> _GrowingLayer:
-        """``layer`` (a prefill's) as a growing one whose room holds ``dtype`` keys and values (default: its own)."""
-        grown = cls()
-        grown.__dict__.update(layer.__dict__)
-        grown._room, grown._start, grown._view, grown._max_rows = None, 0, None, max_rows
-        grown._dtype = dtype or layer.keys.dtype
-        return grown
-
-    def _make_room(self, rows: int, left: int, right: int) -> None:
-        """Ensure room for ``rows`` rows, ``left`` columns before the view and ``right`` after it."""
-        n, width = self.keys.shape[0], self.keys.shape[-2]
-        room = self._room
-        if (
-            room is not None
-            and self.keys is self._view
-            and room[0].shape[0] >= rows
-            and self._start >= left
-            and room[0].shape[2] - self._start - width >= right
-        ):
-            return
-        capacity = max(rows, min(self._max_rows, 2 * rows))
-        self._start = max(left, 8, width // 4)
-        columns = self._start + width + max(right, 16, width // 2)
-        room = tuple(
-            x.new_empty(capacity, x.shape[1], columns, x.shape[-1], dtype=self._dtype) for x in (self.keys, self.values)
-        )
-        for r, x in zip(room, (self.keys, self.values)):
-            # columns a row does not attend to are masked and must hold finite numbers: the ones a wider arrival
-            # may bring into view are zeroed (spare rows' when `add_rows` takes them; right ones are written first)
-            r[:n, :, : self._start].zero_()
-            r[:n, :, self._start : self._start + width] = x
-        self._room = room
-        self._show(n, width)
-
-    def _show(self, rows: int, width: int) -> None:
-        keys, values = self._room
-        self.keys = keys[:rows, :, self._start : self._start + width]
-        self.values = values[:rows, :, self._start : self._start + width]
-        self._view = self.keys
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003
-        if not self.is_initialized or self.keys.numel() == 0:
-            return super().update(key_states, value_states, *args, **kwargs)
-        n, width, add = self.keys.shape[0], self.keys.shape[-2], key_states.shape[-2]
-        self._make_room(n, 0, add)
-        end = self._start + width
-        self._room[0][:n, :, end : end + add] = key_states
-        self._room[1][:n, :, end : end + add] = value_states
-        self._show(n, width + add)
-        return self.keys, self.values
-
-    def add_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append rows whose last column lines up with the batch's (left padding; wider ones widen it)."""
-        n, width = self.keys.shape[0], self.keys.shape[-2]
-        k, w = keys.shape[0], keys.shape[-2]
-        wider = max(0, w - width)
-        self._make_room(n + k, wider, 0)
-        self._start -= wider
-        end = self._start + width + wider
-        for r, x in zip(self._room, (keys, values)):
-            r[n : n + k, :, : end - w].zero_()
-            r[n : n + k, :, end - w : end] = x
-        self._show(n + k, width + wider)
-
-    def keep_rows(self, holes: torch.Tensor, movers: torch.Tensor, rows: int, drop_columns: int) -> None:
-        """Keep the first ``rows`` rows, the last rows ``movers`` copied into ``holes``; drop leading columns."""
-        n, width = self.keys.shape[0], self.keys.shape[-2]
-        if self.keys is not self._view:
-            self._make_room(n, 0, 0)
-        if len(holes):
-            for x in self._room:
-                x[holes, :, self._start : self._start + width] = x[movers, :, self._start : self._start + width]
-        self._start += drop_columns
-        self._show(rows, width - drop_columns)
 
 
 @dataclass
@@ -219,6 +139,8 @@ class _SegmentedCache(DynamicCache):
 class HFEngine:
     """In-process `InferenceEngine` over a transformers causal LM (the CPU default and test engine)."""
 
+    stall_s: float = STALL_S  # `health`: busy this long without finishing a step is stuck
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -254,6 +176,7 @@ class HFEngine:
         # decode steps of Llama-family models run `LlamaDecodeStep` (False, or another model: transformers' forward)
         self._decode_step = LlamaDecodeStep.of(model) if fast_decode else None
         self._sliding_window = _sliding_window(model)  # the segments' masks attend to every column
+        self.limits = RequestLimits.of(model)  # every request is checked against them (`check_request`)
         eos = eos_token_ids if eos_token_ids is not None else model.generation_config.eos_token_id
         self.eos_token_ids = set([eos] if isinstance(eos, int) else (eos or []))
         pad = pad_token_id if pad_token_id is not None else model.config.pad_token_id
@@ -267,12 +190,14 @@ class HFEngine:
         self.stale_kv = stale_kv
         self.gather_steps = gather_steps  # ... after this many decode steps (0: admit at every step)
         self.max_segments = max_segments  # KV cache segments (1: one cache, left-padded to the oldest row)
-        self.kv_dtype = _kv_dtype(kv_dtype, model.dtype)  # of the KV cache decode steps attend to
+        self.kv_dtype = kv_dtype_of(kv_dtype, model.dtype)  # of the KV cache decode steps attend to
         self._gathered = 0  # decode steps arrivals have been held back (decode thread only)
         self._version = version
         self._cv = threading.Condition()  # guards everything below, shared with the decode thread
         self._incoming: list[_Sequence] = []
         self._running: list[_Sequence] = []
+        self._admitting: list[_Sequence] = []  # taken from the queue by the step in progress
+        self._beat = time.monotonic()  # when the decode thread last began or finished a step (`health`)
         self._paused = False
         self._at_boundary = True  # the decode thread is waiting, not touching the model
         self._idle = True  # ... and waiting for work: a submission must wake it
@@ -303,7 +228,9 @@ class HFEngine:
             raise
 
     async def agenerate(self, request: GenRequest) -> GenResponse:
+        """Generate to the end (resubmitting after aborts); `RequestError` names a field the model cannot take."""
         start = time.perf_counter()
+        request = check_request(request, self.limits)  # max_new_tokens capped at the context left
         sp = request.sampling
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -334,7 +261,7 @@ class HFEngine:
     async def abort(self, rid: str | None = None) -> int:
         """End queued and running requests (all, or those whose rid is ``rid``) now, as ``abort``."""
         with self._cv:
-            hit = [s for s in self._incoming + self._running if rid is None or s.rid == rid]
+            hit = [s for s in self._incoming + self._admitting + self._running if rid is None or s.rid == rid]
             for seq in hit:
                 seq.abort = True
             self._aborts = bool(hit)
@@ -370,13 +297,33 @@ class HFEngine:
     async def aclose(self) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Stop the decode thread; requests still queued or running fail with `EngineError`."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the decode thread; requests still queued or running fail with `EngineError`. With
+        ``timeout_s``, a decode thread stuck in a step is left behind (a daemon) and its requests fail now."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is None:
+            return
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            with self._cv:
+                stuck, self._incoming = self._incoming + self._admitting + self._running, []
+            _deliver([(seq, EngineError("HFEngine is closed (its decode thread did not stop)")) for seq in stuck])
+
+    def health(self) -> str | None:
+        """None while the engine can serve; else why not (closed, its decode thread failed or is gone, or
+        busy for ``stall_s`` without finishing a step): serve-model's /health answers 503 with it."""
+        with self._cv:
+            if self._error is not None:
+                return f"HFEngine decode thread failed: {self._error!r}"
+            if self._closed:
+                return "HFEngine is closed"
+            if self._thread is not None and not self._thread.is_alive():
+                return "HFEngine decode thread is gone"
+            if not self._idle and time.monotonic() - self._beat > self.stall_s:
+                return f"HFEngine decode thread has not finished a step for {time.monotonic() - self._beat:.0f}s"
+        return None
 
     async def get_stats(self) -> EngineStats:
         """Counters since the start (as `ProcessEngine.get_stats`, which asks its process)."""
@@ -396,6 +343,7 @@ class HFEngine:
     # ---- caller side ------------------------------------------------------------------------
 
     def _submit(self, request: GenRequest) -> _Sequence:
+        request = check_request(request, self.limits)  # nothing the model cannot take reaches the decode thread
         stops = (set() if request.sampling.ignore_eos else self.eos_token_ids) | set(request.sampling.stop_token_ids)
         future = asyncio.get_running_loop().create_future()
         seq = _Sequence(request.rid, list(request.input_ids), request.sampling, stops, future)
@@ -453,7 +401,7 @@ class HFEngine:
 
     def _wait_for_boundary(self) -> None:
         with self._cv:
-            while not self._at_boundary and self._thread is not None and self._thread.is_alive():
+            while not (self._at_boundary or self._closed) and self._thread is not None and self._thread.is_alive():
                 self._cv.wait(0.1)
 
     async def _wait_unpaused(self) -> None:
@@ -475,7 +423,7 @@ class HFEngine:
                         self._at_boundary = self._idle = True
                         self._cv.notify_all()
                         self._cv.wait()
-                    self._idle = False
+                    self._idle, self._beat = False, time.monotonic()
                     if self._closed:
                         break
                     if not batch.rows:
@@ -491,7 +439,7 @@ class HFEngine:
                     stale, self._stale_cache = (
                         (False, self._stale_cache) if self._paused else (self._stale_cache, False)
                     )
-                    paused, version = self._paused, self._version
+                    paused, version, self._admitting = self._paused, self._version, incoming
                     flush, self._flush_prefixes = self._flush_prefixes, False
                 if flush:
                     self.prefixes.clear()
@@ -505,12 +453,13 @@ class HFEngine:
                 self._outbox = []
                 with self._cv:
                     self._running = [s for s in batch.rows if not s.delivered]
+                    self._admitting, self._beat = [], time.monotonic()
         except BaseException as e:  # noqa: BLE001  (fail the requests, not silently hang them)
             self._error = e
         with self._cv:
             self._at_boundary = True
-            leftover = batch.rows + self._incoming
-            self._incoming, self._running = [], []
+            leftover = batch.rows + self._admitting + self._incoming  # every request this engine took is answered
+            self._incoming, self._running, self._admitting = [], [], []
             self._cv.notify_all()
         error = EngineError(f"HFEngine stopped: {self._error!r}" if self._error else "HFEngine is closed")
         _deliver(self._outbox + [(seq, error) for seq in leftover])
@@ -530,13 +479,53 @@ class HFEngine:
             live = [s for s in batch.rows if not s.delivered] + live
             batch.segments = []
         if live:
-            batch.segments.append(self._prefill(live, version))  # a segment of its own, or merged (`_retire`)
-            self._retire(batch)
+            self._admit(batch, live, version)
         if batch.segments:
-            self._decode(batch, version)
+            try:
+                self._decode(batch, version)
+            except Exception:  # noqa: BLE001  (one request's fault must not fail the others)
+                self._redecode_alone(batch, version)
             self._retire(batch)
         self.stats.max_running = max(self.stats.max_running, sum(not s.delivered for s in batch.rows))
         self.stats.busy_seconds += time.perf_counter() - start
+
+    def _admit(self, batch: _Running, rows: list[_Sequence], version: int) -> None:
+        """Prefill ``rows`` into the running batch (a segment of their own, or merged by `_retire`); if that
+        fails, each row alone, so that only the rows whose own prefill fails fail."""
+        try:
+            batch.segments.append(self._prefill(rows, version))
+        except Exception as e:  # noqa: BLE001
+            if len(rows) == 1:
+                self._fail(rows[0], e)
+            else:
+                for seq in rows:
+                    self._admit(batch, [seq], version)
+        self._retire(batch)
+
+    def _redecode_alone(self, batch: _Running, version: int) -> None:
+        """A decode step failed (its cache is now unusable): redo it row by row (prefill, then one decode
+        step of that row alone); the rows that fail alone fail with their error, the others go on."""
+        rows = [s for s in batch.rows if not s.delivered]
+        batch.segments = []
+        for seq in rows:
+            alone = _Running()
+            try:
+                alone.segments.append(self._prefill([seq], version))
+                self._retire(alone)  # a row the prefill's token finished does not decode again
+                if alone.segments:
+                    self._decode(alone, version)
+            except Exception as e:  # noqa: BLE001
+                self._fail(seq, e)
+                continue
+            batch.segments += alone.segments
+
+    def _fail(self, seq: _Sequence, error: BaseException) -> None:
+        """Hand ``seq`` back with an `EngineError` (its row leaves the batch at the next `_retire`)."""
+        seq.delivered = True
+        self.stats.failed += 1
+        failure = EngineError(f"request {seq.rid!r} failed in the engine: {type(error).__name__}: {error}")
+        failure.__cause__ = error
+        self._outbox.append((seq, failure))
 
     def _prefill(self, rows: list[_Sequence], version: int) -> _Batch:
         """Run the rows' contexts through the model; identical ones (a GRPO group's prompt) run once and
@@ -661,7 +650,17 @@ class HFEngine:
         temperature = torch.tensor([s.sampling.temperature for s in rows], dtype=torch.float)
         top_p = torch.tensor([s.sampling.top_p for s in rows], dtype=torch.float)
         top_k = torch.tensor([s.sampling.top_k for s in rows], dtype=torch.long)
-        tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, self.generator)
+        try:
+            tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, self.generator)
+        except ValueError:  # rows whose logits are not finite (NaN, inf): those requests fail, the others go on
+            bad = _unsampleable(logits, temperature)
+            if not bool(bad.any()):
+                raise
+            for i in bad.nonzero().squeeze(1).tolist():
+                if not rows[i].delivered:
+                    self._fail(rows[i], ValueError("its next-token logits are not finite (NaN or inf)"))
+            logits = logits.masked_fill(bad[:, None], 0.0)
+            tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, self.generator)
         for seq, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
             if seq.delivered:  # a finished row still in the batch: its tokens go nowhere
                 continue
@@ -768,17 +767,6 @@ class HFEngine:
         self._outbox.append((seq, response))  # handed over after the step (`_deliver`)
 
 
-def _kv_dtype(kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype: 'auto' (the model's), a name of `DTYPES` or a torch dtype."""
-    if isinstance(kv_dtype, torch.dtype):
-        return kv_dtype
-    if kv_dtype in (None, "auto"):
-        return model_dtype
-    if kv_dtype not in DTYPES:
-        raise ValueError(f"kv_dtype: expects one of {sorted(['auto', *DTYPES])}, got {kv_dtype!r}")
-    return DTYPES[kv_dtype]
-
-
 def _sliding_window(model: PreTrainedModel) -> int | None:
     """The model's sliding attention window, if any of its layers has one."""
     window = getattr(model.config, "sliding_window", None)
@@ -786,6 +774,13 @@ def _sliding_window(model: PreTrainedModel) -> int | None:
     if not window or (layer_types is not None and "sliding_attention" not in layer_types):
         return None
     return int(window)
+
+
+def _unsampleable(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """[B] rows `sample_tokens` refuses: their temperature-scaled log-probabilities are NaN or all -inf."""
+    scale = torch.where(temperature <= 0, torch.ones_like(temperature), temperature)
+    logprobs = torch.log_softmax(logits.float() / scale[:, None], dim=-1)
+    return torch.isnan(logprobs).any(-1) | ~torch.isfinite(logprobs).any(-1)
 
 
 def _ignore_outcome(future: asyncio.Future) -> None:

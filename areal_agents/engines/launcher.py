@@ -3,7 +3,8 @@
 ``engine.backend``: ``hf`` (in-process `HFEngine`), ``serve-model`` (our SGLang-protocol CPU server in
 subprocesses) or ``sglang`` (``python -m sglang.launch_server`` processes on GPUs); with
 ``engine.urls`` set, the run connects to running servers instead. Servers this process started are
-waited for (``/health``) and stopped when the run ends or the process exits.
+waited for (``/health``), restarted with the run's current weights when one dies or reports its engine
+failed (`Supervisor`), and stopped when the run ends or the process exits.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from areal_agents.config import EngineConfig
+from areal_agents.engines.server_supervisor import Supervisor
 from areal_agents.errors import EngineError
 
 
@@ -33,8 +36,11 @@ class ServerGroup:
     addresses: list[str]
     procs: list[subprocess.Popen] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
+    supervisor: Any = None  # a `Supervisor` restarting the servers this process started (stopped first)
 
     def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         for proc in self.procs:
             if proc.poll() is None:
                 try:
@@ -56,9 +62,20 @@ class ServerGroup:
         self.stop()
 
 
-def server_command(cfg: EngineConfig, model_path: str, dtype: str, port: int, index: int) -> list[str]:
-    """The command line of server ``index`` of a launch."""
+def server_command(
+    cfg: EngineConfig,
+    model_path: str,
+    dtype: str,
+    port: int,
+    index: int,
+    *,
+    tokenizer_path: str | None = None,
+    weight_version: str | None = None,
+) -> list[str]:
+    """The command line of server ``index`` of a launch (a restart names the tokenizer and weight_version)."""
     backend, host = cfg.backend, cfg.host
+    restart = ["--tokenizer-path", tokenizer_path] if tokenizer_path else []
+    restart += ["--weight-version", weight_version] if weight_version is not None else []
     if backend == "sglang":
         if importlib.util.find_spec("sglang") is None:
             raise EngineError(
@@ -69,7 +86,7 @@ def server_command(cfg: EngineConfig, model_path: str, dtype: str, port: int, in
             sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
             "--port", str(port), "--tp-size", str(cfg.tp), "--mem-fraction-static", str(cfg.mem_fraction),
             "--dtype", dtype,
-            "--base-gpu-id", str(index * cfg.tp), "--skip-server-warmup", *cfg.extra_args,
+            "--base-gpu-id", str(index * cfg.tp), "--skip-server-warmup", *restart, *cfg.extra_args,
         ]  # fmt: skip
     if backend == "serve-model":
         return [
@@ -78,15 +95,23 @@ def server_command(cfg: EngineConfig, model_path: str, dtype: str, port: int, in
             "--prefix-cache-tokens", str(cfg.prefix_cache_tokens), "--stale-kv", cfg.stale_kv,
             "--kv-dtype", cfg.kv_dtype, "--cpu-threads", str(cfg.cpu_threads),
             *([] if cfg.fast_decode else ["--no-fast-decode"]),
-            *cfg.extra_args,
+            *restart, *cfg.extra_args,
         ]  # fmt: skip
     raise EngineError(f"engine.backend must be 'hf', 'serve-model' or 'sglang' to launch servers, got {backend!r}")
 
 
 def launch_servers(
-    cfg: EngineConfig, model_path: str, dtype: str = "float32", *, log_dir: str | Path | None = None
+    cfg: EngineConfig,
+    model_path: str,
+    dtype: str = "float32",
+    *,
+    log_dir: str | Path | None = None,
+    weights_dir: str | Path | None = None,
+    supervise: bool = True,
 ) -> ServerGroup:
-    """Start ``cfg.num_servers`` servers of ``cfg.backend`` for ``model_path`` and wait until all are healthy."""
+    """Start ``cfg.num_servers`` servers of ``cfg.backend`` for ``model_path`` and wait until all are healthy;
+    with ``supervise``, a `Supervisor` restarts them with the weights last pushed to ``weights_dir``."""
+    since = time.time()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="areal-servers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     group = ServerGroup([])
@@ -105,6 +130,16 @@ def launch_servers(
     except BaseException:
         group.stop()
         raise
+    if supervise:
+        ports = [int(a.rsplit(":", 1)[1]) for a in group.addresses]
+
+        def command_for(i: int, path: str, tokenizer: str, version: str | None) -> list[str]:
+            return server_command(cfg, path, dtype, ports[i], i, tokenizer_path=tokenizer, weight_version=version)
+
+        weights = Path(weights_dir) if weights_dir else None
+        group.supervisor = Supervisor(
+            group, command_for, model_path, weights, startup_timeout_s=cfg.startup_timeout_s, since=since
+        ).start()
     return group
 
 
@@ -169,7 +204,9 @@ def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path
     if cfg.urls:
         servers = ServerGroup(list(cfg.urls))
     else:
-        servers = launch_servers(cfg, model_path, dtype, log_dir=run_dir / "servers")
+        servers = launch_servers(
+            cfg, model_path, dtype, log_dir=run_dir / "servers", weights_dir=run_dir / "engine_weights"
+        )
     return engine_client(cfg, servers.addresses, run_dir / "engine_weights"), servers
 
 

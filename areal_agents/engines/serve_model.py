@@ -6,12 +6,21 @@ Endpoints (SGLang 0.5.x shapes, see docs/serve-model.md): /generate, /pause_gene
 /continue_generation, /abort_request, /update_weights_from_disk, /update_weight_version,
 /get_model_info (and /model_info), /get_weight_version (and /weight_version), /health,
 /health_generate, /flush_cache, /get_server_info.
+
+A request the model cannot take (a token id outside the vocabulary, a prompt past its context) is a 400
+naming the field, and ``max_new_tokens`` is capped at the context left; an error inside one request fails
+that request (500) and the others go on. If the engine's decode loop itself fails, /health and
+/health_generate answer 503 (the launcher restarts the server). SIGTERM stops the server within
+`EXIT_DEADLINE_S` seconds, whatever its decode thread is doing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
+import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +29,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from areal_agents.engines.hf_engine import HFEngine
+from areal_agents.engines.request_checks import RequestError, check_request
 from areal_agents.engines.sglang_protocol import ProtocolError, generate_response, parse_generate
+from areal_agents.errors import EngineError
+from areal_agents.types import GenRequest
+
+SHUTDOWN_GRACE_S = 2.0  # on SIGTERM, requests in flight get this long to finish, then are cancelled
+CLOSE_TIMEOUT_S = 2.0  # ... and the decode thread this long to leave its step (a stuck one is abandoned)
+EXIT_DEADLINE_S = 8.0  # ... and if the process is still there after this long, it exits anyway
 
 
 @dataclass
@@ -69,15 +85,44 @@ class ModelServer:
 
     async def generate(self, body: Any) -> Response:
         try:
-            requests = parse_generate(body, self.tokenize)
-        except ProtocolError as e:
+            requests = self.checked(body, parse_generate(body, self.tokenize))
+        except (ProtocolError, RequestError) as e:
             return _error(400, str(e))
-        responses = await asyncio.gather(*(self.engine.generate_once(r) for r, _ in requests))
+        replies = await asyncio.gather(*(self.engine.generate_once(r) for r, _ in requests), return_exceptions=True)
+        failed = next((r for r in replies if isinstance(r, BaseException)), None)
+        if failed is not None:
+            return self.failure(failed)
         out = [
             generate_response(r, resp, options, version_name=self.version_name, decode=self.decode)
-            for (r, options), resp in zip(requests, responses)
+            for (r, options), resp in zip(requests, replies)
         ]
         return JSONResponse(out if requests[0][1]["batch"] else out[0])
+
+    def failure(self, error: BaseException) -> JSONResponse:
+        """A failed /generate: 400 for the request's fault, 503 when the engine cannot serve (its decode loop
+        failed: the launcher restarts the server, the client retries), else 500 for this request alone."""
+        if isinstance(error, RequestError):
+            return _error(400, str(error))
+        unhealthy = self.engine.health()
+        if unhealthy is not None:
+            return _error(503, unhealthy)
+        if not isinstance(error, EngineError):
+            raise error
+        return _error(500, str(error))
+
+    def checked(self, body: dict, requests: list[tuple[GenRequest, dict]]) -> list[tuple[GenRequest, dict]]:
+        """The requests with ``max_new_tokens`` capped at the context left; `RequestError` names the field
+        (``input_ids[1][7]``, ``text``, ``sampling_params.top_p``) of one the model cannot take."""
+        batch = requests[0][1]["batch"]
+        key = "input_ids" if body.get("input_ids") is not None else "text"
+        params_list = isinstance(body.get("sampling_params"), list)
+        out = []
+        for i, (request, options) in enumerate(requests):
+            fields = {"ids_field": f"{key}[{i}]" if batch else key, "params_field": "sampling_params"}
+            if params_list:
+                fields["params_field"] = f"sampling_params[{i}]"
+            out.append((check_request(request, self.engine.limits, **fields), options))
+        return out
 
     async def update_from_disk(self, body: dict) -> JSONResponse:
         path = body.get("model_path")
@@ -107,7 +152,7 @@ def build_app(engine: HFEngine, tokenizer, cfg: ModelServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        engine.close()
+        engine.close(timeout_s=CLOSE_TIMEOUT_S)  # a decode thread stuck in a step must not keep the process up
 
     app = FastAPI(title="areal-agents serve-model (SGLang native API)", lifespan=lifespan)
 
@@ -199,7 +244,8 @@ def build_app(engine: HFEngine, tokenizer, cfg: ModelServerConfig) -> FastAPI:
     @app.get("/health")
     @app.get("/health_generate")
     async def health() -> Response:
-        return Response(status_code=200)
+        unhealthy = engine.health()  # decode loop failed, gone or stuck: 503, so launchers restart the server
+        return Response(status_code=200) if unhealthy is None else _error(503, unhealthy)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -241,4 +287,33 @@ def serve_model(cfg: ModelServerConfig) -> None:
     )
     app = build_app(engine, tokenizer, cfg)
     print(f"serve-model: {cfg.model_path} on http://{cfg.host}:{cfg.port} (SGLang native API)", flush=True)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+    config = uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+    )
+    server = _deadline_server(uvicorn.Server)(config)
+    server.run()
+    if not server.started:
+        sys.exit(3)  # uvicorn.run's exit code when the server could not start (e.g. the port is taken)
+
+
+def _deadline_server(base: type) -> type:
+    """``base`` (uvicorn's `Server`), which exits the process `EXIT_DEADLINE_S` after the first SIGTERM or
+    SIGINT if the graceful shutdown has not ended it by then (e.g. a request stuck in a hung engine)."""
+
+    class DeadlineServer(base):
+        _deadline: threading.Timer | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            if self._deadline is None:
+                self._deadline = threading.Timer(EXIT_DEADLINE_S, _exit_now, (128 + int(sig),))
+                self._deadline.daemon = True
+                self._deadline.start()
+
+    return DeadlineServer
+
+
+def _exit_now(code: int) -> None:
+    print(f"serve-model: still running {EXIT_DEADLINE_S:.0f}s after the signal to stop; exiting", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(code)

@@ -92,7 +92,7 @@ def parse_sampling(params: dict[str, Any] | None) -> SamplingParams:
             stop_token_ids=[int(t) for t in (p["stop_token_ids"] or [])],
             ignore_eos=bool(p["ignore_eos"]),
         )
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise ProtocolError(f"sampling_params: {e}") from e
 
 
@@ -105,31 +105,32 @@ def parse_generate(body: dict[str, Any], tokenize) -> list[tuple[GenRequest, dic
             raise ProtocolError(f"{key} is not supported by serve-model")
     if body.get("stream"):
         raise ProtocolError("stream=true is not supported by serve-model")
-    if (body.get("top_logprobs_num") or 0) > 0:
+    top = body.get("top_logprobs_num") or 0
+    if not isinstance(top, (int, float)) or top > 0:
         raise ProtocolError("top_logprobs_num is not supported by serve-model")
     if (body.get("text") is None) == (body.get("input_ids") is None):
         raise ProtocolError("give exactly one of text and input_ids")
     if body.get("input_ids") is not None:
-        ids = body["input_ids"]
-        batch = bool(ids) and isinstance(ids[0], list)
-        prompts = ids if batch else [ids]
-        if not all(isinstance(t, int) for p in prompts for t in p) or not all(prompts):
-            raise ProtocolError("input_ids must be a non-empty list of token ids (or a list of such lists)")
+        batch, prompts = _prompt_ids(body["input_ids"])
     else:
         texts = body["text"]
         batch = isinstance(texts, list)
+        if not all(isinstance(t, str) for t in (texts if batch else [texts])) or (batch and not texts):
+            raise ProtocolError("text must be a string or a non-empty list of strings")
         prompts = [tokenize(t) for t in (texts if batch else [texts])]
     params = body.get("sampling_params") or {}
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     if len(per_prompt) != len(prompts):
         raise ProtocolError("sampling_params: a list must have one entry per prompt")
+    if not all(sp is None or isinstance(sp, dict) for sp in per_prompt):
+        raise ProtocolError("sampling_params must be an object (or a list of objects, one per prompt)")
     rids = body.get("rid")
     if rids is None:
         rids = [uuid.uuid4().hex for _ in prompts]
     elif isinstance(rids, str):
         rids = [rids] if not batch else [f"{rids}-{i}" for i in range(len(prompts))]
-    if len(rids) != len(prompts):
-        raise ProtocolError("rid: a list must have one entry per prompt")
+    if not isinstance(rids, list) or len(rids) != len(prompts):
+        raise ProtocolError("rid: a string, or a list with one entry per prompt")
     options = {
         "return_logprob": bool(body.get("return_logprob", False)),
         "return_text_in_logprobs": bool(body.get("return_text_in_logprobs", False)),
@@ -140,6 +141,15 @@ def parse_generate(body: dict[str, Any], tokenize) -> list[tuple[GenRequest, dic
         sampling = parse_sampling(sp)
         out.append((GenRequest(str(rid), list(prompt), sampling), {**options, "sampling_params": sp or {}}))
     return out
+
+
+def _prompt_ids(ids: Any) -> tuple[bool, list[list[int]]]:
+    """``input_ids`` -> (a batch?, its prompts): a non-empty list of ints, or a non-empty list of such lists."""
+    batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+    prompts = ids if batch else [ids]
+    if not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
+        raise ProtocolError("input_ids must be a non-empty list of token ids (or a list of such lists)")
+    return batch, prompts
 
 
 def finish_reason(response: GenResponse) -> dict[str, Any]:

@@ -78,8 +78,18 @@ def test_pause_holds_requests_and_cancel_frees_them(engine, tokenizer):
     assert 1 <= len(asyncio.run(run()).output_tokens) <= 4
 
 
-def test_a_dead_engine_process_fails_its_requests_clearly(tiny_dir, tokenizer):
-    engine = ProcessEngine(str(tiny_dir))
+@pytest.fixture(scope="module")
+def long_dir(tmp_path_factory):
+    """The tiny model with 8192 positions: a request that is still running when its process is killed
+    (the engine caps a request at the model's context, 512 for the default tiny model)."""
+    from areal_agents.models.tiny import save_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny_long")
+    return save_tiny_model(out, hidden_size=64, num_layers=2, intermediate_size=128, max_position_embeddings=8192)
+
+
+def test_a_dead_engine_process_fails_its_requests_clearly(long_dir, tokenizer):
+    engine = ProcessEngine(str(long_dir))
 
     async def run():
         task = asyncio.ensure_future(

@@ -22,6 +22,16 @@ from areal_agents.types import GenRequest, SamplingParams
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "sglang_0.5.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The tiny model with room for the long generations below (8192 positions: serve-model caps a request
+    at the model's context, 512 for the default tiny model)."""
+    from areal_agents.models.tiny import save_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny_long")
+    return save_tiny_model(out, hidden_size=64, num_layers=2, intermediate_size=128, max_position_embeddings=8192)
+
+
 def prompt(tokenizer, text="12+34="):
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
