@@ -15,7 +15,7 @@ from pathlib import Path
 import ray
 
 from areal_agents.config import EngineConfig
-from areal_agents.engines.launcher import ServerGroup, free_port, server_command, wait_healthy
+from areal_agents.engines.launcher import ServerGroup, failing_s, free_port, server_command, wait_healthy
 from areal_agents.engines.server_supervisor import Supervisor
 
 
@@ -59,7 +59,7 @@ class EngineServerActor:
         weights = Path(weights_dir) if weights_dir else None
         self.group.supervisor = Supervisor(
             self.group, command_for, model_path, weights, spawn=_spawn, startup_timeout_s=cfg.startup_timeout_s,
-            since=since,
+            since=since, failing_s=failing_s(cfg.backend),
         ).start()  # fmt: skip
 
     def url(self) -> str:

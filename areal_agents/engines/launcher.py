@@ -138,9 +138,16 @@ def launch_servers(
 
         weights = Path(weights_dir) if weights_dir else None
         group.supervisor = Supervisor(
-            group, command_for, model_path, weights, startup_timeout_s=cfg.startup_timeout_s, since=since
-        ).start()
+            group, command_for, model_path, weights, startup_timeout_s=cfg.startup_timeout_s, since=since,
+            failing_s=failing_s(cfg.backend),
+        ).start()  # fmt: skip
     return group
+
+
+def failing_s(backend: str) -> float:
+    """How long a server of ``backend`` may answer /health with 503 before it is restarted: serve-model's
+    503 means its decode loop failed (final); SGLang's also comes while it starts or is paused for long."""
+    return 0.0 if backend == "serve-model" else 120.0
 
 
 def wait_healthy(group: ServerGroup, timeout_s: float) -> None:

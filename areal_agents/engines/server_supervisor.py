@@ -74,6 +74,7 @@ class Supervisor:
     startup_timeout_s: float = 600.0
     check_every_s: float = 2.0
     unanswered_s: float = 60.0  # a live process whose /health has not answered for this long is restarted
+    failing_s: float = 0.0  # ... and one answering 503 for this long (serve-model's 503 is final; SGLang's passes)
     max_restarts: int = 3  # per server within `restart_window_s`; past that it is left down (and said so)
     restart_window_s: float = 600.0
     since: float = field(default_factory=time.time)  # weights written before this are an earlier run's
@@ -84,6 +85,7 @@ class Supervisor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._answered = [time.monotonic()] * len(self.group.addresses)
+        self._failing: dict[int, float] = {}  # server -> when its current run of 503s began
         self._given_up: set[int] = set()
 
     def start(self) -> Supervisor:
@@ -122,12 +124,16 @@ class Supervisor:
             self._restart(i, f"its process exited with code {proc.returncode}")
             return
         status, body = _get(url, "/health")
+        now = time.monotonic()
+        if status != 503:
+            self._failing.pop(i, None)
         if status == 200:
-            self._answered[i] = time.monotonic()
+            self._answered[i] = now
             self._note_reported(url)
         elif status == 503:
-            self._restart(i, f"/health answered 503: {_message(body)}")
-        elif time.monotonic() - self._answered[i] > self.unanswered_s:
+            if now - self._failing.setdefault(i, now) >= self.failing_s:
+                self._restart(i, f"/health answered 503: {_message(body)}")
+        elif now - self._answered[i] > self.unanswered_s:
             self._restart(i, f"/health has not answered for {self.unanswered_s:.0f}s")
 
     def _note_reported(self, url: str) -> None:
@@ -160,6 +166,7 @@ class Supervisor:
         self.restarts.append(Restart(i, reason, served, old.pid, stopped_by, seconds))
         version = served.version or "default"
         _say(f"model server {url} restarted ({reason}); it serves {served.path} as weight_version {version}")
+        self._failing.pop(i, None)
         if self._wait_healthy(i):
             self._answered[i] = time.monotonic()
             newer = self.current()

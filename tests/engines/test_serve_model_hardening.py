@@ -368,3 +368,49 @@ def test_only_complete_weights_pushed_since_the_launch_count(tmp_path, tiny_dir)
     assert not complete_safetensors(tmp_path / "v2" / "model.safetensors")
     assert pushed_weights(tmp_path, since).version == "1"
     assert pushed_weights(tmp_path / "none", since) is None
+
+
+def test_a_503_is_restarted_after_failing_s_and_an_exited_process_at_once(tmp_path):
+    """The supervisor's policy against a stand-in server (always 503) and stand-in processes (sleep)."""
+    import http.server
+
+    class Always503(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(503)
+            self.end_headers()
+            self.wfile.write(b'{"error": {"message": "SGLang is paused"}}')
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Always503)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+
+    def sleeper(*_):
+        return subprocess.Popen(["sleep", "60"], start_new_session=True)
+
+    log = tmp_path / "x.log"
+    group = ServerGroup([url], [sleeper()], [log])
+    supervisor = Supervisor(
+        group, lambda *_: ["sleep", "60"], str(tmp_path), spawn=sleeper, check_every_s=0.1, failing_s=1.0,
+        startup_timeout_s=0.2,
+    )  # fmt: skip
+    group.supervisor = supervisor.start()
+    try:
+        time.sleep(0.6)
+        assert supervisor.restarts == []  # 503 for less than failing_s: left alone
+        deadline = time.monotonic() + 10
+        while not supervisor.restarts:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert "503: SGLang is paused" in supervisor.restarts[0].reason
+        assert supervisor.restarts[0].stopped_by == "SIGTERM"
+        os.killpg(group.procs[0].pid, signal.SIGKILL)  # a process that exits is restarted at the next check
+        while len(supervisor.restarts) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert "exited with code -9" in supervisor.restarts[1].reason
+    finally:
+        group.stop()
+        httpd.shutdown()
