@@ -68,6 +68,9 @@ class ModelServer:
         self.names: dict[int, str] = {engine.get_version(): cfg.weight_version}
         self.model_path = cfg.model_path
         self.update_lock = asyncio.Lock()
+        # the most characters one token stands for: a text longer than context x this cannot fit, and is
+        # refused before tokenizing it (megabytes of text would hold the event loop for seconds)
+        self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
 
     @property
     def weight_version(self) -> str:
@@ -81,6 +84,9 @@ class ModelServer:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
     def tokenize(self, text: str) -> list[int]:
+        context = self.engine.limits.context
+        if context and len(text) > context * self.max_token_chars:
+            raise ProtocolError(f"text: {len(text)} characters cannot fit the model's context of {context} tokens")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def generate(self, body: Any) -> Response:

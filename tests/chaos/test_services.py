@@ -1,0 +1,205 @@
+"""Chaos: seeded malformed, oversized and out-of-range requests, interleaved with valid ones, against
+serve-model, serve-env and the chat proxy. Valid requests keep succeeding, no client error gets a 5xx,
+memory stays flat after warm-up, and the servers still stop on SIGTERM.
+
+Replay a failure with the printed seed: ``CHAOS_SEED=N CHAOS_REQUESTS=M pytest tests/chaos``.
+"""
+
+import asyncio
+import gc
+import os
+import random
+import sys
+
+import pytest
+from chaos_fuzz import fire, junk, mix, rss_kb, single, start_server, stops_on_sigterm
+
+from areal_agents.engines.launcher import free_port
+
+SEED = int(os.environ.get("CHAOS_SEED", "0"))
+REQUESTS = int(os.environ.get("CHAOS_REQUESTS", "1500"))  # per service
+pytestmark = pytest.mark.slow
+
+
+def cli(*args):
+    return [sys.executable, "-m", "areal_agents.cli", *args]
+
+
+def model_shots(rng: random.Random, n: int, vocab: int, prompt: list[int]) -> list:
+    ok = {"max_new_tokens": 3, "temperature": 0}
+    valid = [
+        single("generate", "POST", "/generate", True, body={"input_ids": prompt, "sampling_params": ok}),
+        single("generate_text", "POST", "/generate", True, body={"text": "12+34=", "sampling_params": ok}),
+        single("health_generate", "GET", "/health_generate", True),
+        single("server_info", "GET", "/get_server_info", True),
+    ]
+    bad_params = [
+        {"max_new_tokens": "many"}, {"max_new_tokens": -5}, {"temperature": -1}, {"top_p": 2}, {"top_k": "x"},
+        {"no_such_key": 1}, [], "greedy", {"stop_token_ids": [vocab + 7]},
+    ]  # fmt: skip
+    malformed = [
+        single("not_json", "POST", "/generate", raw=b"{nope"),
+        single("empty_body", "POST", "/generate", raw=b""),
+        single("body_not_object", "POST", "/generate", body=[1, 2, 3]),
+        single("no_prompt", "POST", "/generate", body={"sampling_params": ok}),
+        single("token_id_too_big", "POST", "/generate", body={"input_ids": [vocab + 999_999]}),
+        single("token_id_negative", "POST", "/generate", body={"input_ids": [-1]}),
+        single("token_id_not_int", "POST", "/generate", body={"input_ids": ["a", 1.5]}),
+        single("prompt_past_context", "POST", "/generate", body={"input_ids": prompt * 400}),
+        single("oversized_body", "POST", "/generate", raw=b'{"text": "' + b"x" * (9 << 20) + b'"}'),
+        single("unknown_route", "POST", "/nope"),
+        single("wrong_method", "GET", "/generate"),
+        single("pause_bad_mode", "POST", "/pause_generation", body={"mode": "explode"}),
+        single("abort_junk", "POST", "/abort_request", body={"rid": 5}),
+        single("version_junk", "POST", "/update_weight_version", body={"new_version": []}),
+        single("weights_missing_path", "POST", "/update_weights_from_disk", body={"model_path": "/nonexistent"}),
+    ]
+    malformed += [
+        single("bad_sampling", "POST", "/generate", body={"input_ids": prompt, "sampling_params": p})
+        for p in bad_params
+    ]
+    malformed += [single("junk_field", "POST", "/generate", body={"input_ids": junk(rng), "text": junk(rng)})]
+    return mix(rng, valid, malformed, n)
+
+
+def env_shots(rng: random.Random, n: int) -> list:
+    from chaos_fuzz import request
+
+    async def episode(session, base):
+        status, body = await request(
+            session, "POST", base + "/v1/sessions", body={"env_id": "areal_agents/Arithmetic-v0", "seed": 7}
+        )
+        records = [("create", True, status)]
+        if status != 200:
+            return records
+        sid = body["session_id"]
+        status, _ = await request(session, "POST", f"{base}/v1/sessions/{sid}/step", body={"action": "12"})
+        records.append(("step", True, status))
+        status, _ = await request(session, "POST", f"{base}/v1/sessions/{sid}/step", body={"action": "12"})
+        records.append(("step_after_end", False, status))
+        status, _ = await request(session, "DELETE", f"{base}/v1/sessions/{sid}")
+        return [*records, ("close", True, status)]
+
+    def create(kind, **body):
+        return single(kind, "POST", "/v1/sessions", body={"env_id": "areal_agents/Arithmetic-v0", **body})
+
+    valid = [episode, single("envs", "GET", "/v1/envs", True), single("health", "GET", "/health", True)]
+    malformed = [
+        create("unknown_env", env_id="nope/Nothing-v0"),
+        create("env_id_imports_a_module", env_id="this:Foo"),
+        create("negative_seed", seed=-1),
+        create("seed_not_int", seed="x"),
+        create("kwarg_wrong_type", kwargs={"max_turns": "x"}),
+        create("kwarg_unknown", kwargs={"no_such_kwarg": 1}),
+        create("env_id_junk", env_id=junk(rng)),
+        single("not_json", "POST", "/v1/sessions", raw=b"{nope"),
+        single("step_unknown_session", "POST", "/v1/sessions/nope/step", body={"action": "1"}),
+        single("batch_junk", "POST", "/v1/step", body={"steps": [{"session_id": 5}]}),
+        single("oversized_body", "POST", "/v1/sessions", raw=b'{"env_id": "' + b"x" * (9 << 20) + b'"}'),
+        single("unknown_route", "GET", "/v2/nothing"),
+    ]
+    return mix(rng, valid, malformed, n)
+
+
+def test_serve_model_survives_chaos(tiny_dir, tokenizer):
+    rng = random.Random(SEED)
+    port = free_port("127.0.0.1")
+    base = f"http://127.0.0.1:{port}"
+    proc = start_server(cli("serve-model", "--model-path", str(tiny_dir), "--port", str(port)), base + "/health")
+    try:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "12+34="}], add_generation_prompt=True, return_dict=False
+        )
+        vocab = len(tokenizer)
+        warm = asyncio.run(fire(base, model_shots(rng, 200, vocab, prompt)))
+        before = rss_kb(proc.pid)
+        tally = asyncio.run(fire(base, model_shots(rng, REQUESTS, vocab, prompt)))
+        after = rss_kb(proc.pid)
+        print(tally.summary("serve-model", SEED), f"| RSS {before} -> {after} KiB")
+        assert not warm.server_errors + tally.server_errors, tally.server_errors[:10]
+        assert not warm.valid_failed + tally.valid_failed, tally.valid_failed[:10]
+        assert after < 1.10 * before
+        assert proc.poll() is None
+    finally:
+        assert stops_on_sigterm(proc)
+
+
+def test_serve_env_survives_chaos():
+    rng = random.Random(SEED + 1)
+    port = free_port("127.0.0.1")
+    base = f"http://127.0.0.1:{port}"
+    proc = start_server(cli("serve-env", "--port", str(port), "--max-sessions", "64"), base + "/health")
+    try:
+        warm = asyncio.run(fire(base, env_shots(rng, 200)))
+        before = rss_kb(proc.pid)
+        tally = asyncio.run(fire(base, env_shots(rng, REQUESTS)))
+        after = rss_kb(proc.pid)
+        print(tally.summary("serve-env", SEED + 1), f"| RSS {before} -> {after} KiB")
+        assert not warm.server_errors + tally.server_errors, tally.server_errors[:10]
+        assert not warm.valid_failed + tally.valid_failed, tally.valid_failed[:10]
+        assert after < 1.10 * before
+    finally:
+        assert stops_on_sigterm(proc)
+
+
+def test_chat_proxy_survives_chaos(tiny_dir, tokenizer):
+    from areal_agents.agents.capture import ChatCapture
+    from areal_agents.agents.proxy import ChatProxy
+    from areal_agents.engines import HFEngine
+    from areal_agents.models import load_model
+    from areal_agents.types import SamplingParams
+
+    rng = random.Random(SEED + 2)
+    engine = HFEngine(load_model(tiny_dir))
+
+    def shots(sessions, n):
+        good = {"model": "m", "messages": [{"role": "user", "content": "3+4?"}], "max_tokens": 3}
+        valid = [
+            single("complete", "POST", f"/s/{rng.choice(sessions)}/v1/chat/completions", True, body=good),
+            single("health", "GET", "/health", True),
+        ]
+        sid = sessions[0]
+        bad_bodies = [
+            {"messages": "hi"}, {"messages": [1, 2]}, {"messages": [{"role": "wizard", "content": "x"}]},
+            {"messages": [{"role": "user", "content": 5}]}, {"messages": [{"role": "user"}]}, {"messages": []},
+            {**good, "max_tokens": -1}, {**good, "temperature": "hot"}, {**good, "n": 5}, {**good, "stream": True},
+            {**good, "top_p": 7}, [1], "text",
+        ]  # fmt: skip
+        malformed = [single("bad_body", "POST", f"/s/{sid}/v1/chat/completions", body=b) for b in bad_bodies]
+        malformed += [
+            single("not_json", "POST", f"/s/{sid}/v1/chat/completions", raw=b"{nope"),
+            single("unknown_session", "POST", "/s/nope/v1/chat/completions", body=good),
+            single("no_session", "POST", "/v1/chat/completions", body=good),
+            single("reward_junk", "POST", f"/s/{sid}/reward", body={"reward": junk(rng)}),
+            single("reward_unknown_completion", "POST", f"/s/{sid}/reward", body={"reward": 1, "completion_id": "x"}),
+            single(
+                "oversized_body", "POST", f"/s/{sid}/v1/chat/completions", raw=b'{"m": "' + b"x" * (9 << 20) + b'"}'
+            ),
+        ]
+        return mix(rng, valid, malformed, n)
+
+    async def scenario():
+        proxy = ChatProxy()
+        await proxy.start()
+        captures = [
+            ChatCapture(engine, tokenizer, SamplingParams(max_new_tokens=3), episode_id=f"e{i}") for i in range(32)
+        ]
+        sessions = [proxy.open(c) for c in captures]
+        base = f"http://{proxy.host}:{proxy.port}"
+        try:
+            warm = await fire(base, shots(sessions, 600))  # this process's allocators grow for a while
+            gc.collect()
+            before = rss_kb(os.getpid())
+            tally = await fire(base, shots(sessions, REQUESTS))
+            gc.collect()
+            after = rss_kb(os.getpid())
+        finally:
+            await asyncio.wait_for(proxy.stop(), 10)
+            await engine.aclose()
+        return warm, tally, before, after
+
+    warm, tally, before, after = asyncio.run(scenario())
+    print(tally.summary("chat proxy", SEED + 2), f"| RSS {before} -> {after} KiB")
+    assert not warm.server_errors + tally.server_errors, tally.server_errors[:10]
+    assert not warm.valid_failed + tally.valid_failed, tally.valid_failed[:10]
+    assert after < 1.10 * before
