@@ -104,8 +104,10 @@ class ChatAgent:
         turn_rewards: list[float] = []
         truncated_by_agent = False
         last_info: dict[str, Any] = {}
+        limits = getattr(self.engine, "limits", None)  # an in-process engine knows its model's context
+        room = min(self.max_total_tokens, getattr(limits, "context", None) or self.max_total_tokens)
         for turn in range(self.max_turns):
-            budget = min(self.sampling.max_new_tokens, self.max_total_tokens - len(chat.input_ids))
+            budget = min(self.sampling.max_new_tokens, room - len(chat.input_ids))
             if budget < 1:
                 truncated_by_agent = True
                 break

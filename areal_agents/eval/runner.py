@@ -162,6 +162,24 @@ def _identity(settings: EvalSettings, base: dict[str, Any] | None, dataset_hash:
     return {**(base or {}), "env": env, "sampling": sampling, "dataset_hash": dataset_hash}
 
 
+def _outcome(trajectories: list[Any], tokenizer: Any) -> dict[str, Any]:
+    """A sample's completion, answer, reward, tokens and finish reason; no trajectory means the prompt
+    left the model no room to answer (longer than its context): a wrong sample, finished by length."""
+    if not trajectories:
+        return {"completion": "", "answer": None, "info": {}, "reward": 0.0, "tokens": 0, "finish_reason": "length"}
+    t = trajectories[-1]
+    info = t.metadata.get("final_info", {})
+    last = t.input_ids[-1] if t.input_ids else None
+    return {
+        "completion": t.metadata["messages"][-1]["content"],
+        "answer": info.get("answer"),
+        "info": info,
+        "reward": t.reward,
+        "tokens": sum(x.num_generated for x in trajectories),
+        "finish_reason": "stop" if last == tokenizer.eos_token_id else "length",
+    }
+
+
 def _success(info: dict[str, Any], reward: float, threshold: float) -> bool:
     for key in ("success", "correct"):
         if key in info:
@@ -212,19 +230,9 @@ async def evaluate_dataset(
                 failed.append(f"{i}/{j}")
                 bar.update()
                 return
-        t = trajectories[-1]
-        info = t.metadata.get("final_info", {})
-        last = t.input_ids[-1] if t.input_ids else None
-        record = {
-            "problem_id": problem.problem_id,
-            "index": i,
-            "sample": j,
-            "completion": t.metadata["messages"][-1]["content"],
-            "answer": info.get("answer"),
-            "correct": _success(info, t.reward, settings.success_threshold),
-            "reward": t.reward,
-            "tokens": sum(x.num_generated for x in trajectories),
-            "finish_reason": "stop" if last == tokenizer.eos_token_id else "length",
+        record = {"problem_id": problem.problem_id, "index": i, "sample": j, **_outcome(trajectories, tokenizer)}
+        record["correct"] = _success(record.pop("info"), record["reward"], settings.success_threshold)
+        record |= {
             **{k: problem.row[k] for k in settings.breakdown if k in problem.row},
             "run": stamp,
         }

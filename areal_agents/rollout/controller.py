@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from areal_agents.agents.base import Agent
 from areal_agents.envs.async_env import AsyncEnv
+from areal_agents.engines.request_checks import RequestError
 from areal_agents.errors import ClusterError, EngineError, EnvError, WorkerLostError
 from areal_agents.rollout.episodes import RolloutLedger
 from areal_agents.types import Trajectory
@@ -284,7 +285,7 @@ class RolloutController:
             try:
                 trajectories = await self._episode(seed, episode_id)
             except (EnvError, EngineError, WorkerLostError) as e:  # not the policy's fault
-                if attempt < self.max_retries:
+                if attempt < self.max_retries and not isinstance(e, RequestError):  # a refused request stays so
                     self.stats.retries += 1
                     self.stats.worker_retries += isinstance(e, WorkerLostError)
                     log.warning("episode %s: %s; retrying", episode_id, e)
