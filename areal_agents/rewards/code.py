@@ -27,7 +27,7 @@ from typing import Any
 from areal_agents.rewards.extract import strip_thinking
 from areal_agents.sandbox import LocalSandbox, Sandbox
 
-_FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+_LANG = re.compile(r"[ \t]*([\w+-]*)")
 # What LiveCodeBench's harness puts before LeetCode solutions, so starter code's types resolve.
 PRELUDE = (
     "from typing import *\nfrom collections import *\nfrom functools import *\nfrom itertools import *\n"
@@ -36,9 +36,27 @@ PRELUDE = (
 )
 
 
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """``(language, code)`` of each fenced block: a line opened by three backticks (the language is the
+    word after them), up to the next three backticks. Linear in the text (``str.find``, no regex
+    backtracking), so megabytes of stray fences cost milliseconds."""
+    blocks: list[tuple[str, str]] = []
+    pos = 0
+    while (start := text.find("```", pos)) >= 0:
+        newline = text.find("\n", start + 3)
+        if newline < 0:
+            break
+        end = text.find("```", newline + 1)
+        if end < 0:
+            break  # no fence closes it, nor any later one
+        blocks.append((_LANG.match(text, start + 3).group(1), text[newline + 1 : end]))
+        pos = end + 3
+    return blocks
+
+
 def extract_code(completion: str) -> str | None:
     """The last fenced code block of a completion (after any <think> block); None when there is none."""
-    blocks = _FENCE.findall(strip_thinking(completion))
+    blocks = fenced_blocks(strip_thinking(completion))
     return blocks[-1][1] if blocks else None
 
 
@@ -157,11 +175,7 @@ class CodeJudge:
         )
         program = PRELUDE + code + "\n" + driver
         r = self.sandbox.run(program, timeout_s=self.timeout_s * len(tests) + 2, memory_mb=self.memory_mb)
-        outputs: dict[int, tuple[str, Any]] = {}
-        for line in r.stdout.splitlines():
-            if line.startswith(marker):
-                index, kind, value = json.loads(line[len(marker) :])
-                outputs[index] = (kind, value)
+        outputs = _driver_records(r.stdout, marker)
         statuses: list[str] = []
         for i, test in enumerate(tests):
             if i not in outputs:
@@ -193,6 +207,22 @@ class CodeJudge:
         """The asserts of ``test_list`` after the code and the row's setup (which may use the code's classes)."""
         asserts = row["test_list"] + (row.get("challenge_test_list") or [] if challenge else [])
         return self.judge_program(f"{code}\n{row.get('test_setup_code') or ''}\n\n" + "\n".join(asserts) + "\n")
+
+
+def _driver_records(stdout: str, marker: str) -> dict[int, tuple[str, Any]]:
+    """Test index -> (kind, value) from the driver's marked lines; a malformed line (the program printed
+    it, or it nests past the JSON parser's recursion limit) is skipped, so that test has no record."""
+    outputs: dict[int, tuple[str, Any]] = {}
+    for line in stdout.splitlines():
+        if not line.startswith(marker):
+            continue
+        try:
+            index, kind, value = json.loads(line[len(marker) :])
+        except (ValueError, TypeError, RecursionError):
+            continue
+        if isinstance(index, int) and isinstance(kind, str):
+            outputs[index] = (kind, value)
+    return outputs
 
 
 def _result(statuses: list[str], total: int) -> JudgeResult:

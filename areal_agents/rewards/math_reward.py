@@ -7,7 +7,9 @@ from typing import Any
 
 from areal_agents.rewards.base import RewardResult
 from areal_agents.rewards.extract import last_boxed, strip_thinking
-from areal_agents.rewards.math import MathVerifyConfig, check_math
+from areal_agents.rewards.math import MathVerifyConfig, check_math, warm_up
+
+__all__ = ["MathReward", "warm_up"]  # warm_up: a `WorkerPool` initializer for workers that score math
 
 
 @dataclass
@@ -27,9 +29,7 @@ class MathReward:
         check = check_math(completion, str(row[self.answer_key]), self.config)
         formatted = last_boxed(strip_thinking(completion)) is not None
         reward = float(check.correct) + (self.format_reward if formatted else 0.0)
-        return RewardResult(reward, {"correct": check.correct, "answer": check.answer, "method": check.method})
-
-
-def warm_up() -> None:
-    """Import math-verify and parse once, so a worker's first real call is not the slow one."""
-    check_math("\\boxed{\\frac{1}{2}}", "x^2", MathVerifyConfig(fast_path=False))
+        details = {"correct": check.correct, "answer": check.answer, "method": check.method}
+        if check.reason:
+            details["reason"] = check.reason
+        return RewardResult(reward, details)

@@ -9,6 +9,7 @@ from gymnasium.utils.env_checker import check_env
 import areal_agents  # noqa: F401
 from areal_agents.data import BaseDataset, load_task_dataset
 from areal_agents.errors import ArealAgentsError
+from areal_agents.rewards.math import MathVerifyConfig
 
 
 def test_jsonl_dataset_rows_have_id_and_prompt(tmp_path):
@@ -93,3 +94,14 @@ def test_every_aime_problem_is_a_valid_observation():
     for i in range(len(env.data)):
         observation, _ = env.reset(options={"index": i})
         assert observation in env.observation_space, i
+
+
+def test_math_env_inline_step_is_bounded_on_a_hostile_answer(finishes_within):
+    """reward_mode="inline" verifies in the calling process: a tower of powers still ends the step in time,
+    as a wrong answer that says why."""
+    env = gym.make("areal_agents/Math-v0", dataset="aime24", reward_mode="inline").unwrapped
+    env.reward_fn.config = MathVerifyConfig(timeout_s=0.5)
+    env.reset(seed=0)
+    _, reward, terminated, _, info = finishes_within(30.0, env.step, "\\boxed{10^{10^{10^{10^{10}}}}}")
+    assert (reward, terminated, info["correct"], info["method"]) == (0.0, True, False, "timeout")
+    assert "timeout_s=0.5" in info["reason"]

@@ -36,3 +36,18 @@ def test_modes():
     assert extract_answer(text, "last_number") == "7"
     with pytest.raises(ValueError, match="mode"):
         extract_answer(text, "first")  # type: ignore[arg-type]
+
+
+HOSTILE = {
+    # (text, the answer); before extraction was linear, the first three took minutes to hours
+    "'answer is' then 5,000 spaces": ("the answer is 1" + " " * 5_000 + "x", "1" + " " * 5_000 + "x"),
+    "100,000 unclosed boxes": ("\\boxed{" * 100_000, None),
+    "a closed box, then 10,000 unclosed ones": ("\\boxed{4} " + "\\boxed{" * 10_000, "4"),
+    "5 MB of text": ("a" * 5_000_000 + " so the answer is 7.", "7"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_extraction_is_linear_on_hostile_text(name, finishes_within):
+    text, answer = HOSTILE[name]
+    assert finishes_within(2.0, extract_answer, text) == answer

@@ -8,7 +8,7 @@ import pytest
 
 from areal_agents.data.builtin import BUILTIN
 from areal_agents.rewards import verify_math
-from areal_agents.rewards.math import check_math
+from areal_agents.rewards.math import MathVerifyConfig, check_math
 from areal_agents.rewards.math_reward import MathReward, warm_up
 from areal_agents.rewards.service import RewardService
 
@@ -83,7 +83,31 @@ ADVERSARIAL = {
     "100 KB": "x + " * 25_000 + "\\boxed{3}",
     "malformed": "\\boxed{\\frac{1}{ \\sqrt{ \\left( }",
     "unicode": "答案是 π ∞ 𝔸 \\boxed{½}",
+    "tower in text": "so the answer is 9**9**9**9",
+    "factorial in text": "The answer is 100000000!.",
+    "nested fractions": "\\boxed{" + "\\frac{1}{" * 300 + "2" + "}" * 300 + "}",
+    "3 MB": "7 " * 1_500_000,
+    "unclosed braces": "\\boxed{" * 100_000,
 }
+SERVICE_CASES = ("huge power", "huge factorial", "deep braces", "100 KB", "malformed", "unicode")
+NOT_COMPARED = {"refused", "timeout", "error"}  # the methods that come with a reason
+
+
+def test_adversarial_inputs_return_in_bound_with_a_reason_in_process_from_a_thread(finishes_within):
+    """verify_math called in this process, off the main thread (math-verify's signal timeouts cannot work
+    there): each input returns a wrong answer within the bound, and says why when it was not compared."""
+    config = MathVerifyConfig(timeout_s=0.5)
+    bound = config.timeout_s + 8.0  # plus a replaced worker's start-up, on a loaded machine
+    finishes_within(60.0, check_math, "\\boxed{\\sqrt{2}}", "\\sqrt{2}", config)  # the pool is up
+    cases = {name: (completion, "4") for name, completion in ADVERSARIAL.items()}
+    cases["hostile gold"] = ("\\boxed{7}", "10^{10^{10}}")
+    checks = {name: finishes_within(bound, check_math, *case, config) for name, case in cases.items()}
+    for name, check in checks.items():
+        assert not check.correct and (check.method in NOT_COMPARED) == bool(check.reason), (name, check)
+    assert checks["deep braces"].method == checks["unclosed braces"].method == "refused"
+    assert checks["huge power"].method == checks["hostile gold"].method == "timeout"
+    assert "timeout_s=0.5" in checks["huge power"].reason
+    assert finishes_within(bound, verify_math, "\\boxed{\\frac{1}{2}}", "0.5", config)  # still serving
 
 
 def test_adversarial_inputs_stay_within_the_timeout_and_the_pool_survives():
@@ -94,7 +118,8 @@ def test_adversarial_inputs_stay_within_the_timeout_and_the_pool_survives():
         try:
             await service.score(MathReward(), "\\boxed{1}", {"answer": "1"})  # workers up
             timings = {}
-            for name, completion in ADVERSARIAL.items():
+            for name in SERVICE_CASES:
+                completion = ADVERSARIAL[name]
                 start = time.perf_counter()
                 result = await service.score(MathReward(), completion, {"answer": "10^{10^{10}}"})
                 timings[name] = (time.perf_counter() - start, result)
@@ -108,7 +133,7 @@ def test_adversarial_inputs_stay_within_the_timeout_and_the_pool_survives():
         assert seconds < timeout + 2.0, (name, seconds)  # the timeout plus worker replacement
         assert result.reward == 0.0, (name, result)
     assert healthy.reward == 1.0  # the pool kept serving
-    assert metrics["calls"] == len(ADVERSARIAL) + 2
+    assert metrics["calls"] == len(SERVICE_CASES) + 2
 
 
 def test_reward_errors_and_missing_keys_are_typed():
