@@ -8,8 +8,15 @@ Requests go round-robin over the servers, with episode stickiness: requests whos
 before the last ``/`` (``episode7/t0``, ``episode7/t1``) go to the same server, so its prefix cache
 holds the conversation. When a server answers ``finish_reason: abort`` (a weight update paused it), the
 request is resubmitted as prompt + tokens so far with the remaining budget, and tokens, logprobs and
-versions are concatenated. Connection errors and 5xx replies are retried with exponential backoff;
-after ``max_retries`` the request fails with `EngineError`, as it does at once on a 4xx reply.
+versions are concatenated.
+
+Retries: connection errors, client timeouts and 5xx replies are retried with exponential backoff; after
+``max_retries`` the request fails with `EngineError`. Errors the server would repeat are not retried and
+raise at once with the server's message: a 4xx (bad input; 408 and 429 excepted), a 501, and a 500 from a
+server whose ``/health`` answers 200 (the request itself fails there, e.g. a sampling key the server's
+SGLang version does not know). Every /generate attempt carries a fresh server-side request id (the
+``rid`` plus ``#`` and a random suffix), and an attempt given up on (client timeout, dropped connection,
+cancelled caller) is aborted with ``/abort_request``, so it does not keep generating beside its retry.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import asyncio
 import collections
 import itertools
 import json
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -106,10 +114,9 @@ class SGLangEngine:
                     "no_stop_trim": True,
                 },
                 "return_logprob": True,
-                "rid": request.rid,
             }
             submitted_version = self._version
-            reply = await self._post(url, "/generate", body)
+            reply = await self._post(url, "/generate", body, rid=request.rid)
             try:
                 part = read_generate_response(reply)
             except ProtocolError as e:
@@ -245,15 +252,7 @@ class SGLangEngine:
 
     async def health(self) -> list[bool]:
         """Whether each server answers /health now (no retries)."""
-
-        async def one(url: str) -> bool:
-            try:
-                async with self._client().get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    return r.status == 200
-            except (TimeoutError, aiohttp.ClientError):
-                return False
-
-        return list(await asyncio.gather(*(one(u) for u in self.addresses)))
+        return list(await asyncio.gather(*(self._healthy(u) for u in self.addresses)))
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -307,19 +306,26 @@ class SGLangEngine:
     async def _all(self, path: str, body: dict) -> list[dict]:
         return list(await asyncio.gather(*(self._post(url, path, body) for url in self.addresses)))
 
-    async def _post(self, url: str, path: str, body: dict) -> dict:
-        """POST with retries on connection errors, timeouts and 5xx; a 4xx fails at once."""
+    async def _post(self, url: str, path: str, body: dict, rid: str | None = None) -> dict:
+        """POST with retries on connection errors, timeouts and transient 5xx; errors the server would
+        repeat raise at once (see the module docstring). With ``rid``, each attempt sends a fresh
+        ``rid#suffix`` and one given up on is aborted on the server."""
         delay = self.backoff_s
         last: Exception | None = None
         for attempt in range(self.max_retries + 1):
+            if rid is not None:
+                body = {**body, "rid": f"{rid}#{secrets.token_hex(4)}"}
             try:
                 timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
                 async with self._client().post(f"{url}{path}", json=body, timeout=timeout) as r:
                     text = await r.text()
-                    if r.status >= 500:
-                        raise ServerError(url, r.status, text[:300])
                     if r.status >= 400:
-                        raise EngineError(f"{url}{path}: HTTP {r.status}: {_message(text)}")
+                        message = _message(text)
+                        if not await self._transient(url, r.status):
+                            raise EngineError(
+                                f"{url}{path}: HTTP {r.status}: {message}{_NOT_RETRIED.get(r.status, '')}"
+                            )
+                        raise ServerError(url, r.status, message)
                     if not text.strip():
                         return {}
                     try:
@@ -330,11 +336,52 @@ class SGLangEngine:
                 last = e
             except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
                 last = ServerError(url, None, f"{type(e).__name__}: {e}")
+                if rid is not None:  # it may still be running there
+                    await self._abort(url, body["rid"])
+            except asyncio.CancelledError:
+                if rid is not None:
+                    await self._abort(url, body["rid"])
+                raise
             if attempt < self.max_retries:
                 self.stats["retries"] += 1
                 await asyncio.sleep(delay)
                 delay *= 2
         raise EngineError(f"{url}{path} failed after {self.max_retries + 1} attempts: {last}")
+
+    async def _transient(self, url: str, status: int) -> bool:
+        """Whether an error reply may go away on a retry: not a 4xx (but 408, 429), not a 501, and not a
+        500 from a server that is healthy (the request itself fails there and would again)."""
+        if status in (408, 429):
+            return True
+        if status < 500 or status == 501:
+            return False
+        if status == 500:
+            return not await self._healthy(url)
+        return True
+
+    async def _healthy(self, url: str) -> bool:
+        try:
+            async with self._client().get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError, ConnectionError):
+            return False
+
+    async def _abort(self, url: str, rid: str) -> None:
+        """Best effort: ask ``url`` to stop request ``rid`` (shielded from the caller's cancellation)."""
+
+        async def post() -> None:
+            timeout = aiohttp.ClientTimeout(total=5)
+            async with self._client().post(f"{url}/abort_request", json={"rid": rid}, timeout=timeout) as r:
+                await r.read()
+
+        try:
+            await asyncio.shield(post())
+            self.stats["aborted"] += 1
+        except (TimeoutError, aiohttp.ClientError, ConnectionError, asyncio.CancelledError):
+            pass  # the server is gone, or the caller is cancelled again: nothing more to do
+
+
+_NOT_RETRIED = {500: " (not retried: the server is healthy, so the request itself fails there)"}
 
 
 def _message(text: str) -> str:
