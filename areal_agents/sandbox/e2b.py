@@ -5,7 +5,8 @@ internet access off (``allow_internet_access=False`` unless asked for) and kept 
 idle one (or creates one), executes a small runner with ``AsyncSandbox.run_code`` and gives it back, so
 a sandbox's start-up is paid once per ``max_runs_per_sandbox`` runs, not per run. A sandbox whose run
 went wrong (no record, the runner itself hung) is killed instead; idle ones past ``pool_size`` are
-killed, and e2b kills any sandbox at the end of its ``lifetime_s`` (``aclose`` kills the idle ones now).
+killed, the idle ones left are killed at interpreter exit (or now by ``close``/``aclose``), and e2b
+kills any sandbox at the end of its ``lifetime_s`` (a process killed hard leaves them that long).
 
 The runner writes the files into a fresh directory and runs the program in its own session with the
 stdin, a wall-clock timeout and limits on address space, CPU seconds, file size (``max_file_mb``, which
@@ -23,12 +24,12 @@ real, locally, behind a stand-in ``AsyncSandbox`` built from the SDK's own types
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import json
 import os
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,6 +153,48 @@ class _Pooled:
     runs: int = 0
 
 
+class _Idle:
+    """The idle sandboxes, per event loop (an SDK client is bound to its loop), and `run`'s own loop in a
+    daemon thread. Apart from `E2BSandbox`, so the exit hook can kill what an instance left behind."""
+
+    def __init__(self, stats: collections.Counter[str]) -> None:
+        self.by_loop: dict[asyncio.AbstractEventLoop, list[_Pooled]] = {}
+        self.stats = stats
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.lock = threading.Lock()
+        self.exit_hook = False
+
+    def here(self) -> list[_Pooled]:
+        return self.by_loop.setdefault(asyncio.get_running_loop(), [])
+
+    async def kill(self, pooled: _Pooled) -> None:
+        self.stats["killed"] += 1
+        try:
+            await pooled.sandbox.kill()
+        except Exception:
+            pass  # already gone; e2b ends it at its lifetime anyway
+
+    def kill_all(self) -> None:
+        """Kill every idle sandbox, of any loop, from the background loop (at most 30 s)."""
+        idle = [p for loop in list(self.by_loop) for p in self.by_loop.pop(loop, [])]
+        if idle:
+
+            async def kill_all() -> None:
+                await asyncio.gather(*(self.kill(p) for p in idle))
+
+            try:
+                asyncio.run_coroutine_threadsafe(kill_all(), self.background_loop()).result(timeout=30)
+            except Exception:
+                pass  # best effort: e2b ends them at their lifetime anyway
+
+    def background_loop(self) -> asyncio.AbstractEventLoop:
+        with self.lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                threading.Thread(target=self.loop.run_forever, name="e2b-sandbox", daemon=True).start()
+            return self.loop
+
+
 class E2BSandbox:
     """Runs executions in pooled e2b sandboxes, internet off; counters in ``stats`` (created, reused, killed)."""
 
@@ -165,7 +208,7 @@ class E2BSandbox:
         allow_internet_access: bool = False,
         pool_size: int = 4,
         max_runs_per_sandbox: int = 256,
-        lifetime_s: int = 900,
+        lifetime_s: int = 300,
         max_processes: int = 64,
         max_file_mb: int = 64,
         sandbox_uid: int = 65534,
@@ -191,9 +234,7 @@ class E2BSandbox:
         self.max_runs_per_sandbox, self.lifetime_s = max_runs_per_sandbox, lifetime_s
         self.limits = {"max_processes": max_processes, "max_file_mb": max_file_mb, "uid": sandbox_uid}
         self.stats: collections.Counter[str] = collections.Counter()
-        self._idle: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[_Pooled]] = weakref.WeakKeyDictionary()
-        self._loop: asyncio.AbstractEventLoop | None = None  # `run`'s own loop, in a daemon thread
-        self._lock = threading.Lock()
+        self._idle = _Idle(self.stats)
 
     async def arun(
         self,
@@ -233,30 +274,28 @@ class E2BSandbox:
     def run(self, code: str, **kwargs: Any) -> ExecResult:
         """The blocking form of `arun` (from any thread, even one running an event loop); sync runs share
         one background loop, so they share its pool."""
-        return asyncio.run_coroutine_threadsafe(self.arun(code, **kwargs), self._background_loop()).result()
+        loop = self._idle.background_loop()
+        return asyncio.run_coroutine_threadsafe(self.arun(code, **kwargs), loop).result()
 
     async def aclose(self) -> None:
-        """Kill this loop's idle sandboxes (those of other loops expire at their ``lifetime_s``)."""
-        idle = self._idle.pop(asyncio.get_running_loop(), [])
-        await asyncio.gather(*(self._kill(p) for p in idle))
+        """Kill the idle sandboxes of the running loop (`close` kills those of every loop)."""
+        idle = self._idle.by_loop.pop(asyncio.get_running_loop(), [])
+        await asyncio.gather(*(self._idle.kill(p) for p in idle))
 
     def close(self) -> None:
-        """Kill the idle sandboxes of `run`'s loop."""
-        if self._loop is not None:
-            asyncio.run_coroutine_threadsafe(self.aclose(), self._loop).result()
-
-    # ---- the pool -----------------------------------------------------------------------------
+        """Kill every idle sandbox, of any event loop (done at interpreter exit too)."""
+        self._idle.kill_all()
 
     async def _acquire(self, timeout_s: float) -> _Pooled:
         from e2b_code_interpreter import AsyncSandbox
 
-        idle = self._idle.setdefault(asyncio.get_running_loop(), [])
+        idle = self._idle.here()
         while idle:
             pooled = idle.pop()
             if pooled.expires - time.monotonic() > timeout_s + 60:
                 self.stats["reused"] += 1
                 return pooled
-            await self._kill(pooled)  # too little of its lifetime left for this run
+            await self._idle.kill(pooled)  # too little of its lifetime left for this run
         lifetime = max(self.lifetime_s, int(timeout_s) + 90)
         options: dict[str, Any] = {"api_key": self.api_key}
         if self.domain:
@@ -266,26 +305,15 @@ class E2BSandbox:
             template=self.template, timeout=lifetime, allow_internet_access=self.allow_internet_access, **options
         )
         self.stats["created"] += 1
+        if not self._idle.exit_hook:  # idle sandboxes cost money until e2b ends them
+            self._idle.exit_hook = True
+            atexit.register(self._idle.kill_all)
         return _Pooled(sandbox, created + lifetime)
 
     async def _release(self, pooled: _Pooled, reusable: bool) -> None:
         pooled.runs += 1
-        idle = self._idle.setdefault(asyncio.get_running_loop(), [])
+        idle = self._idle.here()
         if reusable and pooled.runs < self.max_runs_per_sandbox and len(idle) < self.pool_size:
             idle.append(pooled)
         else:
-            await self._kill(pooled)
-
-    async def _kill(self, pooled: _Pooled) -> None:
-        self.stats["killed"] += 1
-        try:
-            await pooled.sandbox.kill()
-        except Exception:
-            pass  # already gone; e2b ends it at its lifetime anyway
-
-    def _background_loop(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-                threading.Thread(target=self._loop.run_forever, name="e2b-sandbox", daemon=True).start()
-            return self._loop
+            await self._idle.kill(pooled)

@@ -181,3 +181,32 @@ def test_sync_runs_share_the_pool(fake_cloud):
     assert [sandbox.run(f"print({i})").stdout for i in range(3)] == ["0\n", "1\n", "2\n"]
     sandbox.close()
     assert len(fake_cloud) == 1 and fake_cloud[0].runs == 3 and fake_cloud[0].killed
+
+
+def test_idle_sandboxes_of_a_finished_loop_are_killed_by_close(fake_cloud):
+    sandbox = E2BSandbox(api_key="test-key", sandbox_uid=TEST_UID)
+    assert asyncio.run(sandbox.arun("print(1)")).stdout == "1\n"  # its loop is closed; its sandbox idles
+    assert not fake_cloud[0].killed
+    sandbox.close()  # as at interpreter exit
+    assert fake_cloud[0].killed and sandbox.stats["killed"] == 1
+
+
+EXIT_SCRIPT = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("fake_e2b_tests", sys.argv[1])
+tests = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tests)
+import e2b_code_interpreter
+class Loud(tests.FakeAsyncSandbox):
+    async def kill(self, **opts):
+        print("killed", self.sandbox_id, flush=True)
+e2b_code_interpreter.AsyncSandbox = Loud
+from areal_agents.sandbox.e2b import E2BSandbox
+print(E2BSandbox(api_key="test-key", sandbox_uid=tests.TEST_UID).run("print(1)").stdout, end="", flush=True)
+"""
+
+
+def test_a_fake_sandbox_left_idle_is_killed_at_interpreter_exit():
+    """``E2BSandbox().run(...)`` in a one-off script: its sandbox does not idle, billed, until e2b ends it."""
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, __file__], capture_output=True, text=True, timeout=120)
+    assert out.stdout == "1\nkilled fake-0\n", out.stderr[-2000:]
