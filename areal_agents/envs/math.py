@@ -14,6 +14,7 @@ itself already runs in a killable worker).
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 from typing import Any, Literal
 
@@ -121,7 +122,9 @@ class MathEnv(TextEnv):
         return self.template.format(prompt=self.row["prompt"]), {"role": "user", "index": index, "id": self.row["id"]}
 
     def _score(self, action: str) -> RewardResult:
-        if self.reward_mode == "inline":
+        # a daemonic process (a process-mode env pool's worker) cannot start the pool's workers: score here,
+        # bounded by check_math's own limits and the env pool's step timeout
+        if self.reward_mode == "inline" or multiprocessing.current_process().daemon:
             return as_result(self.reward_fn(action, self.row))
         try:
             return as_result(reward_pool().call_sync(self.reward_fn, action, self.row, timeout=self.verify_timeout))

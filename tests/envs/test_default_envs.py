@@ -97,3 +97,22 @@ def test_every_bundled_mbpp_train_reference_passes_but_the_known_upstream_one():
     judge = CodeJudge(timeout_s=10)
     failing = {r["task_id"] for r in raw_rows("mbpp") if not judge.judge_mbpp(r["code"], r).all_passed}
     assert failing == UPSTREAM_FAILS
+
+
+def test_math_env_in_a_process_mode_pool_scores_its_answers():
+    """A process-mode pool's workers are daemonic and cannot start the verification pool: scored in place."""
+    import asyncio
+
+    from areal_agents.envs.pool import LocalEnvPool
+
+    async def scenario():
+        pool = LocalEnvPool("process", workers=1, step_timeout=60)
+        try:
+            env = pool.make("areal_agents/Math-v0", dataset="aime24")
+            await env.areset(options={"index": 0})
+            return await env.astep("The answer is \\boxed{204}.")
+        finally:
+            await pool.aclose()
+
+    _, reward, terminated, _, info = asyncio.run(scenario())
+    assert reward == 1.0 and terminated and info["correct"]
