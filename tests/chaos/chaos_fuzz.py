@@ -23,6 +23,15 @@ from typing import Any
 import aiohttp
 
 Record = tuple[str, bool, int]  # kind, valid (must succeed), HTTP status (0: no answer)
+SUMMARIES: list[str] = []  # one line per chaos test, printed at the end of the run (tests/chaos/conftest.py)
+
+
+def report(line: str) -> None:
+    """Print a chaos test's summary and keep it for the run's closing section (seen in CI logs too)."""
+    print(line)
+    SUMMARIES.append(line)
+
+
 Shot = Callable[[aiohttp.ClientSession, str], Awaitable[list[Record]]]
 
 

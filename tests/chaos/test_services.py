@@ -12,7 +12,7 @@ import random
 import sys
 
 import pytest
-from chaos_fuzz import fire, junk, mix, rss_kb, single, start_server, stops_on_sigterm
+from chaos_fuzz import fire, junk, mix, report, rss_kb, single, start_server, stops_on_sigterm
 
 from areal_agents.engines.launcher import free_port
 
@@ -115,11 +115,11 @@ def test_serve_model_survives_chaos(tiny_dir, tokenizer):
         before = rss_kb(proc.pid)
         tally = asyncio.run(fire(base, model_shots(rng, REQUESTS, vocab, prompt)))
         after = rss_kb(proc.pid)
-        print(tally.summary("serve-model", SEED), f"| RSS {before} -> {after} KiB")
+        alive = proc.poll() is None
+        report(f"{tally.summary('serve-model', SEED)} | RSS {before} -> {after} KiB | alive: {alive}")
         assert not warm.server_errors + tally.server_errors, tally.server_errors[:10]
         assert not warm.valid_failed + tally.valid_failed, tally.valid_failed[:10]
-        assert after < 1.10 * before
-        assert proc.poll() is None
+        assert after < 1.10 * before and alive
     finally:
         assert stops_on_sigterm(proc)
 
@@ -134,7 +134,8 @@ def test_serve_env_survives_chaos():
         before = rss_kb(proc.pid)
         tally = asyncio.run(fire(base, env_shots(rng, REQUESTS)))
         after = rss_kb(proc.pid)
-        print(tally.summary("serve-env", SEED + 1), f"| RSS {before} -> {after} KiB")
+        alive = proc.poll() is None
+        report(f"{tally.summary('serve-env', SEED + 1)} | RSS {before} -> {after} KiB | alive: {alive}")
         assert not warm.server_errors + tally.server_errors, tally.server_errors[:10]
         assert not warm.valid_failed + tally.valid_failed, tally.valid_failed[:10]
         assert after < 1.10 * before
@@ -199,7 +200,7 @@ def test_chat_proxy_survives_chaos(tiny_dir, tokenizer):
         return warm, tally, before, after
 
     warm, tally, before, after = asyncio.run(scenario())
-    print(tally.summary("chat proxy", SEED + 2), f"| RSS {before} -> {after} KiB")
+    report(f"{tally.summary('chat proxy', SEED + 2)} | RSS {before} -> {after} KiB | alive: True")
     assert not warm.server_errors + tally.server_errors, tally.server_errors[:10]
     assert not warm.valid_failed + tally.valid_failed, tally.valid_failed[:10]
     assert after < 1.10 * before

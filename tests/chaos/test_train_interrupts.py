@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from chaos_fuzz import report
 
 SEED = int(os.environ.get("CHAOS_SEED", "0"))
 STEPS = 8
@@ -73,12 +74,16 @@ def test_interrupted_and_resumed_in_a_loop_ends_like_an_uninterrupted_run(tmp_pa
         proc = subprocess.Popen(train(config, run, *resume), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         codes.append(interrupt_at(proc, run, step, sig))
     final = subprocess.run(train(config, run, "--resume"), capture_output=True, text=True)
-    print(f"chaos train (seed {SEED}): interrupted at steps {plan} by {[s.name for s in signals]}, exit codes {codes}")
     assert final.returncode == 0, final.stderr
     for code, sig in zip(codes, signals):
         assert code in {signal.SIGINT: (130,), signal.SIGTERM: (143,), signal.SIGKILL: (-9,)}[sig]
 
     logged = steps_logged(run)
+    lost = sorted(set(range(1, STEPS + 1)) - set(logged))
+    report(
+        f"chaos train (seed {SEED}): interrupted at steps {plan} by {[s.name for s in signals]}, exit codes "
+        f"{codes}; steps lost: {len(lost)}, duplicated: {len(logged) - len(set(logged))}"
+    )
     assert sorted(logged) == list(range(1, STEPS + 1)), f"every step once: {logged}"
 
     def order(path):
