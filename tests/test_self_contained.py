@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# "../shared" in any form, or a path built as ... / "shared" (the way tests once reached it)
+# a parent-relative path to a folder named shared, or a path built as ... / "shared" (as tests once did)
 OUTSIDE = re.compile(r"\.\./shared\b|/\s*[\"']shared[\"']")
 
 

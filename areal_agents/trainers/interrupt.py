@@ -95,14 +95,11 @@ class Interrupt:
         signals keep their handlers)."""
         loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
         installed = []
-        if threading.current_thread() is threading.main_thread():
+        # asyncio takes signal handlers on Unix event loops, in the main thread only
+        if threading.current_thread() is threading.main_thread() and sys.platform != "win32":
             for signum in SIGNALS:
-                previous = signal.getsignal(signum)
-                try:
-                    loop.add_signal_handler(signum, self._on_signal, signum)
-                except (NotImplementedError, RuntimeError, ValueError):  # no signals in this loop (Windows)
-                    continue
-                installed.append((signum, previous))
+                installed.append((signum, signal.getsignal(signum)))
+                loop.add_signal_handler(signum, self._on_signal, signum)
         try:
             yield
         finally:
