@@ -189,6 +189,16 @@ def run_with_a_poisoned_request(engine: HFEngine, n_tokens: int = 12):
     return asyncio.run(run())  # the caller closes the engine
 
 
+def assert_the_others_are_exact(tiny_dir, engine, good, replies):
+    """The good requests finished with the logprobs of a full forward pass; the poisoned one alone failed."""
+    reference = load_model(tiny_dir)
+    for request, reply in zip(good, replies[:3]):
+        assert len(reply.output_tokens) == 12 and reply.stop_reason == "length"
+        expected = forward_logprobs(reference, request.input_ids + reply.output_tokens, 12)
+        assert torch.allclose(torch.tensor(reply.output_logprobs), expected, atol=1e-4)
+    assert engine.stats.failed == 1 and engine.health() is None
+
+
 def test_an_error_in_one_prefill_fails_that_request_only_simulated_fault(tiny_dir):
     model = load_model(tiny_dir)
     engine = HFEngine(model, admission_window_s=0.05)  # the four arrive together: one prefill for all
@@ -203,12 +213,7 @@ def test_an_error_in_one_prefill_fails_that_request_only_simulated_fault(tiny_di
     good, replies = run_with_a_poisoned_request(engine)
     assert isinstance(replies[3], EngineError) and "'poisoned' failed in the engine" in str(replies[3])
     assert "simulated fault" in str(replies[3])
-    reference = load_model(tiny_dir)
-    for request, reply in zip(good, replies[:3]):
-        assert len(reply.output_tokens) == 12 and reply.stop_reason == "length"
-        expected = forward_logprobs(reference, request.input_ids + reply.output_tokens, 12)
-        assert torch.allclose(torch.tensor(reply.output_logprobs), expected, atol=1e-4)
-    assert engine.stats.failed == 1 and engine.health() is None
+    assert_the_others_are_exact(tiny_dir, engine, good, replies)
     engine.close()
 
 
@@ -225,12 +230,7 @@ def test_a_failing_decode_step_is_redone_row_by_row_simulated_fault(tiny_dir):
     engine._decode = decode
     good, replies = run_with_a_poisoned_request(engine)
     assert isinstance(replies[3], EngineError) and "simulated fault in a decode step" in str(replies[3])
-    reference = load_model(tiny_dir)
-    for request, reply in zip(good, replies[:3]):  # redone alone, then back in the batch: the same distribution
-        assert len(reply.output_tokens) == 12 and reply.stop_reason == "length"
-        expected = forward_logprobs(reference, request.input_ids + reply.output_tokens, 12)
-        assert torch.allclose(torch.tensor(reply.output_logprobs), expected, atol=1e-4)
-    assert engine.stats.failed == 1 and engine.health() is None
+    assert_the_others_are_exact(tiny_dir, engine, good, replies)  # redone alone, then back in the batch
     engine.close()
 
 
