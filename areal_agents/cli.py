@@ -75,7 +75,7 @@ def cmd_envs(args: argparse.Namespace) -> None:
 
 def cmd_serve_env(args: argparse.Namespace) -> None:
     from areal_agents.envs.registry import import_env_module
-    from areal_agents.envs.server import ServerConfig, serve
+    from areal_agents.envs.runtime.server import ServerConfig, serve
 
     for module in args.module:
         import_env_module(module)
@@ -219,7 +219,7 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 
 def cmd_serve_model(args: argparse.Namespace) -> None:
-    from areal_agents.engines.serve_model import ModelServerConfig, serve_model
+    from areal_agents.engines.model_server import ModelServerConfig, serve_model
 
     serve_model(
         ModelServerConfig(

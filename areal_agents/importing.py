@@ -2,10 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from areal_agents.errors import ArealAgentsError
+
+# The modules a `module:Name` string (an env id, a kwarg naming an object) may name while `only_modules` is
+# active, i.e. while an env server makes a client's env; None: any.
+_allowed_modules: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "allowed_env_modules", default=None
+)
+
+
+@contextlib.contextmanager
+def only_modules(modules: Iterable[str]) -> Iterator[None]:
+    """Within this block `load_object` (and so `make_env`) resolves ``module:Name`` only for ``modules``
+    (already imported) and imports nothing a caller names: an env server makes its clients' envs inside it."""
+    token = _allowed_modules.set(frozenset(modules))
+    try:
+        yield
+    finally:
+        _allowed_modules.reset(token)
+
+
+def module_allowed(module: str) -> bool:
+    """Whether a ``module:Name`` string may name ``module`` here: always, except inside `only_modules`
+    (an env server making a client's env), where only its start-up modules may be named."""
+    allowed = _allowed_modules.get()
+    return allowed is None or module in allowed
 
 
 def load_object(spec: str, what: str = "object") -> Any:
@@ -13,8 +40,6 @@ def load_object(spec: str, what: str = "object") -> Any:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ArealAgentsError(f"{what} {spec!r}: expects the form 'package.module:Name'")
-    from areal_agents.envs.registry import module_allowed  # noqa: PLC0415  (envs import this module)
-
     if not module_allowed(module_name):
         raise ArealAgentsError(
             f"{what} {spec!r}: this env server imports no module a request names; start it with --module {module_name}"

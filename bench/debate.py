@@ -21,11 +21,11 @@ import transformers
 from areal_agents.agents import ChatAgent
 from areal_agents.agents.multi_agent import MultiAgentChatAgent
 from areal_agents.config import TrainConfig, load_config
-from areal_agents.engines.hf_engine import HFEngine
-from areal_agents.envs.pool import LocalEnvPool
+from areal_agents.engines.hf.engine import HFEngine
+from areal_agents.envs.runtime.pool import LocalEnvPool
 from areal_agents.models import load_model, load_tokenizer
 from areal_agents.rollout.episodes import run_groups
-from areal_agents.rollout.evaluate import distinct_seeds
+from areal_agents.rollout.held_out import distinct_seeds
 from areal_agents.trainers.rl_recipe import run_train
 from areal_agents.types import SamplingParams
 

@@ -26,7 +26,7 @@ import torch
 import transformers
 
 from areal_agents.engines import HFEngine
-from areal_agents.engines.hf_engine import MAX_SEGMENTS
+from areal_agents.engines.hf.engine import MAX_SEGMENTS
 from areal_agents.envs.count import Count, sample_count
 from areal_agents.models import load_model, load_tokenizer, save_tiny_model
 from areal_agents.types import GenRequest, SamplingParams

@@ -19,7 +19,7 @@ import numpy as np
 
 import areal_agents.envs.testing  # noqa: F401  (registers Echo)
 from areal_agents.envs import make_env
-from areal_agents.envs.remote import EnvServerProcess, RemoteEnvPool
+from areal_agents.envs.runtime.remote import EnvServerProcess, RemoteEnvPool
 
 # Multi-turn episodes that never end early, so every call is a step.
 ENVS = {

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import transformers
 
-from areal_agents.engines.hf_engine import HFEngine
+from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.eval.runner import EvalSettings, evaluate_dataset
 from areal_agents.models import load_model, load_tokenizer, save_tiny_model
 

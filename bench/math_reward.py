@@ -17,8 +17,8 @@ from pathlib import Path
 
 from areal_agents.data.builtin import BUILTIN
 from areal_agents.data.jsonl import read_jsonl
-from areal_agents.rewards.math import MathVerifyConfig
 from areal_agents.rewards.math_reward import MathReward, warm_up
+from areal_agents.rewards.math_verifier import MathVerifyConfig
 from areal_agents.rewards.service import RewardService
 
 DEFAULT_CASES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "data" / "mathverify_cases.jsonl"

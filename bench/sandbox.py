@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from areal_agents.data.builtin import BUILTIN
 from areal_agents.data.jsonl import read_jsonl
-from areal_agents.rewards.code import CodeJudge
+from areal_agents.rewards.code_judge import CodeJudge
 from areal_agents.sandbox import LocalSandbox
 
 PYTHON = "/usr/bin/python3"

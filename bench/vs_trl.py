@@ -13,7 +13,7 @@ advantage scaling, epochs and minibatches. TRL's prompts
 are the env's reset observations of the same prompt seeds in the same order, rendered with the same system
 prompt and chat template (checked token for token), and its reward calls the same env's ``step``. Held-out
 greedy accuracy of the SFT start and of both final models is measured afterwards by our evaluator
-(areal_agents.rollout.evaluate over an HFEngine), on the same problems.
+(areal_agents.rollout.held_out over an HFEngine), on the same problems.
 
 Not matched: our recipe drops groups whose rewards are all equal before the update
 (``ppo.filter_zero_variance_groups``), so it trains on fewer samples and its token-mean loss averages over
@@ -46,13 +46,13 @@ from e2e_arith import prepare_sft  # bench/ is on sys.path when this script runs
 from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.agents.chat_tokens import ChatTokens
 from areal_agents.config import TrainConfig, load_config
-from areal_agents.engines.hf_engine import HFEngine
+from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.envs.registry import import_env_module, make_env
 from areal_agents.models import load_model, load_tokenizer
-from areal_agents.rollout.evaluate import evaluate
+from areal_agents.rollout.held_out import evaluate
 from areal_agents.trainers.checkpoint import save_model
 from areal_agents.trainers.rl_recipe import run_train
-from areal_agents.trainers.setup import held_out_seeds, open_checked_backend
+from areal_agents.trainers.run_start import held_out_seeds, open_checked_backend
 from areal_agents.trainers.sft_recipe import run_sft
 from areal_agents.types import SamplingParams
 

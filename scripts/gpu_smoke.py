@@ -26,8 +26,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_agents.config import EngineConfig
-from areal_agents.engines.launcher import launch_servers
-from areal_agents.engines.sglang_engine import SGLangEngine
+from areal_agents.engines.local_servers import launch_servers
+from areal_agents.engines.sglang.client import SGLangEngine
 from areal_agents.types import GenRequest, SamplingParams
 
 FAILED: list[str] = []

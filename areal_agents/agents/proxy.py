@@ -29,9 +29,9 @@ from transformers import PreTrainedTokenizerBase
 
 from areal_agents.agents.capture import CapturingAgent, ChatCapture
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.engines.launcher import free_port
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ArealAgentsError
+from areal_agents.net import free_port
 from areal_agents.types import SamplingParams, Trajectory
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import ray
 
 from areal_agents.config import EngineConfig
-from areal_agents.engines.launcher import ServerGroup, failing_s, free_port, server_command, wait_healthy
-from areal_agents.engines.server_supervisor import Supervisor
+from areal_agents.engines.local_servers import ServerGroup, failing_s, server_command, wait_healthy
+from areal_agents.engines.supervisor import Supervisor
+from areal_agents.net import free_port
 
 
 def _die_with_parent() -> None:

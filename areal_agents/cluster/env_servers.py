@@ -1,4 +1,4 @@
-"""Env-step servers as Ray actors: each replica hosts the ordinary env-step server (``envs/server.py``)
+"""Env-step servers as Ray actors: each replica hosts the ordinary env-step server (``envs/runtime/server.py``)
 on its node; a `RemoteEnvPool` spreads sessions over them and re-resolves addresses after a restart."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import ray
 import uvicorn
 
 from areal_agents.config import EnvConfig
-from areal_agents.engines.launcher import free_port
 from areal_agents.envs.registry import import_env_module, modules_for
-from areal_agents.envs.remote import RemoteEnvPool
-from areal_agents.envs.server import EnvServer, ServerConfig, build_app
+from areal_agents.envs.runtime.remote import RemoteEnvPool
+from areal_agents.envs.runtime.server import EnvServer, ServerConfig, build_app
 from areal_agents.errors import ClusterError
+from areal_agents.net import free_port
 
 
 @ray.remote

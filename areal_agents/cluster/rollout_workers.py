@@ -20,8 +20,8 @@ import ray
 from areal_agents.agents.factory import make_rollout_agent
 from areal_agents.cluster.env_servers import EnvServers
 from areal_agents.config import TrainConfig
-from areal_agents.engines.launcher import engine_client
-from areal_agents.envs.backends import EnvBackend
+from areal_agents.engines.local_servers import engine_client
+from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ClusterError, EngineError, EnvError, WorkerLostError
 from areal_agents.models.loading import load_tokenizer, quiet_transformers
 from areal_agents.types import Trajectory

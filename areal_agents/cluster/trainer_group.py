@@ -17,12 +17,12 @@ import torch
 from transformers import PreTrainedModel
 
 from areal_agents.config import TrainConfig
-from areal_agents.engines.launcher import free_port
-from areal_agents.engines.sglang_engine import SGLangEngine, write_weights
+from areal_agents.engines.sglang.client import SGLangEngine, write_weights
 from areal_agents.models.loading import load_model, quiet_transformers
+from areal_agents.net import free_port
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.policy import load_trainable
-from areal_agents.trainers.setup import seed_everything
+from areal_agents.trainers.run_start import seed_everything
 from areal_agents.types import Trajectory
 
 

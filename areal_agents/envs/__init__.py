@@ -10,8 +10,8 @@ from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.envs.base import TextEnv, text_space
 from areal_agents.envs.dataset_env import DatasetEnv
 from areal_agents.envs.multi_agent import MultiAgentTextEnv, check_multi_agent_env
-from areal_agents.envs.pool import LocalEnvPool
 from areal_agents.envs.registry import describe_envs, import_env_module, make_env
+from areal_agents.envs.runtime.pool import LocalEnvPool
 
 for _id, _entry in (
     ("areal_agents/Arithmetic-v0", "areal_agents.envs.arithmetic:ArithmeticEnv"),

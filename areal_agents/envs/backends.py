@@ -1,46 +1,5 @@
-"""Open the env backend a config names: a `LocalEnvPool`, or a `RemoteEnvPool` (launching a server)."""
+"""Deprecated: moved to `areal_agents.envs.runtime.backends`."""
 
-from __future__ import annotations
+from areal_agents._moved import alias
 
-from dataclasses import dataclass
-from typing import Any
-
-from areal_agents.config import EnvConfig
-from areal_agents.envs.async_env import AsyncEnv
-from areal_agents.envs.pool import LocalEnvPool
-from areal_agents.envs.registry import import_env_module, modules_for
-from areal_agents.envs.remote import EnvServerProcess, RemoteEnvPool
-
-
-@dataclass
-class EnvBackend:
-    """``make(**overrides)`` gives a new async env of the configured id; ``aclose`` stops everything."""
-
-    cfg: EnvConfig
-    pool: LocalEnvPool | RemoteEnvPool
-    server: EnvServerProcess | None = None
-
-    def make(self, **kwarg_overrides: Any) -> AsyncEnv:
-        return self.pool.make(self.cfg.id, **{**self.cfg.kwargs, **kwarg_overrides})
-
-    async def check(self, **kwarg_overrides: Any) -> None:
-        """Reset and close one env now, so a bad id, kwargs or server fail at start-up, not per episode."""
-        env = self.make(**kwarg_overrides)
-        await env.areset(seed=0)
-        await env.aclose()
-
-    async def aclose(self) -> None:
-        await self.pool.aclose()
-        if self.server is not None:
-            self.server.stop()
-
-
-def open_env_backend(cfg: EnvConfig) -> EnvBackend:
-    if cfg.backend == "local":
-        import_env_module(cfg.module)
-        return EnvBackend(cfg, LocalEnvPool(cfg.mode, cfg.workers, cfg.step_timeout, [cfg.module]))
-    if cfg.server_url:
-        return EnvBackend(cfg, RemoteEnvPool(cfg.server_url))
-    modules = modules_for(cfg.id, cfg.module)
-    server = EnvServerProcess(mode=cfg.mode, workers=cfg.workers, step_timeout=cfg.step_timeout, module=modules)
-    return EnvBackend(cfg, RemoteEnvPool(server.url), server)
+alias(__name__, "areal_agents.envs.runtime.backends")

@@ -24,7 +24,7 @@ from typing import Any
 
 from areal_agents.data.base import BaseDataset, load_task_dataset, raw_rows
 from areal_agents.envs.base import TextEnv
-from areal_agents.rewards.code import CodeJudge, JudgeResult, decode_tests, stdout_matches
+from areal_agents.rewards.code_judge import CodeJudge, JudgeResult, decode_tests, stdout_matches
 from areal_agents.rewards.extract import strip_thinking
 from areal_agents.sandbox import LocalSandbox
 

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import importlib
 import traceback
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import gymnasium as gym
 
 from areal_agents.envs.multi_agent import MultiAgentTextEnv
 from areal_agents.errors import ArealAgentsError, UnknownEnvError, did_you_mean
+from areal_agents.importing import module_allowed
 
 
 def import_env_module(module: str) -> None:
@@ -44,31 +42,6 @@ def modules_for(env_id: str, module: str = "") -> list[str]:
     and the module of a ``module:Name`` id. A server imports no module named in a request."""
     id_module = env_id.split(":", 1)[0] if ":" in env_id else ""
     return [m for m in dict.fromkeys((module, id_module)) if m]
-
-
-# The modules a `module:Name` string (an env id, a kwarg naming an object) may name while `only_modules` is
-# active, i.e. while an env server makes a client's env; None: any.
-_allowed_modules: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
-    "allowed_env_modules", default=None
-)
-
-
-@contextlib.contextmanager
-def only_modules(modules: Iterable[str]) -> Iterator[None]:
-    """Within this block `make_env` resolves ``module:Name`` only for ``modules`` (already imported) and
-    imports nothing a caller names: an env server makes its clients' envs inside it."""
-    token = _allowed_modules.set(frozenset(modules))
-    try:
-        yield
-    finally:
-        _allowed_modules.reset(token)
-
-
-def module_allowed(module: str) -> bool:
-    """Whether a ``module:Name`` string may name ``module`` here: always, except inside `only_modules`
-    (an env server making a client's env), where only its start-up modules may be named."""
-    allowed = _allowed_modules.get()
-    return allowed is None or module in allowed
 
 
 def _resolve(env_id: str) -> str:

@@ -23,9 +23,9 @@ from typing import Any
 from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.config import EngineConfig
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.engines.launcher import open_engine
+from areal_agents.engines.local_servers import open_engine
 from areal_agents.envs.async_env import AsyncEnv
-from areal_agents.envs.pool import LocalEnvPool
+from areal_agents.envs.runtime.pool import LocalEnvPool
 from areal_agents.errors import ConfigError
 from areal_agents.eval.metrics import maj_at_k, pass_at_k, report_ks
 from areal_agents.eval.presets import Preset, resolve

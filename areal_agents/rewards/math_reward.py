@@ -7,7 +7,7 @@ from typing import Any
 
 from areal_agents.rewards.base import RewardResult
 from areal_agents.rewards.extract import last_boxed, strip_thinking
-from areal_agents.rewards.math import MathVerifyConfig, check_math, warm_up
+from areal_agents.rewards.math_verifier import MathVerifyConfig, check_math, warm_up
 
 __all__ = ["MathReward", "warm_up"]  # warm_up: a `WorkerPool` initializer for workers that score math
 

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from areal_agents.agents.base import Agent
-from areal_agents.engines.request_checks import RequestError
+from areal_agents.engines.hf.request_checks import RequestError
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ClusterError, EngineError, EnvError, WorkerLostError
 from areal_agents.rollout.episodes import RolloutLedger

@@ -15,13 +15,13 @@ from transformers import PreTrainedModel
 
 from areal_agents.config import TrainConfig
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.engines.launcher import open_engine
+from areal_agents.engines.local_servers import open_engine
 from areal_agents.errors import ConfigError
 from areal_agents.models.loading import load_model
 from areal_agents.trainers.critic import ValueModel
 from areal_agents.trainers.distributed import DataParallel
+from areal_agents.trainers.optim import make_optimizer
 from areal_agents.trainers.ppo import StreamedUpdate, ppo_update
-from areal_agents.trainers.setup import make_optimizer
 from areal_agents.types import Trajectory
 
 SHARED = "policy"  # the name of the one policy of a run without separate policies

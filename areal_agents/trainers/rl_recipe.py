@@ -20,23 +20,23 @@ import torch
 from areal_agents.agents.factory import make_rollout_agent
 from areal_agents.config import TrainConfig
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.engines.hf_engine import HFEngine
-from areal_agents.engines.process_engine import ProcessEngine
-from areal_agents.engines.sglang_engine import SGLangEngine
+from areal_agents.engines.hf.engine import HFEngine
+from areal_agents.engines.hf.process_engine import ProcessEngine
+from areal_agents.engines.sglang.client import SGLangEngine
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ConfigError
 from areal_agents.models.loading import load_tokenizer
 from areal_agents.progress import plural, progress_bar
 from areal_agents.rollout.controller import Group, RolloutController
 from areal_agents.rollout.episodes import RolloutLedger
-from areal_agents.rollout.evaluate import evaluate
+from areal_agents.rollout.held_out import evaluate
 from areal_agents.trainers.checkpoint import checkpoints, load_trainer_state, prune_checkpoints, save_checkpoint
 from areal_agents.trainers.interrupt import Interrupt
 from areal_agents.trainers.metrics import MetricsWriter, prefixed
 from areal_agents.trainers.policy import SHARED, Policy, open_policy
 from areal_agents.trainers.ppo import streamable
 from areal_agents.trainers.resume import check_resume_config, forget_after, with_config_rates
-from areal_agents.trainers.setup import held_out_seeds, open_checked_backend, prepare_run_dir, seed_everything
+from areal_agents.trainers.run_start import held_out_seeds, open_checked_backend, prepare_run_dir, seed_everything
 from areal_agents.trainers.step_stats import (
     dump_trajectories,
     gpu_utilisation,
@@ -81,7 +81,7 @@ def run_train(
             if cfg.launcher == "ray":  # the same run, its parts as Ray actors (areal_agents/cluster)
                 if importlib.util.find_spec("ray") is None:
                     raise ConfigError("launcher=ray needs Ray, which is not installed: pip install 'areal-agents[ray]'")
-                from areal_agents.cluster.launcher import RayLauncher  # noqa: PLC0415
+                from areal_agents.cluster.ray_launcher import RayLauncher  # noqa: PLC0415
 
                 cluster = RayLauncher(cfg)
             for name, start in starts.items():

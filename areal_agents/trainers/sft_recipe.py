@@ -16,19 +16,14 @@ import torch
 from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.config import SFTConfig
 from areal_agents.data.jsonl import read_chat_jsonl
-from areal_agents.engines.hf_engine import HFEngine
+from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.models.loading import load_model, load_tokenizer
 from areal_agents.progress import plural, progress_bar
-from areal_agents.rollout.evaluate import evaluate
+from areal_agents.rollout.held_out import evaluate
 from areal_agents.trainers.checkpoint import save_model
 from areal_agents.trainers.metrics import MetricsWriter, prefixed
-from areal_agents.trainers.setup import (
-    held_out_seeds,
-    make_optimizer,
-    open_checked_backend,
-    prepare_run_dir,
-    seed_everything,
-)
+from areal_agents.trainers.optim import make_optimizer
+from areal_agents.trainers.run_start import held_out_seeds, open_checked_backend, prepare_run_dir, seed_everything
 from areal_agents.trainers.sft import conversation_to_trajectory, sft_update
 from areal_agents.types import SamplingParams
 

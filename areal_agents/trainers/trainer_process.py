@@ -25,7 +25,7 @@ from areal_agents.engines.base import InferenceEngine
 from areal_agents.errors import ArealAgentsError
 from areal_agents.models.loading import load_model, quiet_transformers
 from areal_agents.trainers.policy import load_trainable, open_policy_engine, trainer_threads
-from areal_agents.trainers.setup import seed_everything
+from areal_agents.trainers.run_start import seed_everything
 from areal_agents.types import Trajectory
 from areal_agents.workers import start_child, stop_child
 

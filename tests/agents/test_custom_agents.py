@@ -13,8 +13,8 @@ import torch
 
 from areal_agents.agents.factory import make_agent
 from areal_agents.cli import main
-from areal_agents.engines.hf_engine import HFEngine
-from areal_agents.envs.pool import LocalEnvPool
+from areal_agents.engines.hf.engine import HFEngine
+from areal_agents.envs.runtime.pool import LocalEnvPool
 from areal_agents.models import load_model
 from areal_agents.trainers.batching import make_micro_batches, token_logprobs
 from areal_agents.types import SamplingParams

@@ -14,7 +14,7 @@ import sys
 import pytest
 from chaos_fuzz import fire, junk, mix, report, rss_kb, single, start_server, stops_on_sigterm
 
-from areal_agents.engines.launcher import free_port
+from areal_agents.net import free_port
 
 SEED = int(os.environ.get("CHAOS_SEED", "0"))
 REQUESTS = int(os.environ.get("CHAOS_REQUESTS", "1500"))  # per service

@@ -10,7 +10,7 @@ import sys
 import time
 
 from areal_agents.engines import hf_engine
-from areal_agents.engines.serve_model import ModelServerConfig, serve_model
+from areal_agents.engines.model_server import ModelServerConfig, serve_model
 
 real_step = hf_engine.HFEngine._step
 

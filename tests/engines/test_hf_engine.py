@@ -377,7 +377,7 @@ def test_stale_kv_is_checked(model):
 def test_a_busy_batch_gathers_a_few_arrivals_for_a_few_steps(model):
     """One arrival beside 16 decoding rows waits up to gather_steps steps (each admission copies the whole
     running cache); enough arrivals, an abort or an idle batch admit at once."""
-    from areal_agents.engines.hf_engine import _Batch, _Sequence
+    from areal_agents.engines.hf.engine import _Batch, _Sequence
 
     engine = HFEngine(model, gather_steps=2)
 
@@ -401,7 +401,7 @@ def test_the_kv_cache_changes_rows_and_columns_in_place():
     the same keys as concatenating and indexing would, in the same buffer: nothing copies the whole cache."""
     from transformers.cache_utils import DynamicLayer
 
-    from areal_agents.engines.hf_engine import _GrowingLayer
+    from areal_agents.engines.hf.engine import _GrowingLayer
 
     def kv(rows, width):
         return torch.randn(rows, 2, width, 3), torch.randn(rows, 2, width, 3)
@@ -447,7 +447,7 @@ def tiny_llama(**kwargs):
 def test_grouped_query_heads_decode_as_transformers_generate():
     """Two KV heads for four query heads, prompts of different lengths joining a running batch in
     segments of their own: the engine gives generate's greedy tokens."""
-    from areal_agents.engines.segmented_attention import SEGMENTED_SDPA
+    from areal_agents.engines.hf.segmented_attention import SEGMENTED_SDPA
 
     model = tiny_llama(num_key_value_heads=2)
     reference = tiny_llama(num_key_value_heads=2)  # the same weights, left as stock sdpa

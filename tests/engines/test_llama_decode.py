@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from areal_agents.engines import HFEngine
-from areal_agents.engines.llama_decode import LlamaDecodeStep
+from areal_agents.engines.hf.decode_step import LlamaDecodeStep
 from areal_agents.types import GenRequest, SamplingParams
 
 TINY = dict(vocab_size=60, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)

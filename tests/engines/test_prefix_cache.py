@@ -1,6 +1,6 @@
 import torch
 
-from areal_agents.engines.prefix_cache import PrefixCache
+from areal_agents.engines.hf.prefix_cache import PrefixCache
 
 
 def block(rows, width, heads=2, dim=3, layers=2, start=0.0):

@@ -9,7 +9,7 @@ import torch
 from test_hf_engine import forward_logprobs, perturbed, prompt
 
 from areal_agents.engines import HFEngine, InferenceEngine
-from areal_agents.engines.process_engine import ProcessEngine
+from areal_agents.engines.hf.process_engine import ProcessEngine
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, SamplingParams
 

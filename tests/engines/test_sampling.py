@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from areal_agents.engines.sampling import sample_tokens
+from areal_agents.engines.hf.sampling import sample_tokens
 
 
 def draw(logits, temperature=1.0, top_p=1.0, top_k=0, n=40000, seed=0):

@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from test_hf_engine import tiny_llama
 
-from areal_agents.engines.segmented_attention import SEGMENTED_SDPA, SegmentedKV, segmented_sdpa
+from areal_agents.engines.hf.segmented_attention import SEGMENTED_SDPA, SegmentedKV, segmented_sdpa
 
 
 class Attention(torch.nn.Module):

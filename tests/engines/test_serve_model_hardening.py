@@ -22,13 +22,14 @@ import pytest
 import torch
 
 from areal_agents.config import EngineConfig
-from areal_agents.engines.hf_engine import HFEngine
-from areal_agents.engines.launcher import ServerGroup, free_port, launch_servers, wait_healthy
-from areal_agents.engines.request_checks import RequestError, RequestLimits, check_request
-from areal_agents.engines.server_supervisor import Supervisor, complete_safetensors, pushed_weights
-from areal_agents.engines.sglang_engine import SGLangEngine, write_weights
+from areal_agents.engines.hf.engine import HFEngine
+from areal_agents.engines.hf.request_checks import RequestError, RequestLimits, check_request
+from areal_agents.engines.local_servers import ServerGroup, launch_servers, wait_healthy
+from areal_agents.engines.sglang.client import SGLangEngine, write_weights
+from areal_agents.engines.supervisor import Supervisor, complete_safetensors, pushed_weights
 from areal_agents.errors import EngineError
 from areal_agents.models import load_model
+from areal_agents.net import free_port
 from areal_agents.types import GenRequest, SamplingParams
 
 FAULTY = Path(__file__).parent / "faulty_serve_model.py"

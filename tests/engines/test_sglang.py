@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from areal_agents.config import EngineConfig
-from areal_agents.engines.launcher import ServerGroup, free_port, launch_servers, server_command, wait_healthy
-from areal_agents.engines.sglang_engine import SGLangEngine
-from areal_agents.engines.sglang_protocol import read_generate_response
+from areal_agents.engines.local_servers import ServerGroup, launch_servers, server_command, wait_healthy
+from areal_agents.engines.sglang.client import SGLangEngine
+from areal_agents.engines.sglang.protocol import read_generate_response
 from areal_agents.errors import EngineError
 from areal_agents.models import load_model
+from areal_agents.net import free_port
 from areal_agents.types import GenRequest, SamplingParams
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "sglang_0.5.json").read_text())
@@ -338,8 +339,8 @@ def test_serve_model_cli_help_lists_the_sglang_flags():
 def test_kv_dtype_reaches_the_engine_the_run_opens(tiny_dir, tmp_path):
     """engine.kv_dtype: the in-process engine, the engine process and launched serve-model servers."""
     from areal_agents.cli import build_parser
-    from areal_agents.engines.launcher import open_engine
-    from areal_agents.engines.serve_model import ModelServerConfig
+    from areal_agents.engines.local_servers import open_engine
+    from areal_agents.engines.model_server import ModelServerConfig
 
     engine, _ = open_engine(EngineConfig(kv_dtype="bfloat16"), str(tiny_dir), "float32", run_dir=tmp_path)
     assert engine.kv_dtype == torch.bfloat16
@@ -353,7 +354,7 @@ def test_fast_decode_switch_reaches_the_engine_the_run_opens(tiny_dir, tmp_path)
     """engine.fast_decode=false: the in-process engine and launched serve-model servers decode through
     transformers' forward."""
     from areal_agents.cli import build_parser
-    from areal_agents.engines.launcher import open_engine
+    from areal_agents.engines.local_servers import open_engine
 
     engine, _ = open_engine(EngineConfig(), str(tiny_dir), "float32", run_dir=tmp_path)
     assert engine._decode_step is not None  # the tiny model is a Llama

@@ -8,7 +8,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from areal_agents.engines.sglang_engine import SGLangEngine
+from areal_agents.engines.sglang.client import SGLangEngine
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, SamplingParams
 

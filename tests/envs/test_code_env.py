@@ -73,7 +73,7 @@ def test_check_env_and_pickling():
 def test_code_env_through_the_env_server_in_worker_processes():
     import asyncio
 
-    from areal_agents.envs.remote import EnvServerProcess, RemoteEnvPool
+    from areal_agents.envs.runtime.remote import EnvServerProcess, RemoteEnvPool
 
     async def play(url):
         pool = RemoteEnvPool(url)

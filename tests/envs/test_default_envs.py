@@ -13,7 +13,7 @@ import pytest
 import areal_agents  # noqa: F401  (registers the env ids)
 from areal_agents.data.base import raw_rows
 from areal_agents.envs.code import row_format
-from areal_agents.rewards.code import CodeJudge
+from areal_agents.rewards.code_judge import CodeJudge
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 # MBPP train rows whose upstream reference solution fails its own asserts (a set's order on Python 3)
@@ -103,7 +103,7 @@ def test_math_env_in_a_process_mode_pool_scores_its_answers():
     """A process-mode pool's workers are daemonic and cannot start the verification pool: scored in place."""
     import asyncio
 
-    from areal_agents.envs.pool import LocalEnvPool
+    from areal_agents.envs.runtime.pool import LocalEnvPool
 
     async def scenario():
         pool = LocalEnvPool("process", workers=1, step_timeout=60)

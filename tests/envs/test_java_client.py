@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from areal_agents.envs import make_env
-from areal_agents.envs.remote import EnvServerProcess
+from areal_agents.envs.runtime.remote import EnvServerProcess
 
 CLIENT = Path(__file__).parents[2] / "examples" / "clients" / "java" / "EnvClient.java"
 

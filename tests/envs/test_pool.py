@@ -4,7 +4,7 @@ import math
 import pytest
 
 import areal_agents.envs.testing  # noqa: F401  (registers the testing ids)
-from areal_agents.envs.pool import LocalEnvPool
+from areal_agents.envs.runtime.pool import LocalEnvPool
 from areal_agents.errors import EnvError
 from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerPool
 

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from areal_agents.envs.remote import EnvServerError, EnvServerProcess, RemoteEnvPool
+from areal_agents.envs.runtime.remote import EnvServerError, EnvServerProcess, RemoteEnvPool
 from areal_agents.errors import EnvError
 
 ENV = "areal_agents/Arithmetic-v0"

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from areal_agents.envs.remote import EnvServerError, EnvServerProcess, RemoteEnvPool
+from areal_agents.envs.runtime.remote import EnvServerError, EnvServerProcess, RemoteEnvPool
 from areal_agents.errors import EnvError, UnknownEnvError
 
 TESTING = "areal_agents.envs.testing"

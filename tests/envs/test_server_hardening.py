@@ -21,11 +21,11 @@ import uvicorn
 
 from areal_agents.cli import main
 from areal_agents.config import EnvConfig
-from areal_agents.envs.backends import open_env_backend
 from areal_agents.envs.registry import import_env_module
-from areal_agents.envs.remote import free_port
-from areal_agents.envs.server import EnvServer, ServerConfig, build_app
+from areal_agents.envs.runtime.backends import open_env_backend
+from areal_agents.envs.runtime.server import EnvServer, ServerConfig, build_app
 from areal_agents.errors import ArealAgentsError
+from areal_agents.net import free_port
 
 TESTING = "areal_agents.envs.testing"
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_agents.envs.remote import EnvServerProcess, RemoteEnvPool
+from areal_agents.envs.runtime.remote import EnvServerProcess, RemoteEnvPool
 from areal_agents.errors import EnvError
 
 TOTAL_STEPS = 100_000

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from areal_agents.data.builtin import BUILTIN
-from areal_agents.rewards.code import CodeJudge, decode_tests, extract_code, stdout_matches
+from areal_agents.rewards.code_judge import CodeJudge, decode_tests, extract_code, stdout_matches
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "data"
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")

@@ -3,7 +3,7 @@ is linear, and driver output it cannot parse fails that test instead of raising.
 
 import re
 
-from areal_agents.rewards.code import CodeJudge, extract_code, fenced_blocks
+from areal_agents.rewards.code_judge import CodeJudge, extract_code, fenced_blocks
 from areal_agents.sandbox.base import ExecResult
 
 

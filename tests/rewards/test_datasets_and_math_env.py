@@ -9,7 +9,7 @@ from gymnasium.utils.env_checker import check_env
 import areal_agents  # noqa: F401
 from areal_agents.data import BaseDataset, load_task_dataset
 from areal_agents.errors import ArealAgentsError
-from areal_agents.rewards.math import MathVerifyConfig
+from areal_agents.rewards.math_verifier import MathVerifyConfig
 
 
 def test_jsonl_dataset_rows_have_id_and_prompt(tmp_path):

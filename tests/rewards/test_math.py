@@ -8,8 +8,8 @@ import pytest
 
 from areal_agents.data.builtin import BUILTIN
 from areal_agents.rewards import verify_math
-from areal_agents.rewards.math import MathVerifyConfig, check_math
 from areal_agents.rewards.math_reward import MathReward, warm_up
+from areal_agents.rewards.math_verifier import MathVerifyConfig, check_math
 from areal_agents.rewards.service import RewardService
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "data"

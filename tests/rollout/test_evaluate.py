@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from areal_agents.errors import ArealAgentsError
-from areal_agents.rollout.evaluate import distinct_seeds
+from areal_agents.rollout.held_out import distinct_seeds
 
 
 class FewProblemsEnv:

@@ -7,9 +7,9 @@ import gymnasium as gym
 
 from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.engines import HFEngine
-from areal_agents.engines.request_checks import RequestError
+from areal_agents.engines.hf.request_checks import RequestError
 from areal_agents.envs.base import TextEnv
-from areal_agents.envs.pool import LocalEnvPool
+from areal_agents.envs.runtime.pool import LocalEnvPool
 from areal_agents.models import load_model
 from areal_agents.rollout.controller import RolloutController
 from areal_agents.types import SamplingParams

@@ -6,8 +6,8 @@ import torch
 from areal_agents.config import PPOConfig
 from areal_agents.trainers.batching import make_micro_batches
 from areal_agents.trainers.critic import ValueModel, gae, value_loss, whiten
+from areal_agents.trainers.optim import make_optimizer
 from areal_agents.trainers.ppo import critic_values, ppo_update
-from areal_agents.trainers.setup import make_optimizer
 from areal_agents.types import Trajectory
 
 

@@ -7,13 +7,13 @@ import torch
 import torch.multiprocessing as mp
 
 from areal_agents.config import PPOConfig
-from areal_agents.engines.launcher import free_port
 from areal_agents.models import load_model
+from areal_agents.net import free_port
 from areal_agents.trainers.batching import make_micro_batches
 from areal_agents.trainers.critic import ValueModel
 from areal_agents.trainers.distributed import DataParallel
+from areal_agents.trainers.optim import make_optimizer
 from areal_agents.trainers.ppo import ppo_update
-from areal_agents.trainers.setup import make_optimizer
 from areal_agents.types import Trajectory
 
 

@@ -117,8 +117,8 @@ def test_kl_to_reference_k3_estimator():
 def test_ppo_update_adds_the_kl_penalty_to_a_reference(model, tiny_dir):
     from areal_agents.config import PPOConfig
     from areal_agents.models import load_model
+    from areal_agents.trainers.optim import make_optimizer
     from areal_agents.trainers.ppo import ppo_update
-    from areal_agents.trainers.setup import make_optimizer
     from areal_agents.types import Trajectory
 
     reference = load_model(tiny_dir)

@@ -85,8 +85,8 @@ def test_a_key_newer_than_the_saved_config_counts_only_when_set_away_from_its_de
 
 
 def test_with_config_rates_changes_the_base_rate_and_keeps_the_schedule_and_moments():
+    from areal_agents.trainers.optim import make_optimizer
     from areal_agents.trainers.resume import with_config_rates
-    from areal_agents.trainers.setup import make_optimizer
 
     def trained(lr):
         torch.manual_seed(0)

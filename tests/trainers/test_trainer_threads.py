@@ -36,7 +36,7 @@ def test_servers_elsewhere_leave_all_cores_and_launched_ones_take_theirs(monkeyp
 
 
 def test_launched_servers_take_all_cores_in_sync_runs_and_one_thread_beside_async_updates(monkeypatch, tmp_path):
-    from areal_agents.engines.launcher import server_command
+    from areal_agents.engines.local_servers import server_command
 
     commands = []
     monkeypatch.setattr(

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from areal_agents.trainers.setup import lr_factor, make_optimizer
+from areal_agents.trainers.optim import lr_factor, make_optimizer
 
 
 @pytest.mark.parametrize(

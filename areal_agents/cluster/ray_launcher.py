@@ -1,0 +1,139 @@
+"""`RayLauncher`: the Ray side of ``areal-agents train ... launcher=ray``.
+
+Joins a cluster (``ray.address``) or starts a local one, checks that the roles' resource requests fit,
+and starts the actors: env servers (replicas), model servers per policy, rollout workers and the
+trainer ranks. The RL recipe asks it for the policy, the env backend and the episode runner, and runs
+the same training loop as a local run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import ray
+
+from areal_agents.cluster.engine_servers import EngineServers
+from areal_agents.cluster.env_servers import EnvServers
+from areal_agents.cluster.rollout_workers import RolloutWorkers
+from areal_agents.cluster.trainer_group import DistributedPolicy
+from areal_agents.config import TrainConfig
+from areal_agents.engines.local_servers import ServerGroup, engine_client
+from areal_agents.engines.sglang.client import SGLangEngine
+from areal_agents.envs.runtime.backends import EnvBackend
+from areal_agents.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class RayLauncher:
+    def __init__(self, cfg: TrainConfig) -> None:
+        if cfg.policies:
+            raise ConfigError("launcher=ray: separate `policies` are not supported on Ray yet; use one shared policy")
+        self.cfg = cfg
+        self.started = connect(cfg)
+        self.env_servers: EnvServers | None = None
+        self.workers: RolloutWorkers | None = None
+        self.policies: list[DistributedPolicy] = []
+        try:
+            check_resources(cfg)
+            r = cfg.ray
+            self.env_servers = EnvServers.launch(
+                cfg.env, r.env_servers, r.env_server_cpus, r.max_restarts, r.recovery_timeout_s
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def open_policy(self, name: str, model_path: str, init_path: str, run_dir: Path) -> DistributedPolicy:
+        """Model servers (actors, or ``engine.urls``) and the trainer ranks of one policy."""
+        e = self.cfg.engine
+        if e.urls:
+            servers = ServerGroup(list(e.urls))
+        else:
+            if e.backend == "hf":  # the same HF engine, behind the SGLang protocol, so workers can reach it
+                e = dataclasses.replace(e, backend="serve-model")
+            servers = EngineServers(
+                e, model_path, self.cfg.model.dtype, run_dir / "servers", self.cfg.ray.engine_server_cpus,
+                self.cfg.ray.engine_server_gpus,
+            )  # fmt: skip
+        engine = engine_client(e, servers.addresses, run_dir / "engine_weights")
+        policy = DistributedPolicy(name, self.cfg, model_path, init_path, engine, servers)
+        self.policies.append(policy)
+        return policy
+
+    def env_backend(self) -> EnvBackend:
+        return EnvBackend(self.cfg.env, self.env_servers.pool())
+
+    def episode_runner(self, engine: SGLangEngine) -> RolloutWorkers:
+        if self.workers is None:
+            self.workers = RolloutWorkers.launch(self.cfg, engine.addresses, self.env_servers)
+        return self.workers
+
+    def stats(self) -> dict:
+        """Where the work went: episodes per rollout worker, env steps per env server, lost workers."""
+        r = self.cfg.ray
+        return {
+            "env_servers": r.env_servers,
+            "rollout_workers": r.rollout_workers,
+            "trainer_ranks": r.trainer_ranks,
+            "episodes_per_worker": list(self.workers.episodes) if self.workers else [],
+            "episodes_lost_with_a_worker": self.workers.lost if self.workers else 0,
+            "env_steps_per_server": self.env_servers.steps(),
+        }
+
+    def shutdown(self) -> None:
+        """Stop every actor of the run (and the local cluster, if this run started it)."""
+        if self.workers is not None:
+            self.workers.kill()
+        for policy in self.policies:
+            policy.close()
+        if self.env_servers is not None:
+            self.env_servers.kill()
+        if self.started and ray.is_initialized():
+            ray.shutdown()
+
+
+def connect(cfg: TrainConfig) -> bool:
+    """Join ``ray.address`` or start a local cluster; True if this call started one."""
+    if ray.is_initialized():
+        return False
+    # the driver's import path, so `module:Class` in the config resolves in the actors too (shared files)
+    path = os.pathsep.join([os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    runtime_env = {"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}}
+    common = {"runtime_env": runtime_env, "logging_level": logging.WARNING, "log_to_driver": True}
+    if cfg.ray.address:
+        try:
+            ray.init(address=cfg.ray.address, **common)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise ConfigError(f"ray.address={cfg.ray.address!r}: cannot join the cluster: {e}") from None
+        return False
+    ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False, **common)
+    return True
+
+
+def check_resources(cfg: TrainConfig) -> None:
+    """Fail now, naming the keys, when the roles ask for more than the cluster has (Ray would wait forever)."""
+    r = cfg.ray
+    engines = 0 if cfg.engine.urls else cfg.engine.num_servers
+    asks = {
+        "CPU": {
+            "env servers": r.env_servers * r.env_server_cpus,
+            "rollout workers": r.rollout_workers * r.rollout_worker_cpus,
+            "trainer ranks": r.trainer_ranks * r.trainer_cpus,
+            "model servers": engines * r.engine_server_cpus,
+        },
+        "GPU": {"model servers": engines * r.engine_server_gpus},
+    }
+    have = ray.cluster_resources()
+    for resource, parts in asks.items():
+        total = sum(parts.values())
+        if total > have.get(resource, 0.0) + 1e-9:
+            detail = ", ".join(f"{k} {v:g}" for k, v in parts.items() if v)
+            raise ConfigError(
+                f"ray: the run asks for {total:g} {resource}s ({detail}) but the cluster has "
+                f"{have.get(resource, 0.0):g}; lower ray.*_{resource.lower()}s (fractions are fine), "
+                f"the replica counts, or add nodes"
+            )

@@ -1,0 +1,1 @@
+"""The built-in transformers engine: `HFEngine` (in-process, continuous batching) and `ProcessEngine`."""

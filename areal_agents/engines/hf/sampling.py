@@ -1,0 +1,60 @@
+"""Per-row sampling from next-token logits, with the behavior logprob of each sampled token.
+
+The behavior logprob is ``log softmax(logits / T)`` at the sampled token (``T = 1`` for greedy rows),
+over the full vocabulary: the same quantity the trainer recomputes, so the importance ratio is exact.
+Top-k / top-p only restrict which tokens may be drawn.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits [B, V]``; return ``(tokens [B], logprobs [B])``.
+
+    ``temperature``, ``top_p`` (floats) and ``top_k`` (ints, 0 = off) are ``[B]`` tensors; a row with
+    temperature 0 is greedy.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logprobs_all = torch.log_softmax(logits / scale[:, None], dim=-1)
+
+    filtered = logprobs_all
+    vocab = logits.shape[-1]
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = torch.sort(filtered, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if bool((top_p < 1).any()):
+        sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)
+        probs = sorted_lp.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        filtered = filtered.scatter(1, order, sorted_lp.masked_fill(drop, float("-inf")))
+
+    sampled = _inverse_cdf(filtered.exp(), generator)
+    tokens = torch.where(greedy, logprobs_all.argmax(-1), sampled)
+    return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index a row drawn in proportion to ``weights [B, V]`` (unnormalised, >= 0): the first whose
+    cumulative weight reaches a uniform share of the row's total (never a zero-weight token).
+    ``torch.multinomial`` does the same with an exponential draw per token: on the engine's decode step it
+    cost more than the whole draw here. The sums are in float64 so that tail tokens keep their share."""
+    cdf = weights.double().cumsum(-1)
+    total = cdf[:, -1:]
+    ok = torch.isfinite(total) & (total > 0)
+    if not bool(ok.all()):  # as torch.multinomial refuses them
+        bad = (~ok).squeeze(1).nonzero().squeeze(1).tolist()
+        raise ValueError(f"sample_tokens: next-token logits of rows {bad[:8]} are not finite (NaN or inf)")
+    u = 1.0 - torch.rand(weights.shape[0], 1, dtype=torch.float64, generator=generator)  # (0, 1]
+    return torch.searchsorted(cdf, u * total).squeeze(1).clamp(max=weights.shape[-1] - 1)

@@ -1,0 +1,210 @@
+"""Start (or connect to) the model servers a run generates with, and build its engine.
+
+``engine.backend``: ``hf`` (in-process `HFEngine`), ``serve-model`` (our SGLang-protocol CPU server in
+subprocesses) or ``sglang`` (``python -m sglang.launch_server`` processes on GPUs); with
+``engine.urls`` set, the run connects to running servers instead. Servers this process started are
+waited for (``/health``), restarted with the run's current weights when one dies or reports its engine
+failed (`Supervisor`), and stopped when the run ends or the process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal_agents.config import EngineConfig
+from areal_agents.engines.supervisor import Supervisor
+from areal_agents.errors import EngineError
+from areal_agents.net import free_port, health_ok, log_tail
+
+
+@dataclass
+class ServerGroup:
+    """Model servers: their addresses and, for those this process started, the processes and logs."""
+
+    addresses: list[str]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+    supervisor: Any = None  # a `Supervisor` restarting the servers this process started (stopped first)
+
+    def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs = []
+
+    def __enter__(self) -> ServerGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def server_command(
+    cfg: EngineConfig,
+    model_path: str,
+    dtype: str,
+    port: int,
+    index: int,
+    *,
+    tokenizer_path: str | None = None,
+    weight_version: str | None = None,
+) -> list[str]:
+    """The command line of server ``index`` of a launch (a restart names the tokenizer and weight_version)."""
+    backend, host = cfg.backend, cfg.host
+    restart = ["--tokenizer-path", tokenizer_path] if tokenizer_path else []
+    restart += ["--weight-version", weight_version] if weight_version is not None else []
+    if backend == "sglang":
+        if importlib.util.find_spec("sglang") is None:
+            raise EngineError(
+                "engine.backend=sglang needs SGLang, which is not installed: pip install 'areal-agents[sglang]' "
+                "on a GPU machine (or use engine.backend=serve-model on CPU, or engine.urls=[...] for running servers)"
+            )
+        return [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
+            "--port", str(port), "--tp-size", str(cfg.tp), "--mem-fraction-static", str(cfg.mem_fraction),
+            "--dtype", dtype,
+            "--base-gpu-id", str(index * cfg.tp), "--skip-server-warmup", *restart, *cfg.extra_args,
+        ]  # fmt: skip
+    if backend == "serve-model":
+        return [
+            sys.executable, "-m", "areal_agents.cli", "serve-model", "--model-path", model_path, "--host", host,
+            "--port", str(port), "--dtype", dtype, "--max-running-requests", str(cfg.max_running_requests),
+            "--prefix-cache-tokens", str(cfg.prefix_cache_tokens), "--stale-kv", cfg.stale_kv,
+            "--kv-dtype", cfg.kv_dtype, "--cpu-threads", str(cfg.cpu_threads),
+            *([] if cfg.fast_decode else ["--no-fast-decode"]),
+            *restart, *cfg.extra_args,
+        ]  # fmt: skip
+    raise EngineError(f"engine.backend must be 'hf', 'serve-model' or 'sglang' to launch servers, got {backend!r}")
+
+
+def launch_servers(
+    cfg: EngineConfig,
+    model_path: str,
+    dtype: str = "float32",
+    *,
+    log_dir: str | Path | None = None,
+    weights_dir: str | Path | None = None,
+    supervise: bool = True,
+) -> ServerGroup:
+    """Start ``cfg.num_servers`` servers of ``cfg.backend`` for ``model_path`` and wait until all are healthy;
+    with ``supervise``, a `Supervisor` restarts them with the weights last pushed to ``weights_dir``."""
+    since = time.time()
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="areal-servers-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    group = ServerGroup([])
+    atexit.register(group.stop)
+    try:
+        for i in range(cfg.num_servers):
+            port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)
+            command = server_command(cfg, model_path, dtype, port, i)
+            log = log_dir / f"{cfg.backend}-{i}.log"
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            group.addresses.append(f"http://{cfg.host}:{port}")
+            group.procs.append(proc)
+            group.logs.append(log)
+        wait_healthy(group, cfg.startup_timeout_s)
+    except BaseException:
+        group.stop()
+        raise
+    if supervise:
+        ports = [int(a.rsplit(":", 1)[1]) for a in group.addresses]
+
+        def command_for(i: int, path: str, tokenizer: str, version: str | None) -> list[str]:
+            return server_command(cfg, path, dtype, ports[i], i, tokenizer_path=tokenizer, weight_version=version)
+
+        weights = Path(weights_dir) if weights_dir else None
+        group.supervisor = Supervisor(
+            group, command_for, model_path, weights, startup_timeout_s=cfg.startup_timeout_s, since=since,
+            failing_s=failing_s(cfg.backend),
+        ).start()  # fmt: skip
+    return group
+
+
+def failing_s(backend: str) -> float:
+    """How long a server of ``backend`` may answer /health with 503 before it is restarted: serve-model's
+    503 means its decode loop failed (final); SGLang's also comes while it starts or is paused for long."""
+    return 0.0 if backend == "serve-model" else 120.0
+
+
+def wait_healthy(group: ServerGroup, timeout_s: float) -> None:
+    """Poll every server's /health until it answers 200; fail with its log's tail if it dies or times out."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(range(len(group.addresses)))
+    while pending:
+        for i in list(pending):
+            proc = group.procs[i] if i < len(group.procs) else None
+            if proc is not None and proc.poll() is not None:
+                raise EngineError(
+                    f"model server {group.addresses[i]} exited with code {proc.returncode} during start-up; "
+                    f"its log ({group.logs[i]}) ends:\n{log_tail(group.logs[i])}"
+                )
+            if health_ok(group.addresses[i]):
+                pending.remove(i)
+        if pending and time.monotonic() > deadline:
+            where = f"; log: {group.logs[pending[0]]}" if group.logs else ""
+            raise EngineError(f"model server {group.addresses[pending[0]]} not healthy after {timeout_s:.0f}s{where}")
+        if pending:
+            time.sleep(0.2)
+
+
+def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path, seed: int = 0):
+    """The run's inference engine and the servers behind it (None for the in-process engine)."""
+    if cfg.backend == "hf" and not cfg.urls:
+        from areal_agents.engines.hf.engine import HFEngine  # noqa: PLC0415
+        from areal_agents.engines.hf.process_engine import ProcessEngine  # noqa: PLC0415
+        from areal_agents.models.loading import load_model  # noqa: PLC0415
+
+        kwargs = dict(
+            seed=seed,
+            max_batch_size=cfg.max_running_requests,
+            num_threads=cfg.cpu_threads or None,
+            prefix_cache_tokens=cfg.prefix_cache_tokens,
+            stale_kv=cfg.stale_kv,
+            kv_dtype=cfg.kv_dtype,
+            fast_decode=cfg.fast_decode,
+        )
+        if cfg.own_process:
+            return ProcessEngine(model_path, dtype, **kwargs), None
+        return HFEngine(load_model(model_path, dtype), **kwargs), None
+    if cfg.urls:
+        servers = ServerGroup(list(cfg.urls))
+    else:
+        servers = launch_servers(
+            cfg, model_path, dtype, log_dir=run_dir / "servers", weights_dir=run_dir / "engine_weights"
+        )
+    return engine_client(cfg, servers.addresses, run_dir / "engine_weights"), servers
+
+
+def engine_client(cfg: EngineConfig, addresses: list[str], weights_dir: Path | None = None):
+    """An `SGLangEngine` over ``addresses`` with the config's timeout and retries (``weights_dir``: where
+    weight updates are written, for the client that pushes them)."""
+    from areal_agents.engines.sglang.client import SGLangEngine  # noqa: PLC0415
+
+    return SGLangEngine(
+        addresses,
+        weights_dir=str(weights_dir) if weights_dir else None,
+        request_timeout_s=cfg.request_timeout_s,
+        max_retries=cfg.max_retries,
+    )

@@ -1,0 +1,1 @@
+"""Where envs run: a local pool, the env-step server, its protocol and remote client, and the backend a config opens."""

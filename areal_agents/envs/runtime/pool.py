@@ -1,0 +1,183 @@
+"""`LocalEnvPool`: async envs from sync gymnasium envs, run inline, in threads or in worker processes.
+
+- ``inline``: calls run on the event loop (cheapest; only for envs that never block).
+- ``thread``: calls run in a thread pool with a per-call timeout (a hung call ends its episode with a
+  ``timeout`` error; the thread itself cannot be killed and finishes in the background).
+- ``process``: the env's state is pickled and each call runs in any worker process of a `WorkerPool`,
+  so a call that hangs is killed and a worker that dies fails only that episode. The env must be
+  picklable; its state travels with every call.
+
+    pool = LocalEnvPool(mode="thread", workers=4, step_timeout=30)
+    env = pool.make("areal_agents/Arithmetic-v0", digits=2)
+    obs, info = await env.areset(seed=0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import importlib
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+import gymnasium as gym
+
+from areal_agents.envs.registry import import_env_module, make_env
+from areal_agents.errors import ArealAgentsError, EnvError
+from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerPool
+
+PoolMode = Literal["inline", "thread", "process"]
+
+
+def _import_envs() -> None:
+    """Worker start-up: the env package (and so every built-in id), before the first call's clock starts."""
+    importlib.import_module("areal_agents.envs")
+
+
+def _worker_make(modules: tuple[str, ...], env_id: str, kwargs: dict) -> gym.Env:
+    importlib.import_module("areal_agents.envs")
+    for m in modules:
+        importlib.import_module(m)
+    return make_env(env_id, **kwargs)
+
+
+def _process_reset(state: bytes | None, spec: tuple, seed: int | None, options: dict | None) -> tuple:
+    env = pickle.loads(state) if state is not None else _worker_make(*spec)
+    result = env.reset(seed=seed, options=options)
+    return pickle.dumps(env), result
+
+
+def _process_step(state: bytes, action: str) -> tuple:
+    env = pickle.loads(state)
+    result = env.step(action)
+    return pickle.dumps(env), result
+
+
+MAX_IDLE_ENVS = 1024
+
+
+def _idle_key(env_id: str, kwargs: dict[str, Any]) -> tuple[str, str]:
+    """Envs made with equal id and kwargs are interchangeable after a reset (kwargs may be unhashable)."""
+    return env_id, repr(sorted(kwargs.items()))
+
+
+class PooledEnv:
+    """One env session of a `LocalEnvPool`; implements the `AsyncEnv` interface."""
+
+    def __init__(self, pool: LocalEnvPool, env_id: str, kwargs: dict[str, Any]) -> None:
+        self.pool, self.env_id, self.kwargs = pool, env_id, kwargs
+        self.env: gym.Env | None = None
+        self._state: bytes | None = None  # process mode: the pickled env between calls
+        self._broken = False  # a call raised: the env is closed, not reused
+        if pool.mode != "process":
+            self.env = pool._take(env_id, kwargs) or make_env(env_id, **kwargs)
+
+    async def _run(self, name: str, fn: Any, *args: Any) -> Any:
+        try:
+            return await self._call(name, fn, *args)
+        except BaseException:
+            self._broken = True  # in an unknown state: closed at the end, not reused
+            raise
+
+    async def _call(self, name: str, fn: Any, *args: Any) -> Any:
+        pool = self.pool
+        try:
+            if pool.mode == "inline":
+                return fn(*args)
+            if pool.mode == "thread":
+                async with asyncio.timeout(pool.step_timeout):
+                    context = contextvars.copy_context()  # e.g. a server's `only_modules` reaches the thread
+                    return await asyncio.get_running_loop().run_in_executor(pool.threads, context.run, fn, *args)
+            return await pool.workers.call(fn, *args, timeout=pool.step_timeout)
+        except (TimeoutError, CallTimeout):
+            raise EnvError("timeout", f"{self.env_id} {name} exceeded {pool.step_timeout}s") from None
+        except WorkerDied as e:
+            raise EnvError("worker_died", f"{self.env_id} {name}: {e}") from None
+        except RemoteError as e:
+            raise EnvError("env_error", f"{self.env_id} {name} raised {e}") from e  # the cause names the type
+        except ArealAgentsError:
+            raise
+        except Exception as e:
+            raise EnvError("env_error", f"{self.env_id} {name} raised {type(e).__name__}: {e}") from e
+
+    async def areset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+        if self.pool.mode != "process":
+            return await self._run("reset", lambda: self.env.reset(seed=seed, options=options))
+        spec = (self.pool.modules, self.env_id, self.kwargs)
+        self._state, result = await self._run("reset", _process_reset, self._state, spec, seed, options)
+        return result
+
+    async def astep(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self.pool.mode != "process":
+            return await self._run("step", self.env.step, action)
+        if self._state is None:
+            raise EnvError("env_error", f"{self.env_id}: step() before reset()")
+        self._state, result = await self._run("step", _process_step, self._state, action)
+        return result
+
+    async def aclose(self) -> None:
+        if self.env is not None:
+            if self._broken or not self.pool._give_back(self.env_id, self.kwargs, self.env):
+                self.env.close()
+            self.env = None
+        self._state = None
+
+
+class LocalEnvPool:
+    """Make `PooledEnv` sessions sharing one thread pool or one `WorkerPool`."""
+
+    def __init__(
+        self,
+        mode: PoolMode = "thread",
+        workers: int = 4,
+        step_timeout: float | None = 60.0,
+        modules: tuple[str, ...] | list[str] = (),
+    ) -> None:
+        if mode not in ("inline", "thread", "process"):
+            raise ValueError(f"Expects mode 'inline', 'thread' or 'process', got {mode!r}")
+        self.mode: PoolMode = mode
+        self.step_timeout = step_timeout
+        self.modules = tuple(m for m in modules if m)
+        for m in self.modules:
+            import_env_module(m)
+        self.threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") if mode == "thread" else None
+        self.workers = WorkerPool(workers, initializer=_import_envs) if mode == "process" else None
+        self._idle: dict[tuple[str, str], list[Any]] = {}  # closed sessions' envs, reused by the next make
+
+    def _take(self, env_id: str, kwargs: dict[str, Any]) -> Any:
+        """An idle env made with the same id and kwargs (``reset`` starts it afresh), or None.
+
+        Making an env per episode (gymnasium's registry, wrappers, spaces) cost more than the episode's
+        own steps for small text envs, so sessions that ended cleanly hand theirs back."""
+        idle = self._idle.get(_idle_key(env_id, kwargs))
+        return idle.pop() if idle else None
+
+    def _give_back(self, env_id: str, kwargs: dict[str, Any], env: Any) -> bool:
+        idle = self._idle.setdefault(_idle_key(env_id, kwargs), [])
+        if len(idle) >= MAX_IDLE_ENVS:
+            return False
+        idle.append(env)
+        return True
+
+    def make(self, env_id: str, **kwargs: Any) -> PooledEnv:
+        """A new env session; unknown ids and bad kwargs fail here, before any episode starts."""
+        if self.mode == "process":
+            env = make_env(env_id, **kwargs)  # validate here; workers import the env's module
+            spec = getattr(env, "spec", None)  # a MultiAgentTextEnv has none: its class names the module
+            entry = spec.entry_point if spec is not None else type(env)
+            module = entry.split(":")[0] if isinstance(entry, str) else getattr(entry, "__module__", "")
+            env.close()
+            if module and module not in self.modules and module != "__main__":
+                self.modules = (*self.modules, module)
+        return PooledEnv(self, env_id, kwargs)
+
+    async def aclose(self) -> None:
+        for idle in self._idle.values():
+            for env in idle:
+                env.close()
+        self._idle.clear()
+        if self.threads is not None:
+            self.threads.shutdown(wait=False, cancel_futures=True)
+        if self.workers is not None:
+            self.workers.close()

@@ -1,0 +1,299 @@
+"""`RemoteEnvPool` / `RemoteEnv`: the `AsyncEnv` interface over the env-step server's HTTP API.
+
+One pooled ``aiohttp.ClientSession`` serves every session (aiohttp rather than httpx: more
+requests/s at hundreds of concurrent sessions; docs/benchmarks.md). Steps issued in the same event-loop tick by
+different sessions of one server are coalesced into one ``POST /v1/step`` (``batch_steps=True``), which
+is what lets thousands of concurrent episodes share a server cheaply.
+
+Several servers (replicas): new sessions go round-robin to those that answer; a session stays on its
+server. A server lost mid-episode ends that episode as an env failure (``server_lost``, retried by the
+rollout controller); ``resolve`` (optional) gives the current addresses, e.g. of restarted Ray actors.
+
+    pool = RemoteEnvPool("http://127.0.0.1:8765")
+    env = pool.make("areal_agents/Arithmetic-v0", digits=2)
+    obs, info = await env.areset(seed=0)
+    obs, reward, terminated, truncated, info = await env.astep("42")
+    await env.aclose(); await pool.aclose()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from areal_agents.errors import ArealAgentsError, EnvError, UnknownEnvError
+from areal_agents.net import free_port, health_ok
+
+_EPISODE_ERRORS = ("env_error", "timeout", "worker_died")
+
+
+class EnvServerError(ArealAgentsError):
+    """The server refused a request (4xx/5xx) or could not be reached; ``type`` is its error type."""
+
+    def __init__(self, status: int, type_: str, message: str) -> None:
+        super().__init__(f"env server: {type_} ({status}): {message}")
+        self.status, self.type, self.detail = status, type_, message
+
+
+@dataclass
+class _Reply:
+    status: int
+    body: Any
+    text: str
+
+
+def _raise_for(response: _Reply) -> dict[str, Any]:
+    body = response.body
+    if response.status >= 400:
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        type_, message = err.get("type", "http_error"), err.get("message", response.text[:200])
+        if type_ == "unknown_env":
+            raise UnknownEnvError(message)
+        if type_ in _EPISODE_ERRORS:
+            raise EnvError(type_, message)
+        raise EnvServerError(response.status, type_, message)
+    return body
+
+
+def _step_tuple(result: dict[str, Any]) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    err = result.get("error")
+    if err:
+        if err["type"] in _EPISODE_ERRORS:
+            raise EnvError(err["type"], err["message"])
+        raise EnvServerError(
+            409 if err["type"] in ("episode_over", "session_busy") else 404, err["type"], err["message"]
+        )
+    return result["observation"], result["reward"], result["terminated"], result["truncated"], result["info"]
+
+
+class RemoteEnv:
+    """One episode at a time on the server; ``areset`` opens a session (closing the previous one)."""
+
+    def __init__(self, pool: RemoteEnvPool, env_id: str, kwargs: dict[str, Any]) -> None:
+        self.pool, self.env_id, self.kwargs = pool, env_id, kwargs
+        self.session_id: str | None = None
+
+        self.server: str = ""  # the address of the server holding the session
+
+    async def areset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+        await self.aclose()
+        body = {"env_id": self.env_id, "kwargs": self.kwargs, "seed": seed, "options": options}
+        self.server, reply = await self.pool._create(body)
+        created = _raise_for(reply)
+        self.session_id = created["session_id"]
+        return created["observation"], created["info"]
+
+    async def astep(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self.session_id is None:
+            raise ArealAgentsError("RemoteEnv.astep() before areset()")
+        try:
+            if self.pool.batch_steps:
+                result = await self.pool._batched_step(self.server, self.session_id, action)
+            else:
+                url = f"/v1/sessions/{self.session_id}/step"
+                result = _raise_for(await self.pool._request("POST", self.server + url, {"action": action}))
+            return _step_tuple(result)
+        except EnvServerError as e:
+            if e.type != "unreachable":
+                raise
+            self.session_id = None
+            raise EnvError("server_lost", str(e)) from None  # the session went with its server
+        except EnvError:
+            self.session_id = None  # the server already closed it
+            raise
+
+    async def aclose(self) -> None:
+        if self.session_id is None:
+            return
+        sid, self.session_id = self.session_id, None
+        try:
+            response = await self.pool._request("DELETE", f"{self.server}/v1/sessions/{sid}")
+        except EnvServerError as e:
+            if e.type == "unreachable":
+                return  # the server is gone, and the session with it
+            raise
+        if response.status != 404:  # already expired or closed is fine
+            _raise_for(response)
+
+
+class RemoteEnvPool:
+    """Sessions on one or more env-step servers, sharing a connection pool and a step batcher."""
+
+    def __init__(
+        self,
+        base_url: str | list[str],
+        *,
+        timeout: float = 120.0,
+        max_connections: int = 64,
+        batch_steps: bool = True,
+        resolve: Callable[[], Awaitable[list[str]]] | None = None,
+    ) -> None:
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ArealAgentsError("RemoteEnvPool needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.base_url = self.urls[0]
+        self.batch_steps = batch_steps
+        self.timeout = timeout
+        self.max_connections = max_connections
+        self.resolve = resolve
+        self._refreshing: asyncio.Future | None = None
+        self._next = 0
+        self._client: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[str, list[tuple[str, str, asyncio.Future]]] = {}
+
+    @property
+    def client(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:  # a client is bound to its event loop
+            self._client = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections),
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+            )
+            self._loop = loop
+        return self._client
+
+    async def _request(self, method: str, url: str, body: Any = None) -> _Reply:
+        try:
+            async with self.client.request(method, url, json=body) as response:
+                text = await response.text()
+                try:
+                    parsed = json.loads(text) if text else {}
+                except ValueError:
+                    parsed = {}
+                return _Reply(response.status, parsed, text)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise EnvServerError(0, "unreachable", f"{url}: {type(e).__name__}: {e}") from None
+
+    def make(self, env_id: str, **kwargs: Any) -> RemoteEnv:
+        return RemoteEnv(self, env_id, kwargs)
+
+    async def _create(self, body: dict[str, Any]) -> tuple[str, _Reply]:
+        """Open a session on the next server that answers; (its address, the reply). When one does not
+        answer, the addresses are re-resolved in the background (a restarted replica rejoins); when none
+        does, this waits for that."""
+        error: EnvServerError | None = None
+        for attempt in range(2 if self.resolve else 1):
+            if attempt:
+                await self._refresh()
+            for _ in range(len(self.urls)):
+                server = self.urls[self._next % len(self.urls)]
+                self._next += 1
+                try:
+                    return server, await self._request("POST", f"{server}/v1/sessions", body)
+                except EnvServerError as e:
+                    error = e  # unreachable: try the next replica
+                    if self.resolve:
+                        self._refresh_soon()
+        raise error
+
+    def _refresh_soon(self) -> None:
+        """Re-resolve the addresses in the background (one refresh at a time)."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._resolve())
+            self._refreshing.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by _refresh
+
+    async def _resolve(self) -> None:
+        self.urls = [u.rstrip("/") for u in await self.resolve()]
+
+    async def _refresh(self) -> None:
+        self._refresh_soon()
+        await asyncio.shield(self._refreshing)
+
+    async def _batched_step(self, server: str, sid: str, action: str) -> dict[str, Any]:
+        future = asyncio.get_running_loop().create_future()
+        pending = self._pending.setdefault(server, [])
+        pending.append((sid, action, future))
+        if len(pending) == 1:  # the first of this tick: flush after the others have joined
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush(server)))
+        return await future
+
+    async def _flush(self, server: str) -> None:
+        batch = self._pending.pop(server, [])
+        body = {"steps": [{"session_id": sid, "action": action} for sid, action, _ in batch]}
+        try:
+            results = _raise_for(await self._request("POST", f"{server}/v1/step", body))["results"]
+        except Exception as e:
+            for *_, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        for (_, _, fut), result in zip(batch, results):
+            if not fut.done():
+                fut.set_result(result)
+
+    async def list_envs(self) -> list[dict[str, str]]:
+        return _raise_for(await self._request("GET", f"{self.base_url}/v1/envs"))["envs"]
+
+    async def metrics(self) -> dict[str, Any]:
+        return _raise_for(await self._request("GET", f"{self.base_url}/metrics"))
+
+    async def health(self) -> dict[str, Any]:
+        return _raise_for(await self._request("GET", f"{self.base_url}/health"))
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            if self._loop is asyncio.get_running_loop():
+                await self._client.close()
+            self._client = None
+
+
+class EnvServerProcess:
+    """Launch ``areal-agents serve-env`` as a child process, wait for /health, stop it on exit.
+
+    with EnvServerProcess(workers=2) as server:
+        pool = RemoteEnvPool(server.url)
+    """
+
+    def __init__(self, *, port: int | None = None, startup_timeout: float = 60.0, **options: Any) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "areal_agents.cli", "serve-env", "--port", str(self.port)]
+        for key, value in options.items():
+            values = value if isinstance(value, (list, tuple)) else [value]
+            for v in values:
+                args += [f"--{key.replace('_', '-')}", str(v)]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self._wait_healthy(startup_timeout)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                err = (self.process.stderr.read() or "").strip().splitlines()
+                raise ArealAgentsError(f"env server exited with code {self.process.returncode}: {' | '.join(err[-3:])}")
+            if health_ok(self.url, timeout=1.0):
+                return
+            time.sleep(0.1)
+        self.stop()
+        raise ArealAgentsError(f"env server at {self.url} not healthy after {timeout}s")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stderr:
+            self.process.stderr.close()
+
+    def __enter__(self) -> EnvServerProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+__all__ = ["EnvServerError", "EnvServerProcess", "RemoteEnv", "RemoteEnvPool"]

@@ -1,0 +1,398 @@
+"""The env-step server: env sessions behind an asyncio HTTP API (FastAPI + uvicorn).
+
+    areal-agents serve-env --port 8765 --workers 4            # then: RemoteEnvPool("http://127.0.0.1:8765")
+
+Each session is one episode of a gymnasium env, run by a `LocalEnvPool` (threads by default, worker
+processes with ``--mode process``). Steps have a timeout; idle sessions expire; the number of open
+sessions is capped. An env that raises, hangs or kills its worker ends its own episode with a typed
+error record; the server and the other sessions carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+
+from areal_agents.envs.registry import describe_envs
+from areal_agents.envs.runtime.pool import LocalEnvPool, PooledEnv, PoolMode
+from areal_agents.envs.runtime.protocol import (
+    BatchStepRequest,
+    BatchStepResult,
+    CreateSession,
+    EnvList,
+    ErrorResponse,
+    Health,
+    SessionClosed,
+    SessionCreated,
+    StepRequest,
+    StepResult,
+    dumps,
+)
+from areal_agents.errors import ArealAgentsError, EnvError, UnknownEnvError
+from areal_agents.importing import only_modules
+from areal_agents.workers import RemoteError
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8765
+    mode: PoolMode = "thread"
+    workers: int = 4
+    step_timeout: float = 60.0
+    idle_timeout: float = 600.0
+    max_sessions: int = 4096
+    max_action_chars: int = 65536
+    max_body_bytes: int = 8 * 1024 * 1024
+    modules: list[str] = field(default_factory=list)
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, type_: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.type, self.message = status, type_, message
+
+
+@dataclass
+class Session:
+    env: PooledEnv
+    env_id: str
+    last_used: float
+    done: bool = False
+    busy: bool = False
+
+
+class Metrics:
+    """Counters, the last 10,000 step latencies and per-second step counts: bounded memory."""
+
+    WINDOW_S = 10
+
+    def __init__(self) -> None:
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.latencies: collections.deque[float] = collections.deque(maxlen=10_000)
+        self.per_second: collections.deque[list[int]] = collections.deque(maxlen=self.WINDOW_S + 1)
+        self.started = time.time()
+
+    def step_done(self, seconds: float) -> None:
+        self.counters["steps"] += 1
+        self.latencies.append(seconds)
+        now = int(time.monotonic())
+        if self.per_second and self.per_second[-1][0] == now:
+            self.per_second[-1][1] += 1
+        else:
+            self.per_second.append([now, 1])
+
+    def snapshot(self, sessions_open: int) -> dict[str, Any]:
+        now = int(time.monotonic())
+        recent = sum(count for second, count in self.per_second if now - self.WINDOW_S <= second < now)
+        window = min(self.WINDOW_S, max(time.time() - self.started, 1e-9))
+        lat = np.array(self.latencies) * 1000 if self.latencies else np.zeros(1)
+        return {
+            "sessions_open": sessions_open,
+            **{k: v for k, v in sorted(self.counters.items())},
+            "steps_per_s": recent / window,
+            "errors": dict(self.errors),
+            "step_latency_ms": {f"p{q}": float(np.percentile(lat, q)) for q in (50, 90, 99)},
+            "uptime_s": time.time() - self.started,
+        }
+
+
+class EnvServer:
+    """Sessions, their lifecycle and accounting; `build_app` puts HTTP in front of it."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.pool = LocalEnvPool(cfg.mode, cfg.workers, cfg.step_timeout, cfg.modules)
+        self.sessions: dict[str, Session] = {}
+        self.opening = 0  # creations between the cap check and their session's registration
+        self.metrics = Metrics()
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    async def create(self, req: CreateSession) -> dict[str, Any]:
+        open_or_opening = len(self.sessions) + self.opening
+        if open_or_opening >= self.cfg.max_sessions:
+            raise HTTPError(
+                429,
+                "too_many_sessions",
+                f"{open_or_opening} sessions are open or opening, the cap is {self.cfg.max_sessions}; "
+                "close finished sessions or start the server with a larger --max-sessions",
+            )
+        self.opening += 1  # the place is taken before the first await, so concurrent creations see it
+        try:
+            with only_modules(self.cfg.modules):  # a request imports nothing, not even through kwargs
+                env = self._make(req)
+                observation, info = await self._reset(env, req)
+            sid = uuid.uuid4().hex
+            self.sessions[sid] = Session(env, req.env_id, time.monotonic())
+        finally:
+            self.opening -= 1
+        self.metrics.counters["sessions_created"] += 1
+        return {"session_id": sid, "observation": observation, "info": info}
+
+    def _make(self, req: CreateSession) -> PooledEnv:
+        """The env of a new session; a request may name only ids registered here or in a start-up module."""
+        try:
+            return self.pool.make(req.env_id, **req.kwargs)
+        except UnknownEnvError as e:
+            raise HTTPError(404, "unknown_env", str(e)) from None
+        except ArealAgentsError as e:
+            raise HTTPError(400, "bad_request", str(e)) from None
+        except Exception as e:  # the env's constructor failed for a reason of its own
+            raise HTTPError(500, "env_error", f"cannot make {req.env_id}: {type(e).__name__}: {e}") from None
+
+    async def _reset(self, env: PooledEnv, req: CreateSession) -> tuple[str, dict]:
+        """The first observation; a reset that rejects the request's arguments is the client's mistake (400)."""
+        try:
+            return await env.areset(seed=req.seed, options=req.options)
+        except EnvError as e:
+            if _clients_mistake(e):
+                error = HTTPError(400, "bad_request", f"reset failed: {e.detail}; check the kwargs, seed and options")
+            else:
+                error = HTTPError(500 if e.kind == "env_error" else 504, e.kind, f"reset failed: {e.detail}")
+        except UnknownEnvError as e:
+            error = HTTPError(404, "unknown_env", f"reset failed: {e}")
+        except ArealAgentsError as e:
+            error = HTTPError(400, "bad_request", f"reset failed: {e}")
+        except BaseException:  # cancelled (the client went away): no session, no env left open
+            await env.aclose()
+            raise
+        await env.aclose()
+        raise error
+
+    def _get(self, sid: str) -> Session:
+        session = self.sessions.get(sid)
+        if session is None:
+            raise HTTPError(404, "unknown_session", f"no open session {sid!r} (closed, expired or never created)")
+        return session
+
+    async def step(self, sid: str, action: str) -> dict[str, Any]:
+        session = self._get(sid)
+        if len(action) > self.cfg.max_action_chars:
+            raise HTTPError(
+                400,
+                "action_too_long",
+                f"action is {len(action)} characters; the limit is {self.cfg.max_action_chars} (--max-action-chars)",
+            )
+        if session.done:
+            raise HTTPError(
+                409, "episode_over", f"the episode of session {sid} has ended; close it or create a new one"
+            )
+        if session.busy:
+            raise HTTPError(409, "session_busy", f"session {sid} is already running a step")
+        session.busy = True
+        start = time.perf_counter()
+        try:
+            observation, reward, terminated, truncated, info = await session.env.astep(action)
+        except EnvError as e:  # the episode ends with a typed record; nothing else is affected
+            self.metrics.errors[e.kind] += 1
+            await self._close(sid, "sessions_failed")
+            return _failed(sid, e.kind, e.detail)
+        finally:
+            session.busy = False
+        self.metrics.step_done(time.perf_counter() - start)
+        session.last_used = time.monotonic()
+        if terminated or truncated:
+            session.done = True
+            self.metrics.counters["episodes_completed"] += 1
+        return {
+            "session_id": sid,
+            "observation": observation,
+            "reward": float(reward),
+            "terminated": bool(terminated),
+            "truncated": bool(truncated),
+            "info": info,
+            "error": None,
+        }
+
+    async def step_batch(self, req: BatchStepRequest) -> dict[str, Any]:
+        ids = [item.session_id for item in req.steps]
+        if len(set(ids)) != len(ids):
+            raise HTTPError(400, "bad_request", "steps: each session may appear once per batch")
+
+        async def one(item: Any) -> dict[str, Any]:
+            try:
+                return await self.step(item.session_id, item.action)
+            except HTTPError as e:
+                return _failed(item.session_id, e.type, e.message)
+
+        return {"results": await asyncio.gather(*(one(item) for item in req.steps))}
+
+    async def _close(self, sid: str, counter: str) -> None:
+        session = self.sessions.pop(sid, None)
+        if session is not None:
+            self.metrics.counters[counter] += 1
+            await session.env.aclose()
+
+    async def close(self, sid: str) -> dict[str, Any]:
+        self._get(sid)
+        await self._close(sid, "sessions_closed")
+        return {"session_id": sid, "closed": True}
+
+    async def expire_idle(self) -> int:
+        cutoff = time.monotonic() - self.cfg.idle_timeout
+        stale = [sid for sid, s in self.sessions.items() if s.last_used < cutoff and not s.busy]
+        for sid in stale:
+            await self._close(sid, "sessions_expired")
+        return len(stale)
+
+    async def expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, min(self.cfg.idle_timeout / 4, 5.0)))
+            await self.expire_idle()
+
+    async def aclose(self) -> None:
+        for sid in list(self.sessions):
+            await self._close(sid, "sessions_closed")
+        await self.pool.aclose()
+
+
+def _clients_mistake(e: EnvError) -> bool:
+    """A reset that raised TypeError or ValueError: the request's kwargs, seed or options do not fit the env."""
+    cause = e.__cause__
+    name = cause.type_name if isinstance(cause, RemoteError) else type(cause).__name__
+    return e.kind == "env_error" and (isinstance(cause, TypeError | ValueError) or name in ("TypeError", "ValueError"))
+
+
+def _failed(sid: str, type_: str, message: str) -> dict[str, Any]:
+    """A `StepResult` for a step that did not happen normally; the episode is over."""
+    return {
+        "session_id": sid,
+        "observation": "",
+        "reward": 0.0,
+        "terminated": True,
+        "truncated": False,
+        "info": {},
+        "error": {"type": type_, "message": message},
+    }
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(dumps(payload), status_code=status, media_type="application/json")
+
+
+def _error(status: int, type_: str, message: str) -> Response:
+    return _json({"error": {"type": type_, "message": message}}, status)
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over ``max_bytes`` with 413 before parsing them.
+
+    A declared Content-Length over the limit is refused at once; any other body (chunked, or a wrong
+    length) is read up to the limit and then handed to the app whole, so the limit never depends on how
+    the body was sent."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._reject(scope, receive, send)
+        chunks, seen, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away: nobody to answer
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.max_bytes:
+                return await self._reject(scope, receive, send)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: a disconnect, when it comes
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: dict, receive: Any, send: Any) -> None:
+        response = _error(413, "payload_too_large", f"request body over {self.max_bytes} bytes (--max-body-bytes)")
+        await response(scope, receive, send)
+
+
+def build_app(server: EnvServer) -> FastAPI:
+    """The HTTP API of ``server``; its OpenAPI schema is served at /openapi.json."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202
+        task = asyncio.create_task(server.expiry_loop())
+        yield
+        task.cancel()
+        await server.aclose()
+
+    app = FastAPI(title="areal-agents env-step server", version="v1", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=server.cfg.max_body_bytes)
+    errors = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 409: {"model": ErrorResponse}}
+
+    @app.exception_handler(HTTPError)
+    async def on_http_error(request: Request, exc: HTTPError) -> Response:
+        server.metrics.errors[exc.type] += 1
+        return _error(exc.status, exc.type, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(x) for x in err.get("loc", ()))
+            parts.append(f"{where}: {err.get('msg')}")
+        server.metrics.errors["bad_request"] += 1
+        return _error(400, "bad_request", "; ".join(parts) or "malformed request")
+
+    @app.get("/health", response_model=Health)
+    async def health() -> Response:
+        return _json({"status": "ok", "sessions_open": len(server.sessions)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return _json(server.metrics.snapshot(len(server.sessions)))
+
+    @app.get("/v1/envs", response_model=EnvList)
+    async def list_envs() -> Response:
+        return _json({"envs": [{"id": i, "description": d} for i, d in describe_envs()]})
+
+    @app.post("/v1/sessions", response_model=SessionCreated, responses={**errors, 429: {"model": ErrorResponse}})
+    async def create(req: CreateSession) -> Response:
+        return _json(await server.create(req))
+
+    @app.post("/v1/sessions/{session_id}/step", response_model=StepResult, responses=errors)
+    async def step(session_id: str, req: StepRequest) -> Response:
+        return _json(await server.step(session_id, req.action))
+
+    @app.delete("/v1/sessions/{session_id}", response_model=SessionClosed, responses=errors)
+    async def close(session_id: str) -> Response:
+        return _json(await server.close(session_id))
+
+    @app.post("/v1/step", response_model=BatchStepResult, responses=errors)
+    async def step_batch(req: BatchStepRequest) -> Response:
+        return _json(await server.step_batch(req))
+
+    return app
+
+
+def serve(cfg: ServerConfig) -> None:
+    """Run the server until interrupted (``areal-agents serve-env``)."""
+    import uvicorn
+
+    server = EnvServer(cfg)
+    app = build_app(server)
+    print(f"serving envs on http://{cfg.host}:{cfg.port} (mode {cfg.mode}, {cfg.workers} workers)", flush=True)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False)

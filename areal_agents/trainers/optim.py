@@ -1,0 +1,36 @@
+"""The optimizer and its learning-rate schedule (warm-up, then constant, linear or cosine decay)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+
+def make_optimizer(
+    model: torch.nn.Module,
+    lr: float,
+    weight_decay: float,
+    warmup_steps: int,
+    schedule: str = "constant",
+    total_steps: int = 0,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW with a linear warm-up, then a constant rate or a decay to 0 at ``total_steps``
+    (``linear`` or ``cosine``; optimizer steps)."""
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"lr_schedule: expects 'constant', 'linear' or 'cosine', got {schedule!r}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(lr_factor, warmup_steps=warmup_steps, schedule=schedule, total_steps=total_steps)
+    )
+
+
+def lr_factor(step: int, *, warmup_steps: int, schedule: str, total_steps: int) -> float:
+    """Multiplier of the base learning rate at optimizer step ``step`` (0-based)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))

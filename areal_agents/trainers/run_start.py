@@ -1,0 +1,45 @@
+"""What a run does before its first step: seed, write its run directory, check its envs, pick its held-out set."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from areal_agents.config import EnvConfig, EvalConfig, config_to_dict
+from areal_agents.envs.runtime.backends import EnvBackend, open_env_backend
+from areal_agents.rollout.held_out import distinct_seeds
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def prepare_run_dir(run_dir: str | Path, cfg: Any) -> Path:
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+    return out
+
+
+async def open_checked_backend(env: EnvConfig, eval_cfg: EvalConfig, backend: EnvBackend | None = None) -> EnvBackend:
+    """The configured env backend (or ``backend``, e.g. a cluster's env servers), with one train and one
+    eval env reset now so mistakes fail early."""
+    backend = backend or open_env_backend(env)
+    try:
+        await backend.check()
+        await backend.check(**eval_cfg.env_kwargs)
+    except BaseException:
+        await backend.aclose()
+        raise
+    return backend
+
+
+async def held_out_seeds(backend: EnvBackend, eval_cfg: EvalConfig) -> list[int]:
+    return await distinct_seeds(lambda: backend.make(**eval_cfg.env_kwargs), eval_cfg.num_problems, start=eval_cfg.seed)
