@@ -13,7 +13,8 @@ class InferenceEngine(Protocol):
 
     ``pause()`` stops generation at a token boundary (in-flight requests resume later with the new
     weights); ``update_weights`` swaps the policy and bumps the version; every generated token carries
-    the version of the weights that produced it.
+    the version of the weights that produced it. Optional: ``async counters() -> dict[str, float]``, the
+    engine's counters since its start (read through `engine_counters`).
     """
 
     async def agenerate(self, request: GenRequest) -> GenResponse: ...
@@ -27,3 +28,11 @@ class InferenceEngine(Protocol):
     def get_version(self) -> int: ...
 
     def set_version(self, version: int) -> None: ...
+
+
+async def engine_counters(engine: InferenceEngine) -> dict[str, float]:
+    """An engine's counters since its start, by name (e.g. ``prefill_tokens``, ``busy_seconds``), from its
+    optional ``async counters()`` method; ``{}`` for an engine without one. The RL recipe logs their
+    change per step as ``engine/...`` metrics, naming no concrete engine."""
+    counters = getattr(engine, "counters", None)
+    return dict(await counters()) if counters is not None else {}
