@@ -9,10 +9,11 @@ shows in /health at once.
 import sys
 import time
 
-from areal_agents.engines import hf_engine
+from areal_agents.engines.hf.batch_runner import BatchRunner
+from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.model_server import ModelServerConfig, serve_model
 
-real_step = hf_engine.HFEngine._step
+real_step = BatchRunner.step
 
 
 def faulty_step(self, batch, incoming, stale, version):  # noqa: ANN001, ANN201
@@ -25,8 +26,8 @@ def faulty_step(self, batch, incoming, stale, version):  # noqa: ANN001, ANN201
     return real_step(self, batch, incoming, stale, version)
 
 
-hf_engine.HFEngine._step = faulty_step
-hf_engine.HFEngine.stall_s = 2.0
+BatchRunner.step = faulty_step
+HFEngine.stall_s = 2.0
 
 if __name__ == "__main__":
     args = sys.argv[1:]

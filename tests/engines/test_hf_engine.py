@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from areal_agents.engines import HFEngine, InferenceEngine
+from areal_agents.engines.base import engine_counters
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, SamplingParams
 
@@ -103,6 +104,34 @@ def test_a_group_of_identical_prompts_is_prefilled_once(model, tokenizer):
     for p, r in zip(group, responses):
         ref = forward_logprobs(model, p + r.output_tokens, len(r.output_tokens))
         assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=1e-4)
+
+
+def test_counters_through_the_engine_protocol_are_the_stats_as_floats(model, tokenizer):
+    """`engine_counters` reads an engine's counters without naming it: HFEngine's are its `EngineStats`,
+    cumulative (a second request adds to them); an engine without ``counters`` gives none."""
+    from dataclasses import asdict
+
+    engine = HFEngine(model)
+    request = GenRequest("r", prompt(tokenizer), SamplingParams(5, temperature=0, ignore_eos=True))
+    first = asyncio.run(engine_counters(engine))
+    assert first == dict.fromkeys(asdict(engine.stats), 0.0)
+    first_reply = asyncio.run(engine.agenerate(request))
+    once = asyncio.run(engine_counters(engine))
+    assert all(isinstance(v, float) for v in once.values()) and once == {
+        k: float(v) for k, v in asdict(engine.stats).items()
+    }
+    # 5 tokens: the prefill samples the first, 4 decode steps the rest
+    assert once["generated_tokens"] == 5.0 and once["decode_steps"] == 4.0 and once["busy_seconds"] > 0
+    assert once["prefill_tokens"] == len(request.input_ids) and once["prefix_hit_tokens"] == 0.0
+    next_turn = request.input_ids + first_reply.output_tokens + request.input_ids[-2:]
+    asyncio.run(engine.agenerate(GenRequest("r2", next_turn, request.sampling)))
+    twice = asyncio.run(engine_counters(engine))
+    assert twice["generated_tokens"] == 10.0 and twice["requests"] == 2.0
+    # the next turn's context: the first one's (prompt + its tokens but the last) came from the prefix cache
+    assert twice["prefix_hit_tokens"] == len(request.input_ids) + 4
+    assert twice["prefill_tokens"] == once["prefill_tokens"] + 3
+    assert asyncio.run(engine_counters(object())) == {}
+    engine.close()
 
 
 def test_weight_update_mid_generation_resumes_with_new_version(model, tokenizer, tiny_dir):
@@ -377,23 +406,23 @@ def test_stale_kv_is_checked(model):
 def test_a_busy_batch_gathers_a_few_arrivals_for_a_few_steps(model):
     """One arrival beside 16 decoding rows waits up to gather_steps steps (each admission copies the whole
     running cache); enough arrivals, an abort or an idle batch admit at once."""
-    from areal_agents.engines.hf.engine import _Batch, _Sequence
+    from areal_agents.engines.hf.running_batch import Segment, Submission
 
     engine = HFEngine(model, gather_steps=2)
 
     def seq(rid):
-        return _Sequence(rid, [5, 6], SamplingParams(4), set(), None)
+        return Submission(rid, [5, 6], SamplingParams(4), set(), None)
 
-    batch = _Batch(rows=[seq(str(i)) for i in range(16)])
-    engine._incoming = [seq("new")]
-    assert [engine._gathering(batch, aborts=False) for _ in range(4)] == [True, True, False, True]
-    assert not engine._gathering(batch, aborts=True)
-    engine._incoming.append(seq("newer"))  # 2 of 16 = GATHER_FRACTION
-    assert not engine._gathering(batch, aborts=False)
-    assert not engine._gathering(_Batch(), aborts=False)
+    batch = Segment(rows=[seq(str(i)) for i in range(16)])
+    engine._scheduler.incoming = [seq("new")]
+    assert [engine._scheduler.gathering(batch, aborts=False) for _ in range(4)] == [True, True, False, True]
+    assert not engine._scheduler.gathering(batch, aborts=True)
+    engine._scheduler.incoming.append(seq("newer"))  # 2 of 16 = GATHER_FRACTION
+    assert not engine._scheduler.gathering(batch, aborts=False)
+    assert not engine._scheduler.gathering(Segment(), aborts=False)
     eager = HFEngine(model, gather_steps=0)
-    eager._incoming = [seq("x")]
-    assert not eager._gathering(batch, aborts=False)
+    eager._scheduler.incoming = [seq("x")]
+    assert not eager._scheduler.gathering(batch, aborts=False)
 
 
 def test_the_kv_cache_changes_rows_and_columns_in_place():
@@ -401,7 +430,7 @@ def test_the_kv_cache_changes_rows_and_columns_in_place():
     the same keys as concatenating and indexing would, in the same buffer: nothing copies the whole cache."""
     from transformers.cache_utils import DynamicLayer
 
-    from areal_agents.engines.hf.engine import _GrowingLayer
+    from areal_agents.engines.hf.kv_buffer import GrowingLayer
 
     def kv(rows, width):
         return torch.randn(rows, 2, width, 3), torch.randn(rows, 2, width, 3)
@@ -411,7 +440,7 @@ def test_the_kv_cache_changes_rows_and_columns_in_place():
 
     base = DynamicLayer()
     base.update(*kv(4, 10))
-    layer = _GrowingLayer.adopt(base, max_rows=16)  # room for 8 rows: twice the first batch
+    layer = GrowingLayer.adopt(base, max_rows=16)  # room for 8 rows: twice the first batch
     expected = [layer.keys.clone(), layer.values.clone()]
     step = kv(4, 1)  # a decode step: the first one moves the cache into room of its own
     layer.update(*step)

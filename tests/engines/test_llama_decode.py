@@ -60,7 +60,7 @@ def staggered(engine, temperature, new_tokens=9):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_tokens_are_transformers_generate(family):
     engine = HFEngine(family_model(family), eos_token_ids=[])
-    assert engine._decode_step is not None
+    assert engine._runner.decode_step is not None
     reference = family_model(family)
     for p, r in zip(PROMPTS, staggered(engine, temperature=0)):
         ref = reference.generate(torch.tensor([p]), max_new_tokens=len(r.output_tokens), do_sample=False)
@@ -75,7 +75,7 @@ def test_sampled_logprobs_are_those_of_a_transformers_forward_pass(family):
     reference = family_model(family)
     for fast in (True, False):
         engine = HFEngine(family_model(family), eos_token_ids=[], seed=3, fast_decode=fast)
-        assert (engine._decode_step is not None) == fast
+        assert (engine._runner.decode_step is not None) == fast
         for p, r in zip(PROMPTS, staggered(engine, temperature=1.0)):
             with torch.no_grad():
                 logits = reference(torch.tensor([p + r.output_tokens])).logits[0, len(p) - 1 : -1]

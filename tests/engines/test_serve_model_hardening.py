@@ -203,14 +203,14 @@ def assert_the_others_are_exact(tiny_dir, engine, good, replies):
 def test_an_error_in_one_prefill_fails_that_request_only_simulated_fault(tiny_dir):
     model = load_model(tiny_dir)
     engine = HFEngine(model, admission_window_s=0.05)  # the four arrive together: one prefill for all
-    real_forward = engine._forward
+    real_forward = engine._runner.forward
 
     def forward(contexts):
         if any(c[:3] == (9, 9, 9) for c in contexts):
             raise RuntimeError("simulated fault in this request's prefill")
         return real_forward(contexts)
 
-    engine._forward = forward
+    engine._runner.forward = forward
     good, replies = run_with_a_poisoned_request(engine)
     assert isinstance(replies[3], EngineError) and "'poisoned' failed in the engine" in str(replies[3])
     assert "simulated fault" in str(replies[3])
@@ -221,14 +221,14 @@ def test_an_error_in_one_prefill_fails_that_request_only_simulated_fault(tiny_di
 def test_a_failing_decode_step_is_redone_row_by_row_simulated_fault(tiny_dir):
     model = load_model(tiny_dir)
     engine = HFEngine(model, admission_window_s=0.05)
-    real_decode = engine._decode
+    real_decode = engine._runner.decode
 
     def decode(batch, version):
         if any(seq.rid == "poisoned" and len(seq.tokens) >= 4 and not seq.delivered for seq in batch.rows):
             raise RuntimeError("simulated fault in a decode step")
         return real_decode(batch, version)
 
-    engine._decode = decode
+    engine._runner.decode = decode
     good, replies = run_with_a_poisoned_request(engine)
     assert isinstance(replies[3], EngineError) and "simulated fault in a decode step" in str(replies[3])
     assert_the_others_are_exact(tiny_dir, engine, good, replies)  # redone alone, then back in the batch

@@ -357,9 +357,9 @@ def test_fast_decode_switch_reaches_the_engine_the_run_opens(tiny_dir, tmp_path)
     from areal_agents.engines.local_servers import open_engine
 
     engine, _ = open_engine(EngineConfig(), str(tiny_dir), "float32", run_dir=tmp_path)
-    assert engine._decode_step is not None  # the tiny model is a Llama
+    assert engine._runner.decode_step is not None  # the tiny model is a Llama
     engine, _ = open_engine(EngineConfig(fast_decode=False), str(tiny_dir), "float32", run_dir=tmp_path)
-    assert engine._decode_step is None
+    assert engine._runner.decode_step is None
     for fast in (True, False):
         command = server_command(EngineConfig(backend="serve-model", fast_decode=fast), "m", "float32", 1, 0)
         assert ("--no-fast-decode" in command) != fast

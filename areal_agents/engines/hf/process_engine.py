@@ -49,21 +49,23 @@ def _serve(conn: Any, model_path: str, dtype: str, engine_kwargs: dict[str, Any]
     asyncio.run(_child_loop(conn, engine))
 
 
+def _read_pipe(conn: Any, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue) -> None:
+    """The child's pipe reader (a thread): every message into ``inbox``, until ``close`` or the parent is gone."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the parent went away
+            message = ("close", None, ())
+        loop.call_soon_threadsafe(inbox.put_nowait, message)
+        if message[0] == "close":
+            return
+
+
 async def _child_loop(conn: Any, engine: Any) -> None:
+    """Serve the pipe's messages: generate (answered in batches by ``done``), cancel, close, and method calls."""
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
-
-    def read() -> None:
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):  # the parent went away
-                message = ("close", None, ())
-            loop.call_soon_threadsafe(inbox.put_nowait, message)
-            if message[0] == "close":
-                return
-
-    threading.Thread(target=read, name="engine-pipe", daemon=True).start()
+    threading.Thread(target=_read_pipe, args=(conn, loop, inbox), name="engine-pipe", daemon=True).start()
     finished: list[tuple[int, GenResponse | str]] = []
     tasks: dict[int, asyncio.Task] = {}
 
@@ -204,6 +206,10 @@ class ProcessEngine:
     async def get_stats(self) -> Any:
         """The child engine's `EngineStats`."""
         return await self._call("get_stats")
+
+    async def counters(self) -> dict[str, float]:
+        """The child engine's `EngineStats` as floats by name, for `engine_counters`."""
+        return (await self.get_stats()).counters()
 
     async def aclose(self) -> None:
         self.close()

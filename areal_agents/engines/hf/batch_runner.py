@@ -1,0 +1,319 @@
+"""`BatchRunner`: one step of `HFEngine`'s running batch on the model (decode thread only).
+
+A step admits arrivals (a prefill, from the longest cached prefix of each context), decodes one token for
+every row over all KV cache segments, samples, and retires finished rows into the prefix cache. An error in
+one request's prefill, decode step or sampling fails that request alone: a failed batch prefill is redone
+row by row, a failed decode step row by row (prefill, then one step alone).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from areal_agents.engines.hf.decode_step import LlamaDecodeStep
+from areal_agents.engines.hf.kv_buffer import GrowingLayer, kv_dtype_of
+from areal_agents.engines.hf.prefix_cache import PrefixCache
+from areal_agents.engines.hf.running_batch import (
+    RunningBatch,
+    Segment,
+    SegmentedCache,
+    Submission,
+    compact,
+    consolidate,
+)
+from areal_agents.engines.hf.sampling import sample_tokens
+from areal_agents.engines.hf.stats import EngineStats
+from areal_agents.errors import EngineError
+from areal_agents.types import GenResponse, StopReason
+
+Outcome = tuple[Submission, GenResponse | BaseException]  # a submission and what its caller gets
+
+
+class BatchRunner:
+    """The model's work on the running batch. Rows it finishes or fails go to ``outbox``, which the
+    scheduler hands back to their callers after the step."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        stats: EngineStats,
+        *,
+        pad_token_id: int,
+        max_batch_size: int,
+        seed: int,
+        prefix_cache_tokens: int,
+        max_segments: int,
+        kv_dtype: str | torch.dtype | None,
+        fast_decode: bool,
+    ) -> None:
+        self.model, self.stats = model, stats
+        # decode steps of Llama-family models run `LlamaDecodeStep` (False, or another model: transformers' forward)
+        self.decode_step = LlamaDecodeStep.of(model) if fast_decode else None
+        self.sliding_window = _sliding_window(model)  # the segments' masks attend to every column
+        self.pad_token_id = pad_token_id
+        self.max_batch_size = max_batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.prefixes = PrefixCache(prefix_cache_tokens)  # finished rows' KV
+        self.max_segments = max_segments  # KV cache segments (1: one cache, left-padded to the oldest row)
+        self.kv_dtype = kv_dtype_of(kv_dtype, model.dtype)  # of the KV cache decode steps attend to
+        self.outbox: list[Outcome] = []  # finished this step
+
+    @torch.inference_mode()
+    def step(self, batch: RunningBatch, incoming: list[Submission], stale: bool, version: int) -> None:
+        """Admit (and re-prefill after a weight swap), then one decode step; retire finished rows."""
+        start = time.perf_counter()
+        live = [s for s in incoming if not s.abort]
+        for seq in incoming:
+            if seq.abort:
+                self.finish(seq, "abort")
+        if stale:
+            self.prefixes.clear()
+        if stale and batch.segments:  # the cache holds the old weights' keys and values
+            live = [s for s in batch.rows if not s.delivered] + live
+            batch.segments = []
+        if live:
+            self.admit(batch, live, version)
+        if batch.segments:
+            try:
+                self.decode(batch, version)
+            except Exception:  # noqa: BLE001  (one request's fault must not fail the others)
+                self.redecode_alone(batch, version)
+            self.retire(batch)
+        self.stats.max_running = max(self.stats.max_running, sum(not s.delivered for s in batch.rows))
+        self.stats.busy_seconds += time.perf_counter() - start
+
+    def admit(self, batch: RunningBatch, rows: list[Submission], version: int) -> None:
+        """Prefill ``rows`` into the running batch (a segment of their own, or merged by `retire`); if that
+        fails, each row alone, so that only the rows whose own prefill fails fail."""
+        try:
+            batch.segments.append(self.prefill(rows, version))
+        except Exception as e:  # noqa: BLE001
+            if len(rows) == 1:
+                self.fail(rows[0], e)
+            else:
+                for seq in rows:
+                    self.admit(batch, [seq], version)
+        self.retire(batch)
+
+    def redecode_alone(self, batch: RunningBatch, version: int) -> None:
+        """A decode step failed (its cache is now unusable): redo it row by row (prefill, then one decode
+        step of that row alone); the rows that fail alone fail with their error, the others go on."""
+        rows = [s for s in batch.rows if not s.delivered]
+        batch.segments = []
+        for seq in rows:
+            alone = RunningBatch()
+            try:
+                alone.segments.append(self.prefill([seq], version))
+                self.retire(alone)  # a row the prefill's token finished does not decode again
+                if alone.segments:
+                    self.decode(alone, version)
+            except Exception as e:  # noqa: BLE001
+                self.fail(seq, e)
+                continue
+            batch.segments += alone.segments
+
+    def prefill(self, rows: list[Submission], version: int) -> Segment:
+        """Run the rows' contexts through the model; identical ones (a GRPO group's prompt) run once and
+        their cache rows are copied, so a group of G costs one prompt's compute, not G. A context that
+        extends a finished request's (the next turn of an episode) runs only its new tokens, and so do
+        resumed rows of one group after a weight swap (their prompt runs once)."""
+        distinct: dict[tuple[int, ...], int] = {}
+        owner = torch.tensor([distinct.setdefault(tuple(s.input_ids + s.tokens), len(distinct)) for s in rows])
+        contexts = list(distinct)
+        if self.prefixes.max_tokens > 0:
+            self.cache_shared_prompts(rows)
+        cache, attention, positions, logits = self.forward(contexts)
+        if len(contexts) < len(rows):
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[owner], layer.values[owner]
+            attention, positions, logits = attention[owner], positions[owner], logits[owner]
+        pending = self.sample(rows, logits, version)
+        return Segment(rows, cache, attention, positions + 1, pending)
+
+    def cache_shared_prompts(self, rows: list[Submission]) -> None:
+        """Rows that run their own tokens again (resumed after a weight swap) but share a prompt (a GRPO
+        group): run each such prompt once into the prefix cache, so that every row runs only its tokens."""
+        tails: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
+        for seq in rows:
+            if seq.tokens:
+                tails.setdefault(tuple(seq.input_ids), set()).add(tuple(seq.tokens))
+        prompts = []
+        for prompt, ends in tails.items():
+            hit = self.prefixes.find(prompt + next(iter(ends))) if len(self.prefixes) else None
+            if len(ends) > 1 and (hit is None or hit.length < len(prompt)):
+                prompts.append(prompt)
+        if prompts:
+            cache, attention, _, _ = self.forward(prompts)
+            self.prefixes.add(
+                [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], attention, prompts
+            )
+
+    def forward(self, contexts: list[tuple[int, ...]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prefill distinct contexts (each from its longest cached prefix): the cache, its attention mask,
+        each row's last position and last logits."""
+        hits = [self.prefixes.find(c) for c in contexts] if len(self.prefixes) else [None] * len(contexts)
+        start = [h.length if h is not None else 0 for h in hits]
+        news = [c[s:] for c, s in zip(contexts, start)]
+        width = max(len(c) for c in news)
+        n = len(contexts)
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((n, width), dtype=torch.long)
+        for i, new in enumerate(news):  # left padding: every row's next token sits at the end
+            input_ids[i, width - len(new) :] = torch.tensor(new)
+            attention[i, width - len(new) :] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0) + torch.tensor(start)[:, None]
+        past = None
+        if any(start):
+            keys, values, past_mask = self.prefixes.gather(hits)  # in kv_dtype: the prefill runs in the model's
+            dtype = self.model.dtype
+            past = DynamicCache(ddp_cache_data=[(k.to(dtype), v.to(dtype)) for k, v in zip(keys, values)])
+            attention = torch.cat([past_mask, attention], dim=1)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            cache=past,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.stats.prefills += 1
+        self.stats.prefill_tokens += sum(len(c) for c in news)
+        self.stats.prefix_hit_tokens += sum(start)
+        cache = out.cache
+        cache.layers = [GrowingLayer.adopt(layer, self.max_batch_size, self.kv_dtype) for layer in cache.layers]
+        return cache, attention, positions[:, -1], out.logits[:, -1]
+
+    def decode(self, batch: RunningBatch, version: int) -> None:
+        """One token for every row: one forward over all segments, each attending to its own cache."""
+        if self.sliding_window is not None:
+            self.fail_past_window(batch)
+        rows, masks, start = [], [], 0
+        for segment in batch.segments:
+            n = len(segment.rows)
+            segment.attention = torch.cat([segment.attention, torch.ones((n, 1), dtype=torch.long)], dim=1)
+            rows.append(slice(start, start + n))
+            start += n
+            bias = torch.zeros(segment.attention.shape, dtype=self.kv_dtype)
+            masks.append(bias.masked_fill_(segment.attention == 0, float("-inf"))[:, None, None, :])
+            self.stats.kv_cells += segment.attention.numel()
+            self.stats.kv_context_cells += int(segment.attention.sum())
+        self.stats.segments += len(batch.segments)
+        input_ids = torch.cat([s.pending for s in batch.segments])
+        positions = torch.cat([s.positions for s in batch.segments])
+        cache = SegmentedCache(batch.segments, rows, masks)
+        if self.decode_step is not None:
+            logits = self.decode_step(input_ids, positions, cache)
+        else:
+            logits = self.model(
+                input_ids=input_ids[:, None],
+                attention_mask=torch.zeros((start, 1, 1, 1), dtype=self.model.dtype),  # 4D: used as it is (unused)
+                position_ids=positions[:, None],
+                cache=cache,
+                use_cache=True,
+            ).logits[:, -1]
+        tokens = self.sample(batch.rows, logits, version)
+        for segment, r in zip(batch.segments, rows):
+            segment.positions = segment.positions + 1
+            segment.pending = tokens[r]
+        self.stats.decode_steps += 1
+
+    def fail_past_window(self, batch: RunningBatch) -> None:
+        """Fail the requests whose next token would not see its whole context (the masks have no window)."""
+        for segment in batch.segments:
+            for seq, position in zip(segment.rows, segment.positions.tolist()):
+                if not seq.delivered and position >= self.sliding_window:
+                    seq.delivered = True
+                    error = EngineError(
+                        f"request {seq.rid!r} reached the model's sliding attention window ({self.sliding_window} "
+                        "tokens), which HFEngine does not implement; serve such contexts with SGLang"
+                    )
+                    self.outbox.append((seq, error))
+
+    def sample(self, rows: list[Submission], logits: torch.Tensor, version: int) -> torch.Tensor:
+        """Each row's next token (a row whose logits are not finite fails); record it on the live rows."""
+        temperature = torch.tensor([s.sampling.temperature for s in rows], dtype=torch.float)
+        top_p = torch.tensor([s.sampling.top_p for s in rows], dtype=torch.float)
+        top_k = torch.tensor([s.sampling.top_k for s in rows], dtype=torch.long)
+        try:
+            tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, self.generator)
+        except ValueError:  # rows whose logits are not finite (NaN, inf): those requests fail, the others go on
+            bad = _unsampleable(logits, temperature)
+            if not bool(bad.any()):
+                raise
+            for i in bad.nonzero().squeeze(1).tolist():
+                if not rows[i].delivered:
+                    self.fail(rows[i], ValueError("its next-token logits are not finite (NaN or inf)"))
+            logits = logits.masked_fill(bad[:, None], 0.0)
+            tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, self.generator)
+        for seq, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+            if seq.delivered:  # a finished row still in the batch: its tokens go nowhere
+                continue
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(version)
+            if tok in seq.stops:
+                seq.stop_reason = "stop"
+            elif len(seq.tokens) >= seq.sampling.max_new_tokens:
+                seq.stop_reason = "length"
+            self.stats.generated_tokens += 1
+        return tokens
+
+    def retire(self, batch: RunningBatch) -> None:
+        """Hand back finished and aborted rows, drop emptied segments and merge those cheap to merge."""
+        for segment in batch.segments:
+            self.retire_rows(segment)
+        batch.segments = [segment for segment in batch.segments if segment.rows]
+        consolidate(batch.segments, self.max_segments)
+
+    def retire_rows(self, segment: Segment) -> None:
+        """Hand back a segment's finished and aborted rows, keep their KV for a next turn (`PrefixCache`),
+        and `compact` the segment."""
+        finished = []
+        for i, seq in enumerate(segment.rows):
+            if not seq.delivered and (seq.stop_reason is not None or seq.abort):
+                self.finish(seq, seq.stop_reason or "abort")
+                finished.append(i)
+        if finished and self.prefixes.max_tokens > 0:
+            index = torch.tensor(finished)  # their rows hold context + tokens[:-1]: kept for a next turn
+            self.prefixes.add(
+                [layer.keys[index] for layer in segment.cache.layers],
+                [layer.values[index] for layer in segment.cache.layers],
+                segment.attention[index],
+                [tuple(segment.rows[i].input_ids + segment.rows[i].tokens[:-1]) for i in finished],
+            )
+        compact(segment)
+
+    def finish(self, seq: Submission, reason: StopReason) -> None:
+        """Hand ``seq`` back with its tokens so far, stopped for ``reason``."""
+        if reason == "abort":
+            self.stats.aborted += 1
+        response = GenResponse(seq.tokens, seq.logprobs, seq.versions, reason, time.perf_counter() - seq.start)
+        seq.delivered = True
+        self.outbox.append((seq, response))  # handed over after the step (`deliver`)
+
+    def fail(self, seq: Submission, error: BaseException) -> None:
+        """Hand ``seq`` back with an `EngineError` (its row leaves the batch at the next `retire`)."""
+        seq.delivered = True
+        self.stats.failed += 1
+        failure = EngineError(f"request {seq.rid!r} failed in the engine: {type(error).__name__}: {error}")
+        failure.__cause__ = error
+        self.outbox.append((seq, failure))
+
+
+def _sliding_window(model: PreTrainedModel) -> int | None:
+    """The model's sliding attention window, if any of its layers has one."""
+    window = getattr(model.config, "sliding_window", None)
+    layer_types = getattr(model.config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
+
+
+def _unsampleable(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """[B] rows `sample_tokens` refuses: their temperature-scaled log-probabilities are NaN or all -inf."""
+    scale = torch.where(temperature <= 0, torch.ones_like(temperature), temperature)
+    logprobs = torch.log_softmax(logits.float() / scale[:, None], dim=-1)
+    return torch.isnan(logprobs).any(-1) | ~torch.isfinite(logprobs).any(-1)
