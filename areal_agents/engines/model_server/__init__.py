@@ -1,0 +1,32 @@
+"""`areal-agents serve-model`: `HFEngine` behind SGLang's native HTTP API, a CPU drop-in for sglang.launch_server.
+
+    areal-agents serve-model --model-path runs/tiny --port 30000      # like python -m sglang.launch_server
+
+Endpoints (SGLang 0.5.x shapes, see docs/serve-model.md): /generate, /pause_generation,
+/continue_generation, /abort_request, /update_weights_from_disk, /update_weight_version,
+/get_model_info (and /model_info), /get_weight_version (and /weight_version), /health,
+/health_generate, /flush_cache, /get_server_info.
+
+A request the model cannot take (a token id outside the vocabulary, a prompt past its context) is a 400
+naming the field, and ``max_new_tokens`` is capped at the context left; an error inside one request fails
+that request (500) and the others go on. If the engine's decode loop itself fails, /health and
+/health_generate answer 503 (the launcher restarts the server). SIGTERM stops the server within
+`EXIT_DEADLINE_S` seconds, whatever its decode thread is doing.
+
+Modules: ``server`` (the config and the app's state: engine, tokenizer, weight version names),
+``routes`` (the FastAPI app, route group by route group), ``process`` (load the model and run uvicorn).
+"""
+
+from areal_agents.engines.model_server.process import EXIT_DEADLINE_S, SHUTDOWN_GRACE_S, serve_model
+from areal_agents.engines.model_server.routes import CLOSE_TIMEOUT_S, build_app
+from areal_agents.engines.model_server.server import ModelServer, ModelServerConfig
+
+__all__ = [
+    "CLOSE_TIMEOUT_S",
+    "EXIT_DEADLINE_S",
+    "SHUTDOWN_GRACE_S",
+    "ModelServer",
+    "ModelServerConfig",
+    "build_app",
+    "serve_model",
+]

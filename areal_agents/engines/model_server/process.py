@@ -1,0 +1,68 @@
+"""`serve_model`: load the model, build the app and run it under uvicorn until SIGTERM or SIGINT, which end
+the process within `EXIT_DEADLINE_S` seconds whatever its decode thread is doing."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any
+
+from areal_agents.engines.hf.engine import HFEngine
+from areal_agents.engines.model_server.routes import build_app
+from areal_agents.engines.model_server.server import ModelServerConfig
+
+SHUTDOWN_GRACE_S = 2.0  # on SIGTERM, requests in flight get this long to finish, then are cancelled
+EXIT_DEADLINE_S = 8.0  # ... and if the process is still there after this long, it exits anyway
+
+
+def serve_model(cfg: ModelServerConfig) -> None:
+    """Load the model and serve it until interrupted (the `serve-model` command)."""
+    import uvicorn  # noqa: PLC0415
+
+    from areal_agents.models import load_model, load_tokenizer  # noqa: PLC0415
+
+    model = load_model(cfg.model_path, cfg.dtype)
+    tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.model_path)
+    engine = HFEngine(
+        model,
+        max_batch_size=cfg.max_running_requests,
+        seed=cfg.seed,
+        prefix_cache_tokens=cfg.prefix_cache_tokens,
+        stale_kv=cfg.stale_kv,
+        kv_dtype=cfg.kv_dtype,
+        fast_decode=cfg.fast_decode,
+        num_threads=cfg.cpu_threads or None,
+    )
+    app = build_app(engine, tokenizer, cfg)
+    print(f"serve-model: {cfg.model_path} on http://{cfg.host}:{cfg.port} (SGLang native API)", flush=True)
+    config = uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+    )
+    server = _deadline_server(uvicorn.Server)(config)
+    server.run()
+    if not server.started:
+        sys.exit(3)  # uvicorn.run's exit code when the server could not start (e.g. the port is taken)
+
+
+def _deadline_server(base: type) -> type:
+    """``base`` (uvicorn's `Server`), which exits the process `EXIT_DEADLINE_S` after the first SIGTERM or
+    SIGINT if the graceful shutdown has not ended it by then (e.g. a request stuck in a hung engine)."""
+
+    class DeadlineServer(base):
+        _deadline: threading.Timer | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            if self._deadline is None:
+                self._deadline = threading.Timer(EXIT_DEADLINE_S, _exit_now, (128 + int(sig),))
+                self._deadline.daemon = True
+                self._deadline.start()
+
+    return DeadlineServer
+
+
+def _exit_now(code: int) -> None:
+    print(f"serve-model: still running {EXIT_DEADLINE_S:.0f}s after the signal to stop; exiting", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(code)

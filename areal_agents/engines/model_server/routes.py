@@ -1,0 +1,157 @@
+"""serve-model's FastAPI app (`build_app`): SGLang's native routes, added group by group onto one
+`ModelServer` (generation, pause and abort; weights and versions; info, health and cache)."""
+
+from __future__ import annotations
+
+import json
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from areal_agents.engines.hf.engine import HFEngine
+from areal_agents.engines.model_server.server import ModelServer, ModelServerConfig, error_response
+from areal_agents.engines.sglang.protocol import ProtocolError
+
+CLOSE_TIMEOUT_S = 2.0  # on shutdown, the decode thread gets this long to leave its step (a stuck one is abandoned)
+
+
+def build_app(engine: HFEngine, tokenizer, cfg: ModelServerConfig) -> FastAPI:
+    """The app serving ``engine`` (closed when the app shuts down); its `ModelServer` is ``app.state.server``."""
+    server = ModelServer(engine, tokenizer, cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.close(timeout_s=CLOSE_TIMEOUT_S)  # a decode thread stuck in a step must not keep the process up
+
+    app = FastAPI(title="areal-agents serve-model (SGLang native API)", lifespan=lifespan)
+
+    @app.exception_handler(ProtocolError)
+    async def bad_request(request: Request, exc: ProtocolError) -> JSONResponse:
+        return error_response(400, str(exc))  # SGLang's shape: {"error": {"message": ...}}
+
+    app.state.server = server
+    add_generation_routes(app, server)
+    add_weight_routes(app, server)
+    add_info_routes(app, server)
+    return app
+
+
+async def json_body(request: Request, required: bool = False) -> dict:
+    """The request's JSON body (``{}`` if empty and not ``required``); `ProtocolError` (a 400) if not JSON."""
+    raw = await request.body()
+    if not raw.strip():
+        if required:
+            raise ProtocolError("a JSON body is required")
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise ProtocolError(f"the body is not valid JSON: {e}") from e
+    return body
+
+
+def add_generation_routes(app: FastAPI, server: ModelServer) -> None:
+    """/generate, /pause_generation, /continue_generation, /abort_request."""
+    engine = server.engine
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        body = await json_body(request, required=True)
+        return await server.generate(body)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        mode = (await json_body(request)).get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return error_response(400, f"mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
+        await engine.pause()
+        if mode == "abort":  # in-flight requests return now with finish_reason abort and their tokens so far
+            await engine.abort()
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Response:
+        await engine.resume()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await json_body(request)
+        if body.get("abort_all"):
+            await engine.abort()
+        elif body.get("rid"):
+            await engine.abort(str(body["rid"]))
+        return Response(status_code=200)
+
+
+def add_weight_routes(app: FastAPI, server: ModelServer) -> None:
+    """/update_weights_from_disk, /update_weight_version, /get_weight_version (and /weight_version)."""
+    engine = server.engine
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = await json_body(request, required=True)
+        return await server.update_from_disk(body)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> Response:
+        body = await json_body(request, required=True)
+        if body.get("new_version") is None:
+            return error_response(400, "update_weight_version: new_version is required")
+        if body.get("abort_all_requests", True):
+            await engine.abort()
+        server.names[engine.get_version()] = str(body["new_version"])
+        message = f"Weight version updated to {body['new_version']}"
+        return JSONResponse({"success": True, "message": message, "new_version": str(body["new_version"])})
+
+    def weight_version() -> JSONResponse:
+        return JSONResponse({"weight_version": server.weight_version})
+
+    app.get("/get_weight_version")(weight_version)
+    app.get("/weight_version")(weight_version)
+
+
+def add_info_routes(app: FastAPI, server: ModelServer) -> None:
+    """/get_model_info (and /model_info), /health (and /health_generate), /flush_cache, /get_server_info."""
+    engine, cfg = server.engine, server.cfg
+
+    def model_info() -> JSONResponse:
+        return JSONResponse(
+            {
+                "model_path": server.model_path,
+                "tokenizer_path": cfg.tokenizer_path or cfg.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": server.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+            }
+        )
+
+    app.get("/get_model_info")(model_info)
+    app.get("/model_info")(model_info)
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        unhealthy = engine.health()  # decode loop failed, gone or stuck: 503, so launchers restart the server
+        return Response(status_code=200) if unhealthy is None else error_response(503, unhealthy)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        engine.flush_cache()
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.get("/get_server_info")
+    async def server_info() -> Response:
+        return JSONResponse(
+            {
+                "server": "areal-agents serve-model",
+                "model_path": server.model_path,
+                "weight_version": server.weight_version,
+                "max_running_requests": cfg.max_running_requests,
+                "engine": engine.stats.__dict__,
+            }
+        )

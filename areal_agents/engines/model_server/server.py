@@ -1,0 +1,130 @@
+"""`ModelServer`: serve-model's state (the engine, the tokenizer, the weight_version names of engine versions)
+and the work behind /generate and /update_weights_from_disk; `ModelServerConfig`: its command line."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+
+from areal_agents.engines.hf.engine import HFEngine
+from areal_agents.engines.hf.request_checks import RequestError, check_request
+from areal_agents.engines.sglang.protocol import ProtocolError, generate_response, parse_generate
+from areal_agents.errors import EngineError
+from areal_agents.types import GenRequest
+
+
+@dataclass
+class ModelServerConfig:
+    model_path: str
+    tokenizer_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    weight_version: str = "default"
+    dtype: str = "float32"
+    max_running_requests: int = 256
+    prefix_cache_tokens: int = 65536
+    stale_kv: str = "recompute"
+    kv_dtype: str = "auto"  # the KV cache's dtype (auto: the model's)
+    fast_decode: bool = True  # Llama-family models decode with the engine's own step (`LlamaDecodeStep`)
+    cpu_threads: int = 0  # the decode thread's intra-op threads (0: torch's default, all cores)
+    seed: int = 0
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    """SGLang's error shape: ``{"error": {"message": ...}}``."""
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+class ModelServer:
+    """The app's state: the engine, the tokenizer, and the weight_version names of engine versions."""
+
+    def __init__(self, engine: HFEngine, tokenizer, cfg: ModelServerConfig) -> None:
+        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        self.names: dict[int, str] = {engine.get_version(): cfg.weight_version}
+        self.model_path = cfg.model_path
+        self.update_lock = asyncio.Lock()
+        # the most characters one token stands for: a text longer than context x this cannot fit, and is
+        # refused before tokenizing it (megabytes of text would hold the event loop for seconds)
+        self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+    @property
+    def weight_version(self) -> str:
+        return self.version_name(None)
+
+    def version_name(self, version: int | None) -> str:
+        version = self.engine.get_version() if version is None else version
+        return self.names.get(version, str(version))
+
+    def decode(self, ids: list[int], skip_special: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+    def tokenize(self, text: str) -> list[int]:
+        context = self.engine.limits.context
+        if context and len(text) > context * self.max_token_chars:
+            raise ProtocolError(f"text: {len(text)} characters cannot fit the model's context of {context} tokens")
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def generate(self, body: Any) -> Response:
+        try:
+            requests = self.checked(body, parse_generate(body, self.tokenize))
+        except (ProtocolError, RequestError) as e:
+            return error_response(400, str(e))
+        replies = await asyncio.gather(*(self.engine.generate_once(r) for r, _ in requests), return_exceptions=True)
+        failed = next((r for r in replies if isinstance(r, BaseException)), None)
+        if failed is not None:
+            return self.failure(failed)
+        out = [
+            generate_response(r, resp, options, version_name=self.version_name, decode=self.decode)
+            for (r, options), resp in zip(requests, replies)
+        ]
+        return JSONResponse(out if requests[0][1]["batch"] else out[0])
+
+    def failure(self, error: BaseException) -> JSONResponse:
+        """A failed /generate: 400 for the request's fault, 503 when the engine cannot serve (its decode loop
+        failed: the launcher restarts the server, the client retries), else 500 for this request alone."""
+        if isinstance(error, RequestError):
+            return error_response(400, str(error))
+        unhealthy = self.engine.health()
+        if unhealthy is not None:
+            return error_response(503, unhealthy)
+        if not isinstance(error, EngineError):
+            raise error
+        return error_response(500, str(error))
+
+    def checked(self, body: dict, requests: list[tuple[GenRequest, dict]]) -> list[tuple[GenRequest, dict]]:
+        """The requests with ``max_new_tokens`` capped at the context left; `RequestError` names the field
+        (``input_ids[1][7]``, ``text``, ``sampling_params.top_p``) of one the model cannot take."""
+        batch = requests[0][1]["batch"]
+        key = "input_ids" if body.get("input_ids") is not None else "text"
+        params_list = isinstance(body.get("sampling_params"), list)
+        out = []
+        for i, (request, options) in enumerate(requests):
+            fields = {"ids_field": f"{key}[{i}]" if batch else key, "params_field": "sampling_params"}
+            if params_list:
+                fields["params_field"] = f"sampling_params[{i}]"
+            out.append((check_request(request, self.engine.limits, **fields), options))
+        return out
+
+    async def update_from_disk(self, body: dict) -> JSONResponse:
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            return error_response(400, "update_weights_from_disk: model_path (a directory) is required")
+        async with self.update_lock:
+            if body.get("abort_all_requests"):
+                await self.engine.abort()
+            version = self.engine.get_version() + 1
+            try:
+                await self.engine.update_weights_from_disk(path, version=version)
+            except Exception as e:  # noqa: BLE001  (SGLang replies success=false, 400)
+                return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, 400)
+            message = "Succeeded to update model weights."
+            if body.get("weight_version") is not None:
+                self.names[version] = str(body["weight_version"])
+                message += f" Weight version updated to {body['weight_version']}."
+            else:
+                self.names[version] = self.names.get(version - 1, str(version - 1))  # SGLang keeps the name
+            self.model_path = path
+        return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
