@@ -2,8 +2,13 @@
 
 Joins a cluster (``ray.address``) or starts a local one, checks that the roles' resource requests fit,
 and starts the actors: env servers (replicas), model servers per policy, rollout workers and the
-trainer ranks. The RL recipe asks it for the policy, the env backend and the episode runner, and runs
-the same training loop as a local run.
+trainer ranks. It is a `Launcher` (`areal_agents.trainers.policy_api`): the RL recipe asks it for the
+policy, the env backend and the episode runner, and runs the same training loop as a local run.
+
+Example::
+
+    launcher = RayLauncher(cfg)  # or areal_agents.cluster.open_launcher(cfg)
+    run_train(cfg, launcher=launcher)
 """
 
 from __future__ import annotations
@@ -21,22 +26,32 @@ from areal_agents.cluster.rollout_workers import RolloutWorkers
 from areal_agents.cluster.trainer_group import DistributedPolicy
 from areal_agents.config import TrainConfig
 from areal_agents.engines.local_servers import ServerGroup, engine_client
-from areal_agents.engines.sglang.client import SGLangEngine
+from areal_agents.engines.weight_sync import DiskSync
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ConfigError
+from areal_agents.trainers.policy_api import EpisodeRunner, TrainablePolicy, TrainSpec
 
 log = logging.getLogger(__name__)
 
 
 class RayLauncher:
+    """A `Launcher` on a Ray cluster; reads ``ray``, ``engine``, ``env``, ``model`` and ``rollout`` (for the
+    rollout workers' agents) of the config."""
+
     def __init__(self, cfg: TrainConfig) -> None:
         if cfg.policies:
             raise ConfigError("launcher=ray: separate `policies` are not supported on Ray yet; use one shared policy")
         self.cfg = cfg
-        self.started = connect(cfg)
+        self.run_dir = Path(cfg.run_dir)
+        self.started = False
         self.env_servers: EnvServers | None = None
         self.workers: RolloutWorkers | None = None
         self.policies: list[DistributedPolicy] = []
+
+    def start(self) -> None:
+        """Join or start the cluster, check the resource requests, start the env servers."""
+        cfg = self.cfg
+        self.started = connect(cfg)
         try:
             check_resources(cfg)
             r = cfg.ray
@@ -47,30 +62,36 @@ class RayLauncher:
             self.shutdown()
             raise
 
-    def open_policy(self, name: str, model_path: str, init_path: str, run_dir: Path) -> DistributedPolicy:
+    def open_policy(self, name: str, model_path: str, init_path: str, spec: TrainSpec) -> TrainablePolicy:
         """Model servers (actors, or ``engine.urls``) and the trainer ranks of one policy."""
-        e = self.cfg.engine
+        e, r = self.cfg.engine, self.cfg.ray
         if e.urls:
             servers = ServerGroup(list(e.urls))
         else:
             if e.backend == "hf":  # the same HF engine, behind the SGLang protocol, so workers can reach it
                 e = dataclasses.replace(e, backend="serve-model")
             servers = EngineServers(
-                e, model_path, self.cfg.model.dtype, run_dir / "servers", self.cfg.ray.engine_server_cpus,
-                self.cfg.ray.engine_server_gpus,
-            )  # fmt: skip
-        engine = engine_client(e, servers.addresses, run_dir / "engine_weights")
-        policy = DistributedPolicy(name, self.cfg, model_path, init_path, engine, servers)
+                e, model_path, spec.dtype, self.run_dir / "servers", r.engine_server_cpus, r.engine_server_gpus
+            )
+        engine = engine_client(e, servers.addresses, self.run_dir / "engine_weights")
+        try:
+            policy = DistributedPolicy(
+                name, spec, model_path, init_path, engine, DiskSync([engine]), servers, r.trainer_ranks, r.trainer_cpus
+            )
+        except BaseException:
+            servers.stop()
+            raise
         self.policies.append(policy)
         return policy
 
     def env_backend(self) -> EnvBackend:
         return EnvBackend(self.cfg.env, self.env_servers.pool())
 
-    def episode_runner(self, engine: SGLangEngine) -> RolloutWorkers:
+    def episode_runner(self, policy: TrainablePolicy) -> EpisodeRunner:
+        """Episodes on the rollout workers, against ``policy``'s model servers."""
         if self.workers is None:
-            self.workers = RolloutWorkers.launch(self.cfg, engine.addresses, self.env_servers)
-        return self.workers
+            self.workers = RolloutWorkers.launch(self.cfg, policy.engine.addresses, self.env_servers)
+        return self.workers.run_episode
 
     def stats(self) -> dict:
         """Where the work went: episodes per rollout worker, env steps per env server, lost workers."""

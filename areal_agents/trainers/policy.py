@@ -1,26 +1,36 @@
-"""`Policy`: one trained model with what trains it (optimizer, schedule, critic, reference) and serves it
-(its inference engine). A run has one shared policy, or one per agent id (``policies`` in the config)."""
+"""`Policy`: one trained model with what trains it (optimizer, schedule, critic, reference), its updates in a
+thread of this process; it serves through its engine. A run has one shared policy, or one per agent id
+(``policies`` in the config). It implements `TrainablePolicy` (`areal_agents.trainers.policy_api`).
+
+Example::
+
+    policy = load_trainable("policy", spec, model_path, model_path)
+    policy.engine, policy.weight_sync = engine, InProcessSync([engine])
+    stats = await policy.update(trajectories, torch.Generator().manual_seed(0))
+    await policy.push_weights()
+"""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import PreTrainedModel
 
-from areal_agents.config import TrainConfig
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.engines.local_servers import open_engine
+from areal_agents.engines.sglang.client import write_weights
+from areal_agents.engines.weight_sync import WeightSync
 from areal_agents.errors import ConfigError
 from areal_agents.models.loading import load_model
 from areal_agents.trainers.critic import ValueModel
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.optim import make_optimizer
+from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.trainers.ppo import StreamedUpdate, ppo_update
 from areal_agents.types import Trajectory
 
@@ -33,28 +43,34 @@ DEFAULT_CPU_THREADS = torch.get_num_threads()  # torch's intra-op default in thi
 class Policy:
     name: str
     model: PreTrainedModel  # the trainer's copy
-    engine: InferenceEngine | None  # the rollout copy (in-process, or servers behind a client); None on a trainer rank
+    spec: TrainSpec
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     reference: PreTrainedModel | None = None  # frozen initial policy, for ppo.kl_coef
     critic: ValueModel | None = None  # ppo.advantage=gae
     critic_optimizer: torch.optim.Optimizer | None = None
-    servers: Any = None  # launched model servers, stopped at the end
+    engine: InferenceEngine | None = None  # the rollout copy (in-process, or servers behind a client); None on a rank
+    weight_sync: WeightSync | None = None  # how `push_weights` reaches the engine
+    servers: Any = None  # model servers launched for the engine, stopped by `close`
     trainer: ThreadPoolExecutor | None = None  # the one thread its updates run on (see `update`)
     streamed: StreamedUpdate | None = None  # the update being fed in parts (`update_part`), if any
+    streams: ClassVar[bool] = True
 
     def close(self) -> None:
-        """Stop its trainer thread (launched model servers are stopped by whoever launched them)."""
+        """Stop its trainer thread and its engine's launched servers."""
         if self.trainer is not None:
             self.trainer.shutdown()
+        if self.servers is not None:
+            self.servers.stop()
 
-    def train_state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer, schedule and critic (the model is saved apart)."""
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         if self.critic is not None:
             state |= {"critic": self.critic.state_dict(), "critic_optimizer": self.critic_optimizer.state_dict()}
         return state
 
-    def load_train_state(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None:
@@ -63,72 +79,71 @@ class Policy:
             self.critic.load_state_dict(state["critic"])
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])
 
-    async def update(
-        self, trajectories: list[Trajectory], cfg: TrainConfig, pad_token_id: int, generator: torch.Generator
-    ) -> dict[str, float]:
+    async def update(self, trajectories: list[Trajectory], generator: torch.Generator) -> dict[str, float]:
         """One PPO update in the policy's trainer thread (rollouts keep running on the event loop).
 
-        Always the same thread, with ``ppo.cpu_threads`` intra-op threads: torch's OpenMP workers belong
+        Always the same thread, with ``spec.cpu_threads`` intra-op threads: torch's OpenMP workers belong
         to the thread that starts them, and every extra set competes for the same cores (updates hopping
         between pool threads, beside the engine's and the event loop's, ran slower)."""
-        step = functools.partial(self.train_step, trajectories, cfg, pad_token_id, generator)
-        return await self._in_trainer(step, cfg)
+        return await self._in_trainer(functools.partial(self.train_step, trajectories, generator))
 
-    async def update_part(self, trajectories: list[Trajectory], cfg: TrainConfig, pad_token_id: int) -> None:
+    async def update_part(self, trajectories: list[Trajectory]) -> None:
         """Forward and backward on part of a batch (whole groups) in the trainer thread; `finish_update`
         steps. The rollout loop feeds a batch's groups as they finish (``ppo.stream_updates``)."""
-        await self._in_trainer(functools.partial(self.train_part, trajectories, cfg, pad_token_id), cfg)
+        await self._in_trainer(functools.partial(self.train_part, trajectories))
 
-    async def finish_update(self, cfg: TrainConfig, pad_token_id: int, generator: torch.Generator) -> dict[str, float]:
+    async def finish_update(self, generator: torch.Generator) -> dict[str, float]:
         """The optimizer step of the parts fed so far (none: a skipped step, as `update` of no data); its stats."""
-        return await self._in_trainer(functools.partial(self.finish_step, cfg, pad_token_id, generator), cfg)
+        return await self._in_trainer(functools.partial(self.finish_step, generator))
 
-    async def _in_trainer(self, call: functools.partial, cfg: TrainConfig) -> Any:
+    async def wait_idle(self) -> None:
+        """Return when the trainer thread has finished what it was given (an abandoned backward)."""
+        if self.trainer is not None:
+            await asyncio.get_running_loop().run_in_executor(self.trainer, int)
+
+    async def _in_trainer(self, call: functools.partial) -> Any:
         if self.trainer is None:
-            threads = cfg.ppo.cpu_threads or trainer_threads(cfg)
+            threads = self.spec.cpu_threads or DEFAULT_CPU_THREADS
             self.trainer = ThreadPoolExecutor(
                 1, f"trainer-{self.name}", initializer=torch.set_num_threads, initargs=(threads,)
             )
         return await asyncio.get_running_loop().run_in_executor(self.trainer, call)
 
-    def train_part(self, trajectories: list[Trajectory], cfg: TrainConfig, pad_token_id: int) -> None:
+    def train_part(self, trajectories: list[Trajectory]) -> None:
         """`StreamedUpdate.add` (the first part of a batch starts the update)."""
         if self.streamed is None:
+            s = self.spec
             self.streamed = StreamedUpdate(
                 self.model,
                 self.optimizer,
                 self.scheduler,
-                cfg.ppo,
-                temperature=cfg.rollout.temperature,
-                pad_token_id=pad_token_id,
+                s.ppo,
+                temperature=s.temperature,
+                pad_token_id=s.pad_token_id,
                 ref_model=self.reference,
             )
         self.streamed.add(trajectories)
 
-    def finish_step(self, cfg: TrainConfig, pad_token_id: int, generator: torch.Generator) -> dict[str, float]:
+    def finish_step(self, generator: torch.Generator) -> dict[str, float]:
         """`StreamedUpdate.finish` of the parts fed since the last step."""
         if self.streamed is None:
-            self.train_part([], cfg, pad_token_id)
+            self.train_part([])
         update, self.streamed = self.streamed, None
         return update.finish(generator)
 
     def train_step(
-        self,
-        trajectories: list[Trajectory],
-        cfg: TrainConfig,
-        pad_token_id: int,
-        generator: torch.Generator,
-        dp: DataParallel | None = None,
+        self, trajectories: list[Trajectory], generator: torch.Generator, dp: DataParallel | None = None
     ) -> dict[str, float]:
         """One PPO update (``dp``: as one rank of a data-parallel group)."""
+        s = self.spec
         return ppo_update(
             self.model,
             self.optimizer,
             self.scheduler,
             trajectories,
-            cfg.ppo,
-            temperature=cfg.rollout.temperature,
-            pad_token_id=pad_token_id,
+            s.ppo,
+            temperature=s.temperature,
+            pad_token_id=s.pad_token_id,
             generator=generator,
             ref_model=self.reference,
             critic=self.critic,
@@ -137,24 +152,25 @@ class Policy:
         )
 
     def remote_train_step(
-        self,
-        trajectories: list[Trajectory],
-        cfg: TrainConfig,
-        pad_token_id: int,
-        generator_state: torch.Tensor,
-        dp: DataParallel | None = None,
+        self, trajectories: list[Trajectory], generator_state: torch.Tensor, dp: DataParallel | None = None
     ) -> tuple[dict[str, float], torch.Tensor]:
         """`train_step` where the caller's generator lives in another process: its state in, its state out."""
-        return _with_generator(generator_state, lambda g: self.train_step(trajectories, cfg, pad_token_id, g, dp))
+        return _with_generator(generator_state, lambda g: self.train_step(trajectories, g, dp))
 
-    def remote_finish_step(
-        self, cfg: TrainConfig, pad_token_id: int, generator_state: torch.Tensor
-    ) -> tuple[dict[str, float], torch.Tensor]:
+    def remote_finish_step(self, generator_state: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
         """`finish_step` where the caller's generator lives in another process: its state in, its state out."""
-        return _with_generator(generator_state, lambda g: self.finish_step(cfg, pad_token_id, g))
+        return _with_generator(generator_state, self.finish_step)
 
     async def push_weights(self) -> None:
-        await self.engine.update_weights(self.model.state_dict())  # pause, swap, version + 1, resume
+        await self.weight_sync.push(self)  # pause, swap, version + 1, resume
+
+    async def tensors(self) -> dict[str, torch.Tensor]:
+        """The trainer's weights (a `WeightSource`)."""
+        return self.model.state_dict()
+
+    async def save_weights(self, path: Path) -> None:
+        """The trainer's weights as ``path/model.safetensors`` (a `WeightSource`)."""
+        await asyncio.to_thread(write_weights, self.model.state_dict(), path)
 
 
 def _with_generator(state: torch.Tensor, call: Any) -> tuple[dict[str, float], torch.Tensor]:
@@ -164,48 +180,20 @@ def _with_generator(state: torch.Tensor, call: Any) -> tuple[dict[str, float], t
     return call(generator), generator.get_state()
 
 
-def open_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, run_dir: Path) -> Policy:
-    """Load ``model_path`` (the start, or a checkpoint's copy) for training and serving; the reference
-    and the critic start from ``init_path`` (the run's starting model)."""
-    policy = load_trainable(name, cfg, model_path, init_path)
-    policy.engine, policy.servers = open_policy_engine(name, cfg, model_path, run_dir)
-    return policy
-
-
-def open_policy_engine(name: str, cfg: TrainConfig, model_path: str, run_dir: Path) -> tuple[InferenceEngine, Any]:
-    """The policy's inference engine, serving ``model_path``, and the servers behind it (or None)."""
-    engine_dir = run_dir if name == SHARED else run_dir / "policies" / name
-    engine = cfg.engine
-    if engine.backend in ("hf", "serve-model") and cfg.rollout.max_staleness == 0:
-        engine = replace(engine, cpu_threads=0)  # a synchronous run never decodes beside an update: all cores
-    return open_engine(engine, model_path, cfg.model.dtype, run_dir=engine_dir, seed=cfg.seed)
-
-
-def trainer_threads(cfg: TrainConfig) -> int:
-    """Intra-op threads of the trainer (thread or process) when ``ppo.cpu_threads`` is 0: all cores, less
-    those of the local CPU engines (in this process, its own, or launched serve-model servers) that keep
-    decoding during updates (max_staleness > 0). Oversubscribed OpenMP teams wait on each other
-    (measured: docs/benchmarks.md, "CPU threads")."""
-    e = cfg.engine
-    if cfg.rollout.max_staleness == 0 or e.urls or e.backend == "sglang" or not e.cpu_threads:
-        return DEFAULT_CPU_THREADS
-    engines = e.num_servers if e.backend == "serve-model" else 1  # launched here, beside the trainer
-    return max(1, DEFAULT_CPU_THREADS - engines * e.cpu_threads)
-
-
-def load_trainable(name: str, cfg: TrainConfig, model_path: str, init_path: str) -> Policy:
-    """The training side of a policy (model, optimizer, schedule, reference, critic), without an engine."""
-    p = cfg.ppo
-    model = load_model(model_path, cfg.model.dtype)
-    total = cfg.steps * p.ppo_epochs * p.num_minibatches
+def load_trainable(name: str, spec: TrainSpec, model_path: str, init_path: str) -> Policy:
+    """The training side of a policy (model, optimizer, schedule, reference, critic), without an engine;
+    the reference and the critic start from ``init_path`` (the run's starting model)."""
+    p = spec.ppo
+    model = load_model(model_path, spec.dtype)
+    total = spec.total_steps * p.ppo_epochs * p.num_minibatches
     optimizer, scheduler = make_optimizer(model, p.lr, p.weight_decay, p.warmup_steps, p.lr_schedule, total)
-    policy = Policy(name, model, None, optimizer, scheduler)
+    policy = Policy(name, model, spec, optimizer, scheduler)
     if p.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if p.kl_coef > 0:
-        policy.reference = load_model(init_path, cfg.model.dtype).eval().requires_grad_(False)
+        policy.reference = load_model(init_path, spec.dtype).eval().requires_grad_(False)
     if p.advantage == "gae":  # a value model initialised from the starting checkpoint
-        critic_lm = load_model(init_path, cfg.model.dtype)
+        critic_lm = load_model(init_path, spec.dtype)
         if p.activation_checkpointing:
             critic_lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         policy.critic = ValueModel(critic_lm)
@@ -213,3 +201,12 @@ def load_trainable(name: str, cfg: TrainConfig, model_path: str, init_path: str)
             policy.critic.parameters(), lr=p.critic_lr, weight_decay=p.weight_decay
         )
     return policy
+
+
+def __getattr__(name: str) -> Any:
+    """`open_policy`, `open_policy_engine` and `trainer_threads` live in `areal_agents.trainers.local_launcher`."""
+    if name in ("open_policy", "open_policy_engine", "trainer_threads"):
+        from areal_agents.trainers import local_launcher  # noqa: PLC0415  (it imports this module)
+
+        return getattr(local_launcher, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,11 +20,13 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of the weights)
 from transformers import PreTrainedModel
 
-from areal_agents.config import TrainConfig
 from areal_agents.engines.base import InferenceEngine
+from areal_agents.engines.sglang.client import write_weights
+from areal_agents.engines.weight_sync import WeightSync
 from areal_agents.errors import ArealAgentsError
 from areal_agents.models.loading import load_model, quiet_transformers
-from areal_agents.trainers.policy import load_trainable, open_policy_engine, trainer_threads
+from areal_agents.trainers.policy import load_trainable
+from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.trainers.run_start import seed_everything
 from areal_agents.types import Trajectory
 from areal_agents.workers import start_child, stop_child
@@ -36,22 +38,20 @@ class TrainerProcessError(ArealAgentsError):
     """The trainer process raised (its traceback is in the message) or died."""
 
 
-def _serve(conn: Any, cfg: TrainConfig, name: str, model_path: str, init_path: str, threads: int) -> None:
+def _serve(conn: Any, spec: TrainSpec, name: str, model_path: str, init_path: str) -> None:
     """The child: load the trainable policy, then answer calls until ``close`` (or the pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes this process
-    torch.set_num_threads(threads)
+    if spec.cpu_threads:
+        torch.set_num_threads(spec.cpu_threads)
     quiet_transformers()
-    seed_everything(cfg.seed)
+    seed_everything(spec.seed)
     try:
-        policy = load_trainable(name, cfg, model_path, init_path)
+        policy = load_trainable(name, spec, model_path, init_path)
         weights = {k: v.detach().clone().share_memory_() for k, v in policy.model.state_dict().items()}
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
     conn.send(("ok", weights))
-
-    def update(trajectories: list[Trajectory], pad: int, generator_state: torch.Tensor) -> tuple[dict, Any]:
-        return policy.remote_train_step(trajectories, cfg, pad, generator_state)
 
     @torch.no_grad()
     def publish() -> None:
@@ -59,19 +59,13 @@ def _serve(conn: Any, cfg: TrainConfig, name: str, model_path: str, init_path: s
         for key, value in policy.model.state_dict().items():
             weights[key].copy_(value)
 
-    def update_part(trajectories: list[Trajectory], pad: int) -> None:
-        policy.train_part(trajectories, cfg, pad)
-
-    def finish_update(pad: int, generator_state: torch.Tensor) -> tuple[dict, Any]:
-        return policy.remote_finish_step(cfg, pad, generator_state)
-
     calls = {
-        "update": update,
-        "update_part": update_part,
-        "finish_update": finish_update,
+        "update": policy.remote_train_step,
+        "update_part": policy.train_part,
+        "finish_update": policy.remote_finish_step,
         "publish": publish,
-        "train_state": policy.train_state,
-        "load_train_state": policy.load_train_state,
+        "state_dict": policy.state_dict,
+        "load_state_dict": policy.load_state_dict,
     }
     while True:
         try:
@@ -87,24 +81,32 @@ def _serve(conn: Any, cfg: TrainConfig, name: str, model_path: str, init_path: s
 
 
 class ProcessPolicy:
-    """What the RL recipe needs of a policy (`update`, or `update_part` and `finish_update`; `push_weights`,
-    `model`, train state), with the trainer in a spawned process and generation on ``engine`` in this one."""
+    """A `TrainablePolicy` with the trainer in a spawned process (``spec.cpu_threads`` intra-op threads)
+    and generation on ``engine`` in this one; ``weight_sync`` moves the shared-memory weights to it.
+
+    Example::
+
+        policy = ProcessPolicy("policy", spec, model_path, model_path, engine, InProcessSync([engine]))
+        stats = await policy.update(trajectories, generator)
+    """
+
+    streams = True
 
     def __init__(
         self,
         name: str,
-        cfg: TrainConfig,
+        spec: TrainSpec,
         model_path: str,
         init_path: str,
         engine: InferenceEngine,
-        servers: Any,
-        threads: int,
+        weight_sync: WeightSync,
+        servers: Any = None,
     ) -> None:
-        self.name, self.engine, self.servers = name, engine, servers
-        self.model_path, self.dtype = model_path, cfg.model.dtype
+        self.name, self.engine, self.weight_sync, self.servers = name, engine, weight_sync, servers
+        self.model_path, self.dtype = model_path, spec.dtype
         self._process, self._conn, self._weights = start_child(
             _serve,
-            (cfg, name, model_path, init_path, threads),
+            (spec, name, model_path, init_path),
             f"trainer-{name}",
             TrainerProcessError,
             f"trainer process {name!r} failed in start",
@@ -139,26 +141,36 @@ class ProcessPolicy:
     async def _acall(self, method: str, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._caller, self._call, method, *args)
 
-    async def update(
-        self, trajectories: list[Trajectory], cfg: TrainConfig, pad_token_id: int, generator: torch.Generator
-    ) -> dict[str, float]:
-        stats, state = await self._acall("update", trajectories, pad_token_id, generator.get_state())
+    async def update(self, trajectories: list[Trajectory], generator: torch.Generator) -> dict[str, float]:
+        stats, state = await self._acall("update", trajectories, generator.get_state())
         generator.set_state(state)
         return stats
 
-    async def update_part(self, trajectories: list[Trajectory], cfg: TrainConfig, pad_token_id: int) -> None:
+    async def update_part(self, trajectories: list[Trajectory]) -> None:
         """Forward and backward on part of a batch in the trainer process (`Policy.update_part`)."""
-        await self._acall("update_part", trajectories, pad_token_id)
+        await self._acall("update_part", trajectories)
 
-    async def finish_update(self, cfg: TrainConfig, pad_token_id: int, generator: torch.Generator) -> dict[str, float]:
-        stats, state = await self._acall("finish_update", pad_token_id, generator.get_state())
+    async def finish_update(self, generator: torch.Generator) -> dict[str, float]:
+        stats, state = await self._acall("finish_update", generator.get_state())
         generator.set_state(state)
         return stats
+
+    async def wait_idle(self) -> None:
+        """Return when the call on the pipe, if any, has been answered."""
+        await asyncio.get_running_loop().run_in_executor(self._caller, int)
 
     async def push_weights(self) -> None:
-        """The trainer's weights into shared memory, then into the engine (pause, swap, version + 1, resume)."""
+        """The trainer's weights into shared memory, then to the engine (pause, swap, version + 1, resume)."""
+        await self.weight_sync.push(self)
+
+    async def tensors(self) -> dict[str, torch.Tensor]:
+        """The trainer's current weights, in the shared-memory copy (a `WeightSource`)."""
         await self._acall("publish")
-        await self.engine.update_weights(self._weights)
+        return self._weights
+
+    async def save_weights(self, path: Path) -> None:
+        """The trainer's current weights as ``path/model.safetensors`` (a `WeightSource`)."""
+        await asyncio.to_thread(write_weights, await self.tensors(), path)
 
     @property
     def model(self) -> PreTrainedModel:
@@ -169,29 +181,15 @@ class ProcessPolicy:
         self._model.load_state_dict(self._weights)
         return self._model
 
-    def train_state(self) -> dict[str, Any]:
-        return self._call("train_state")
+    def state_dict(self) -> dict[str, Any]:
+        return self._call("state_dict")
 
-    def load_train_state(self, state: dict[str, Any]) -> None:
-        self._call("load_train_state", state)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._call("load_state_dict", state)
 
     def close(self) -> None:
-        """Stop the trainer process (it exits on ``close``; a stuck one is killed)."""
+        """Stop the trainer process (it exits on ``close``; a stuck one is killed) and the engine's servers."""
         stop_child(self._process, self._conn, ("close", ()))
         self._caller.shutdown()
-
-
-def open_process_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, run_dir: Path) -> ProcessPolicy:
-    """`open_policy` with the trainer in its own process (``ppo.cpu_threads`` intra-op threads, or all
-    cores less the local hf engine's when rollouts overlap updates)."""
-    engine, servers = open_policy_engine(name, cfg, model_path, run_dir)
-    try:
-        return ProcessPolicy(
-            name, cfg, model_path, init_path, engine, servers, cfg.ppo.cpu_threads or trainer_threads(cfg)
-        )
-    except BaseException:
-        if hasattr(engine, "close"):  # an engine process of its own
-            engine.close()
-        if servers is not None:
-            servers.stop()
-        raise
+        if self.servers is not None:
+            self.servers.stop()

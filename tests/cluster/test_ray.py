@@ -16,6 +16,7 @@ import torch
 from areal_agents.config import TrainConfig, load_config
 from areal_agents.models import load_model, load_tokenizer
 from areal_agents.trainers.policy import load_trainable
+from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.types import Trajectory
 
 pytest.importorskip("ray")
@@ -69,11 +70,11 @@ def test_ray_run_matches_the_single_process_trainer(tiny_dir, tmp_path):
     # the single-process trainer on the data of step 1, from the same start, takes the same step
     cfg = load_config(TrainConfig, RECIPE, args)
     torch.manual_seed(cfg.seed)
-    policy = load_trainable("policy", cfg, str(tiny_dir), str(tiny_dir))
+    tokenizer = load_tokenizer(tiny_dir)
+    policy = load_trainable("policy", TrainSpec.of(cfg, tokenizer.pad_token_id), str(tiny_dir), str(tiny_dir))
     rows = [json.loads(line) for line in (run / "trajectories" / "step_1.jsonl").read_text().splitlines()]
     batch = [Trajectory(**row) for row in rows]
-    tokenizer = load_tokenizer(tiny_dir)
-    stats = policy.train_step(batch, cfg, tokenizer.pad_token_id, torch.Generator().manual_seed(cfg.seed))
+    stats = policy.train_step(batch, torch.Generator().manual_seed(cfg.seed))
     assert stats["optimizer_steps"] == 2 and stats["trained_trajectories"] == len(batch)
     step1 = run / "checkpoints" / "step_1"
     ranks = load_model(step1 / "model").state_dict()

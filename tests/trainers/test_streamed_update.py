@@ -9,6 +9,7 @@ import torch
 from areal_agents.config import PPOConfig, TrainConfig
 from areal_agents.models import load_model
 from areal_agents.trainers.policy import load_trainable
+from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.trainers.ppo import StreamedUpdate, ppo_update
 from areal_agents.types import Trajectory
 
@@ -102,15 +103,16 @@ def test_policy_parts_in_its_trainer_thread_equal_one_update(tiny_dir):
     batch = groups()
 
     async def run():
-        whole = load_trainable("policy", cfg, str(tiny_dir), str(tiny_dir))
-        parts = load_trainable("policy", cfg, str(tiny_dir), str(tiny_dir))
-        idle = load_trainable("policy", cfg, str(tiny_dir), str(tiny_dir))
+        spec = TrainSpec.of(cfg, pad_token_id=0)
+        whole = load_trainable("policy", spec, str(tiny_dir), str(tiny_dir))
+        parts = load_trainable("policy", spec, str(tiny_dir), str(tiny_dir))
+        idle = load_trainable("policy", spec, str(tiny_dir), str(tiny_dir))
         gens = [torch.Generator().manual_seed(0) for _ in range(3)]
-        await whole.update([t for g in batch.values() for t in g], cfg, 0, gens[0])
+        await whole.update([t for g in batch.values() for t in g], gens[0])
         for g in batch.values():
-            await parts.update_part(g, cfg, 0)
-        await parts.finish_update(cfg, 0, gens[1])
-        idle_stats = await idle.finish_update(cfg, 0, gens[2])
+            await parts.update_part(g)
+        await parts.finish_update(gens[1])
+        idle_stats = await idle.finish_update(gens[2])
         for p in (whole, parts, idle):
             p.close()
         return whole, parts, idle, idle_stats, gens

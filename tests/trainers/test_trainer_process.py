@@ -4,14 +4,17 @@ import asyncio
 import os
 import random
 import signal
+from dataclasses import replace
 
 import pytest
 import torch
 
 from areal_agents.config import TrainConfig
 from areal_agents.engines import HFEngine
+from areal_agents.engines.weight_sync import InProcessSync
 from areal_agents.models import load_model
 from areal_agents.trainers.policy import load_trainable
+from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec
 from areal_agents.trainers.trainer_process import ProcessPolicy, TrainerProcessError
 from areal_agents.types import Trajectory
 
@@ -40,26 +43,27 @@ def batch(vocab: int, n_groups: int = 3, group_size: int = 4) -> list[Trajectory
 
 
 @pytest.fixture
-def cfg(tiny_dir):
+def spec(tiny_dir):
     cfg = TrainConfig()
     cfg.model.path = str(tiny_dir)
     cfg.ppo.lr, cfg.ppo.num_minibatches = 1e-3, 2  # two optimizer steps: a proximal pass and a schedule
-    return cfg
+    return TrainSpec.of(cfg, pad_token_id=0)
 
 
-def test_an_update_in_the_process_equals_one_in_this_process(cfg, tiny_dir):
+def test_an_update_in_the_process_equals_one_in_this_process(spec, tiny_dir):
     trajectories = batch(load_model(tiny_dir).config.vocab_size)
-    here = load_trainable("policy", cfg, str(tiny_dir), str(tiny_dir))
-    expected = here.train_step(trajectories, cfg, 0, torch.Generator().manual_seed(5))
+    here = load_trainable("policy", spec, str(tiny_dir), str(tiny_dir))
+    expected = here.train_step(trajectories, torch.Generator().manual_seed(5))
 
     engine = HFEngine(load_model(tiny_dir))
-    policy = ProcessPolicy("policy", cfg, str(tiny_dir), str(tiny_dir), engine, None, threads=torch.get_num_threads())
+    policy = ProcessPolicy("policy", spec, str(tiny_dir), str(tiny_dir), engine, InProcessSync([engine]))
+    assert isinstance(policy, TrainablePolicy) and policy.streams
     try:
         generator = torch.Generator().manual_seed(5)
-        stats = asyncio.run(policy.update(trajectories, cfg, 0, generator))
+        stats = asyncio.run(policy.update(trajectories, generator))
         assert not torch.equal(generator.get_state(), torch.Generator().manual_seed(5).get_state())  # handed back
         asyncio.run(policy.push_weights())
-        state = policy.train_state()
+        state = policy.state_dict()
         trained = policy.model.state_dict()
     finally:
         policy.close()
@@ -73,19 +77,20 @@ def test_an_update_in_the_process_equals_one_in_this_process(cfg, tiny_dir):
     assert state["scheduler"]["last_epoch"] == 2 and state["optimizer"]["state"]
 
 
-def test_an_update_that_raises_names_the_error_and_the_process_lives_on(cfg, tiny_dir):
+def test_an_update_that_raises_names_the_error_and_the_process_lives_on(spec, tiny_dir):
     engine = HFEngine(load_model(tiny_dir))
-    policy = ProcessPolicy("policy", cfg, str(tiny_dir), str(tiny_dir), engine, None, threads=1)
+    spec = replace(spec, cpu_threads=1)
+    policy = ProcessPolicy("policy", spec, str(tiny_dir), str(tiny_dir), engine, InProcessSync([engine]))
     try:
         bad = batch(10**6)  # token ids past the vocabulary
         with pytest.raises(TrainerProcessError, match="failed in update:(.|\n)*IndexError"):
-            asyncio.run(policy.update(bad, cfg, 0, torch.Generator()))
+            asyncio.run(policy.update(bad, torch.Generator()))
         good = batch(load_model(tiny_dir).config.vocab_size)
-        assert asyncio.run(policy.update(good, cfg, 0, torch.Generator()))["trained_trajectories"] == 12
+        assert asyncio.run(policy.update(good, torch.Generator()))["trained_trajectories"] == 12
 
         os.kill(policy._process.pid, signal.SIGKILL)
         policy._process.join()
         with pytest.raises(TrainerProcessError, match="trainer process 'policy' (died|is gone)"):
-            asyncio.run(policy.update(good, cfg, 0, torch.Generator()))
+            asyncio.run(policy.update(good, torch.Generator()))
     finally:
         policy.close()

@@ -1,0 +1,100 @@
+"""`LocalLauncher`: a run on this machine (``launcher: local``). Each policy trains in a thread of this
+process (`Policy`) or in a process of its own (``ppo.trainer: process``, `ProcessPolicy`) and serves through
+the configured engine: in this process (weights swapped in place), or launched model servers (weights
+through disk). Envs and episodes run in this process too.
+
+Example::
+
+    launcher = LocalLauncher(cfg)
+    policy = launcher.open_policy("policy", cfg.model.path, cfg.model.path, TrainSpec.of(cfg, pad_token_id=0))
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from areal_agents.config import TrainConfig
+from areal_agents.engines.base import InferenceEngine
+from areal_agents.engines.local_servers import open_engine
+from areal_agents.engines.weight_sync import DiskSync, InProcessSync, WeightSync
+from areal_agents.envs.runtime.backends import EnvBackend
+from areal_agents.models.loading import load_tokenizer
+from areal_agents.trainers.policy import DEFAULT_CPU_THREADS, SHARED, Policy, load_trainable
+from areal_agents.trainers.policy_api import EpisodeRunner, TrainablePolicy, TrainSpec
+from areal_agents.trainers.trainer_process import ProcessPolicy
+
+
+class LocalLauncher:
+    """A `Launcher` for this machine; reads ``engine``, ``rollout.max_staleness``, ``ppo.trainer`` and
+    ``ppo.cpu_threads`` of the config (the rest is the recipe's)."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
+
+    def start(self) -> None:
+        """Nothing to acquire: engines start with their policies."""
+
+    def open_policy(self, name: str, model_path: str, init_path: str, spec: TrainSpec) -> TrainablePolicy:
+        spec = replace(spec, cpu_threads=spec.cpu_threads or trainer_threads(self.cfg))
+        engine, servers = open_policy_engine(name, self.cfg, model_path, self.run_dir)
+        try:
+            sync = weight_sync_for(engine, servers)
+            if self.cfg.ppo.trainer == "process":
+                return ProcessPolicy(name, spec, model_path, init_path, engine, sync, servers)
+            policy = load_trainable(name, spec, model_path, init_path)
+        except BaseException:
+            if hasattr(engine, "close"):  # an engine process of its own
+                engine.close()
+            if servers is not None:
+                servers.stop()
+            raise
+        policy.engine, policy.weight_sync, policy.servers = engine, sync, servers
+        return policy
+
+    def env_backend(self) -> EnvBackend | None:
+        return None  # the config's
+
+    def episode_runner(self, policy: TrainablePolicy) -> EpisodeRunner | None:
+        return None  # the recipe's agent, in this process
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def shutdown(self) -> None:
+        """Nothing of its own to stop: each policy stops its trainer and servers."""
+
+
+def weight_sync_for(engine: InferenceEngine, servers: Any) -> WeightSync:
+    """In place for an engine in this process (or its own), through disk for launched or given servers."""
+    return InProcessSync([engine]) if servers is None else DiskSync([engine])
+
+
+def open_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, run_dir: Path) -> Policy:
+    """A `Policy` (or `ProcessPolicy`) of the run ``cfg`` and its engine, as `LocalLauncher` opens it."""
+    tokenizer = load_tokenizer(cfg.model.path)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return LocalLauncher(cfg, run_dir).open_policy(name, model_path, init_path, TrainSpec.of(cfg, pad))
+
+
+def open_policy_engine(name: str, cfg: TrainConfig, model_path: str, run_dir: Path) -> tuple[InferenceEngine, Any]:
+    """The policy's inference engine, serving ``model_path``, and the servers behind it (or None)."""
+    engine_dir = run_dir if name == SHARED else run_dir / "policies" / name
+    engine = cfg.engine
+    if engine.backend in ("hf", "serve-model") and cfg.rollout.max_staleness == 0:
+        engine = replace(engine, cpu_threads=0)  # a synchronous run never decodes beside an update: all cores
+    return open_engine(engine, model_path, cfg.model.dtype, run_dir=engine_dir, seed=cfg.seed)
+
+
+def trainer_threads(cfg: TrainConfig) -> int:
+    """Intra-op threads of the trainer (thread or process) when ``ppo.cpu_threads`` is 0: all cores, less
+    those of the local CPU engines (in this process, its own, or launched serve-model servers) that keep
+    decoding during updates (max_staleness > 0). Oversubscribed OpenMP teams wait on each other
+    (measured: docs/benchmarks.md, "CPU threads")."""
+    e = cfg.engine
+    if cfg.rollout.max_staleness == 0 or e.urls or e.backend == "sglang" or not e.cpu_threads:
+        return DEFAULT_CPU_THREADS
+    engines = e.num_servers if e.backend == "serve-model" else 1  # launched here, beside the trainer
+    return max(1, DEFAULT_CPU_THREADS - engines * e.cpu_threads)

@@ -1,0 +1,135 @@
+"""The two seams of the RL recipe: a `TrainablePolicy` (one trained model with what trains and serves it)
+and a `Launcher` (where a run's parts execute), both chosen before the recipe runs and handed to it.
+
+Implementations of `TrainablePolicy`:
+
+=========================================================  ==================================================
+`areal_agents.trainers.policy.Policy`                      updates in a thread of this process
+`areal_agents.trainers.trainer_process.ProcessPolicy`      updates in a spawned process (``ppo.trainer``)
+`areal_agents.cluster.trainer_group.DistributedPolicy`     updates on data-parallel Ray actors
+=========================================================  ==================================================
+
+A GPU (FSDP2) trainer is one more class with these methods, and LoRA one more too: its `model` is the base
+with the adapter attached, and its weight sync (`areal_agents.engines.weight_sync`) pushes the adapter
+only, under the policy's name. Several such policies, one per agent (``policies:`` in the config), can
+share one base model and one engine: each pushes its own adapter, the engine serves them side by side.
+
+Implementations of `Launcher`: `areal_agents.trainers.local_launcher.LocalLauncher` (this machine) and
+`areal_agents.cluster.ray_launcher.RayLauncher` (``launcher: ray``); ``areal_agents.cluster.open_launcher``
+picks one from the config.
+
+Example::
+
+    spec = TrainSpec.of(cfg, pad_token_id=tokenizer.pad_token_id)
+    policy = launcher.open_policy("policy", cfg.model.path, cfg.model.path, spec)
+    stats = await policy.update(trajectories, generator)
+    await policy.push_weights()  # the engine now serves version + 1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from transformers import PreTrainedModel
+
+from areal_agents.config import PPOConfig, TrainConfig
+from areal_agents.engines.base import InferenceEngine
+from areal_agents.engines.weight_sync import WeightSync
+from areal_agents.envs.runtime.backends import EnvBackend
+from areal_agents.types import Trajectory
+
+EpisodeRunner = Callable[[int, str], Awaitable[list[Trajectory]]]  # (seed, episode_id) -> the episode's data
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What a policy's trainer needs: the PPO settings and the few facts of the run they depend on."""
+
+    ppo: PPOConfig
+    temperature: float  # the rollouts' sampling temperature (the trainer scales logits by the same)
+    pad_token_id: int
+    dtype: str  # of the trained model (``model.dtype``)
+    total_steps: int  # training steps of the run (the learning-rate schedule's length)
+    seed: int = 0  # seeds a trainer in another process
+    cpu_threads: int = 0  # the trainer's intra-op threads; 0: torch's default
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, pad_token_id: int) -> TrainSpec:
+        """The spec of a run (``cpu_threads``: ``ppo.cpu_threads``; a launcher may fill in 0)."""
+        return cls(
+            cfg.ppo, cfg.rollout.temperature, pad_token_id, cfg.model.dtype, cfg.steps, cfg.seed, cfg.ppo.cpu_threads
+        )
+
+
+@runtime_checkable
+class TrainablePolicy(Protocol):
+    """One trained model: its updates, its engine (``engine``, generation) and how new weights reach it.
+
+    ``streams``: True when `update_part` and `finish_update` exist (an update fed a batch's groups as they
+    finish, ``ppo.stream_updates``); the recipe calls only `update` otherwise.
+    """
+
+    name: str
+    engine: InferenceEngine
+    weight_sync: WeightSync
+    streams: bool
+
+    async def update(self, trajectories: list[Trajectory], generator: torch.Generator) -> dict[str, float]:
+        """One PPO update on ``trajectories``; its stats."""
+        ...
+
+    async def push_weights(self) -> None:
+        """The trained weights to the engine (through ``weight_sync``): it serves version + 1."""
+        ...
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The current weights as a model in this process (a checkpoint saves it)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The train state a checkpoint keeps besides the model: optimizer, schedule, critic."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    async def wait_idle(self) -> None:
+        """Return when no update runs (one abandoned by a signal may still be computing)."""
+        ...
+
+    def close(self) -> None:
+        """Stop its trainer and the servers launched for its engine (the engine client is closed apart)."""
+        ...
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    """Where a run's parts execute: its policies' trainers and engines, its envs, its episodes."""
+
+    def start(self) -> None:
+        """Acquire what the run needs before its policies (a cluster, env servers)."""
+        ...
+
+    def open_policy(self, name: str, model_path: str, init_path: str, spec: TrainSpec) -> TrainablePolicy:
+        """A policy trained from ``model_path`` (the start, or a checkpoint's copy), served by a new engine;
+        its reference and critic start from ``init_path`` (the run's starting model)."""
+        ...
+
+    def env_backend(self) -> EnvBackend | None:
+        """The env backend of the run's episodes; None: the config's (`open_env_backend`)."""
+        ...
+
+    def episode_runner(self, policy: TrainablePolicy) -> EpisodeRunner | None:
+        """Where episodes run; None: in this process, by the recipe's agent."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Where the work went, for the run's summary; empty for nothing to say."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop everything `start` and `open_policy` started."""
+        ...

@@ -1,0 +1,96 @@
+"""What an RL run's checkpoint holds besides each policy's weights and train state (`RunState`: the data
+position, the sampling generator, the episode ledger, the accuracy before training, the policy version),
+and how a run's checkpoint is written (`save_run`) and read back (`RunState.restore`).
+
+Layout inside ``checkpoints/step_N/`` (see `areal_agents.trainers.checkpoint`): ``model/`` and the train
+state at the top of ``trainer_state.pt`` for the shared policy; ``policies/NAME/model/`` and
+``trainer_state.pt["policies"][NAME]`` for each of several.
+
+Example::
+
+    run = RunState.restore(seed=1, state=load_trainer_state(ckpt))
+    path = save_run(run_dir, run.first_step, policies, tokenizer, run.snapshot(position, 0.5, 3), keep=3)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from areal_agents.config import PPOConfig
+from areal_agents.rollout.episodes import RolloutLedger
+from areal_agents.trainers.checkpoint import prune_checkpoints, save_checkpoint
+from areal_agents.trainers.policy import SHARED
+from areal_agents.trainers.policy_api import TrainablePolicy
+from areal_agents.trainers.resume import with_config_rates
+from areal_agents.trainers.step_stats import ledger_counts
+
+
+@dataclass
+class RunState:
+    """A run's position: its next step, its next prompt index, its sampling generator, its ledger."""
+
+    first_step: int
+    data_position: int
+    generator: torch.Generator
+    ledger: RolloutLedger
+    accuracy_before: float | None = None  # measured before step 1 (None: not yet)
+
+    @classmethod
+    def restore(cls, seed: int, state: dict[str, Any] | None) -> RunState:
+        """A new run's start (``state`` None), or the position a checkpoint's ``state`` saved; the episodes the
+        stop cut off run again, so they leave the ledger's submitted count."""
+        generator = torch.Generator().manual_seed(seed)
+        if state is None:
+            return cls(1, 0, generator, RolloutLedger())
+        generator.set_state(state["generator"])
+        ledger = RolloutLedger(**{k: v for k, v in state["ledger"].items() if k != "running"})
+        ledger.submitted -= state["ledger"]["running"]
+        return cls(state["step"] + 1, state["data_position"], generator, ledger, state["accuracy_before"])
+
+    def snapshot(self, data_position: int, version: int) -> dict[str, Any]:
+        """What a checkpoint of the step just finished holds besides the policies."""
+        return {
+            "data_position": data_position,
+            "generator": self.generator.get_state(),
+            "accuracy_before": self.accuracy_before,
+            "version": version,
+            "ledger": ledger_counts(self.ledger),
+        }
+
+
+def restore_policies(policies: dict[str, TrainablePolicy], state: dict[str, Any], ppo: PPOConfig) -> None:
+    """Each policy's train state from a checkpoint's ``state``, with the config's rates (an allowed change
+    of ``ppo.lr``, ``critic_lr`` or ``weight_decay`` takes effect)."""
+    for name, policy in policies.items():
+        train_state = state if name == SHARED else state["policies"][name]
+        policy.load_state_dict(with_config_rates(train_state, ppo.lr, ppo.weight_decay, ppo.critic_lr))
+
+
+def model_dir(name: str) -> str:
+    """Where a policy's model lives inside a checkpoint."""
+    return "model" if name == SHARED else f"policies/{name}/model"
+
+
+def save_run(
+    run_dir: Path,
+    step: int,
+    policies: dict[str, TrainablePolicy],
+    tokenizer: PreTrainedTokenizerBase,
+    extra: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Checkpoint step ``step``: each policy's model and train state, and ``extra`` (`RunState.snapshot`);
+    keep the newest ``keep`` checkpoints (0: all). Its path."""
+    if SHARED in policies:
+        extra = extra | policies[SHARED].state_dict()
+    else:
+        extra = extra | {"policies": {name: p.state_dict() for name, p in policies.items()}}
+    models = {model_dir(name): p.model for name, p in policies.items()}
+    path = save_checkpoint(run_dir, step, models, tokenizer, extra)
+    prune_checkpoints(run_dir, keep)
+    return path

@@ -1,0 +1,181 @@
+"""What one RL step logs to TensorBoard: ``rollout/`` (rewards, accuracy, the ledger, staleness), ``train/``
+(each policy's update), ``perf/`` (throughput and where the step's time went) and ``engine/`` (the serving
+engine's counters per step, when it reports them: `areal_agents.engines.base.engine_counters`); and the
+totals over the run's steps that its summary reports.
+
+Example::
+
+    log = StepLog(metrics, controller, ledger, env_id="Arithmetic-v0", engine=policy.engine)
+    await log.start()  # the engine's counters from here on
+    shown = await log.record(step, trajectories, per_policy, times)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from areal_agents.engines.base import InferenceEngine, engine_counters
+from areal_agents.rollout.controller import RolloutController
+from areal_agents.rollout.episodes import RolloutLedger
+from areal_agents.trainers.metrics import MetricsWriter, prefixed
+from areal_agents.trainers.policy import SHARED
+from areal_agents.trainers.step_stats import gpu_utilisation, reward_breakdown
+from areal_agents.types import Trajectory
+
+_COUNTERS = ("prefix_hit_tokens", "prefill_tokens", "busy_seconds", "generated_tokens", "decode_steps")
+
+
+@dataclass
+class StepTimes:
+    """``perf_counter`` times of one step: its start, its batch's last group in hand (``rollout_end``), its
+    weights pushed (``end``); ``waited``: seconds the trainer sat idle for rollouts."""
+
+    start: float
+    rollout_end: float
+    end: float
+    waited: float
+
+    @property
+    def train(self) -> float:
+        """The step's time less the waits for rollouts."""
+        return self.end - self.start - self.waited
+
+
+@dataclass
+class Totals:
+    """Sums over the run's training steps (evaluations excluded)."""
+
+    trained_samples: int = 0
+    consumed_samples: int = 0
+    generated_tokens: int = 0
+    rollout_seconds: float = 0.0
+    train_seconds: float = 0.0
+    step_seconds: float = 0.0
+    engine_busy_seconds: float = 0.0
+
+
+class EngineUse:
+    """An engine's counters since the last `read`, as ``engine/`` metrics: the share of context tokens its
+    prefills took from the prefix cache, of the time it was busy, its rows per decode step."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        self.engine = engine
+        self.reports = False  # whether the engine has counters to read
+        self.seen: dict[str, float] = {}
+
+    async def read(self) -> tuple[dict[str, float], float]:
+        """The metrics since the last read (``{}`` for an engine without counters) and its busy seconds."""
+        counters, now = await engine_counters(self.engine), time.perf_counter()
+        if not all(k in counters for k in _COUNTERS):
+            return {}, 0.0
+        self.reports = True
+        new = {k: float(counters[k]) for k in _COUNTERS} | {"time": now}
+        d = {k: v - self.seen.get(k, 0.0) for k, v in new.items()}
+        self.seen = new
+        return {
+            "engine/prefix_hit_rate": d["prefix_hit_tokens"] / max(d["prefix_hit_tokens"] + d["prefill_tokens"], 1),
+            "engine/busy_fraction": d["busy_seconds"] / max(d["time"], 1e-9),
+            "engine/rows_per_decode_step": d["generated_tokens"] / max(d["decode_steps"], 1),
+        }, d["busy_seconds"]
+
+
+@dataclass
+class StepLog:
+    """Logs each step's metrics and keeps the run's `Totals`."""
+
+    metrics: MetricsWriter
+    controller: RolloutController
+    ledger: RolloutLedger
+    env_id: str
+    engine: InferenceEngine
+    totals: Totals = field(default_factory=Totals)
+
+    def __post_init__(self) -> None:
+        self.engine_use = EngineUse(self.engine)
+
+    async def start(self) -> None:
+        """Count the engine's work from here on (the training steps' and their evaluations')."""
+        await self.engine_use.read()
+
+    async def record(
+        self,
+        step: int,
+        trajectories: list[Trajectory],
+        per_policy: dict[str, dict[str, float]],
+        times: StepTimes,
+    ) -> dict[str, str]:
+        """Log step ``step``; add it to the totals; the few values a progress bar shows."""
+        train = train_stats(per_policy)
+        rollout = rollout_stats(trajectories, self.ledger, self.controller, self.env_id)
+        perf = perf_stats(trajectories, train["trained_trajectories"], times)
+        engine, busy = await self.engine_use.read()
+        t = self.totals
+        t.trained_samples += int(train["trained_trajectories"])
+        t.generated_tokens += sum(x.num_generated for x in trajectories)
+        t.rollout_seconds += times.rollout_end - times.start
+        t.train_seconds += times.train
+        t.step_seconds += times.end - times.start
+        t.consumed_samples += len(trajectories)
+        t.engine_busy_seconds += busy
+        scalars = {**prefixed("rollout", rollout), **prefixed("train", train), **prefixed("perf", perf)}
+        self.metrics.log(step, scalars | {"engine/version": float(self.engine.get_version())} | engine)
+        self.metrics.histogram(step, "rollout/staleness", self._staleness(len(trajectories)))
+        return {
+            "reward": f"{rollout['reward_mean']:.3f}",
+            "acc": f"{rollout['accuracy']:.2f}",
+            "tok_s": f"{perf['gen_tokens_per_s']:.0f}",
+        }
+
+    def _staleness(self, n: int) -> list[int]:
+        return self.controller.stats.staleness[-n:] or [0]
+
+
+def train_stats(per_policy: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The policies' update stats (a separate policy's under its name) and the trajectories they trained on."""
+    stats: dict[str, float] = {}
+    for name, policy_stats in per_policy.items():
+        stats |= policy_stats if name == SHARED else prefixed(name, policy_stats)
+    stats["trained_trajectories"] = sum(s.get("trained_trajectories", 0.0) for s in per_policy.values())
+    return stats
+
+
+def rollout_stats(
+    trajectories: list[Trajectory], ledger: RolloutLedger, controller: RolloutController, env_id: str
+) -> dict[str, float]:
+    """The batch's rewards and staleness, the ledger's counts and the controller's queue."""
+    rewards = [t.reward for t in trajectories]
+    staleness = controller.stats.staleness[-len(trajectories) :] or [0]
+    return {
+        "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
+        "accuracy": float(np.mean([x >= 1.0 for x in rewards])) if rewards else 0.0,
+        "generated_tokens": float(sum(t.num_generated for t in trajectories)),
+        "episodes_failed": float(ledger.failed),
+        "episodes_env_failed": float(ledger.env_failed),
+        "episodes_engine_failed": float(ledger.engine_failed),
+        "episodes_worker_failed": float(ledger.worker_failed),
+        "episode_retries": float(controller.stats.retries),
+        "episodes_rejected": float(ledger.rejected),
+        "episodes_running": float(ledger.running),
+        "queued_groups": float(controller.queued_groups),
+        "running_groups": float(controller.running_groups),
+        "staleness_mean": float(np.mean(staleness)),
+        "staleness_max": float(max(staleness)),
+        **reward_breakdown(trajectories, env_id),
+    }
+
+
+def perf_stats(trajectories: list[Trajectory], trained: float, times: StepTimes) -> dict[str, Any]:
+    """Throughput of the step's rollouts and of its update, and where its time went."""
+    generated = sum(t.num_generated for t in trajectories)
+    return {
+        "gen_tokens_per_s": generated / max(times.rollout_end - times.start, 1e-9),
+        "trained_samples_per_s": trained / max(times.train, 1e-9),
+        "train_tokens_per_s": sum(len(t) for t in trajectories) / max(times.train, 1e-9),
+        "rollout_wait_seconds": times.waited,
+        "step_seconds": times.end - times.start,
+        **gpu_utilisation(),
+    }
