@@ -46,10 +46,18 @@ def cmd_train(args: argparse.Namespace) -> None:
     from areal_agents.config import TrainConfig, load_config
 
     cfg = load_config(TrainConfig, args.config, args.overrides)
+    from areal_agents.cluster import open_launcher
     from areal_agents.trainers.rl_recipe import run_train
 
     _quiet_transformers()
-    run_train(cfg, progress=not args.no_progress, resume=args.resume, allow_config_change=args.allow_config_change)
+    launcher = open_launcher(cfg)  # this machine, or Ray (launcher=ray)
+    run_train(
+        cfg,
+        progress=not args.no_progress,
+        resume=args.resume,
+        allow_config_change=args.allow_config_change,
+        launcher=launcher,
+    )
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
