@@ -1,8 +1,8 @@
 """Rollout workers as Ray actors, and the driver's dispatcher that runs the controller's episodes on them.
 
-The staleness gate and the ledger stay in the driver's `RolloutController`; each worker runs the
-episodes it is handed (agent + engine client + env client), so the per-episode Python (chat templates,
-tokenizing, env traffic) spreads over the cluster. A worker that dies fails its in-flight episodes with
+The staleness gate, the ledger and the retries stay in the driver's `RolloutController` (its
+`EpisodeRunner`); each worker runs one try of each episode it is handed (agent + engine client + env
+client), so the per-episode Python (chat templates, tokenizing, env traffic) spreads over the cluster. A worker that dies fails its in-flight episodes with
 `WorkerLostError`, which the controller retries on the others (Ray restarts the worker meanwhile); when
 no worker comes back within ``ray.recovery_timeout_s`` the run stops with a `ClusterError`.
 """
@@ -24,6 +24,7 @@ from areal_agents.engines.local_servers import engine_client
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ClusterError, EngineError, EnvError, WorkerLostError
 from areal_agents.models.loading import load_tokenizer, quiet_transformers
+from areal_agents.rollout.episodes import failure_kind, local_episode
 from areal_agents.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -38,24 +39,23 @@ class RolloutWorker:
         self.engine = engine_client(cfg.engine, engine_urls)
         self.agent = make_rollout_agent(cfg.rollout, self.engine, load_tokenizer(cfg.model.path))
         self.envs = EnvBackend(cfg.env, env_servers.pool())
+        self.episode = local_episode(self.agent, self.envs.make)
 
     async def run_episodes(self, episodes: list[tuple[int, str]]) -> list[tuple[str, Any]]:
         """Run ``(seed, episode_id)`` episodes concurrently; one `run_episode` result each, in order."""
         return list(await asyncio.gather(*(self.run_episode(seed, eid) for seed, eid in episodes)))
 
     async def run_episode(self, seed: int, episode_id: str) -> tuple[str, Any]:
-        """``("ok", trajectories)``, or the failure's kind and text (exceptions do not cross processes
-        cleanly, and the driver must tell an env failure from an engine failure from a policy one)."""
+        """``("ok", trajectories)``, or the failure's kind (`failure_kind`, as the driver's `EpisodeRunner`
+        counts it) and text: exceptions do not cross processes cleanly, and the driver must tell an env
+        failure from an engine failure from a policy one. One try: the driver retries."""
         try:
-            return "ok", await self.agent.run_episode(self.envs.make(), seed=seed, episode_id=episode_id)
-        except EnvError as e:
-            return "env", (e.kind, e.detail)
-        except EngineError as e:
-            return "engine", str(e)
-        except ClusterError as e:
-            return "cluster", str(e)
-        except Exception:  # noqa: BLE001  (the policy's or the agent's failure: the driver logs it)
-            return "failed", traceback.format_exc()
+            return "ok", await self.episode(seed, episode_id)
+        except Exception as e:  # noqa: BLE001  (classified; the driver raises it again, counts and logs it)
+            kind = failure_kind(e)
+            if isinstance(e, EnvError):
+                return kind, (e.kind, e.detail)
+            return kind, traceback.format_exc() if kind == "failed" else str(e)
 
     def pid(self) -> int:
         return os.getpid()
@@ -97,13 +97,7 @@ class RolloutWorkers:
         k, (kind, value) = await future
         if kind == "ok":
             return value
-        if kind == "env":
-            raise EnvError(*value)
-        if kind == "engine":
-            raise EngineError(value)
-        if kind == "cluster":
-            raise ClusterError(value)
-        raise RuntimeError(f"episode {episode_id} failed on rollout worker {k}:\n{value}")
+        raise _rebuilt(kind, value, f"episode {episode_id} failed on rollout worker {k}")
 
     async def _send(self, group: str) -> None:
         batch = self._pending.pop(group)
@@ -174,3 +168,17 @@ class RolloutWorkers:
             task.cancel()
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+
+
+def _rebuilt(kind: str, value: Any, where: str) -> Exception:
+    """The exception a worker's ``(kind, value)`` stands for, so the driver's `EpisodeRunner` classifies it
+    as the worker did (`failure_kind`)."""
+    if kind == "env":
+        return EnvError(*value)
+    if kind == "engine":
+        return EngineError(value)
+    if kind == "worker":
+        return WorkerLostError(f"{where}: {value}")
+    if kind == "cluster":
+        return ClusterError(value)
+    return RuntimeError(f"{where}:\n{value}")

@@ -11,11 +11,12 @@ it trains. Finished groups queue up for `get_batch` (or `stream_batch`, a group 
 filter (e.g. zero reward variance, for dynamic sampling) rejects groups, which then do not count
 toward the batch.
 
-Every episode is accounted for in the `RolloutLedger`: submitted = accepted + rejected + failed +
-env_failed + engine_failed + worker_failed + cancelled + running. Env failures (`EnvError`), engine
-failures (`EngineError`) and lost rollout workers (`WorkerLostError`, on a cluster) are retried up to
-``max_retries`` times; other exceptions are policy/agent failures and are not retried. A `ClusterError`
-(the cluster cannot recover) stops the run: `get_batch` raises it.
+Every episode runs through one `EpisodeRunner` (rollout/episodes.py) and is accounted for in the
+`RolloutLedger`: submitted = accepted + rejected + failed + env_failed + engine_failed + worker_failed +
+cancelled + running. Env failures (`EnvError`), engine failures (`EngineError`) and lost rollout workers
+(`WorkerLostError`, on a cluster) are retried up to ``max_retries`` times; other exceptions are
+policy/agent failures and are not retried. A `ClusterError` (the cluster cannot recover) stops the run:
+`get_batch` raises it.
 
 Episodes run in this process (``agent.run_episode(make_env(), ...)``) unless ``run_episode`` is given:
 the Ray launcher passes one that runs them on rollout worker actors, so the gate and the ledger stay here.
@@ -30,10 +31,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from areal_agents.agents.base import Agent
-from areal_agents.engines.hf.request_checks import RequestError
 from areal_agents.envs.async_env import AsyncEnv
-from areal_agents.errors import ClusterError, EngineError, EnvError, WorkerLostError
-from areal_agents.rollout.episodes import RolloutLedger
+from areal_agents.errors import ClusterError
+from areal_agents.rollout.episodes import EpisodeRunner, FailureKind, RolloutLedger, local_episode
 from areal_agents.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,8 @@ class RolloutController:
         self._paused = False
         self._next_index = start_index  # prompt i is seed_at(i): the data order is a pure function of i
         self._unconsumed: dict[int, int] = {}  # submitted, not yet handed to the trainer (or dropped): its version
-        self._episode = run_episode or self._run_locally
+        self._episode = run_episode or local_episode(agent, make_env)
+        self.runner = EpisodeRunner(self.ledger, max_retries=max_retries, on_retry=self._count_retry)
         self._fatal: BaseException | None = None
 
     # ---- consumer side ------------------------------------------------------------------------
@@ -274,43 +275,14 @@ class RolloutController:
 
     async def _run_episode(self, seed: int, episode_id: str) -> list[Trajectory] | None:
         try:
-            return await self._run_episode_with_retries(seed, episode_id)
+            return await self.runner.run(lambda: self._episode(seed, episode_id), episode_id)
         finally:
             self.running_episodes -= 1
             self._wakeup.set()  # its place is free: another group may fit
 
-    async def _run_episode_with_retries(self, seed: int, episode_id: str) -> list[Trajectory] | None:
-        self.ledger.submitted += 1
-        for attempt in range(self.max_retries + 1):
-            try:
-                trajectories = await self._episode(seed, episode_id)
-            except (EnvError, EngineError, WorkerLostError) as e:  # not the policy's fault
-                if attempt < self.max_retries and not isinstance(e, RequestError):  # a refused request stays so
-                    self.stats.retries += 1
-                    self.stats.worker_retries += isinstance(e, WorkerLostError)
-                    log.warning("episode %s: %s; retrying", episode_id, e)
-                    continue
-                if isinstance(e, EnvError):
-                    self.ledger.env_failed += 1
-                elif isinstance(e, EngineError):
-                    self.ledger.engine_failed += 1
-                else:
-                    self.ledger.worker_failed += 1
-                log.warning("episode %s: gave up after %d attempts: %s", episode_id, attempt + 1, e)
-                return None
-            except (asyncio.CancelledError, ClusterError):
-                self.ledger.cancelled += 1
-                raise
-            except Exception:
-                self.ledger.failed += 1
-                log.exception("episode %s failed", episode_id)
-                return None
-            self.ledger.accepted += 1
-            return trajectories
-        return None
-
-    async def _run_locally(self, seed: int, episode_id: str) -> list[Trajectory]:
-        return await self.agent.run_episode(self.make_env(), seed=seed, episode_id=episode_id)
+    def _count_retry(self, kind: FailureKind) -> None:
+        self.stats.retries += 1
+        self.stats.worker_retries += kind == "worker"
 
 
 def _staleness(trajectories: list[Trajectory], version: int) -> int:

@@ -1,4 +1,11 @@
-"""Run groups of episodes concurrently and keep an exact ledger of what happened to each.
+"""Run episodes and count each one: the one episode runner (`EpisodeRunner`) and groups of episodes.
+
+Every caller that runs an episode (the `RolloutController`, `run_groups`, the held-out `evaluate`, the
+``eval`` command, the Ray rollout workers) goes through `EpisodeRunner.run`, so an episode is tried,
+retried and counted in a `RolloutLedger` the same way everywhere:
+
+    runner = EpisodeRunner(RolloutLedger(), max_retries=1)
+    trajectories = await runner.run(lambda: agent.run_episode(make_env(), seed=0, episode_id="e0"), "e0")
 
 A group is ``group_size`` episodes of one prompt: every env of the group is reset with the same seed,
 so they see the same problem (a GRPO group).
@@ -8,22 +15,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from areal_agents.agents.base import Agent
+from areal_agents.engines.hf.request_checks import RequestError
 from areal_agents.envs.async_env import AsyncEnv
-from areal_agents.errors import EnvError
+from areal_agents.errors import ClusterError, EngineError, EnvError, WorkerLostError
 from areal_agents.types import Trajectory
 
 log = logging.getLogger(__name__)
+
+FailureKind = Literal["env", "engine", "worker", "cluster", "failed"]
+Episode = Callable[[], Awaitable[list[Trajectory]]]  # one try of an episode: its trajectories, or it raises
 
 
 @dataclass
 class RolloutLedger:
     """Every submitted episode ends accepted, rejected (its group was filtered out), failed (the agent or
     policy raised), env_failed, engine_failed, worker_failed (its rollout worker died every try) or
-    cancelled; until then it is running. Nothing is lost."""
+    cancelled; until then it is running. Nothing is lost:
+
+        submitted = accepted + rejected + failed + env_failed + engine_failed + worker_failed + cancelled + running
+    """
 
     submitted: int = 0
     accepted: int = 0
@@ -39,6 +54,99 @@ class RolloutLedger:
         ended = self.accepted + self.rejected + self.failed + self.env_failed + self.engine_failed
         return self.submitted - ended - self.worker_failed - self.cancelled
 
+    def fail(self, kind: FailureKind) -> None:
+        """Count an episode that ended with a failure of ``kind`` (a cluster failure cancels it)."""
+        counter = {"env": "env_failed", "engine": "engine_failed", "worker": "worker_failed", "cluster": "cancelled"}
+        name = counter.get(kind, "failed")
+        setattr(self, name, getattr(self, name) + 1)
+
+
+def failure_kind(error: BaseException) -> FailureKind:
+    """Whose fault ``error`` is: the env's, the engine's, a lost rollout worker's, the cluster's (the run
+    cannot go on), or else the policy's or the agent's (``failed``)."""
+    if isinstance(error, ClusterError):
+        return "cluster"
+    if isinstance(error, EnvError):
+        return "env"
+    if isinstance(error, EngineError):
+        return "engine"
+    if isinstance(error, WorkerLostError):
+        return "worker"
+    return "failed"
+
+
+class EpisodeRunner:
+    """Run an episode, retry it when the env, the engine or its rollout worker failed (up to
+    ``max_retries`` times), and count it in ``ledger``.
+
+        runner = EpisodeRunner(ledger, max_retries=1)
+        trajectories = await runner.run(lambda: agent.run_episode(env, seed=3, episode_id="g3/e0"), "g3/e0")
+
+    A policy or agent failure is not retried; a refused request (`RequestError`) would be refused again,
+    so it is not retried either. Failed episodes return None. A `ClusterError` (and cancellation) counts
+    the episode as cancelled and propagates.
+    """
+
+    def __init__(
+        self,
+        ledger: RolloutLedger | None = None,
+        *,
+        max_retries: int = 0,
+        on_retry: Callable[[FailureKind], None] | None = None,
+    ) -> None:
+        if max_retries < 0:
+            raise ValueError(f"max_retries: expects a value >= 0, got {max_retries}")
+        self.ledger = ledger if ledger is not None else RolloutLedger()
+        self.max_retries = max_retries
+        self.on_retry = on_retry
+        self.retries = 0  # tries run again, all kinds
+        self.worker_retries = 0  # of which: the rollout worker died
+
+    async def run(self, episode: Episode, episode_id: str) -> list[Trajectory] | None:
+        """The trajectories of ``episode`` (called once per try), or None when it failed."""
+        self.ledger.submitted += 1
+        attempt = 0
+        while True:
+            try:
+                trajectories = await episode()
+            except asyncio.CancelledError:
+                self.ledger.cancelled += 1
+                raise
+            except Exception as e:  # noqa: BLE001  (classified, counted and logged below)
+                kind = failure_kind(e)
+                if kind == "cluster":
+                    self.ledger.fail(kind)
+                    raise
+                if kind == "failed":
+                    self.ledger.fail(kind)
+                    log.exception("episode %s failed", episode_id)
+                    return None
+                if attempt < self.max_retries and not isinstance(e, RequestError):
+                    attempt += 1
+                    self._count_retry(kind)
+                    log.warning("episode %s: %s; retrying", episode_id, e)
+                    continue
+                self.ledger.fail(kind)
+                log.warning("episode %s: gave up after %d attempts: %s", episode_id, attempt + 1, e)
+                return None
+            self.ledger.accepted += 1
+            return trajectories
+
+    def _count_retry(self, kind: FailureKind) -> None:
+        self.retries += 1
+        self.worker_retries += kind == "worker"
+        if self.on_retry is not None:
+            self.on_retry(kind)
+
+
+def local_episode(agent: Agent, make_env: Callable[[], AsyncEnv]) -> Callable[[int, str], Awaitable[list[Trajectory]]]:
+    """``(seed, episode_id) -> trajectories``: one try of an episode of ``agent`` on a fresh env, in this process."""
+
+    async def episode(seed: int, episode_id: str) -> list[Trajectory]:
+        return await agent.run_episode(make_env(), seed=seed, episode_id=episode_id)
+
+    return episode
+
 
 async def run_groups(
     agent: Agent,
@@ -49,33 +157,22 @@ async def run_groups(
     max_concurrent: int = 256,
     ledger: RolloutLedger | None = None,
     tag: str = "",
+    max_retries: int = 0,
 ) -> list[list[Trajectory]]:
-    """Run ``group_size`` episodes for each seed; return the trajectories of each group.
-
-    An episode that raises is logged and counted (``env_failed`` for `EnvError`, else ``failed``); its
-    group keeps the episodes that finished.
-    """
-    ledger = ledger if ledger is not None else RolloutLedger()
+    """Run ``group_size`` episodes for each seed through one `EpisodeRunner`; return the trajectories of
+    each group. A failed episode is logged and counted in ``ledger``; its group keeps the episodes that
+    finished."""
+    runner = EpisodeRunner(ledger, max_retries=max_retries)
+    episode = local_episode(agent, make_env)
     gate = asyncio.Semaphore(max_concurrent)
 
     async def one(seed: int, group_id: str, k: int) -> list[Trajectory]:
+        episode_id = f"{group_id}/e{k}"
         async with gate:
-            ledger.submitted += 1
-            episode_id = f"{group_id}/e{k}"
-            try:
-                trajectories = await agent.run_episode(make_env(), seed=seed, episode_id=episode_id)
-            except EnvError as e:  # the env's fault, not the policy's
-                ledger.env_failed += 1
-                log.warning("episode %s: env failure %s", episode_id, e)
-                return []
-            except Exception:
-                ledger.failed += 1
-                log.exception("episode %s failed", episode_id)
-                return []
-            ledger.accepted += 1
-            for t in trajectories:
-                t.group_id = group_id
-            return trajectories
+            trajectories = await runner.run(lambda: episode(seed, episode_id), episode_id)
+        for t in trajectories or []:
+            t.group_id = group_id
+        return trajectories or []
 
     tasks = [[asyncio.ensure_future(one(seed, f"{tag}g{seed}", k)) for k in range(group_size)] for seed in seeds]
     groups = []

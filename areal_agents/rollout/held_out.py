@@ -9,7 +9,7 @@ from areal_agents.agents.base import Agent
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ArealAgentsError
 from areal_agents.progress import plural
-from areal_agents.rollout.episodes import run_groups
+from areal_agents.rollout.episodes import RolloutLedger, run_groups
 from areal_agents.types import Trajectory
 
 
@@ -56,11 +56,17 @@ async def evaluate(
     seeds: list[int],
     max_concurrent: int = 256,
     n_samples: int = 1,
+    *,
+    ledger: RolloutLedger | None = None,
 ) -> dict[str, float]:
     """``n_samples`` episodes per seed; ``accuracy`` is the fraction of successful episodes (avg@n): the
     env's ``info["success"]`` when it reports one (a debate's majority answer), else total reward >= 1;
-    with n > 1 also ``pass@n``. With several agents, ``accuracy/AGENT`` is each agent's own."""
-    groups = await run_groups(agent, make_env, seeds, n_samples, max_concurrent=max_concurrent, tag="eval")
+    with n > 1 also ``pass@n``. With several agents, ``accuracy/AGENT`` is each agent's own. The episodes
+    run through `run_groups` (one `EpisodeRunner`), counted in ``ledger`` when given; a failed episode
+    counts as unsuccessful."""
+    groups = await run_groups(
+        agent, make_env, seeds, n_samples, max_concurrent=max_concurrent, ledger=ledger, tag="eval"
+    )
     episodes: list[list[Trajectory | None]] = []  # per seed: the first trajectory of each episode
     for g in groups:
         firsts = [t for t in g if t.metadata.get("segment", 0) == 0 and t.agent_id == g[0].agent_id] if g else []

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from areal_agents.errors import ClusterError
+from areal_agents.errors import ClusterError, EngineError, EnvError
 from areal_agents.rollout.controller import RolloutController
 from areal_agents.types import Trajectory
 
@@ -87,3 +87,29 @@ def test_no_worker_coming_back_stops_the_run_with_the_reason(cluster):
 
     c = asyncio.run(run())
     assert c.ledger.accepted == 0 and balanced(c.ledger) and c.ledger.running == 0
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        EnvError("timeout", "slow step"),
+        EngineError("503"),
+        ClusterError("gone"),
+        RuntimeError("policy bug"),
+    ],
+)
+def test_a_workers_failure_reaches_the_driver_as_the_same_kind(error):
+    """What a worker reports (`failure_kind` and text) is raised again in the driver as an error of the
+    same kind, so the controller's `EpisodeRunner` retries and counts it as if it ran there."""
+    from areal_agents.cluster.rollout_workers import RolloutWorker, _rebuilt
+    from areal_agents.rollout.episodes import failure_kind
+
+    class Raising:
+        async def run_episode(self, env, *, seed, episode_id):
+            raise error
+
+    worker = RolloutWorker.__ray_actor_class__.__new__(RolloutWorker.__ray_actor_class__)
+    worker.episode = lambda seed, episode_id: Raising().run_episode(None, seed=seed, episode_id=episode_id)
+    kind, value = asyncio.run(worker.run_episode(0, "g0/e0"))
+    assert kind == failure_kind(error)
+    assert failure_kind(_rebuilt(kind, value, "episode g0/e0 on worker 0")) == kind
