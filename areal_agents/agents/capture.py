@@ -62,6 +62,7 @@ class ChatCapture:
         self.episode_id, self.agent_id = episode_id, agent_id
         self.max_total_tokens = max_total_tokens
         self.segments: list[_Segment] = []
+        self.stop_reasons: list[str] = []  # the engine's stop_reason of each call, in order
         self.call_rewards: dict[str, float] = {}  # completion id -> reward
         self.episode_reward: float | None = None
         self._calls = itertools.count()
@@ -95,7 +96,12 @@ class ChatCapture:
                 turn_rewards=turn_rewards,
                 agent_id=self.agent_id,
                 episode_id=self.episode_id,
-                metadata={"segment": i, "num_turns": len(calls), "messages": s.chat.messages},
+                metadata={
+                    "segment": i,
+                    "num_turns": len(calls),
+                    "messages": s.chat.messages,
+                    "stop_reasons": list(self.stop_reasons),
+                },
             )
             for i, s in enumerate(self.segments)
             if sum(s.chat.loss_mask) > 0
@@ -145,6 +151,7 @@ class ChatCapture:
             f"{self.episode_id}/c{k}", list(chat.input_ids), replace(self.sampling, max_new_tokens=budget)
         )
         response = await self.engine.agenerate(request)
+        self.stop_reasons.append(response.stop_reason)
         text = chat.append_generation(response.output_tokens, response.output_logprobs, response.output_versions)
         completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         message = _reply(text, tools, completion_id)

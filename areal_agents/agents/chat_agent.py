@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from areal_agents.agents.chat_tokens import ChatTokens
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.envs.async_env import AsyncEnv
-from areal_agents.types import GenRequest, SamplingParams, Trajectory
+from areal_agents.types import GenRequest, SamplingParams, StopReason, Trajectory
 
 
 class ChatAgent:
@@ -64,7 +64,9 @@ class ChatAgent:
 
     async def run_episode(self, env: AsyncEnv, *, seed: int | None, episode_id: str) -> list[Trajectory]:
         try:
-            segments, turn_rewards, truncated_by_agent, final_info = await self._play(env, seed, episode_id)
+            segments, turn_rewards, truncated_by_agent, final_info, stop_reasons = await self._play(
+                env, seed, episode_id
+            )
         finally:
             await env.aclose()  # also when the env or the engine failed mid-episode
         total = sum(turn_rewards)
@@ -84,6 +86,7 @@ class ChatAgent:
                     "truncated_by_agent": truncated_by_agent,
                     "final_info": final_info,  # the env's info of the last step (e.g. the extracted answer)
                     "messages": seg.messages,
+                    "stop_reasons": stop_reasons,  # the engine's stop_reason of each generated turn, in order
                 },
             )
             for i, seg in enumerate(segments)
@@ -92,9 +95,9 @@ class ChatAgent:
 
     async def _play(
         self, env: AsyncEnv, seed: int | None, episode_id: str
-    ) -> tuple[list[ChatTokens], list[float], bool, dict[str, Any]]:
-        """The turn loop: the token segments, the reward of each turn, whether the agent cut it off, and the
-        env's last step info."""
+    ) -> tuple[list[ChatTokens], list[float], bool, dict[str, Any], list[StopReason]]:
+        """The turn loop: the token segments, the reward of each turn, whether the agent cut it off, the
+        env's last step info, and the engine's stop reason of each generation."""
         observation, info = await env.areset(seed=seed)
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         messages.append({"role": info.get("role", "user"), "content": self.format_observation(observation, info)})
@@ -104,6 +107,7 @@ class ChatAgent:
         turn_rewards: list[float] = []
         truncated_by_agent = False
         last_info: dict[str, Any] = {}
+        stop_reasons: list[StopReason] = []
         limits = getattr(self.engine, "limits", None)  # an in-process engine knows its model's context
         room = min(self.max_total_tokens, getattr(limits, "context", None) or self.max_total_tokens)
         for turn in range(self.max_turns):
@@ -115,6 +119,7 @@ class ChatAgent:
                 f"{episode_id}/t{turn}", list(chat.input_ids), replace(self.sampling, max_new_tokens=budget)
             )
             response = await self.engine.agenerate(request)
+            stop_reasons.append(response.stop_reason)
             text = chat.append_generation(response.output_tokens, response.output_logprobs, response.output_versions)
             answered = await self.respond(text)
             if answered is not None:
@@ -133,4 +138,4 @@ class ChatAgent:
         else:
             truncated_by_agent = True
         segments.append(chat)
-        return segments, turn_rewards, truncated_by_agent, last_info
+        return segments, turn_rewards, truncated_by_agent, last_info, stop_reasons

@@ -36,6 +36,7 @@ def test_append_only_conversation_is_one_trajectory(tokenizer):
     assert first.choices[0].finish_reason == "stop" and first.usage.completion_tokens == 2
     (traj,) = capture.trajectories()
     assert loss_tokens(traj) == engine.outputs[0] + engine.outputs[1]
+    assert traj.metadata["stop_reasons"] == ["stop", "stop"]  # the engine's, per call
     # the second prompt extends the first call's tokens, generated ones included, exactly
     assert engine.prompts[1][: len(engine.prompts[0]) + len(engine.outputs[0])] == engine.prompts[0] + engine.outputs[0]
     assert traj.input_ids[: len(engine.prompts[1])] == engine.prompts[1]

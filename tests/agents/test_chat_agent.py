@@ -79,3 +79,9 @@ def test_sft_conversation_matches_the_agent_layout(tokenizer):
     assert traj.input_ids == full[:-1]  # everything the template renders, up to the final EOS
     eos = tokenizer.eos_token_id
     assert loss_runs(traj) == [tokenizer.encode("3") + [eos], tokenizer.encode("2") + [eos]]
+
+
+def test_the_engines_stop_reason_of_each_turn_is_recorded(model, tokenizer):
+    traj, responses = run_episode(model, tokenizer, max_turns=3)
+    assert traj.metadata["stop_reasons"] == [r.stop_reason for r in responses]
+    assert set(traj.metadata["stop_reasons"]) <= {"stop", "length"} and len(responses) >= 1
