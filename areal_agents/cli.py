@@ -102,99 +102,26 @@ def cmd_serve_env(args: argparse.Namespace) -> None:
     serve(cfg)
 
 
-def _apply_eval_config(args: argparse.Namespace) -> None:
-    """Options from ``--config`` fill what the command line left unset; unknown keys are errors. ``env`` may
-    also be a train config's env section (``{id, kwargs, module}``)."""
-    from pathlib import Path
-
-    import yaml
-
-    from areal_agents.errors import ConfigError, did_you_mean
-
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        values = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: expects a mapping of eval options, got {type(values).__name__}")
-        env = values.pop("env", None)
-        if isinstance(env, dict):
-            unknown = set(env) - {"id", "kwargs", "module"}
-            if unknown:
-                raise ConfigError(f"{path}: env: unknown key(s) {sorted(unknown)}; expects id, kwargs, module")
-            values = {**values, "env": env.get("id"), "env_kwargs": env.get("kwargs"), "module": env.get("module")}
-        elif env is not None:
-            values["env"] = env
-        known = {k for k in vars(args) if k not in ("fn", "command", "config")}
-        for key, value in values.items():
-            name = key.replace("-", "_")
-            if name not in known:
-                raise ConfigError(f"unknown eval option {key!r} in {path}.{did_you_mean(name, known)}")
-            if name == "module" and isinstance(value, str):
-                value = [value]
-            if getattr(args, name) in (None, [], False, "") and value is not None:
-                setattr(args, name, value)
-    if not args.model:
-        raise ConfigError("eval needs --model (or 'model:' in --config)")
-    if not (args.dataset or args.env):
-        raise ConfigError("eval needs --dataset or --env (or 'dataset:' / 'env:' in --config)")
-
-
-def _env_kwargs(value: object) -> dict:
-    """``--env-kwargs`` as JSON text, or a mapping from --config."""
-    import json
-
-    from areal_agents.errors import ConfigError
-
-    if value in (None, ""):
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--env-kwargs: expects a JSON object, got {value!r} ({e})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"--env-kwargs: expects a JSON object (a mapping), got {value!r}")
-    return value
-
-
 def cmd_eval(args: argparse.Namespace) -> None:
-    import re
     from pathlib import Path
 
-    from areal_agents.config import EngineConfig
+    from areal_agents.config import load_config
     from areal_agents.envs.registry import import_env_module
-    from areal_agents.eval.runner import eval_settings, print_summary, run_eval
+    from areal_agents.eval.options import EvalOptions, with_flags
+    from areal_agents.eval.runner import print_summary, run_eval
 
-    _apply_eval_config(args)
-    for module in args.module:
+    flags = {k: v for k, v in vars(args).items() if k not in ("fn", "command", "config", "overrides", "no_progress")}
+    opts = with_flags(load_config(EvalOptions, args.config, args.overrides), flags)
+    opts.check()
+    for module in opts.modules():
         import_env_module(module)
     _quiet_transformers()
-    settings = eval_settings(
-        args.dataset,
-        env_id=args.env,
-        env_kwargs=_env_kwargs(args.env_kwargs),
-        preset=args.preset,
-        hub=args.hub,
-        n_samples=args.n_samples,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens,
-        concurrency=args.concurrency,
-        seed=args.seed,
-        system_prompt=args.system_prompt or None,
-        date_range=(str(args.lcb_start), str(args.lcb_end or "9999-12-31")) if args.lcb_start else None,
-        num_problems=args.num_problems,
-        success_threshold=args.success_threshold,
+    settings, engine, progress = opts.settings(), opts.engine_config(), not args.no_progress
+    summary = run_eval(
+        settings, opts.model, opts.out_dir(), engine=engine, progress=progress, new_dir_on_mismatch=not opts.out
     )
-    name = Path(args.dataset).stem if args.dataset else re.sub(r"[^\w.-]+", "_", args.env)
-    out = args.out or str(Path("runs/eval") / name)
-    engine = EngineConfig(backend=args.engine or "hf", urls=list(args.engine_url))
-    progress = not args.no_progress
-    summary = run_eval(settings, args.model, out, engine=engine, progress=progress, new_dir_on_mismatch=not args.out)
     out = summary["out"]  # OUT-2, ... when OUT holds another run's samples and --out was not given
-    print_summary(summary, title=f"{args.dataset or args.env} ({args.model})")
+    print_summary(summary, title=f"{opts.dataset or opts.env.id} ({opts.model})")
     print(f"samples: {Path(out) / 'samples.jsonl'}\nsummary: {Path(out) / 'summary.json'}")
 
 
@@ -249,16 +176,25 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from areal_agents.config import SFTConfig, TrainConfig
-
     parser = argparse.ArgumentParser(prog="areal-agents", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_tiny_model, _add_recipes, _add_eval, _add_tools, _add_serve_env, _add_serve_model):
+        add(sub)
+    return parser
 
+
+def _add_tiny_model(sub: argparse._SubParsersAction) -> None:
+    """``tiny-model``."""
     p = sub.add_parser("tiny-model", help="build a tiny Llama model + char tokenizer for CPU runs and tests")
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="write over a model already at OUT_DIR")
     p.set_defaults(fn=cmd_tiny_model)
+
+
+def _add_recipes(sub: argparse._SubParsersAction) -> None:
+    """``train`` and ``sft``: a YAML config and ``key=value`` overrides."""
+    from areal_agents.config import SFTConfig, TrainConfig
 
     for name, fn, cls, text in (
         ("train", cmd_train, TrainConfig, "RL with decoupled PPO"),
@@ -284,11 +220,21 @@ def build_parser() -> argparse.ArgumentParser:
             )
         p.set_defaults(fn=fn)
 
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    """``eval``: its options are `EvalOptions` keys, as flags, in ``--config`` or as ``key=value``."""
+    from areal_agents.eval.options import EvalOptions
+
+    text = "evaluate a model: avg@n, pass@k, maj@k on AIME, MATH-500, LiveCodeBench, ... or any env"
     p = sub.add_parser(
         "eval",
-        help="evaluate a model: avg@n, pass@k, maj@k on AIME, MATH-500, LiveCodeBench, ... or any env",
+        help=text,
+        description=f"{text}. Config keys (in --config, as key=value, or as the flags below; flags win):\n"
+        + "\n".join(_config_help(EvalOptions)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", default=None, help="YAML file of these options (dataset: ..., env: {id, kwargs})")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. n_samples=4 env.kwargs.max_turns=2")
     p.add_argument(
         "--dataset",
         default=None,
@@ -301,10 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="settings for a path or id: aime24, aime25, math500, gsm8k, math, lcb, humaneval, code",
     )
     p.add_argument(
-        "--hub", action="store_true", help="load the preset's copy from the Hugging Face hub, not the bundled one"
+        "--hub",
+        action="store_true",
+        default=None,
+        help="load the preset's copy from the Hugging Face hub, not the bundled one",
     )
     p.add_argument("--env", default=None, help="evaluate this env id instead of a dataset's (e.g. my/Env-v0)")
-    p.add_argument("--module", action="append", default=[], help="import this module first (registers env ids)")
+    p.add_argument("--module", action="append", default=None, help="import this module first (registers env ids)")
     p.add_argument("--env-kwargs", default=None, help="JSON object of env kwargs, e.g. '{\"max_turns\": 2}'")
     p.add_argument(
         "--num-problems", type=int, default=None, help="the first N problems (an env without a dataset: seeds 0..N-1)"
@@ -312,19 +261,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--success-threshold",
         type=float,
-        default=1.0,
+        default=None,
         help="the return that counts as success when the env reports no info['success'] (default 1.0)",
     )
     p.add_argument("--model", default=None, help="model directory (a transformers checkpoint)")
     p.add_argument("--engine", choices=["hf", "serve-model", "sglang"], default=None, help="default: hf")
-    p.add_argument("--engine-url", action="append", default=[], help="running SGLang-protocol servers")
+    p.add_argument("--engine-url", action="append", default=None, help="running SGLang-protocol servers")
     p.add_argument("--n-samples", type=int, default=None, help="samples per problem (default: the preset's)")
     p.add_argument("--temperature", type=float, default=None, help="default: the preset's")
     p.add_argument("--top-p", type=float, default=None, help="default: the preset's")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the preset's")
     p.add_argument("--concurrency", type=int, default=None, help="episodes in flight (default 64)")
     p.add_argument("--seed", type=int, default=None, help="default 0")
-    p.add_argument("--system-prompt", default="")
+    p.add_argument("--max-retries", type=int, default=None, help="tries more for a sample whose env or engine failed")
+    p.add_argument("--system-prompt", default=None)
     p.add_argument("--lcb-start", default=None, help="LiveCodeBench: problems with contest_date >= this (ISO)")
     p.add_argument("--lcb-end", default=None, help="LiveCodeBench: ... and < this date")
     p.add_argument(
@@ -336,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(fn=cmd_eval)
 
+
+def _add_tools(sub: argparse._SubParsersAction) -> None:
+    """``eval-report``, ``plot``, ``datasets``, ``envs``."""
     p = sub.add_parser("eval-report", help="compare eval runs side by side")
     p.add_argument("runs", nargs="+", help="eval output directories (or their summary.json)")
     p.set_defaults(fn=cmd_eval_report)
@@ -352,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="include gymnasium's own envs")
     p.set_defaults(fn=cmd_envs)
 
+
+def _add_serve_env(sub: argparse._SubParsersAction) -> None:
+    """``serve-env``: the env-step HTTP server."""
     p = sub.add_parser(
         "serve-env",
         help="run the env-step HTTP server (docs/env-protocol.md)",
@@ -374,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--module", action="append", default=[], help="import this module first (registers ids)")
     p.set_defaults(fn=cmd_serve_env)
 
+
+def _add_serve_model(sub: argparse._SubParsersAction) -> None:
+    """``serve-model``: a model over SGLang's native HTTP API on CPU."""
     p = sub.add_parser(
         "serve-model",
         help="serve a model over SGLang's native HTTP API on CPU (docs/serve-model.md)",
@@ -410,7 +369,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-threads", type=int, default=0, help="intra-op threads of the decode thread (0 = all cores)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.set_defaults(fn=cmd_serve_model)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

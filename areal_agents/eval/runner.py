@@ -1,22 +1,23 @@
 """`areal-agents eval`: n samples per problem through the training envs and engines; scored, saved, resumable.
 
-Any registered env evaluates: its problems are its dataset's rows when it has one (``env.unwrapped.data``),
-else the episodes reset with seeds 0..num_problems-1. A sample succeeds when the env's last info says so
+Any registered env evaluates: its problems (`load_problems`) are the rows of the dataset its kwargs name,
+else the episodes reset with seeds 0..num_problems-1. Every sample is one episode of the rollout's
+`EpisodeRunner`, retried and counted as in training. A sample succeeds when the env's last info says so
 (``success``, or ``correct`` as the math and code envs report it), else when its return reaches
 ``success_threshold``.
 
 Writes ``OUT/samples.jsonl`` (one line per finished sample, appended as they finish, so an interrupted
 run keeps what it scored and a rerun does only the rest) and ``OUT/summary.json`` (avg@n, pass@k, maj@k,
-mean response length, truncation rate, per-difficulty breakdown, the model).
+mean response length, truncation rate, per-difficulty breakdown, the model). Each sample's
+``finish_reason`` is the engine's ``stop_reason`` of its last generation (``stop``, ``length``, ...).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
-from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from collections.abc import Awaitable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +25,18 @@ from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.config import EngineConfig
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.local_servers import open_engine
-from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.envs.runtime.pool import LocalEnvPool
 from areal_agents.errors import ConfigError
-from areal_agents.eval.metrics import maj_at_k, pass_at_k, report_ks
 from areal_agents.eval.presets import Preset, resolve
-from areal_agents.eval.provenance import RunMismatch, claim, fresh_candidates, model_digest, rows_digest
+from areal_agents.eval.problems import AtProblem, Problem, load_problems
+from areal_agents.eval.provenance import RunMismatch, claim, fresh_candidates, model_digest
+from areal_agents.eval.summary import print_summary, summarize
 from areal_agents.models.loading import load_tokenizer
 from areal_agents.progress import progress_bar
-from areal_agents.types import SamplingParams
+from areal_agents.rollout.episodes import EpisodeRunner, RolloutLedger
+from areal_agents.types import SamplingParams, Trajectory
 
-logger = logging.getLogger(__name__)
+__all__ = ["EvalSettings", "eval_settings", "evaluate_dataset", "print_summary", "run_eval", "summarize"]
 
 
 @dataclass
@@ -52,9 +54,12 @@ class EvalSettings:
     date_range: tuple[str, str] | None = None  # keep rows whose contest_date is in [start, end) (ISO dates)
     num_problems: int | None = None  # the first N problems (rows, or seeds 0..N-1 of an env without a dataset)
     success_threshold: float = 1.0  # a sample's return that counts as success when the env reports none
+    max_retries: int = 1  # tries more for a sample whose env or engine failed
 
     def __post_init__(self) -> None:
         """Out-of-range numbers stop here, named as the command line spells them."""
+        if self.max_retries < 0:
+            raise ConfigError(f"--max-retries must be >= 0, got {self.max_retries}")
         for name in ("n_samples", "concurrency", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -62,42 +67,6 @@ class EvalSettings:
             raise ConfigError(f"--num-problems must be >= 1, got {self.num_problems}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {self.temperature}, {self.top_p}")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One problem: a dataset row (``index`` set) or an env seed (``row`` empty)."""
-
-    number: int
-    problem_id: str
-    index: int | None = None
-    seed: int | None = None
-    row: dict[str, Any] = field(default_factory=dict)
-
-
-class _AtProblem:
-    """An `AsyncEnv` that always resets to one problem: its dataset row, or its seed."""
-
-    def __init__(self, env: AsyncEnv, problem: Problem) -> None:
-        self.env, self.problem = env, problem
-
-    async def areset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
-        if self.problem.index is None:
-            return await self.env.areset(seed=self.problem.seed, options=options)
-        return await self.env.areset(seed=seed, options={**(options or {}), "index": self.problem.index})
-
-    async def astep(self, action: str):  # noqa: ANN201
-        return await self.env.astep(action)
-
-    async def aclose(self) -> None:
-        await self.env.aclose()
-
-
-def _in_window(row: dict[str, Any], window: tuple[str, str] | None) -> bool:
-    if window is None:
-        return True
-    date = str(row.get("contest_date") or "")[:10]
-    return bool(date) and window[0] <= date < window[1]
 
 
 def _done(path: Path) -> dict[tuple[int, int], dict[str, Any]]:
@@ -113,48 +82,6 @@ def _done(path: Path) -> dict[tuple[int, int], dict[str, Any]]:
     return out
 
 
-def _problems(settings: EvalSettings, data: Any) -> list[Problem]:
-    """The problems to evaluate: the dataset's rows (in the date window), or seeds 0..num_problems-1."""
-    if data is None:
-        if not settings.num_problems:
-            raise ConfigError(
-                f"{settings.env_id} has no dataset: give --num-problems (episodes reset with seeds 0..N-1)"
-            )
-        return [Problem(k, f"seed{k}", seed=k) for k in range(settings.num_problems)]
-    rows = [(i, row) for i, row in enumerate(data.rows) if _in_window(row, settings.date_range)]
-    if not rows:
-        raise ConfigError(
-            f"no problem of {settings.env_kwargs.get('dataset')} has a contest_date in {settings.date_range}"
-        )
-    rows = rows[: settings.num_problems] if settings.num_problems else rows
-    return [Problem(i, str(row.get("id", i)), index=i, row=row) for i, row in rows]
-
-
-def _notes(data: Any, env: Any) -> list[str]:
-    """What a reader of the scores must know: LiveCodeBench rows without hidden tests."""
-    if getattr(env, "format", None) == "lcb" and not any(r.get("private_test_cases") for r in data.rows):
-        return [
-            "LiveCodeBench public tests only: these scores are not comparable to published LiveCodeBench scores, "
-            "which judge hidden tests too"
-        ]
-    return []
-
-
-async def _probe(settings: EvalSettings, pool: LocalEnvPool) -> tuple[list[Problem], list[str], str | None]:
-    """The problems, the notes on them, and the hash of the env's dataset (None for an env without one)."""
-    probe = pool.make(settings.env_id, **settings.env_kwargs)
-    try:
-        env = getattr(probe, "env", None)
-        if env is None:
-            raise ConfigError(f"{settings.env_id} is a multi-agent env; eval runs single-agent envs")
-        data = getattr(env.unwrapped, "data", None)
-        if not hasattr(data, "rows"):
-            return _problems(settings, None), [], None
-        return _problems(settings, data), _notes(data, env.unwrapped), rows_digest(data.rows)
-    finally:
-        await probe.aclose()
-
-
 def _identity(settings: EvalSettings, base: dict[str, Any] | None, dataset_hash: str | None) -> dict[str, Any]:
     """What the samples depend on: ``base`` (model, engine), the env, the sampling, the dataset."""
     sampling = {k: getattr(settings, k) for k in ("temperature", "top_p", "max_new_tokens", "system_prompt", "seed")}
@@ -162,21 +89,22 @@ def _identity(settings: EvalSettings, base: dict[str, Any] | None, dataset_hash:
     return {**(base or {}), "env": env, "sampling": sampling, "dataset_hash": dataset_hash}
 
 
-def _outcome(trajectories: list[Any], tokenizer: Any) -> dict[str, Any]:
-    """A sample's completion, answer, reward, tokens and finish reason; no trajectory means the prompt
-    left the model no room to answer (longer than its context): a wrong sample, finished by length."""
+def _outcome(trajectories: list[Trajectory] | None) -> dict[str, Any]:
+    """A sample's completion, answer, reward, tokens and finish reason (the engine's stop reason of its last
+    generation); no trajectory means the prompt left the model no room to answer (longer than its
+    context): a wrong sample, finished by length."""
     if not trajectories:
         return {"completion": "", "answer": None, "info": {}, "reward": 0.0, "tokens": 0, "finish_reason": "length"}
     t = trajectories[-1]
     info = t.metadata.get("final_info", {})
-    last = t.input_ids[-1] if t.input_ids else None
+    stop_reasons = t.metadata.get("stop_reasons") or ["length"]
     return {
         "completion": t.metadata["messages"][-1]["content"],
         "answer": info.get("answer"),
         "info": info,
         "reward": t.reward,
         "tokens": sum(x.num_generated for x in trajectories),
-        "finish_reason": "stop" if last == tokenizer.eos_token_id else "length",
+        "finish_reason": stop_reasons[-1],
     }
 
 
@@ -197,64 +125,88 @@ async def evaluate_dataset(
 ) -> dict[str, Any]:
     """Run every (problem, sample) not yet in ``samples.jsonl``; return (and write) the summary.
 
-    ``identity`` (the model and engine, see `run_eval`) joins the settings and the dataset's hash in
-    ``run.json``: samples of another run there raise `RunMismatch` before anything is generated."""
+    Each sample is one episode of the `EpisodeRunner` (env and engine failures retried
+    ``settings.max_retries`` times, every sample counted in the summary's ``episodes`` ledger); a sample
+    that still fails is left out of ``samples.jsonl``, so a rerun runs it again. ``identity`` (the model
+    and engine, see `run_eval`) joins the settings and the dataset's hash in ``run.json``: samples of
+    another run there raise `RunMismatch` before anything is generated."""
     out = Path(out_dir)
-    samples_path = out / "samples.jsonl"
     pool = LocalEnvPool("thread", workers=4, step_timeout=None)
     try:
-        problems, notes, dataset_hash = await _probe(settings, pool)
-        identity = _identity(settings, identity, dataset_hash)
+        source = await load_problems(
+            settings.env_kwargs,
+            lambda: pool.make(settings.env_id, **settings.env_kwargs),
+            num_problems=settings.num_problems,
+            date_range=settings.date_range,
+            env_id=settings.env_id,
+        )
+        identity = _identity(settings, identity, source.dataset_hash)
         claim(out, identity)
-    except BaseException:
+        done, ledger = await _run_samples(settings, engine, tokenizer, pool, source.problems, out, identity, progress)
+    finally:
         await pool.aclose()
-        raise
+    chosen = {p.number for p in source.problems}
+    summary = summarize([r for r in done.values() if r["index"] in chosen], settings.n_samples, settings.breakdown)
+    failed = ledger.failed + ledger.env_failed + ledger.engine_failed + ledger.worker_failed
+    summary["failed_samples"] = failed  # not in samples.jsonl: a rerun runs them again
+    summary["episodes"] = {**asdict(ledger), "running": ledger.running}
+    if source.notes:
+        summary["notes"] = source.notes
+    summary["settings"] = asdict(settings)
+    summary["run"] = identity
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+async def _run_samples(
+    settings: EvalSettings,
+    engine: InferenceEngine,
+    tokenizer: Any,
+    pool: LocalEnvPool,
+    problems: list[Problem],
+    out: Path,
+    identity: dict[str, Any],
+    progress: bool,
+) -> tuple[dict[tuple[int, int], dict[str, Any]], RolloutLedger]:
+    """Run the samples not yet in ``OUT/samples.jsonl``, each appended as it finishes; all the samples
+    scored there, by (problem, sample), and the ledger of this run's episodes."""
+    samples_path = out / "samples.jsonl"
     stamp = {k: identity.get(k) for k in ("model", "model_hash", "engine", "sampling", "dataset_hash")}
     done = _done(samples_path)
+    if samples_path.is_file() and samples_path.stat().st_size and not samples_path.read_text().endswith("\n"):
+        with samples_path.open("a") as f:
+            f.write("\n")  # after a line cut by an interruption: the next record starts a line of its own
     todo = [(p, j) for p in problems for j in range(settings.n_samples) if (p.number, j) not in done]
     sampling = SamplingParams(settings.max_new_tokens, settings.temperature, settings.top_p)
     agent = ChatAgent(engine, tokenizer, sampling, system_prompt=settings.system_prompt)
+    runner = EpisodeRunner(max_retries=settings.max_retries)
     gate = asyncio.Semaphore(settings.concurrency)
     bar = progress_bar(total=len(todo), desc="eval", enabled=progress)
 
-    failed: list[str] = []
-
     async def one(problem: Problem, j: int) -> None:
-        i = problem.number
+        episode_id = f"p{problem.number}/s{j}"
+
+        def episode() -> Awaitable[list[Trajectory]]:
+            env = AtProblem(pool.make(settings.env_id, **settings.env_kwargs), problem)
+            return agent.run_episode(env, seed=settings.seed + j, episode_id=episode_id)
+
         async with gate:
-            env = _AtProblem(pool.make(settings.env_id, **settings.env_kwargs), problem)
-            try:
-                trajectories = await agent.run_episode(env, seed=settings.seed + j, episode_id=f"p{i}/s{j}")
-            except Exception as e:  # noqa: BLE001  (one bad sample must not end the run; a rerun retries it)
-                logger.warning("problem %d sample %d failed: %s: %s", i, j, type(e).__name__, e)
-                failed.append(f"{i}/{j}")
-                bar.update()
-                return
-        record = {"problem_id": problem.problem_id, "index": i, "sample": j, **_outcome(trajectories, tokenizer)}
+            trajectories = await runner.run(episode, episode_id)
+        bar.update()
+        if trajectories is None:
+            return  # failed (logged, counted in the ledger): a rerun runs it again
+        record = {"problem_id": problem.problem_id, "index": problem.number, "sample": j, **_outcome(trajectories)}
         record["correct"] = _success(record.pop("info"), record["reward"], settings.success_threshold)
-        record |= {
-            **{k: problem.row[k] for k in settings.breakdown if k in problem.row},
-            "run": stamp,
-        }
+        record |= {**{k: problem.row[k] for k in settings.breakdown if k in problem.row}, "run": stamp}
         with samples_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        done[(i, j)] = record
-        bar.update()
+        done[(problem.number, j)] = record
 
     try:
         await asyncio.gather(*(one(p, j) for p, j in todo))
     finally:
         bar.close()
-        await pool.aclose()
-    chosen = {p.number for p in problems}
-    summary = summarize([r for r in done.values() if r["index"] in chosen], settings.n_samples, settings.breakdown)
-    summary["failed_samples"] = len(failed)  # not in samples.jsonl: a rerun runs them again
-    if notes:
-        summary["notes"] = notes
-    summary["settings"] = asdict(settings)
-    summary["run"] = identity
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    return done, runner.ledger
 
 
 def eval_settings(
@@ -334,65 +286,3 @@ def run_eval(
     summary["out"] = str(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
-
-
-def print_summary(summary: dict[str, Any], title: str = "") -> None:
-    """The headline metrics as a console table (rich), then the breakdowns."""
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
-
-    table = Table(title=title or None)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for k in summary:
-        if k.startswith(("avg@", "pass@", "maj@")):
-            table.add_row(k, f"{100 * summary[k]:.1f}%")
-    table.add_row("mean tokens", f"{summary.get('mean_tokens', 0.0):.1f}")
-    table.add_row("truncated", f"{100 * summary.get('truncation_rate', 0.0):.1f}%")
-    table.add_row("problems / samples", f"{summary.get('problems', 0)} / {summary.get('samples', 0)}")
-    console = Console()
-    console.print(table)
-    for key, groups in summary.items():
-        if key.startswith("by_"):
-            sub = Table(title=key.removeprefix("by_"))
-            sub.add_column(key.removeprefix("by_"))
-            sub.add_column("problems", justify="right")
-            sub.add_column("accuracy", justify="right")
-            for name, row in groups.items():
-                acc = next(v for k, v in row.items() if k.startswith("avg@"))
-                sub.add_row(name, str(row["problems"]), f"{100 * acc:.1f}%")
-            console.print(sub)
-    for note in summary.get("notes", []):
-        console.print(f"note: {note}")
-
-
-def summarize(records: list[dict[str, Any]], n: int, breakdown: tuple[str, ...] = ()) -> dict[str, Any]:
-    """avg@n, pass@k and maj@k (k = 1, 2, 4, ..., n) over problems, response length, truncation rate."""
-    by_problem: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for r in records:
-        by_problem[r["index"]].append(r)
-    problems = [sorted(v, key=lambda r: r["sample"]) for _, v in sorted(by_problem.items())]
-    if not problems:
-        return {"problems": 0, "samples": 0}
-    out: dict[str, Any] = {"problems": len(problems), "samples": len(records), "n": n}
-    out[f"avg@{n}"] = _mean([_mean([s["correct"] for s in p]) for p in problems])
-    for k in report_ks(n):
-        out[f"pass@{k}"] = _mean([pass_at_k(len(p), sum(s["correct"] for s in p), k) for p in problems if len(p) >= k])
-        answers = [[s["answer"] for s in p] for p in problems]
-        if any(a is not None for p in answers for a in p):  # code has no answer to vote on
-            correct = [[s["correct"] for s in p] for p in problems]
-            out[f"maj@{k}"] = _mean([maj_at_k(a, c, k) for a, c in zip(answers, correct)])
-    out["mean_tokens"] = _mean([r["tokens"] for r in records])
-    out["truncation_rate"] = _mean([r["finish_reason"] == "length" for r in records])
-    for key in breakdown:
-        groups: dict[str, list[float]] = defaultdict(list)
-        for p in problems:
-            if key in p[0]:
-                groups[str(p[0][key])].append(_mean([s["correct"] for s in p]))
-        if groups:
-            out[f"by_{key}"] = {g: {"problems": len(v), f"avg@{n}": _mean(v)} for g, v in sorted(groups.items())}
-    return out
-
-
-def _mean(values: list[float]) -> float:
-    return float(sum(values)) / len(values) if values else 0.0

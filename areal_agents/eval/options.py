@@ -1,0 +1,130 @@
+"""`EvalOptions`: the ``eval`` command's options as a typed config, loaded like train's.
+
+A YAML file (``--config``) and ``key=value`` overrides go through `areal_agents.config.load_config`, so
+an unknown key or a wrong type fails with the key named; the command-line flags then take precedence:
+
+    opts = with_flags(load_config(EvalOptions, "eval.yaml", ["n_samples=4"]), {"model": "runs/m"})
+    settings = opts.settings()
+
+``env`` has the shape of a train config's env section (``{id, kwargs, module}``), so one can be reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from areal_agents.config import EngineConfig
+from areal_agents.errors import ConfigError
+from areal_agents.eval.runner import EvalSettings, eval_settings
+
+
+def _help(text: str, **kw: Any) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class EvalEnvOptions:
+    id: str = _help("evaluate this env id instead of a dataset's (e.g. my/Env-v0)", default="")
+    kwargs: dict[str, Any] = _help("env kwargs, e.g. {max_turns: 2}", default_factory=dict)
+    module: str = _help("module to import first so that the env registers itself", default="")
+
+
+@dataclass
+class EvalOptions:
+    model: str = _help("model directory (a transformers checkpoint)", default="")
+    dataset: str = _help("a preset, a bundled set, a JSONL path or hf:ORG/NAME", default="")
+    preset: str = _help("settings for a path or id: aime24, aime25, math500, gsm8k, math, lcb, ...", default="")
+    hub: bool = _help("load the preset's copy from the Hugging Face hub, not the bundled one", default=False)
+    env: EvalEnvOptions = field(default_factory=EvalEnvOptions)
+    module: list[str] = _help("modules to import first (they register env ids)", default_factory=list)
+    num_problems: int | None = _help("the first N problems (an env without a dataset: seeds 0..N-1)", default=None)
+    success_threshold: float = _help("the return that counts as success when the env reports none", default=1.0)
+    engine: Literal["hf", "serve-model", "sglang"] = _help("the inference engine", default="hf")
+    engine_url: list[str] = _help("running SGLang-protocol servers", default_factory=list)
+    n_samples: int | None = _help("samples per problem (default: the preset's)", default=None)
+    temperature: float | None = _help("default: the preset's", default=None)
+    top_p: float | None = _help("default: the preset's", default=None)
+    max_new_tokens: int | None = _help("default: the preset's", default=None)
+    concurrency: int | None = _help("episodes in flight (default 64)", default=None)
+    seed: int | None = _help("sampling seed (default 0)", default=None)
+    max_retries: int | None = _help("tries more for a sample whose env or engine failed (default 1)", default=None)
+    system_prompt: str = _help("system message of every episode", default="")
+    lcb_start: str = _help("LiveCodeBench: problems with contest_date >= this (ISO date, quoted in YAML)", default="")
+    lcb_end: str = _help("LiveCodeBench: ... and < this date", default="")
+    out: str = _help("output directory (default runs/eval/DATASET or ENV, or -2, -3, ... if taken)", default="")
+
+    def check(self) -> None:
+        """What every run needs: a model, and a dataset or an env."""
+        if not self.model:
+            raise ConfigError("eval needs --model (or 'model:' in --config)")
+        if not (self.dataset or self.env.id):
+            raise ConfigError("eval needs --dataset or --env (or 'dataset:' / 'env: {id: ...}' in --config)")
+
+    def modules(self) -> list[str]:
+        """The modules to import before the env is made."""
+        return [*self.module, *([self.env.module] if self.env.module else [])]
+
+    def settings(self) -> EvalSettings:
+        window = (self.lcb_start, self.lcb_end or "9999-12-31") if self.lcb_start else None
+        return eval_settings(
+            self.dataset or None,
+            env_id=self.env.id or None,
+            env_kwargs=self.env.kwargs,
+            preset=self.preset or None,
+            hub=self.hub,
+            n_samples=self.n_samples,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_new_tokens=self.max_new_tokens,
+            concurrency=self.concurrency,
+            seed=self.seed,
+            max_retries=self.max_retries,
+            system_prompt=self.system_prompt or None,
+            date_range=window,
+            num_problems=self.num_problems,
+            success_threshold=self.success_threshold,
+        )
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(backend=self.engine, urls=list(self.engine_url))
+
+    def out_dir(self) -> str:
+        """``out``, or runs/eval/ named after the dataset or the env."""
+        name = Path(self.dataset).stem if self.dataset else re.sub(r"[^\w.-]+", "_", self.env.id)
+        return self.out or str(Path("runs/eval") / name)
+
+
+def with_flags(options: EvalOptions, flags: dict[str, Any]) -> EvalOptions:
+    """``options`` with the command-line flags that were given (not None) in their place; ``env`` and
+    ``env_kwargs`` (JSON text) set ``env.id`` and ``env.kwargs``, ``module`` adds to the file's."""
+    given = {k: v for k, v in flags.items() if v is not None}
+    env = options.env
+    if "env" in given or "env_kwargs" in given:
+        kwargs = _json_object(given.pop("env_kwargs")) if "env_kwargs" in given else env.kwargs
+        env = dataclasses.replace(env, id=given.pop("env", env.id), kwargs=kwargs)
+    if "module" in given:
+        given["module"] = [*options.module, *given["module"]]
+    names = {f.name for f in dataclasses.fields(EvalOptions)}
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise ValueError(f"with_flags: expects flags named as EvalOptions fields, got {unknown}")
+    try:
+        return dataclasses.replace(options, env=env, **given)
+    except ValueError as e:
+        raise ConfigError(f"eval: {e}") from None
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """``--env-kwargs`` as a mapping (JSON text)."""
+    try:
+        value = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--env-kwargs: expects a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--env-kwargs: expects a JSON object (a mapping), got {text!r}")
+    return value
