@@ -2,9 +2,10 @@
 
 The staleness gate, the ledger and the retries stay in the driver's `RolloutController` (its
 `EpisodeRunner`); each worker runs one try of each episode it is handed (agent + engine client + env
-client), so the per-episode Python (chat templates, tokenizing, env traffic) spreads over the cluster. A worker that dies fails its in-flight episodes with
-`WorkerLostError`, which the controller retries on the others (Ray restarts the worker meanwhile); when
-no worker comes back within ``ray.recovery_timeout_s`` the run stops with a `ClusterError`.
+client), so the per-episode Python (chat templates, tokenizing, env traffic) spreads over the cluster.
+A worker that dies fails its in-flight episodes with `WorkerLostError`, which the controller retries on
+the others (Ray restarts the worker meanwhile); when no worker comes back within
+``ray.recovery_timeout_s`` the run stops with a `ClusterError`.
 """
 
 from __future__ import annotations
