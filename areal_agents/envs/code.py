@@ -117,7 +117,7 @@ class CodeEnv(TextEnv):
             raise ValueError(f"options['index'] must be in [0, {len(self.data)}), got {index}")
         self.row, self.turn, self.runs = self.data[index], 0, 0
         runs = f" {HOW_TO} You have {self.max_runs} run{'s' * (self.max_runs != 1)}." if self.max_runs else ""
-        info = {"role": "user", "index": index, "id": self.row["id"]}
+        info = {"role": "user", "index": index, "id": self.row["id"], "num_problems": len(self.data)}
         if self.format == "humaneval":
             return HUMANEVAL_INSTRUCTION.format(prompt=self.row["prompt"]) + runs, info
         if self.format == "mbpp":

@@ -4,7 +4,7 @@ The default is a question/answer env: the observation is ``row[prompt_key]``, re
 equals ``row[answer_key]`` after stripping; override `prompt`, `score` and `feedback` for anything else.
 
     env = DatasetEnv("problems.jsonl", prompt_key="question", answer_key="answer", max_turns=2)
-    obs, info = env.reset(seed=3)            # info["index"] is the row
+    obs, info = env.reset(seed=3)            # info["index"] is the row, info["num_problems"] how many
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class DatasetEnv(TextEnv):
         else:
             index = int(self.np_random.integers(len(self.rows)))
         self.index, self.row, self.turn = index, self.rows[index], 0
-        return self.prompt(self.row), {"index": index, "role": "user"}
+        return self.prompt(self.row), {"index": index, "role": "user", "num_problems": len(self.rows)}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.row is None:

@@ -119,7 +119,8 @@ class MathEnv(TextEnv):
         if not 0 <= index < len(self.data):
             raise ValueError(f"options['index'] must be in [0, {len(self.data)}), got {index}")
         self.row, self.turn = self.data[index], 0
-        return self.template.format(prompt=self.row["prompt"]), {"role": "user", "index": index, "id": self.row["id"]}
+        info = {"role": "user", "index": index, "id": self.row["id"], "num_problems": len(self.data)}
+        return self.template.format(prompt=self.row["prompt"]), info
 
     def _score(self, action: str) -> RewardResult:
         # a daemonic process (a process-mode env pool's worker) cannot start the pool's workers: score here,

@@ -2,8 +2,10 @@
 
 An env whose kwargs name a ``dataset`` (a bundled set, a JSONL path or a hub id, as the math and code
 envs take it) is evaluated on that dataset's rows, read through the data layer in the order the env
-indexes them: problem ``i`` resets with ``options={"index": i}``. Any other env is evaluated on reset
-seeds 0..num_problems-1. Nothing here looks inside an env: it is reset and stepped through `AsyncEnv`.
+indexes them: problem ``i`` resets with ``options={"index": i}``. An env that holds a fixed set of problems
+of its own says so in its reset info (``num_problems``, as `DatasetEnv`, Math-v0 and Code-v0 do) and is
+evaluated on indexes 0..n-1. Any other env is evaluated on reset seeds 0..num_problems-1. Nothing here
+looks inside an env: it is reset and stepped through `AsyncEnv`.
 
     problems = await load_problems(settings.env_kwargs, make_env, num_problems=4)
     env = AtProblem(make_env(), problems.problems[0])
@@ -76,9 +78,12 @@ async def load_problems(
         ConfigError: a multi-agent env; an env without a dataset and no ``num_problems``; no row in
             ``date_range`` (rows whose ``contest_date`` is in [start, end), ISO dates).
     """
-    await _check_single_agent(make_env, env_id)
+    info = await _check_single_agent(make_env, env_id)
     dataset = env_kwargs.get("dataset")
     if not (isinstance(dataset, str) and dataset):
+        if isinstance(info.get("num_problems"), int) and info["num_problems"] > 0:
+            count = min(num_problems or info["num_problems"], info["num_problems"])
+            return ProblemSet([Problem(i, str(i), index=i) for i in range(count)])
         if not num_problems:
             raise ConfigError(f"{env_id} has no dataset: give --num-problems (episodes reset with seeds 0..N-1)")
         return ProblemSet([Problem(k, f"seed{k}", seed=k) for k in range(num_problems)])
@@ -91,16 +96,17 @@ async def load_problems(
     return ProblemSet(problems, _notes(rows), rows_digest(rows))
 
 
-async def _check_single_agent(make_env: Callable[[], AsyncEnv], env_id: str) -> None:
+async def _check_single_agent(make_env: Callable[[], AsyncEnv], env_id: str) -> dict[str, Any]:
     """Build and reset the env once: bad env kwargs fail here, before anything is written; a multi-agent
-    env (observations by agent) is refused."""
+    env (observations by agent) is refused. The reset's info."""
     env = make_env()
     try:
-        observation, _ = await env.areset(seed=0)
+        observation, info = await env.areset(seed=0)
     finally:
         await env.aclose()
     if isinstance(observation, dict):
         raise ConfigError(f"{env_id} is a multi-agent env; eval runs single-agent envs")
+    return info
 
 
 def _row_id(row: dict[str, Any], index: int) -> str:

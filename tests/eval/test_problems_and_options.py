@@ -47,6 +47,20 @@ def test_an_env_without_a_dataset_is_evaluated_on_reset_seeds():
     assert asyncio.run(env.areset(seed=99))[0] == "Say 2"  # the problem's seed, not the sample's
 
 
+def test_an_env_that_counts_its_own_problems_is_evaluated_on_their_indexes():
+    # Math-v0 with its default dataset names none in its kwargs; its reset info says how many problems it
+    # holds (num_problems), so eval runs indexes 0..n-1 without --num-problems and without looking inside it
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(3)]
+    pool = LocalEnvPool("inline")
+    make = lambda: pool.make("areal_agents.envs.dataset_env:DatasetEnv", rows=rows)  # noqa: E731
+    problems = asyncio.run(load_problems({}, make))
+    assert [(p.number, p.index, p.seed) for p in problems.problems] == [(0, 0, None), (1, 1, None), (2, 2, None)]
+    two = asyncio.run(load_problems({}, make, num_problems=2))
+    assert [p.index for p in two.problems] == [0, 1]
+    env = AtProblem(make(), problems.problems[1])
+    assert asyncio.run(env.areset(seed=5))[0] == "q1"
+
+
 def test_an_env_naming_a_dataset_is_evaluated_on_its_rows_in_order():
     pool = LocalEnvPool("inline")
     kwargs = {"dataset": "aime24", "max_turns": 1}
