@@ -38,6 +38,7 @@ MOVED: dict[str, str | tuple[str, ...]] = {
     "areal_agents.rewards.code": "areal_agents.rewards.code_judge",
     "areal_agents.cluster.launcher": "areal_agents.cluster.ray_launcher",
     "areal_agents.rollout.evaluate": "areal_agents.rollout.held_out",
+    "areal_agents.trainers.metrics": "areal_agents.trainers.metrics_writer",
     "areal_agents.trainers.setup": ("areal_agents.trainers.optim", "areal_agents.trainers.run_start"),
 }
 

@@ -51,6 +51,11 @@ class Group:
     episodes: int = 0  # episodes that finished (a failed one leaves the group smaller)
 
 
+def has_reward_variance(group: Group) -> bool:
+    """Dynamic sampling's filter (``group_filter``): a group whose rewards are all equal teaches GRPO nothing."""
+    return len({t.reward for t in group.trajectories}) > 1
+
+
 @dataclass
 class ControllerStats:
     groups_submitted: int = 0

@@ -14,6 +14,7 @@ so they see the same problem (a GRPO group).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -53,6 +54,10 @@ class RolloutLedger:
     def running(self) -> int:
         ended = self.accepted + self.rejected + self.failed + self.env_failed + self.engine_failed
         return self.submitted - ended - self.worker_failed - self.cancelled
+
+    def counts(self) -> dict[str, int]:
+        """Every count by name, ``running`` included (checkpoints, summaries, eval records)."""
+        return {**dataclasses.asdict(self), "running": self.running}
 
     def fail(self, kind: FailureKind) -> None:
         """Count an episode that ended with a failure of ``kind`` (a cluster failure cancels it)."""

@@ -35,12 +35,12 @@ from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ConfigError
 from areal_agents.models.loading import load_tokenizer
 from areal_agents.progress import plural, progress_bar
-from areal_agents.rollout.controller import Group, RolloutController
+from areal_agents.rollout.controller import Group, RolloutController, has_reward_variance
 from areal_agents.rollout.held_out import evaluate
 from areal_agents.trainers.checkpoint import checkpoints, load_trainer_state
 from areal_agents.trainers.interrupt import Interrupt
 from areal_agents.trainers.local_launcher import LocalLauncher
-from areal_agents.trainers.metrics import MetricsWriter, prefixed
+from areal_agents.trainers.metrics_writer import MetricsWriter, prefixed
 from areal_agents.trainers.policy import SHARED
 from areal_agents.trainers.policy_api import EpisodeRunner, Launcher, TrainablePolicy, TrainSpec
 from areal_agents.trainers.ppo import streamable
@@ -48,8 +48,7 @@ from areal_agents.trainers.resume import check_resume_config, forget_after
 from areal_agents.trainers.run_start import held_out_seeds, open_checked_backend, prepare_run_dir, seed_everything
 from areal_agents.trainers.run_state import RunState, model_dir, restore_policies, save_run
 from areal_agents.trainers.run_summary import write_summary
-from areal_agents.trainers.step_metrics import StepLog, StepTimes
-from areal_agents.trainers.step_stats import dump_trajectories, has_reward_variance
+from areal_agents.trainers.step_metrics import StepLog, StepTimes, dump_trajectories
 from areal_agents.types import SamplingParams, Trajectory
 
 

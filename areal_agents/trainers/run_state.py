@@ -27,7 +27,6 @@ from areal_agents.trainers.checkpoint import prune_checkpoints, save_checkpoint
 from areal_agents.trainers.policy import SHARED
 from areal_agents.trainers.policy_api import TrainablePolicy
 from areal_agents.trainers.resume import with_config_rates
-from areal_agents.trainers.step_stats import ledger_counts
 
 
 @dataclass
@@ -59,7 +58,7 @@ class RunState:
             "generator": self.generator.get_state(),
             "accuracy_before": self.accuracy_before,
             "version": version,
-            "ledger": ledger_counts(self.ledger),
+            "ledger": self.ledger.counts(),
         }
 
 

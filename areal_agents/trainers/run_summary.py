@@ -14,7 +14,6 @@ from typing import Any
 from areal_agents.progress import plural
 from areal_agents.rollout.episodes import RolloutLedger
 from areal_agents.trainers.step_metrics import Totals
-from areal_agents.trainers.step_stats import ledger_counts
 
 
 def write_summary(
@@ -52,7 +51,7 @@ def write_summary(
         "engine_busy_fraction": (
             totals.engine_busy_seconds / max(totals.step_seconds, 1e-9) if engine_reports else None
         ),
-        "episodes": ledger_counts(ledger),
+        "episodes": ledger.counts(),
         "episode_retries": retries,  # env, engine or worker failures run again
         "checkpoint": str(checkpoint),
     }

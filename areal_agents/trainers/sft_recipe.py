@@ -21,7 +21,7 @@ from areal_agents.models.loading import load_model, load_tokenizer
 from areal_agents.progress import plural, progress_bar
 from areal_agents.rollout.held_out import evaluate
 from areal_agents.trainers.checkpoint import save_model
-from areal_agents.trainers.metrics import MetricsWriter, prefixed
+from areal_agents.trainers.metrics_writer import MetricsWriter, prefixed
 from areal_agents.trainers.optim import make_optimizer
 from areal_agents.trainers.run_start import held_out_seeds, open_checked_backend, prepare_run_dir, seed_everything
 from areal_agents.trainers.sft import conversation_to_trajectory, sft_update

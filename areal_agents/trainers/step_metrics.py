@@ -1,7 +1,8 @@
 """What one RL step logs to TensorBoard: ``rollout/`` (rewards, accuracy, the ledger, staleness), ``train/``
 (each policy's update), ``perf/`` (throughput and where the step's time went) and ``engine/`` (the serving
 engine's counters per step, when it reports them: `areal_agents.engines.base.engine_counters`); and the
-totals over the run's steps that its summary reports.
+totals over the run's steps that its summary reports; and the step's trajectories as JSONL
+(``rollout.dump_trajectories``).
 
 Example::
 
@@ -12,18 +13,22 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from areal_agents.engines.base import InferenceEngine, engine_counters
 from areal_agents.rollout.controller import RolloutController
 from areal_agents.rollout.episodes import RolloutLedger
-from areal_agents.trainers.metrics import MetricsWriter, prefixed
+from areal_agents.trainers.metrics_writer import MetricsWriter, prefixed
 from areal_agents.trainers.policy import SHARED
-from areal_agents.trainers.step_stats import gpu_utilisation, reward_breakdown
 from areal_agents.types import Trajectory
 
 _COUNTERS = ("prefix_hit_tokens", "prefill_tokens", "busy_seconds", "generated_tokens", "decode_steps")
@@ -179,3 +184,43 @@ def perf_stats(trajectories: list[Trajectory], trained: float, times: StepTimes)
         "step_seconds": times.end - times.start,
         **gpu_utilisation(),
     }
+
+
+def reward_breakdown(trajectories: list[Trajectory], default_env: str) -> dict[str, float]:
+    """Mean reward per env (``metadata["env"]``, else the run's env id) and of each turn; with several
+    agents also per agent (``reward_agent/ID``) and per agent and turn (``reward_turn/ID/K``)."""
+    by_env: dict[str, list[float]] = defaultdict(list)
+    by_agent: dict[str, list[float]] = defaultdict(list)
+    by_turn: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for t in trajectories:
+        if t.metadata.get("segment", 0) != 0:
+            continue  # later segments of an episode repeat its rewards
+        by_env[str(t.metadata.get("env", default_env))].append(t.reward)
+        by_agent[t.agent_id].append(t.reward)
+        for k, r in enumerate(t.turn_rewards):
+            by_turn[(t.agent_id, k + 1)].append(r)
+    out = {f"reward_env/{env}": float(np.mean(v)) for env, v in by_env.items()}
+    if len(by_agent) > 1:
+        out |= {f"reward_agent/{a}": float(np.mean(v)) for a, v in sorted(by_agent.items())}
+        return out | {f"reward_turn/{a}/{k}": float(np.mean(v)) for (a, k), v in sorted(by_turn.items())}
+    return out | {f"reward_turn/{k}": float(np.mean(v)) for (_, k), v in sorted(by_turn.items())}
+
+
+def gpu_utilisation() -> dict[str, float]:
+    """Utilisation (%) of each visible GPU, when there is one and NVML can read it."""
+    if not torch.cuda.is_available():
+        return {}
+    try:
+        return {f"gpu{i}_utilisation": float(torch.cuda.utilization(i)) for i in range(torch.cuda.device_count())}
+    except Exception:  # noqa: BLE001  (no pynvml / NVML: skip rather than fail a run over a metric)
+        return {}
+
+
+def dump_trajectories(path: Path, trajectories: list[Trajectory]) -> None:
+    """The step's training data as JSONL, one trajectory a line (tokens, masks, logprobs, versions, rewards)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for t in trajectories:
+            row = dataclasses.asdict(t)
+            row["metadata"] = json.loads(json.dumps(t.metadata, default=str))
+            f.write(json.dumps(row) + "\n")
