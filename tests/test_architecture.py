@@ -1,0 +1,189 @@
+"""The package keeps the shape docs/architecture.md gives it: one direction of imports, small modules and
+functions, and a module map that names exactly the modules there are."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "areal_agents"
+DOC = ROOT / "docs" / "architecture.md"
+
+# Lowest first. A module may import its own top-level package and any package of a lower layer, nothing else
+# (lazy imports included). docs/architecture.md ("Layers") says the same; change both together.
+LAYERS = [
+    {"types", "errors"},
+    {"config", "importing", "workers", "net", "progress", "_moved"},
+    {"models", "data", "sandbox"},
+    {"rewards", "engines"},
+    {"envs"},
+    {"agents"},
+    {"rollout"},
+    {"eval", "trainers"},
+    {"cluster"},
+    {"cli"},
+]
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+MAX_FUNCTION_LINES = 100
+MAX_MODULE_LINES = 500
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (packages by their ``__init__``)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imported(name: str, path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every areal_agents import in a module, at any depth, and of literal
+    ``importlib.import_module("areal_agents...")`` calls."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                found.append((node.lineno, ".".join(base + ([node.module] if node.module else []))))
+            elif node.module:
+                found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module" and node.args:
+            if isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                found.append((node.lineno, node.args[0].value))
+    return sorted((line, m) for line, m in found if m == "areal_agents" or m.startswith("areal_agents."))
+
+
+def top(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_top_level_module_has_a_layer():
+    unplaced = sorted({top(name) for name in modules()} - set(LAYER) - {""})
+    assert not unplaced, f"give these a layer in LAYERS and in docs/architecture.md: {unplaced}"
+
+
+def test_no_import_goes_up_the_layers():
+    wrong = []
+    for name, path in modules().items():
+        here = top(name)
+        if not here:
+            continue  # the package's own __init__ (registers the built-in envs)
+        for line, target in imported(name, path):
+            there = top(target)
+            if there == here:
+                continue
+            if not there or LAYER[there] >= LAYER[here]:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target} ({here} may not import {there or '?'})")
+    assert not wrong, "imports against the layers (docs/architecture.md):\n" + "\n".join(wrong)
+
+
+def test_the_layer_check_sees_lazy_and_relative_imports(tmp_path):
+    source = tmp_path / "sample.py"
+    source.write_text(
+        "def f():\n    from areal_agents.trainers import ppo\n"
+        "from . import sibling\nimport importlib\nimportlib.import_module('areal_agents.cli')\n"
+    )
+    assert imported("areal_agents.engines.sample", source) == [
+        (2, "areal_agents.trainers"),
+        (3, "areal_agents.engines"),
+        (5, "areal_agents.cli"),
+    ]
+
+
+def test_no_function_or_module_too_long():
+    long = []
+    for path in modules().values():
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > MAX_MODULE_LINES:
+            long.append(f"{path.relative_to(ROOT)}: {lines} lines (at most {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    where = f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+                    long.append(f"{where}: {n} lines (at most {MAX_FUNCTION_LINES})")
+    assert not long, "split by concept (STYLE: modules <= 500 lines, functions <= 100):\n" + "\n".join(long)
+
+
+def _doc_section(title: str) -> str:
+    text = DOC.read_text()
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"docs/architecture.md has no '## {title}' section"
+    return match.group(1)
+
+
+def mapped_paths() -> set[str]:
+    """The files the module map names: a fenced tree under ``areal_agents/``, two spaces a level."""
+    block = re.search(r"```text\n(areal_agents/\n.*?)```", _doc_section("Module map"), re.S)
+    assert block, "the module map is a ```text block starting with 'areal_agents/'"
+    paths, stack = set(), []
+    for raw in block.group(1).splitlines():
+        if not raw.strip():
+            continue
+        depth = (len(raw) - len(raw.lstrip(" "))) // 2
+        name = raw.split()[0]
+        stack = stack[:depth] + [name]
+        if name.endswith(".py"):
+            paths.add("".join(stack))
+    return paths
+
+
+def deprecated_paths() -> dict[str, str]:
+    """Old module path -> new module path(s), from the doc's table of deprecated paths."""
+    rows = re.findall(r"^\| `(areal_agents\.[\w.]+)` \| ([^|]+) \|", _doc_section("Deprecated paths"), re.M)
+    return {old: " ".join(re.findall(r"`([\w.]+)`", new)) for old, new in rows}
+
+
+def test_the_module_map_names_exactly_the_modules_there_are():
+    tree = {str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")}
+    mapped = mapped_paths()
+    assert not mapped - tree, f"the module map names files that do not exist: {sorted(mapped - tree)}"
+    assert not tree - mapped, f"add these to the module map: {sorted(tree - mapped)}"
+
+
+def test_the_deprecated_paths_table_is_the_alias_table():
+    from areal_agents._moved import MOVED
+
+    assert deprecated_paths() == {old: new if isinstance(new, str) else " ".join(new) for old, new in MOVED.items()}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_deprecated_paths_still_import_their_new_modules():
+    import importlib
+
+    from areal_agents._moved import MOVED
+
+    for old, new in MOVED.items():
+        assert not (PACKAGE.parent / (old.replace(".", "/") + ".py")).exists(), f"{old}: the tree holds real modules"
+        module = importlib.import_module(old)
+        for name in (new,) if isinstance(new, str) else new:
+            target = importlib.import_module(name)
+            if isinstance(new, str):
+                assert module is target, f"{old} should be {new}"
+            else:
+                public = [k for k in vars(target) if not k.startswith("_")]
+                assert all(getattr(module, k) is getattr(target, k) for k in public), f"{old} lacks names of {name}"
+
+
+def test_importing_a_deprecated_path_warns_and_names_the_new_one():
+    import importlib
+    import sys
+
+    sys.modules.pop("areal_agents.engines.hf_engine", None)
+    with pytest.warns(
+        DeprecationWarning, match=r"areal_agents\.engines\.hf_engine moved to areal_agents\.engines\.hf\.engine"
+    ):
+        from areal_agents.engines.hf_engine import HFEngine  # noqa: F401
+    sys.modules.pop("areal_agents.engines.hf_engine", None)
+    assert importlib.util.find_spec("areal_agents.engines.no_such_module") is None  # the finder serves only MOVED
