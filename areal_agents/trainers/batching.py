@@ -8,14 +8,15 @@ trajectories of one prompt go into the same row, where the model sees that promp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
+from areal_agents.models.logprobs import tempered_token_logprobs
+from areal_agents.trainers.distributed import DataParallel
+from areal_agents.trainers.microbatch import MicroBatch, spread
 from areal_agents.trainers.packing import (
-    SharedPrompts,
     ffd_bins,
     pack_rows,
     packed_token_logprobs,
@@ -24,32 +25,7 @@ from areal_agents.trainers.packing import (
 )
 from areal_agents.types import Trajectory
 
-
-@dataclass
-class MicroBatch:
-    """Tensors ``[B, L]`` (padded) or ``[1, T]`` (packed); trajectory ``index[k]`` is ``[row, start:end]``
-    of them, ``slices[k] = (row, start, end)``."""
-
-    index: list[int]
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor | None
-    loss_mask: torch.Tensor
-    logprobs: torch.Tensor
-    advantages: torch.Tensor
-    prox_logprobs: torch.Tensor | None = None
-    slices: list[tuple[int, int, int]] | None = None
-    position_ids: torch.Tensor | None = None  # packed: restarts at 0 for every trajectory
-    cu_seqlens: torch.Tensor | None = None  # packed: trajectory boundaries [0, l1, l1 + l2, ...]
-    shared: SharedPrompts | None = None  # packed with shared prompts: the shorter row the model runs on
-
-    @property
-    def num_loss_tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the model runs on (what a micro-batch costs)."""
-        return (self.shared.input_ids if self.shared is not None else self.input_ids).numel()
+__all__ = ["MicroBatch", "make_micro_batches", "per_trajectory", "spread", "token_logprobs"]
 
 
 def make_micro_batches(
@@ -95,14 +71,6 @@ def make_micro_batches(
     return batches
 
 
-def spread(mb: MicroBatch, per_trajectory: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One 1-D tensor per trajectory (indexed like the ``make_micro_batches`` input) laid out like ``mb``."""
-    out = torch.zeros_like(mb.loss_mask)
-    for (row, a, b), i in zip(mb.slices, mb.index):
-        out[row, a:b] = per_trajectory[i]
-    return out
-
-
 def _collate(trajs: list[Trajectory], adv: list[float], index: list[int], pad: int) -> MicroBatch:
     n, width = len(trajs), max(len(t) for t in trajs)
     input_ids = torch.full((n, width), pad, dtype=torch.long)
@@ -128,8 +96,30 @@ def token_logprobs(model: PreTrainedModel, mb: MicroBatch, temperature: float = 
     if mb.cu_seqlens is not None:
         return packed_token_logprobs(model, mb, temperature)
     use_packed_attention(model.get_decoder(), False)
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits.float()
-    if temperature > 0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(2, mb.input_ids[:, 1:, None]).squeeze(2)
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+    logp = tempered_token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], temperature)
     return torch.nn.functional.pad(logp, (1, 0))
+
+
+def per_trajectory(
+    score: Callable[[MicroBatch], torch.Tensor],
+    trajectories: Sequence[Trajectory],
+    max_tokens: int,
+    pad_token_id: int,
+    pack: bool = False,
+    dp: DataParallel | None = None,
+    share_prompts: bool = False,
+) -> list[torch.Tensor]:
+    """``score(micro_batch)`` (a tensor laid out like it) cut back into one 1-D tensor per trajectory.
+    With ``dp`` each rank scores its share of the micro-batches and the ranks' parts are gathered."""
+    mbs = make_micro_batches(
+        trajectories, max_tokens, pad_token_id=pad_token_id, pack=pack, share_prompts=share_prompts
+    )
+    out: dict[int, torch.Tensor] = {}
+    for mb in dp.share(mbs) if dp else mbs:
+        values = score(mb)
+        for (row, a, b), i in zip(mb.slices, mb.index):
+            out[i] = values[row, a:b].clone()
+    if dp:
+        out = dp.gather(out)
+    return [out[i] for i in range(len(trajectories))]

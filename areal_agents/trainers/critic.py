@@ -9,16 +9,25 @@ r_K = the trajectory's (shaped) reward:
 
 The critic is trained on R_t with PPO's clipped value loss. Each segment of a history-rewriting episode
 ends with the episode's reward, as if it ended the episode.
+
+In a PPO update (`ppo.py`): `gae_targets` before the first step (values, advantages, returns), then
+per micro-batch `critic_backward` beside the policy's, and `critic_step` after the policy's step.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from areal_agents.trainers.batching import MicroBatch
+from areal_agents.config import PPOConfig
+from areal_agents.trainers.batching import per_trajectory
+from areal_agents.trainers.distributed import DataParallel
+from areal_agents.trainers.microbatch import MicroBatch, spread
 from areal_agents.trainers.packing import packed_hidden_states, use_packed_attention
+from areal_agents.types import Trajectory
 
 
 class ValueModel(nn.Module):
@@ -96,3 +105,74 @@ def value_loss(
         used = torch.zeros_like(mask)
     loss = 0.5 * (err * mask).sum() / max(num_tokens, 1.0)
     return loss, float((used & mask).sum()) / max(int(mask.sum()), 1)
+
+
+@torch.no_grad()
+def critic_values(
+    critic: ValueModel,
+    trajectories: Sequence[Trajectory],
+    max_tokens: int,
+    pad: int,
+    pack: bool = False,
+    dp: DataParallel | None = None,
+    share_prompts: bool = False,
+) -> list[torch.Tensor]:
+    """The critic's value of the prefix before every token of every trajectory."""
+    return per_trajectory(critic, trajectories, max_tokens, pad, pack, dp, share_prompts)
+
+
+def gae_targets(
+    critic: ValueModel,
+    trajectories: Sequence[Trajectory],
+    rewards: Sequence[float],
+    cfg: PPOConfig,
+    pad_token_id: int,
+    dp: DataParallel | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
+    """``(values, advantages, returns, sums)`` per trajectory before an update: the critic's values, GAE
+    advantages (whitened over the batch with ``cfg.whiten_advantages``) and returns; ``sums`` over loss
+    tokens for the stats (``advantage_count`` tokens, ``advantage_abs_sum``, ``value_sum``, ``return_sum``)."""
+    critic.train()
+    masks = [torch.tensor(t.loss_mask, dtype=torch.float) for t in trajectories]
+    values = critic_values(
+        critic, trajectories, cfg.micro_batch_tokens, pad_token_id, cfg.packing, dp, cfg.share_prompts
+    )
+    pairs = [gae(v, m, r, cfg.gamma, cfg.lam) for v, m, r in zip(values, masks, rewards)]
+    advantages, returns = [a for a, _ in pairs], [r for _, r in pairs]
+    if cfg.whiten_advantages:
+        advantages = whiten(advantages, masks)
+    sums = {
+        "advantage_count": float(sum(m.sum() for m in masks)),
+        "advantage_abs_sum": float(sum((a.abs() * m).sum() for a, m in zip(advantages, masks))),
+        "value_sum": float(sum((v * m).sum() for v, m in zip(values, masks))),
+        "return_sum": float(sum(r.sum() for r in returns)),
+    }
+    return values, advantages, returns, sums
+
+
+def critic_backward(
+    critic: ValueModel,
+    mb: MicroBatch,
+    old_values: Sequence[torch.Tensor],
+    returns: Sequence[torch.Tensor],
+    value_clip: float | None,
+    num_tokens: float,
+) -> tuple[float, float]:
+    """Forward and backward of `value_loss` on one micro-batch (per-trajectory ``old_values`` and
+    ``returns`` indexed like its trajectories); returns ``(loss, clipped fraction)``."""
+    loss, clipped = value_loss(
+        critic(mb), spread(mb, old_values), spread(mb, returns), mb.loss_mask, value_clip, num_tokens
+    )
+    loss.backward()
+    return float(loss.detach()), clipped
+
+
+def critic_step(
+    critic: ValueModel, optimizer: torch.optim.Optimizer, max_grad_norm: float, dp: DataParallel | None = None
+) -> float:
+    """Sum the gradients across ranks (``dp``), clip and step; the gradient norm before clipping."""
+    if dp:
+        dp.all_reduce_grads(list(critic.parameters()))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(critic.parameters(), max_grad_norm))
+    optimizer.step()
+    return grad_norm

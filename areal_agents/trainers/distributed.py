@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areal_agents.trainers.batching import MicroBatch
+from areal_agents.trainers.microbatch import MicroBatch
 
 
 @dataclass

@@ -11,8 +11,10 @@
   that follows an `AttentionPlan`: causal SDPA per sequence (or per prompt), and each completion over
   its prompt's keys and its own; similar lengths share one call, and no ``T x T`` mask is ever built.
 - `packed_token_logprobs`: token logprobs of a packed row, computed from the final hidden states in
-  chunks under activation checkpointing, so the full-vocabulary log-softmax is never materialised for
-  the whole row (long outputs stay cheap in memory).
+  chunks under activation checkpointing (`chunked_token_logprobs`), so the full-vocabulary log-softmax
+  is never materialised for the whole row (long outputs stay cheap in memory).
+
+The micro-batch type is `microbatch.py`'s; `batching.py` calls `pack_rows`, never the other way round.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface, PreTrainedModel
 
+from areal_agents.models.logprobs import chunked_token_logprobs
+from areal_agents.trainers.microbatch import MicroBatch, SharedPrompts
 from areal_agents.types import Trajectory
 
 PACKED_ATTENTION = "areal_packed_sdpa"
-LOGPROB_CHUNK_TOKENS = 1024
 BUCKET_SIZE = 64  # sequences per SDPA call at most
 
 
@@ -73,27 +75,14 @@ def prompt_units(trajs: Sequence[Trajectory], capacity: int) -> tuple[list[list[
     return units, sizes
 
 
-@dataclass(frozen=True)
-class SharedPrompts:
-    """The row the model runs on when prompts are shared: ``input_ids``/``position_ids`` ``[1, Tc]``;
-    ``expand[t]`` is the row position of token t of the trajectory layout (``MicroBatch.input_ids``)."""
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    expand: torch.Tensor
-    prompts: tuple[tuple[int, int], ...]  # (start, length) of each prompt in the row
-    completions: tuple[tuple[int, int, int, int], ...]  # (start, length, its prompt's start, prompt length)
-
-
 def pack_rows(
     trajs: list[Trajectory],
     adv: list[float],
     index: list[int],
     prox_logprobs: Sequence[torch.Tensor] | None = None,
     share_prompts: bool = False,
-):  # -> MicroBatch (batching imports this module lazily)
-    from areal_agents.trainers.batching import MicroBatch  # noqa: PLC0415
-
+) -> MicroBatch:
+    """One packed micro-batch ``[1, T]`` of ``trajs`` (``index``: their positions in the caller's list)."""
     # by length: the attention plan buckets similar lengths, and in this order its outputs need no reordering
     order = sorted(range(len(trajs)), key=lambda k: len(trajs[k]))
     trajs, adv, index = [trajs[k] for k in order], [adv[k] for k in order], [index[k] for k in order]
@@ -261,7 +250,7 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
 AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
 
 
-def packed_hidden_states(decoder: PreTrainedModel, mb) -> torch.Tensor:  # noqa: ANN001
+def packed_hidden_states(decoder: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
     """Final hidden states ``[T, H]`` of a packed row (trajectory layout), attention kept within each trajectory."""
     shared: SharedPrompts | None = mb.shared
     if shared is None:
@@ -287,22 +276,10 @@ def use_packed_attention(decoder: PreTrainedModel, packed: bool) -> None:
         decoder.set_attn_implementation(getattr(decoder, "_areal_unpacked_attention", "sdpa"))
 
 
-def packed_token_logprobs(model: PreTrainedModel, mb, temperature: float = 1.0) -> torch.Tensor:  # noqa: ANN001
+def packed_token_logprobs(model: PreTrainedModel, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
     """``log softmax(logits / T)`` of each token of a packed row, ``[1, T]``; 0 where a trajectory starts."""
-    cu = mb.cu_seqlens
     hidden = packed_hidden_states(model.get_decoder(), mb)[:-1]  # position t predicts token t + 1
-    head = model.get_output_embeddings()
-    targets = mb.input_ids[0, 1:]
-    scale = 1.0 / temperature if temperature > 0 else 1.0
-
-    def chunk_logprobs(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = head(h).float() * scale
-        return logits.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-
-    parts = []
-    for s in range(0, targets.shape[0], LOGPROB_CHUNK_TOKENS):
-        h, y = hidden[s : s + LOGPROB_CHUNK_TOKENS], targets[s : s + LOGPROB_CHUNK_TOKENS]
-        parts.append(checkpoint(chunk_logprobs, h, y, use_reentrant=False) if h.requires_grad else chunk_logprobs(h, y))
-    logp = F.pad(torch.cat(parts), (1, 0))
-    logp[cu[:-1].long()] = 0.0  # a trajectory's first token has no prefix (the previous one is another's)
+    logp = chunked_token_logprobs(hidden, model.get_output_embeddings(), mb.input_ids[0, 1:], temperature)
+    logp = F.pad(logp, (1, 0))
+    logp[mb.cu_seqlens[:-1].long()] = 0.0  # a trajectory's first token has no prefix (the previous one is another's)
     return logp[None]

@@ -54,3 +54,17 @@ def test_logits_that_are_not_finite_are_refused_with_their_rows():
     logits[2, 3] = float("nan")
     with pytest.raises(ValueError, match=r"rows \[2\] are not finite"):
         sample_tokens(logits, torch.ones(4), torch.ones(4), torch.zeros(4, dtype=torch.long))
+
+
+def test_the_behavior_logprob_is_the_trainers_tempered_log_softmax():
+    """Engine and trainer call one function: at the same logits the importance ratio is exactly 1."""
+    from areal_agents.models.logprobs import tempered_token_logprobs
+
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(5))
+    temperature = torch.tensor([0.7, 1.0, 0.0, 1.3])
+    tokens, logprobs = sample_tokens(
+        logits, temperature, torch.ones(4), torch.zeros(4, dtype=torch.long), torch.Generator().manual_seed(0)
+    )
+    for row, t in enumerate(temperature.tolist()):
+        expected = tempered_token_logprobs(logits[row], tokens[row], t)
+        assert torch.equal(logprobs[row], expected)

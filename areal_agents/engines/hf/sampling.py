@@ -1,13 +1,16 @@
 """Per-row sampling from next-token logits, with the behavior logprob of each sampled token.
 
 The behavior logprob is ``log softmax(logits / T)`` at the sampled token (``T = 1`` for greedy rows),
-over the full vocabulary: the same quantity the trainer recomputes, so the importance ratio is exact.
+over the full vocabulary (`tempered_log_softmax`, which the trainer's recompute calls too), so the
+importance ratio is exact.
 Top-k / top-p only restrict which tokens may be drawn.
 """
 
 from __future__ import annotations
 
 import torch
+
+from areal_agents.models.logprobs import tempered_log_softmax
 
 
 def sample_tokens(
@@ -22,13 +25,11 @@ def sample_tokens(
     ``temperature``, ``top_p`` (floats) and ``top_k`` (ints, 0 = off) are ``[B]`` tensors; a row with
     temperature 0 is greedy.
     """
-    logits = logits.float()
     greedy = temperature <= 0
-    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logprobs_all = torch.log_softmax(logits / scale[:, None], dim=-1)
+    logprobs_all = tempered_log_softmax(logits, temperature)
 
     filtered = logprobs_all
-    vocab = logits.shape[-1]
+    vocab = logprobs_all.shape[-1]
     if bool((top_k > 0).any()):
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
         kth = torch.sort(filtered, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])

@@ -1,0 +1,58 @@
+"""The temperature-scaled log-softmax, written once for the engine and the trainer.
+
+The engine samples from ``log softmax(logits / T)`` and reports it at the sampled token (the behavior
+logprob, π_behav); the trainer recomputes the same quantity with its own weights (π_prox, π_θ). Both
+call `tempered_log_softmax`, so the importance ratio π_prox / π_behav is 1 wherever the weights agree.
+A temperature ``T <= 0`` (greedy) counts as 1. Logits are taken in float32 whatever the model's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+LOGPROB_CHUNK_TOKENS = 1024
+
+
+def tempered_log_softmax(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits / T)`` over the last dimension, in float32.
+
+    ``temperature`` is a float, or a tensor of the leading dimensions of ``logits`` (one T per row).
+    """
+    logits = logits.float()
+    if isinstance(temperature, torch.Tensor):
+        scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+        logits = logits / scale.reshape(scale.shape + (1,) * (logits.dim() - scale.dim()))
+    elif temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1)
+
+
+def tempered_token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float | torch.Tensor
+) -> torch.Tensor:
+    """``log softmax(logits / T)`` at ``tokens``: logits ``[..., V]``, tokens ``[...]`` -> ``[...]``."""
+    return tempered_log_softmax(logits, temperature).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    tokens: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """`tempered_token_logprobs` of ``head(hidden)`` (hidden ``[T, H]``, tokens ``[T]``), ``chunk_tokens``
+    rows at a time under activation checkpointing when gradients flow: the ``[T, V]`` logits are never
+    held for the whole sequence, in the forward or for the backward."""
+
+    def chunk(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return tempered_token_logprobs(head(h), y, temperature)
+
+    parts = []
+    for s in range(0, tokens.shape[0], chunk_tokens):
+        h, y = hidden[s : s + chunk_tokens], tokens[s : s + chunk_tokens]
+        parts.append(checkpoint(chunk, h, y, use_reentrant=False) if h.requires_grad else chunk(h, y))
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float)

@@ -1,0 +1,60 @@
+"""The micro-batch: what one forward and backward of the trainer runs on.
+
+`batching.py` builds them (padded, or packed by `packing.py`), `spread` lays per-trajectory tensors out
+like them, and the losses and the critic read them. This module imports neither of those, so they need
+not import each other for the type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SharedPrompts:
+    """The row the model runs on when prompts are shared: ``input_ids``/``position_ids`` ``[1, Tc]``;
+    ``expand[t]`` is the row position of token t of the trajectory layout (``MicroBatch.input_ids``)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    expand: torch.Tensor
+    prompts: tuple[tuple[int, int], ...]  # (start, length) of each prompt in the row
+    completions: tuple[tuple[int, int, int, int], ...]  # (start, length, its prompt's start, prompt length)
+
+
+@dataclass
+class MicroBatch:
+    """Tensors ``[B, L]`` (padded) or ``[1, T]`` (packed); trajectory ``index[k]`` is ``[row, start:end]``
+    of them, ``slices[k] = (row, start, end)``."""
+
+    index: list[int]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    loss_mask: torch.Tensor
+    logprobs: torch.Tensor
+    advantages: torch.Tensor
+    prox_logprobs: torch.Tensor | None = None
+    slices: list[tuple[int, int, int]] | None = None
+    position_ids: torch.Tensor | None = None  # packed: restarts at 0 for every trajectory
+    cu_seqlens: torch.Tensor | None = None  # packed: trajectory boundaries [0, l1, l1 + l2, ...]
+    shared: SharedPrompts | None = None  # packed with shared prompts: the shorter row the model runs on
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the model runs on (what a micro-batch costs)."""
+        return (self.shared.input_ids if self.shared is not None else self.input_ids).numel()
+
+
+def spread(mb: MicroBatch, per_trajectory: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One 1-D tensor per trajectory (indexed like the ``make_micro_batches`` input) laid out like ``mb``."""
+    out = torch.zeros_like(mb.loss_mask)
+    for (row, a, b), i in zip(mb.slices, mb.index):
+        out[row, a:b] = per_trajectory[i]
+    return out

@@ -1,0 +1,149 @@
+"""What a PPO update trains on: the first stage of `ppo.py`'s one update path (prepare -> accumulate -> step).
+
+`prepare_batch` shapes the rewards and keeps the trajectories that carry signal: with group advantages
+(GRPO, Dr.GRPO, RLOO) zero-variance groups are dropped and every loss token gets its trajectory's
+advantage; with GAE the critic is the baseline, every trajectory is kept and each token gets its own
+advantage and return (`critic.gae_targets`). With more than one optimizer step per batch it also scores
+π_prox, the weights as they are before the first step. The batch's stats come from sums (`counts`)
+that a streamed batch adds up over its parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from areal_agents.config import PPOConfig
+from areal_agents.trainers.advantages import group_advantages, shape_rewards, zero_variance_groups
+from areal_agents.trainers.batching import make_micro_batches, per_trajectory, token_logprobs
+from areal_agents.trainers.critic import ValueModel, gae_targets
+from areal_agents.trainers.distributed import DataParallel
+from areal_agents.trainers.microbatch import MicroBatch
+from areal_agents.types import Trajectory
+
+
+@dataclass
+class PreparedBatch:
+    """The trajectories to train and, per trajectory, 1-D tensors laid out like its tokens."""
+
+    trajectories: list[Trajectory]
+    advantages: list[torch.Tensor]  # 0 off the loss mask
+    counts: dict[str, float] = field(default_factory=dict)  # sums behind `batch_stats`
+    prox: list[torch.Tensor] | None = None  # π_prox; None: each step's own forward, detached
+    old_values: list[torch.Tensor] | None = None  # GAE: the critic's values before the update
+    returns: list[torch.Tensor] | None = None  # GAE: the critic's targets
+
+    def select(self, idx: Sequence[int]) -> PreparedBatch:
+        """The trajectories ``idx`` (a minibatch), in that order; no counts."""
+
+        def pick(xs: list | None) -> list | None:
+            return None if xs is None else [xs[i] for i in idx]
+
+        return PreparedBatch(
+            pick(self.trajectories),
+            pick(self.advantages),
+            {},
+            pick(self.prox),
+            pick(self.old_values),
+            pick(self.returns),
+        )
+
+    def micro_batches(self, cfg: PPOConfig, pad_token_id: int) -> list[MicroBatch]:
+        """Token-budgeted micro-batches of the trajectories (π_prox riding along when scored)."""
+        return make_micro_batches(
+            self.trajectories,
+            cfg.micro_batch_tokens,
+            pad_token_id=pad_token_id,
+            prox_logprobs=self.prox,
+            pack=cfg.packing,
+            share_prompts=cfg.share_prompts,
+        )
+
+
+def prepare_batch(
+    model: PreTrainedModel,
+    trajectories: list[Trajectory],
+    cfg: PPOConfig,
+    *,
+    temperature: float,
+    pad_token_id: int,
+    critic: ValueModel | None = None,
+    dp: DataParallel | None = None,
+) -> PreparedBatch:
+    """Advantages (and GAE's values and returns) of the trajectories to train; π_prox when the update takes
+    more than one optimizer step. Puts ``model`` in training mode when there is anything to train."""
+    if cfg.advantage == "gae" and critic is None:
+        raise ValueError("ppo.advantage=gae needs a critic and its optimizer")
+    rewards = shape_rewards([t.reward for t in trajectories], cfg.reward_scale, cfg.reward_bias, cfg.reward_clip)
+    # GRPO groups are (prompt, agent role): in a multi-agent episode each role is compared with itself
+    group_ids = [f"{t.group_id}/{t.agent_id}" for t in trajectories]
+    flat = zero_variance_groups(rewards, group_ids)
+    counts = {"groups": float(len(set(group_ids))), "flat_groups": float(len(flat))}
+    if cfg.advantage == "gae":  # the critic is the baseline: every trajectory carries signal
+        keep = list(range(len(trajectories)))
+    else:
+        episode_ids = [t.episode_id or f"#{i}" for i, t in enumerate(trajectories)]
+        advantages = group_advantages(rewards, group_ids, cfg.advantage, episode_ids=episode_ids)
+        keep = [i for i, g in enumerate(group_ids) if not (cfg.filter_zero_variance_groups and g in flat)]
+        counts |= {"advantage_abs_sum": float(advantages.abs().sum()), "advantage_count": float(len(trajectories))}
+    trajs = [trajectories[i] for i in keep]
+    counts["trained"] = float(len(keep))
+    counts["loss_tokens"] = float(sum(sum(t.loss_mask) for t in trajs))
+    if not keep:
+        return PreparedBatch([], [], counts)
+    model.train()
+    prox = None
+    # With one optimizer step per batch, π_prox is the weights of that step's own forward pass: its
+    # logprobs are the detached forward, exactly, so the extra no-grad pass is skipped.
+    if cfg.ppo_epochs * cfg.num_minibatches > 1:
+        prox = proximal_logprobs(
+            model, trajs, temperature, cfg.micro_batch_tokens, pad_token_id, cfg.packing, dp, cfg.share_prompts
+        )
+    if cfg.advantage != "gae":
+        masks = [torch.tensor(t.loss_mask, dtype=torch.float) for t in trajs]
+        return PreparedBatch(trajs, [a * m for a, m in zip(advantages[keep].tolist(), masks)], counts, prox)
+    values, adv, returns, sums = gae_targets(critic, trajs, [rewards[i] for i in keep], cfg, pad_token_id, dp)
+    return PreparedBatch(trajs, adv, counts | sums, prox, values, returns)
+
+
+def batch_stats(counts: dict[str, float]) -> dict[str, float]:
+    """The batch's stats from its `PreparedBatch.counts` (summed over the parts of a streamed batch)."""
+    stats = {
+        "zero_variance_group_fraction": counts["flat_groups"] / max(counts["groups"], 1.0),
+        "trained_trajectories": counts["trained"],
+    }
+    if "advantage_count" in counts:  # per trajectory (group advantages) or per loss token (GAE)
+        stats["advantage_abs_mean"] = counts["advantage_abs_sum"] / max(counts["advantage_count"], 1.0)
+    if "value_sum" in counts:
+        n_tokens = max(counts["advantage_count"], 1.0)
+        stats["value_mean"] = counts["value_sum"] / n_tokens
+        stats["return_mean"] = counts["return_sum"] / n_tokens
+    return stats
+
+
+def add_counts(total: dict[str, float], part: dict[str, float]) -> None:
+    """Add a streamed part's counts to the batch's."""
+    for key, value in part.items():
+        total[key] = total.get(key, 0.0) + value
+
+
+@torch.no_grad()
+def proximal_logprobs(
+    model: PreTrainedModel,
+    trajectories: list[Trajectory],
+    temperature: float,
+    max_tokens: int,
+    pad: int,
+    pack: bool = False,
+    dp: DataParallel | None = None,
+    share_prompts: bool = False,
+) -> list[torch.Tensor]:
+    """π_prox logprobs of every token of every trajectory, with the weights as they are now."""
+
+    def score(mb: MicroBatch) -> torch.Tensor:
+        return token_logprobs(model, mb, temperature)
+
+    return per_trajectory(score, trajectories, max_tokens, pad, pack, dp, share_prompts)
