@@ -50,12 +50,11 @@ def imported(name: str, path: Path) -> list[tuple[int, str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
+        elif isinstance(node, ast.ImportFrom):  # each name, as if a submodule: `from areal_agents import net`
+            base = [node.module] if node.module else []
             if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                found.append((node.lineno, ".".join(base + ([node.module] if node.module else []))))
-            elif node.module:
-                found.append((node.lineno, node.module))
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] + base
+            found += [(node.lineno, ".".join([*base, alias.name])) for alias in node.names]
         elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module" and node.args:
             if isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
                 found.append((node.lineno, node.args[0].value))
@@ -92,11 +91,13 @@ def test_the_layer_check_sees_lazy_and_relative_imports(tmp_path):
     source.write_text(
         "def f():\n    from areal_agents.trainers import ppo\n"
         "from . import sibling\nimport importlib\nimportlib.import_module('areal_agents.cli')\n"
+        "from areal_agents import net\n"
     )
     assert imported("areal_agents.engines.sample", source) == [
-        (2, "areal_agents.trainers"),
-        (3, "areal_agents.engines"),
+        (2, "areal_agents.trainers.ppo"),
+        (3, "areal_agents.engines.sibling"),
         (5, "areal_agents.cli"),
+        (6, "areal_agents.net"),
     ]
 
 

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal_agents import net
 from areal_agents.config import EngineConfig
 from areal_agents.engines.supervisor import Supervisor
 from areal_agents.errors import EngineError
-from areal_agents.net import free_port, health_ok, log_tail
+from areal_agents.net import free_port, log_tail
 
 
 @dataclass
@@ -149,24 +150,20 @@ def failing_s(backend: str) -> float:
 
 
 def wait_healthy(group: ServerGroup, timeout_s: float) -> None:
-    """Poll every server's /health until it answers 200; fail with its log's tail if it dies or times out."""
+    """Wait until every server's /health answers 200; fail with its log's tail if it dies or times out."""
     deadline = time.monotonic() + timeout_s
-    pending = list(range(len(group.addresses)))
-    while pending:
-        for i in list(pending):
-            proc = group.procs[i] if i < len(group.procs) else None
-            if proc is not None and proc.poll() is not None:
-                raise EngineError(
-                    f"model server {group.addresses[i]} exited with code {proc.returncode} during start-up; "
-                    f"its log ({group.logs[i]}) ends:\n{log_tail(group.logs[i])}"
-                )
-            if health_ok(group.addresses[i]):
-                pending.remove(i)
-        if pending and time.monotonic() > deadline:
-            where = f"; log: {group.logs[pending[0]]}" if group.logs else ""
-            raise EngineError(f"model server {group.addresses[pending[0]]} not healthy after {timeout_s:.0f}s{where}")
-        if pending:
-            time.sleep(0.2)
+    for i, address in enumerate(group.addresses):
+        proc = group.procs[i] if i < len(group.procs) else None
+        alive = (lambda p=proc: p.poll() is None) if proc is not None else (lambda: True)
+        if net.wait_healthy(address, max(deadline - time.monotonic(), 0.0), alive=alive):
+            continue
+        if not alive():
+            raise EngineError(
+                f"model server {address} exited with code {proc.returncode} during start-up; "
+                f"its log ({group.logs[i]}) ends:\n{log_tail(group.logs[i])}"
+            )
+        where = f"; log: {group.logs[i]}" if group.logs else ""
+        raise EngineError(f"model server {address} not healthy after {timeout_s:.0f}s{where}")
 
 
 def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path, seed: int = 0):

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from areal_agents.net import wait_healthy
+
 if TYPE_CHECKING:
     from areal_agents.engines.local_servers import ServerGroup
 
@@ -175,14 +177,13 @@ class Supervisor:
                 _post(url, "/update_weights_from_disk", body)
 
     def _wait_healthy(self, i: int) -> bool:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            if self.group.procs[i].poll() is not None:
-                return False  # the next check restarts it again
-            if _get(self.group.addresses[i], "/health")[0] == 200:
-                return True
-            time.sleep(0.2)
-        return False
+        proc = self.group.procs[i]
+        return wait_healthy(
+            self.group.addresses[i],
+            self.startup_timeout_s,
+            alive=lambda: proc.poll() is None,
+            stopped=self._stop.is_set,
+        )  # False: it died (the next check restarts it again), timed out, or the supervisor stopped
 
 
 def spawn_server(command: list[str], log: Path) -> subprocess.Popen:

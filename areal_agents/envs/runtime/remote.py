@@ -23,7 +23,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 import aiohttp
 
 from areal_agents.errors import ArealAgentsError, EnvError, UnknownEnvError
-from areal_agents.net import free_port, health_ok
+from areal_agents.net import free_port, wait_healthy
 
 _EPISODE_ERRORS = ("env_error", "timeout", "worker_died")
 
@@ -267,14 +266,11 @@ class EnvServerProcess:
         self._wait_healthy(startup_timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                err = (self.process.stderr.read() or "").strip().splitlines()
-                raise ArealAgentsError(f"env server exited with code {self.process.returncode}: {' | '.join(err[-3:])}")
-            if health_ok(self.url, timeout=1.0):
-                return
-            time.sleep(0.1)
+        if wait_healthy(self.url, timeout, alive=lambda: self.process.poll() is None, poll_s=0.1):
+            return
+        if self.process.poll() is not None:
+            err = (self.process.stderr.read() or "").strip().splitlines()
+            raise ArealAgentsError(f"env server exited with code {self.process.returncode}: {' | '.join(err[-3:])}")
         self.stop()
         raise ArealAgentsError(f"env server at {self.url} not healthy after {timeout}s")
 
