@@ -27,6 +27,7 @@ from areal_agents.engines.hf.running_batch import (
 from areal_agents.engines.hf.sampling import sample_tokens
 from areal_agents.engines.hf.stats import EngineStats
 from areal_agents.errors import EngineError
+from areal_agents.models.logprobs import tempered_log_softmax
 from areal_agents.types import GenResponse, StopReason
 
 Outcome = tuple[Submission, GenResponse | BaseException]  # a submission and what its caller gets
@@ -314,6 +315,5 @@ def _sliding_window(model: PreTrainedModel) -> int | None:
 
 def _unsampleable(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """[B] rows `sample_tokens` refuses: their temperature-scaled log-probabilities are NaN or all -inf."""
-    scale = torch.where(temperature <= 0, torch.ones_like(temperature), temperature)
-    logprobs = torch.log_softmax(logits.float() / scale[:, None], dim=-1)
+    logprobs = tempered_log_softmax(logits, temperature)
     return torch.isnan(logprobs).any(-1) | ~torch.isfinite(logprobs).any(-1)
