@@ -24,36 +24,36 @@ from areal_agents.errors import ConfigError, did_you_mean
 T = TypeVar("T")
 
 
-def _help(text: str, **kw: Any) -> Any:
+def config_field(text: str, **kw: Any) -> Any:
     """A dataclass field with a one-line help text (shown by ``areal-agents CMD --help-config``)."""
     return field(metadata={"help": text}, **kw)
 
 
 @dataclass
 class ModelConfig:
-    path: str = _help("directory of a transformers checkpoint (config, weights, tokenizer)", default="")
-    dtype: Literal["float32", "bfloat16", "float16"] = _help(
+    path: str = config_field("directory of a transformers checkpoint (config, weights, tokenizer)", default="")
+    dtype: Literal["float32", "bfloat16", "float16"] = config_field(
         "parameter dtype; float32 on CPU (bf16 is much slower there)", default="float32"
     )
 
 
 @dataclass
 class EnvConfig:
-    id: str = _help(
+    id: str = config_field(
         "gymnasium env id (areal_agents/Arithmetic-v0) or module:Class", default="areal_agents/Arithmetic-v0"
     )
-    kwargs: dict[str, Any] = _help("keyword arguments for gymnasium.make", default_factory=dict)
-    module: str = _help("module to import first so that a user env registers itself", default="")
-    backend: Literal["local", "server"] = _help(
+    kwargs: dict[str, Any] = config_field("keyword arguments for gymnasium.make", default_factory=dict)
+    module: str = config_field("module to import first so that a user env registers itself", default="")
+    backend: Literal["local", "server"] = config_field(
         "local: envs in this process; server: through the env-step server (HTTP)", default="local"
     )
-    mode: Literal["inline", "thread", "process"] = _help(
+    mode: Literal["inline", "thread", "process"] = config_field(
         "how env calls run (locally, or in the launched server): event loop, threads, worker processes",
         default="thread",
     )
-    workers: int = _help("threads or processes running env calls", default=4)
-    step_timeout: float = _help("seconds before a reset/step ends its episode as a timeout", default=60.0)
-    server_url: str = _help("backend server: its URL; empty launches a local server for the run", default="")
+    workers: int = config_field("threads or processes running env calls", default=4)
+    step_timeout: float = config_field("seconds before a reset/step ends its episode as a timeout", default=60.0)
+    server_url: str = config_field("backend server: its URL; empty launches a local server for the run", default="")
 
     def __post_init__(self) -> None:
         _check_positive(self, "workers", "step_timeout")
@@ -61,30 +61,30 @@ class EnvConfig:
 
 @dataclass
 class RolloutConfig:
-    batch_size: int = _help("prompts per training step", default=16)
-    group_size: int = _help("episodes per prompt (a GRPO group)", default=8)
-    max_new_tokens: int = _help("generation budget per turn", default=32)
-    temperature: float = _help("sampling temperature (the trainer scales logits by the same)", default=1.0)
-    top_p: float = _help("nucleus sampling", default=1.0)
-    top_k: int = _help("top-k sampling; 0 disables", default=0)
-    max_concurrent_rollouts: int = _help(
+    batch_size: int = config_field("prompts per training step", default=16)
+    group_size: int = config_field("episodes per prompt (a GRPO group)", default=8)
+    max_new_tokens: int = config_field("generation budget per turn", default=32)
+    temperature: float = config_field("sampling temperature (the trainer scales logits by the same)", default=1.0)
+    top_p: float = config_field("nucleus sampling", default=1.0)
+    top_k: int = config_field("top-k sampling; 0 disables", default=0)
+    max_concurrent_rollouts: int = config_field(
         "episodes running at once (one frees its place when it ends, though its group runs on); about 1.5x the "
         "engines' running requests keeps them full without a queue",
         default=256,
     )
-    max_staleness: int = _help(
+    max_staleness: int = config_field(
         "batches rollouts may run ahead of training (0 = synchronous; k: samples at most k versions old)", default=0
     )
-    dynamic_sampling: bool = _help("replace groups whose rewards are all equal with new ones", default=False)
-    max_retries: int = _help("retries of an episode that failed by the env or the engine", default=1)
-    system_prompt: str = _help("optional system message placed before the first observation", default="")
-    agent: str = _help(
+    dynamic_sampling: bool = config_field("replace groups whose rewards are all equal with new ones", default=False)
+    max_retries: int = config_field("retries of an episode that failed by the env or the engine", default=1)
+    system_prompt: str = config_field("optional system message placed before the first observation", default="")
+    agent: str = config_field(
         "module:Class (an Agent, e.g. a ChatAgent subclass) or module:function (async episode function); "
         "empty = ChatAgent",
         default="",
     )
-    agent_kwargs: dict[str, Any] = _help("keyword arguments of the agent class", default_factory=dict)
-    dump_trajectories: bool = _help(
+    agent_kwargs: dict[str, Any] = config_field("keyword arguments of the agent class", default_factory=dict)
+    dump_trajectories: bool = config_field(
         "write each step's trajectories to run_dir/trajectories/step_N.jsonl (to inspect what trains)", default=False
     )
 
@@ -102,62 +102,64 @@ class RolloutConfig:
 
 @dataclass
 class PPOConfig:
-    lr: float = _help("AdamW learning rate", default=1e-4)
-    weight_decay: float = _help("AdamW weight decay", default=0.0)
-    warmup_steps: int = _help("linear learning-rate warm-up, in optimizer steps", default=0)
-    lr_schedule: Literal["constant", "linear", "cosine"] = _help(
+    lr: float = config_field("AdamW learning rate", default=1e-4)
+    weight_decay: float = config_field("AdamW weight decay", default=0.0)
+    warmup_steps: int = config_field("linear learning-rate warm-up, in optimizer steps", default=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = config_field(
         "after warm-up: constant, or decay to 0 over the run (linear or cosine)", default="constant"
     )
-    activation_checkpointing: bool = _help(
+    activation_checkpointing: bool = config_field(
         "recompute activations in the backward pass: less memory for long sequences, one more forward of compute",
         default=False,
     )
-    max_grad_norm: float = _help("gradient-norm clip", default=1.0)
-    eps_clip: float = _help("PPO clip range below 1 (and above, unless eps_clip_higher)", default=0.2)
-    eps_clip_higher: float | None = _help("PPO clip range above 1 (DAPO clip-higher)", default=None)
-    dual_clip: float | None = _help("dual-clip bound c > 1 for negative advantages", default=None)
-    behav_imp_weight_cap: float | None = _help(
+    max_grad_norm: float = config_field("gradient-norm clip", default=1.0)
+    eps_clip: float = config_field("PPO clip range below 1 (and above, unless eps_clip_higher)", default=0.2)
+    eps_clip_higher: float | None = config_field("PPO clip range above 1 (DAPO clip-higher)", default=None)
+    dual_clip: float | None = config_field("dual-clip bound c > 1 for negative advantages", default=None)
+    behav_imp_weight_cap: float | None = config_field(
         "cap on the behavior importance weight exp(logp_prox - logp_behav); null = no cap", default=5.0
     )
-    behav_imp_weight_mode: Literal["mask", "clamp"] = _help(
+    behav_imp_weight_mode: Literal["mask", "clamp"] = config_field(
         "tokens beyond the cap: mask (drop them) or clamp (weight = cap)", default="mask"
     )
-    advantage: Literal["grpo", "dr_grpo", "rloo", "gae"] = _help(
+    advantage: Literal["grpo", "dr_grpo", "rloo", "gae"] = config_field(
         "grpo (group mean/std), dr_grpo (group mean, no std), rloo (leave-one-out), gae (a learned critic)",
         default="grpo",
     )
-    gamma: float = _help("gae: discount per generated token", default=1.0)
-    lam: float = _help("gae: lambda (bias/variance trade-off)", default=0.95)
-    critic_lr: float = _help("gae: AdamW learning rate of the critic", default=1e-4)
-    value_clip: float | None = _help("gae: clip of the value update around the old values; null = none", default=0.2)
-    whiten_advantages: bool = _help("gae: normalise advantages to mean 0, std 1 over the batch", default=True)
-    kl_coef: float = _help("weight of a KL(policy || initial policy) penalty (k3); 0 = none", default=0.0)
-    reward_scale: float = _help("rewards become (r + reward_bias) * reward_scale before advantages", default=1.0)
-    reward_bias: float = _help("added to rewards before scaling", default=0.0)
-    reward_clip: float | None = _help("clip shaped rewards to [-c, c]; null = no clipping", default=None)
-    ppo_epochs: int = _help("passes over each batch", default=1)
-    num_minibatches: int = _help("optimizer steps per epoch", default=1)
-    micro_batch_tokens: int = _help("token budget of one forward/backward micro-batch", default=16384)
-    cpu_threads: int = _help(
+    gamma: float = config_field("gae: discount per generated token", default=1.0)
+    lam: float = config_field("gae: lambda (bias/variance trade-off)", default=0.95)
+    critic_lr: float = config_field("gae: AdamW learning rate of the critic", default=1e-4)
+    value_clip: float | None = config_field(
+        "gae: clip of the value update around the old values; null = none", default=0.2
+    )
+    whiten_advantages: bool = config_field("gae: normalise advantages to mean 0, std 1 over the batch", default=True)
+    kl_coef: float = config_field("weight of a KL(policy || initial policy) penalty (k3); 0 = none", default=0.0)
+    reward_scale: float = config_field("rewards become (r + reward_bias) * reward_scale before advantages", default=1.0)
+    reward_bias: float = config_field("added to rewards before scaling", default=0.0)
+    reward_clip: float | None = config_field("clip shaped rewards to [-c, c]; null = no clipping", default=None)
+    ppo_epochs: int = config_field("passes over each batch", default=1)
+    num_minibatches: int = config_field("optimizer steps per epoch", default=1)
+    micro_batch_tokens: int = config_field("token budget of one forward/backward micro-batch", default=16384)
+    cpu_threads: int = config_field(
         "CPU threads of the trainer's updates (0 = all cores, less the local hf engine's when "
         "rollouts overlap updates: max_staleness > 0)",
         default=0,
     )
-    trainer: Literal["thread", "process"] = _help(
+    trainer: Literal["thread", "process"] = config_field(
         "where updates run: a thread of the run's process, or a process of their own (local runs; with "
         "max_staleness > 0 on a small machine, rollouts and updates then stop sharing one GIL)",
         default="thread",
     )
-    packing: bool = _help(
+    packing: bool = config_field(
         "pack micro-batches without padding (attention stays within each sequence); false: padded rows", default=True
     )
-    share_prompts: bool = _help(
+    share_prompts: bool = config_field(
         "with packing: a row holds each distinct prompt once and its completions attend to it "
         "(a group's prompt is computed once, not group_size times; the same logprobs and gradients)",
         default=True,
     )
-    filter_zero_variance_groups: bool = _help("drop groups whose rewards are all equal", default=True)
-    stream_updates: bool = _help(
+    filter_zero_variance_groups: bool = config_field("drop groups whose rewards are all equal", default=True)
+    stream_updates: bool = config_field(
         "with max_staleness > 0, one optimizer step a batch and group advantages (grpo, dr_grpo, rloo), and a "
         "local trainer: start forward/backward on a batch's finished groups while its last still generate (the "
         "same gradient)",
@@ -180,13 +182,13 @@ class PPOConfig:
 
 @dataclass
 class EvalConfig:
-    num_problems: int = _help("held-out problems (distinct first observations)", default=200)
-    seed: int = _help("seed of the held-out set (fixed across runs)", default=0)
-    every: int = _help("evaluate every N steps; 0 = only before and after training", default=0)
-    n_samples: int = _help("train: episodes per problem; accuracy is avg@n, pass@n is logged too", default=1)
-    temperature: float = _help("train: evaluation sampling temperature (0 = greedy)", default=0.0)
-    top_p: float = _help("train: evaluation nucleus sampling", default=1.0)
-    env_kwargs: dict[str, Any] = _help(
+    num_problems: int = config_field("held-out problems (distinct first observations)", default=200)
+    seed: int = config_field("seed of the held-out set (fixed across runs)", default=0)
+    every: int = config_field("evaluate every N steps; 0 = only before and after training", default=0)
+    n_samples: int = config_field("train: episodes per problem; accuracy is avg@n, pass@n is logged too", default=1)
+    temperature: float = config_field("train: evaluation sampling temperature (0 = greedy)", default=0.0)
+    top_p: float = config_field("train: evaluation nucleus sampling", default=1.0)
+    env_kwargs: dict[str, Any] = config_field(
         "overrides of env.kwargs for evaluation (e.g. split: test)", default_factory=dict
     )
 
@@ -198,53 +200,53 @@ class EvalConfig:
 
 @dataclass
 class EngineConfig:
-    backend: Literal["hf", "serve-model", "sglang"] = _help(
+    backend: Literal["hf", "serve-model", "sglang"] = config_field(
         "hf: in-process engine; serve-model / sglang: launch that many HTTP model servers", default="hf"
     )
-    urls: list[str] = _help("connect to these running SGLang-protocol servers instead", default_factory=list)
-    num_servers: int = _help("servers to launch", default=1)
-    host: str = _help("host the launched servers listen on", default="127.0.0.1")
-    base_port: int = _help("port of the first launched server (0: free ports)", default=0)
-    tp: int = _help("sglang: tensor-parallel GPUs per server", default=1)
-    mem_fraction: float = _help("sglang: --mem-fraction-static", default=0.8)
-    extra_args: list[str] = _help("more command-line flags for each launched server", default_factory=list)
-    max_running_requests: int = _help("requests decoded together by the hf engine / serve-model", default=256)
-    cpu_threads: int = _help(
+    urls: list[str] = config_field("connect to these running SGLang-protocol servers instead", default_factory=list)
+    num_servers: int = config_field("servers to launch", default=1)
+    host: str = config_field("host the launched servers listen on", default="127.0.0.1")
+    base_port: int = config_field("port of the first launched server (0: free ports)", default=0)
+    tp: int = config_field("sglang: tensor-parallel GPUs per server", default=1)
+    mem_fraction: float = config_field("sglang: --mem-fraction-static", default=0.8)
+    extra_args: list[str] = config_field("more command-line flags for each launched server", default_factory=list)
+    max_running_requests: int = config_field("requests decoded together by the hf engine / serve-model", default=256)
+    cpu_threads: int = config_field(
         "hf engine / serve-model launched by an async run: CPU threads of the decode thread (0 = torch's default). "
         "One leaves the other cores to the trainer: on CPU, two threads each running a full OpenMP team slow each "
         "other down",
         default=1,
     )
-    own_process: bool = _help(
+    own_process: bool = config_field(
         "hf engine: run it in a child process of its own, with its own GIL (requests and weights go over a pipe, "
         "not HTTP); async runs on a small machine: see docs/benchmarks.md for when it pays",
         default=False,
     )
-    prefix_cache_tokens: int = _help(
+    prefix_cache_tokens: int = config_field(
         "hf engine / serve-model: tokens of finished requests' KV kept for a next turn that extends them (0 = off)",
         default=65536,
     )
-    stale_kv: Literal["recompute", "keep"] = _help(
+    stale_kv: Literal["recompute", "keep"] = config_field(
         "hf engine / serve-model, after a weight update: recompute running requests' KV cache with the new weights "
         "(AReaL: exact, re-prefills every running request) or keep the old weights' (PipelineRL's in-flight "
         "update: no re-prefill; tokens' recorded logprobs stay those they were sampled with, as decoupled PPO needs)",
         default="recompute",
     )
-    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _help(
+    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = config_field(
         "hf engine / serve-model: dtype of the KV cache decode steps attend to (auto = the model's). bfloat16 "
         "halves the bytes one-token attention reads; the tokens' logprobs stay those they were sampled with, "
         "no longer exactly the trainer's float32 forward's (docs/benchmarks.md)",
         default="auto",
     )
-    fast_decode: bool = _help(
+    fast_decode: bool = config_field(
         "hf engine / serve-model: decode Llama-family models (llama, mistral, qwen2, qwen3) with the engine's own "
         "step (q/k/v and gate/up fused: those weights held twice) instead of transformers' forward; other models "
         "always use transformers'",
         default=True,
     )
-    startup_timeout_s: float = _help("seconds to wait for a launched server's /health", default=600.0)
-    request_timeout_s: float = _help("seconds before a /generate call is retried", default=3600.0)
-    max_retries: int = _help("retries (exponential backoff) of a call on connection errors and 5xx", default=5)
+    startup_timeout_s: float = config_field("seconds to wait for a launched server's /health", default=600.0)
+    request_timeout_s: float = config_field("seconds before a /generate call is retried", default=3600.0)
+    max_retries: int = config_field("retries (exponential backoff) of a call on connection errors and 5xx", default=5)
 
     def __post_init__(self) -> None:
         _check_positive(self, "num_servers", "tp", "max_running_requests")
@@ -257,20 +259,20 @@ class EngineConfig:
 
 @dataclass
 class RayConfig:
-    address: str = _help(
+    address: str = config_field(
         "Ray cluster to join ('auto' or 'ray://host:10001'); empty starts a local cluster for the run", default=""
     )
-    num_cpus: int = _help("a local cluster's CPUs; 0 = this machine's cores", default=0)
-    env_servers: int = _help("env-step server actors (replicas behind one RemoteEnvPool)", default=1)
-    rollout_workers: int = _help("rollout worker actors (each runs its share of the episodes)", default=1)
-    trainer_ranks: int = _help("data-parallel trainer ranks (a torch.distributed group of actors)", default=1)
-    env_server_cpus: float = _help("CPUs each env server reserves (fractions are fine)", default=1.0)
-    rollout_worker_cpus: float = _help("CPUs each rollout worker reserves", default=1.0)
-    trainer_cpus: float = _help("CPUs each trainer rank reserves", default=1.0)
-    engine_server_cpus: float = _help("CPUs each model server reserves", default=1.0)
-    engine_server_gpus: float = _help("GPUs each model server reserves (sglang: engine.tp)", default=0.0)
-    max_restarts: int = _help("restarts of a dead env server or rollout worker actor", default=3)
-    recovery_timeout_s: float = _help(
+    num_cpus: int = config_field("a local cluster's CPUs; 0 = this machine's cores", default=0)
+    env_servers: int = config_field("env-step server actors (replicas behind one RemoteEnvPool)", default=1)
+    rollout_workers: int = config_field("rollout worker actors (each runs its share of the episodes)", default=1)
+    trainer_ranks: int = config_field("data-parallel trainer ranks (a torch.distributed group of actors)", default=1)
+    env_server_cpus: float = config_field("CPUs each env server reserves (fractions are fine)", default=1.0)
+    rollout_worker_cpus: float = config_field("CPUs each rollout worker reserves", default=1.0)
+    trainer_cpus: float = config_field("CPUs each trainer rank reserves", default=1.0)
+    engine_server_cpus: float = config_field("CPUs each model server reserves", default=1.0)
+    engine_server_gpus: float = config_field("GPUs each model server reserves (sglang: engine.tp)", default=0.0)
+    max_restarts: int = config_field("restarts of a dead env server or rollout worker actor", default=3)
+    recovery_timeout_s: float = config_field(
         "seconds to wait for a restarting actor before the run fails with the reason", default=120.0
     )
 
@@ -282,21 +284,21 @@ class RayConfig:
 class TrainConfig:
     """`areal-agents train`: decoupled-PPO RL on an env."""
 
-    run_dir: str = _help("where checkpoints, TensorBoard logs and the summary go", default="runs/train")
-    seed: int = _help("seed for torch, sampling and training prompts", default=1)
-    steps: int = _help("training steps (one rollout batch each)", default=100)
-    max_train_minutes: float = _help(
+    run_dir: str = config_field("where checkpoints, TensorBoard logs and the summary go", default="runs/train")
+    seed: int = config_field("seed for torch, sampling and training prompts", default=1)
+    steps: int = config_field("training steps (one rollout batch each)", default=100)
+    max_train_minutes: float = config_field(
         "also stop once this invocation's training steps (rollout + update; start-up and evals excluded) "
         "took this many minutes: a wall budget; 0 = none (lr schedules still span `steps`)",
         default=0.0,
     )
-    save_every: int = _help("checkpoint every N steps; 0 = only at the end", default=0)
-    save_every_minutes: float = _help(
+    save_every: int = config_field("checkpoint every N steps; 0 = only at the end", default=0)
+    save_every_minutes: float = config_field(
         "also checkpoint when this many minutes passed since the last; 0 = off", default=0.0
     )
-    keep_checkpoints: int = _help("keep the newest K checkpoints (resume uses the newest); 0 = all", default=3)
+    keep_checkpoints: int = config_field("keep the newest K checkpoints (resume uses the newest); 0 = all", default=3)
     model: ModelConfig = field(default_factory=ModelConfig)
-    policies: dict[str, str] = _help(
+    policies: dict[str, str] = config_field(
         "separate policies: agent id -> starting model path, each agent trains its own copy and engine "
         "(multi-agent envs); empty = one policy (model.path) shared by every agent",
         default_factory=dict,
@@ -306,7 +308,7 @@ class TrainConfig:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    launcher: Literal["local", "ray"] = _help(
+    launcher: Literal["local", "ray"] = config_field(
         "local: one process (plus servers); ray: the same run on a Ray cluster (see ray.*)", default="local"
     )
     ray: RayConfig = field(default_factory=RayConfig)
@@ -325,20 +327,20 @@ class TrainConfig:
 class SFTConfig:
     """`areal-agents sft`: supervised fine-tuning on chat conversations (the RL warm start)."""
 
-    run_dir: str = _help("where the fine-tuned model, logs and summary go", default="runs/sft")
-    seed: int = _help("seed for torch and data order", default=1)
-    data: str = _help("JSONL file, one {'messages': [{'role', 'content'}, ...]} per line", default="")
-    steps: int = _help("optimizer steps", default=200)
-    batch_size: int = _help("conversations per step", default=64)
-    lr: float = _help("AdamW learning rate", default=1e-3)
-    weight_decay: float = _help("AdamW weight decay", default=0.0)
-    warmup_steps: int = _help("linear learning-rate warm-up", default=10)
-    max_grad_norm: float = _help("gradient-norm clip", default=1.0)
-    micro_batch_tokens: int = _help("token budget of one forward/backward micro-batch", default=16384)
+    run_dir: str = config_field("where the fine-tuned model, logs and summary go", default="runs/sft")
+    seed: int = config_field("seed for torch and data order", default=1)
+    data: str = config_field("JSONL file, one {'messages': [{'role', 'content'}, ...]} per line", default="")
+    steps: int = config_field("optimizer steps", default=200)
+    batch_size: int = config_field("conversations per step", default=64)
+    lr: float = config_field("AdamW learning rate", default=1e-3)
+    weight_decay: float = config_field("AdamW weight decay", default=0.0)
+    warmup_steps: int = config_field("linear learning-rate warm-up", default=10)
+    max_grad_norm: float = config_field("gradient-norm clip", default=1.0)
+    micro_batch_tokens: int = config_field("token budget of one forward/backward micro-batch", default=16384)
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    max_new_tokens: int = _help("generation budget per turn during evaluation", default=32)
+    max_new_tokens: int = config_field("generation budget per turn during evaluation", default=32)
 
     def __post_init__(self) -> None:
         _check_positive(self, "steps", "batch_size", "lr", "micro_batch_tokens")

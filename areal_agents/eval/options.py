@@ -18,45 +18,47 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from areal_agents.config import EngineConfig
+from areal_agents.config import EngineConfig, config_field
 from areal_agents.errors import ConfigError
 from areal_agents.eval.runner import EvalSettings, eval_settings
 
 
-def _help(text: str, **kw: Any) -> Any:
-    return field(metadata={"help": text}, **kw)
-
-
 @dataclass
 class EvalEnvOptions:
-    id: str = _help("evaluate this env id instead of a dataset's (e.g. my/Env-v0)", default="")
-    kwargs: dict[str, Any] = _help("env kwargs, e.g. {max_turns: 2}", default_factory=dict)
-    module: str = _help("module to import first so that the env registers itself", default="")
+    id: str = config_field("evaluate this env id instead of a dataset's (e.g. my/Env-v0)", default="")
+    kwargs: dict[str, Any] = config_field("env kwargs, e.g. {max_turns: 2}", default_factory=dict)
+    module: str = config_field("module to import first so that the env registers itself", default="")
 
 
 @dataclass
 class EvalOptions:
-    model: str = _help("model directory (a transformers checkpoint)", default="")
-    dataset: str = _help("a preset, a bundled set, a JSONL path or hf:ORG/NAME", default="")
-    preset: str = _help("settings for a path or id: aime24, aime25, math500, gsm8k, math, lcb, ...", default="")
-    hub: bool = _help("load the preset's copy from the Hugging Face hub, not the bundled one", default=False)
+    model: str = config_field("model directory (a transformers checkpoint)", default="")
+    dataset: str = config_field("a preset, a bundled set, a JSONL path or hf:ORG/NAME", default="")
+    preset: str = config_field("settings for a path or id: aime24, aime25, math500, gsm8k, math, lcb, ...", default="")
+    hub: bool = config_field("load the preset's copy from the Hugging Face hub, not the bundled one", default=False)
     env: EvalEnvOptions = field(default_factory=EvalEnvOptions)
-    module: list[str] = _help("modules to import first (they register env ids)", default_factory=list)
-    num_problems: int | None = _help("the first N problems (an env without a dataset: seeds 0..N-1)", default=None)
-    success_threshold: float = _help("the return that counts as success when the env reports none", default=1.0)
-    engine: Literal["hf", "serve-model", "sglang"] = _help("the inference engine", default="hf")
-    engine_url: list[str] = _help("running SGLang-protocol servers", default_factory=list)
-    n_samples: int | None = _help("samples per problem (default: the preset's)", default=None)
-    temperature: float | None = _help("default: the preset's", default=None)
-    top_p: float | None = _help("default: the preset's", default=None)
-    max_new_tokens: int | None = _help("default: the preset's", default=None)
-    concurrency: int | None = _help("episodes in flight (default 64)", default=None)
-    seed: int | None = _help("sampling seed (default 0)", default=None)
-    max_retries: int | None = _help("tries more for a sample whose env or engine failed (default 1)", default=None)
-    system_prompt: str = _help("system message of every episode", default="")
-    lcb_start: str = _help("LiveCodeBench: problems with contest_date >= this (ISO date, quoted in YAML)", default="")
-    lcb_end: str = _help("LiveCodeBench: ... and < this date", default="")
-    out: str = _help("output directory (default runs/eval/DATASET or ENV, or -2, -3, ... if taken)", default="")
+    module: list[str] = config_field("modules to import first (they register env ids)", default_factory=list)
+    num_problems: int | None = config_field(
+        "the first N problems (an env without a dataset: seeds 0..N-1)", default=None
+    )
+    success_threshold: float = config_field("the return that counts as success when the env reports none", default=1.0)
+    engine: Literal["hf", "serve-model", "sglang"] = config_field("the inference engine", default="hf")
+    engine_url: list[str] = config_field("running SGLang-protocol servers", default_factory=list)
+    n_samples: int | None = config_field("samples per problem (default: the preset's)", default=None)
+    temperature: float | None = config_field("default: the preset's", default=None)
+    top_p: float | None = config_field("default: the preset's", default=None)
+    max_new_tokens: int | None = config_field("default: the preset's", default=None)
+    concurrency: int | None = config_field("episodes in flight (default 64)", default=None)
+    seed: int | None = config_field("sampling seed (default 0)", default=None)
+    max_retries: int | None = config_field(
+        "tries more for a sample whose env or engine failed (default 1)", default=None
+    )
+    system_prompt: str = config_field("system message of every episode", default="")
+    lcb_start: str = config_field(
+        "LiveCodeBench: problems with contest_date >= this (ISO date, quoted in YAML)", default=""
+    )
+    lcb_end: str = config_field("LiveCodeBench: ... and < this date", default="")
+    out: str = config_field("output directory (default runs/eval/DATASET or ENV, or -2, -3, ... if taken)", default="")
 
     def check(self) -> None:
         """What every run needs: a model, and a dataset or an env."""
