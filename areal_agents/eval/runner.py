@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -70,15 +70,19 @@ class EvalSettings:
 
 
 def _done(path: Path) -> dict[tuple[int, int], dict[str, Any]]:
-    """Samples already scored by an earlier (interrupted) run, by (problem index, sample)."""
+    """Samples already scored by an earlier (interrupted) run, by (problem index, sample). A last line
+    cut by an interruption is ended, so the next record starts a line of its own."""
     out = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by the interruption: that sample runs again
-            out[(row["index"], row["sample"])] = row
+    text = path.read_text() if path.is_file() else ""
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the interruption: that sample runs again
+        out[(row["index"], row["sample"])] = row
+    if text and not text.endswith("\n"):
+        with path.open("a") as f:
+            f.write("\n")
     return out
 
 
@@ -119,18 +123,21 @@ async def evaluate_dataset(
     settings: EvalSettings,
     engine: InferenceEngine,
     tokenizer: Any,
-    out_dir: str | Path,
+    out_dir: str | Path | Sequence[Path],
     progress: bool = True,
     identity: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run every (problem, sample) not yet in ``samples.jsonl``; return (and write) the summary.
+
+    ``out_dir`` may be a list of candidate directories: the run goes to the first one whose samples come
+    from this same run (or that holds none); the summary's ``out`` says which.
 
     Each sample is one episode of the `EpisodeRunner` (env and engine failures retried
     ``settings.max_retries`` times, every sample counted in the summary's ``episodes`` ledger); a sample
     that still fails is left out of ``samples.jsonl``, so a rerun runs it again. ``identity`` (the model
     and engine, see `run_eval`) joins the settings and the dataset's hash in ``run.json``: samples of
     another run there raise `RunMismatch` before anything is generated."""
-    out = Path(out_dir)
+    candidates = [Path(out_dir)] if isinstance(out_dir, (str, Path)) else [Path(c) for c in out_dir]
     pool = LocalEnvPool("thread", workers=4, step_timeout=None)
     try:
         source = await load_problems(
@@ -141,7 +148,7 @@ async def evaluate_dataset(
             env_id=settings.env_id,
         )
         identity = _identity(settings, identity, source.dataset_hash)
-        claim(out, identity)
+        out = _claim_first(candidates, identity)
         done, ledger = await _run_samples(settings, engine, tokenizer, pool, source.problems, out, identity, progress)
     finally:
         await pool.aclose()
@@ -149,13 +156,24 @@ async def evaluate_dataset(
     summary = summarize([r for r in done.values() if r["index"] in chosen], settings.n_samples, settings.breakdown)
     failed = ledger.failed + ledger.env_failed + ledger.engine_failed + ledger.worker_failed
     summary["failed_samples"] = failed  # not in samples.jsonl: a rerun runs them again
-    summary["episodes"] = {**asdict(ledger), "running": ledger.running}
+    summary["episodes"] = ledger.counts()
     if source.notes:
         summary["notes"] = source.notes
-    summary["settings"] = asdict(settings)
-    summary["run"] = identity
+    summary |= {"settings": asdict(settings), "run": identity, "out": str(out)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _claim_first(candidates: list[Path], identity: dict[str, Any]) -> Path:
+    """The first candidate directory `claim` takes for this run; the last one's `RunMismatch` if none."""
+    for out in candidates[:-1]:
+        try:
+            claim(out, identity)
+            return out
+        except RunMismatch:
+            continue
+    claim(candidates[-1], identity)
+    return candidates[-1]
 
 
 async def _run_samples(
@@ -173,9 +191,6 @@ async def _run_samples(
     samples_path = out / "samples.jsonl"
     stamp = {k: identity.get(k) for k in ("model", "model_hash", "engine", "sampling", "dataset_hash")}
     done = _done(samples_path)
-    if samples_path.is_file() and samples_path.stat().st_size and not samples_path.read_text().endswith("\n"):
-        with samples_path.open("a") as f:
-            f.write("\n")  # after a line cut by an interruption: the next record starts a line of its own
     todo = [(p, j) for p in problems for j in range(settings.n_samples) if (p.number, j) not in done]
     sampling = SamplingParams(settings.max_new_tokens, settings.temperature, settings.top_p)
     agent = ChatAgent(engine, tokenizer, sampling, system_prompt=settings.system_prompt)
@@ -266,23 +281,14 @@ def run_eval(
     candidates = fresh_candidates(Path(out_dir)) if new_dir_on_mismatch else [Path(out_dir)]
     rollout_engine, servers = open_engine(engine, model_path, "float32", run_dir=Path(out_dir), seed=settings.seed)
 
-    async def main() -> tuple[Path, dict[str, Any]]:
+    async def main() -> dict[str, Any]:
         try:
-            for out in candidates:
-                try:
-                    return out, await evaluate_dataset(settings, rollout_engine, tokenizer, out, progress, identity)
-                except RunMismatch:
-                    if out == candidates[-1]:
-                        raise
-            raise AssertionError("unreachable")
+            return await evaluate_dataset(settings, rollout_engine, tokenizer, candidates, progress, identity)
         finally:
             await rollout_engine.aclose()
 
     try:
-        out, summary = asyncio.run(main())
+        return asyncio.run(main())
     finally:
         if servers is not None:
             servers.stop()
-    summary["out"] = str(out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
