@@ -29,7 +29,8 @@ from areal_agents.engines.local_servers import ServerGroup, engine_client
 from areal_agents.engines.weight_sync import DiskSync
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ConfigError
-from areal_agents.trainers.policy_api import EpisodeRunner, TrainablePolicy, TrainSpec
+from areal_agents.rollout.episodes import EpisodeFn
+from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,6 @@ class RayLauncher:
         self.started = False
         self.env_servers: EnvServers | None = None
         self.workers: RolloutWorkers | None = None
-        self.policies: list[DistributedPolicy] = []
 
     def start(self) -> None:
         """Join or start the cluster, check the resource requests, start the env servers."""
@@ -81,13 +81,12 @@ class RayLauncher:
         except BaseException:
             servers.stop()
             raise
-        self.policies.append(policy)
-        return policy
+        return policy  # the recipe closes it
 
     def env_backend(self) -> EnvBackend:
         return EnvBackend(self.cfg.env, self.env_servers.pool())
 
-    def episode_runner(self, policy: TrainablePolicy) -> EpisodeRunner:
+    def episode_runner(self, policy: TrainablePolicy) -> EpisodeFn:
         """Episodes on the rollout workers, against ``policy``'s model servers."""
         if self.workers is None:
             self.workers = RolloutWorkers.launch(self.cfg, policy.engine.addresses, self.env_servers)
@@ -109,8 +108,6 @@ class RayLauncher:
         """Stop every actor of the run (and the local cluster, if this run started it)."""
         if self.workers is not None:
             self.workers.kill()
-        for policy in self.policies:
-            policy.close()
         if self.env_servers is not None:
             self.env_servers.kill()
         if self.started and ray.is_initialized():

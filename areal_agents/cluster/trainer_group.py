@@ -98,7 +98,7 @@ class DistributedPolicy:
         cpus: float = 1.0,
     ) -> None:
         self.name, self.engine, self.weight_sync, self.servers = name, engine, weight_sync, servers
-        self.model_path = model_path
+        self.model_path, self.dtype = model_path, spec.dtype
         self.ranks = [TrainerRank.options(num_cpus=cpus).remote(rank, ranks) for rank in range(ranks)]
         master = ray.get(self.ranks[0].master_address.remote())
         ray.get([r.setup.remote(spec, name, model_path, init_path, master) for r in self.ranks])
@@ -130,7 +130,7 @@ class DistributedPolicy:
     def model(self) -> PreTrainedModel:
         """A copy of rank 0's current weights in the driver (for checkpoints)."""
         if self._model is None:
-            self._model = load_model(self.model_path)
+            self._model = load_model(self.model_path, self.dtype)
         self._model.load_state_dict(ray.get(self.ranks[0].state_dict.remote()))
         return self._model
 

@@ -54,3 +54,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     if tok.eos_token_id is None:
         raise ModelLoadError(f"tokenizer in {p} has no eos_token; generation needs one to stop")
     return tok
+
+
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id the trainer pads with: the tokenizer's pad token, else its EOS (many chat models have no pad)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -27,13 +27,13 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from areal_agents.agents.base import Agent
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ClusterError
-from areal_agents.rollout.episodes import EpisodeRunner, FailureKind, RolloutLedger, local_episode
+from areal_agents.rollout.episodes import EpisodeFn, EpisodeRunner, FailureKind, RolloutLedger, local_episode
 from areal_agents.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class RolloutController:
         tag: str = "",
         start_index: int = 0,
         groups_before: int = 0,
-        run_episode: Callable[[int, str], Awaitable[list[Trajectory]]] | None = None,
+        run_episode: EpisodeFn | None = None,
     ) -> None:
         """``max_concurrent_episodes`` counts episodes still running, not their groups: a group whose other
         episodes have ended holds one place, not ``group_size``, so a long answer does not keep the engine
@@ -105,11 +105,11 @@ class RolloutController:
             raise ValueError(
                 f"max_concurrent_episodes: expects at least group_size ({group_size}), got {max_concurrent_episodes}"
             )
-        self.agent, self.make_env, self.seed_at = agent, make_env, seed_at
+        self.seed_at = seed_at
         self.batch_size, self.group_size = batch_size, group_size
         self.get_version = get_version
         self.max_staleness, self.max_concurrent_episodes = max_staleness, max_concurrent_episodes
-        self.group_filter, self.max_retries = group_filter, max_retries
+        self.group_filter = group_filter
         self.ledger = ledger if ledger is not None else RolloutLedger()
         self.tag = tag
         self.stats = ControllerStats(groups_accepted=groups_before)

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 FailureKind = Literal["env", "engine", "worker", "cluster", "failed"]
 Episode = Callable[[], Awaitable[list[Trajectory]]]  # one try of an episode: its trajectories, or it raises
+EpisodeFn = Callable[[int, str], Awaitable[list[Trajectory]]]  # (seed, episode_id) -> one try of that episode
 
 
 @dataclass
@@ -144,7 +145,7 @@ class EpisodeRunner:
             self.on_retry(kind)
 
 
-def local_episode(agent: Agent, make_env: Callable[[], AsyncEnv]) -> Callable[[int, str], Awaitable[list[Trajectory]]]:
+def local_episode(agent: Agent, make_env: Callable[[], AsyncEnv]) -> EpisodeFn:
     """``(seed, episode_id) -> trajectories``: one try of an episode of ``agent`` on a fresh env, in this process."""
 
     async def episode(seed: int, episode_id: str) -> list[Trajectory]:

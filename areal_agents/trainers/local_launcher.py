@@ -20,9 +20,10 @@ from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.local_servers import open_engine
 from areal_agents.engines.weight_sync import DiskSync, InProcessSync, WeightSync
 from areal_agents.envs.runtime.backends import EnvBackend
-from areal_agents.models.loading import load_tokenizer
+from areal_agents.models.loading import load_tokenizer, pad_token_id
+from areal_agents.rollout.episodes import EpisodeFn
 from areal_agents.trainers.policy import DEFAULT_CPU_THREADS, SHARED, Policy, load_trainable
-from areal_agents.trainers.policy_api import EpisodeRunner, TrainablePolicy, TrainSpec
+from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec
 from areal_agents.trainers.trainer_process import ProcessPolicy
 
 
@@ -57,7 +58,7 @@ class LocalLauncher:
     def env_backend(self) -> EnvBackend | None:
         return None  # the config's
 
-    def episode_runner(self, policy: TrainablePolicy) -> EpisodeRunner | None:
+    def episode_runner(self, policy: TrainablePolicy) -> EpisodeFn | None:
         return None  # the recipe's agent, in this process
 
     def stats(self) -> dict[str, Any]:
@@ -74,8 +75,7 @@ def weight_sync_for(engine: InferenceEngine, servers: Any) -> WeightSync:
 
 def open_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, run_dir: Path) -> Policy:
     """A `Policy` (or `ProcessPolicy`) of the run ``cfg`` and its engine, as `LocalLauncher` opens it."""
-    tokenizer = load_tokenizer(cfg.model.path)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(load_tokenizer(cfg.model.path))
     return LocalLauncher(cfg, run_dir).open_policy(name, model_path, init_path, TrainSpec.of(cfg, pad))
 
 

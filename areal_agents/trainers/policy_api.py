@@ -28,7 +28,6 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -39,9 +38,8 @@ from areal_agents.config import PPOConfig, TrainConfig
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.weight_sync import WeightSync
 from areal_agents.envs.runtime.backends import EnvBackend
+from areal_agents.rollout.episodes import EpisodeFn
 from areal_agents.types import Trajectory
-
-EpisodeRunner = Callable[[int, str], Awaitable[list[Trajectory]]]  # (seed, episode_id) -> the episode's data
 
 
 @dataclass(frozen=True)
@@ -122,7 +120,7 @@ class Launcher(Protocol):
         """The env backend of the run's episodes; None: the config's (`open_env_backend`)."""
         ...
 
-    def episode_runner(self, policy: TrainablePolicy) -> EpisodeRunner | None:
+    def episode_runner(self, policy: TrainablePolicy) -> EpisodeFn | None:
         """Where episodes run; None: in this process, by the recipe's agent."""
         ...
 

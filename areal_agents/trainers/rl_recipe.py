@@ -33,16 +33,17 @@ from areal_agents.agents.factory import make_rollout_agent
 from areal_agents.config import TrainConfig
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ConfigError
-from areal_agents.models.loading import load_tokenizer
+from areal_agents.models.loading import load_tokenizer, pad_token_id
 from areal_agents.progress import plural, progress_bar
 from areal_agents.rollout.controller import Group, RolloutController, has_reward_variance
+from areal_agents.rollout.episodes import EpisodeFn
 from areal_agents.rollout.held_out import evaluate
 from areal_agents.trainers.checkpoint import checkpoints, load_trainer_state
 from areal_agents.trainers.interrupt import Interrupt
 from areal_agents.trainers.local_launcher import LocalLauncher
 from areal_agents.trainers.metrics_writer import MetricsWriter, prefixed
 from areal_agents.trainers.policy import SHARED
-from areal_agents.trainers.policy_api import EpisodeRunner, Launcher, TrainablePolicy, TrainSpec
+from areal_agents.trainers.policy_api import Launcher, TrainablePolicy, TrainSpec
 from areal_agents.trainers.ppo import streamable
 from areal_agents.trainers.resume import check_resume_config, forget_after
 from areal_agents.trainers.run_start import held_out_seeds, open_checked_backend, prepare_run_dir, seed_everything
@@ -79,7 +80,7 @@ def run_train(
             print(f"with config changes (--allow-config-change): {'; '.join(changes)}")
     forget_after(run_dir, state["step"] if state else 0)  # steps after the checkpoint are redone, and logged anew
     launcher = launcher if launcher is not None else LocalLauncher(cfg, run_dir)
-    spec = TrainSpec.of(cfg, _pad_token_id(tokenizer))
+    spec = TrainSpec.of(cfg, pad_token_id(tokenizer))
     starts = dict(cfg.policies) if cfg.policies else {SHARED: cfg.model.path}  # policy name -> starting model
     policies: dict[str, TrainablePolicy] = {}
     # This thread runs the event loop (agents, envs), not tensors: one intra-op thread, so the torch
@@ -108,10 +109,6 @@ def _checkpoint_to_resume(cfg: TrainConfig, resume: bool, allow_change: bool) ->
     if not found:
         raise ConfigError(f"--resume: no complete checkpoint under {Path(cfg.run_dir) / 'checkpoints'}")
     return found[-1], check_resume_config(cfg.run_dir, cfg, allow_change)
-
-
-def _pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 async def _train(cfg, tokenizer, policies, launcher, run_dir, progress, state, interrupt):
@@ -229,7 +226,7 @@ def _controller(
     backend: EnvBackend,
     run: RunState,
     get_version: Callable[[], int],
-    run_episode: EpisodeRunner | None,
+    run_episode: EpisodeFn | None,
 ) -> RolloutController:
     """The run's rollout controller at the run's position, gating staleness by ``get_version`` (``run_episode``:
     where episodes run; None: here, by ``agent``)."""

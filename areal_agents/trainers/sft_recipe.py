@@ -17,7 +17,7 @@ from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.config import SFTConfig
 from areal_agents.data.jsonl import read_chat_jsonl
 from areal_agents.engines.hf.engine import HFEngine
-from areal_agents.models.loading import load_model, load_tokenizer
+from areal_agents.models.loading import load_model, load_tokenizer, pad_token_id
 from areal_agents.progress import plural, progress_bar
 from areal_agents.rollout.held_out import evaluate
 from areal_agents.trainers.checkpoint import save_model
@@ -53,7 +53,7 @@ def _sft(cfg, conversations, backend, loop, progress):
     run_dir = prepare_run_dir(cfg.run_dir, cfg)
     seed_everything(cfg.seed)
     data = [conversation_to_trajectory(m, tokenizer) for m in conversations]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
 
     engine = HFEngine(load_model(cfg.model.path, cfg.model.dtype), seed=cfg.seed) if evaluating else None
     greedy = ChatAgent(engine, tokenizer, SamplingParams(cfg.max_new_tokens, temperature=0.0)) if engine else None
