@@ -98,7 +98,6 @@ class HFEngine:
             kv_dtype=kv_dtype,
             fast_decode=fast_decode,
         )
-        self.prefixes = self._runner.prefixes  # finished rows' KV (decode thread only)
         self.kv_dtype = self._runner.kv_dtype  # of the KV cache decode steps attend to
         self._scheduler = Scheduler(
             self._runner,
@@ -117,9 +116,11 @@ class HFEngine:
     def set_version(self, version: int) -> None:
         self._scheduler.version = version
 
-    async def generate_once(self, request: GenRequest) -> GenResponse:
-        """One submission; ends ``abort`` with the tokens so far if `abort` hits it."""
-        request = check_request(request, self.limits)  # nothing the model cannot take reaches the decode thread
+    async def generate_once(self, request: GenRequest, *, checked: bool = False) -> GenResponse:
+        """One submission; ends ``abort`` with the tokens so far if `abort` hits it. ``checked``: the caller
+        already passed it through `check_request` (a token loop over the prompt, not done twice)."""
+        if not checked:
+            request = check_request(request, self.limits)  # nothing the model cannot take reaches the decode thread
         stops = (set() if request.sampling.ignore_eos else self.eos_token_ids) | set(request.sampling.stop_token_ids)
         future = asyncio.get_running_loop().create_future()
         seq = Submission(request.rid, list(request.input_ids), request.sampling, stops, future)
@@ -141,7 +142,8 @@ class HFEngine:
         versions: list[int] = []
         while True:  # resubmit prompt + tokens so far after every abort
             remaining = SamplingParams(**{**sp.__dict__, "max_new_tokens": sp.max_new_tokens - len(tokens)})
-            part = await self.generate_once(GenRequest(request.rid, request.input_ids + tokens, remaining))
+            resubmit = GenRequest(request.rid, request.input_ids + tokens, remaining)  # checked tokens, fewer to go
+            part = await self.generate_once(resubmit, checked=True)
             tokens += part.output_tokens
             logprobs += part.output_logprobs
             versions += part.output_versions

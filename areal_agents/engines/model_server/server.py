@@ -72,7 +72,9 @@ class ModelServer:
             requests = self.checked(body, parse_generate(body, self.tokenize))
         except (ProtocolError, RequestError) as e:
             return error_response(400, str(e))
-        replies = await asyncio.gather(*(self.engine.generate_once(r) for r, _ in requests), return_exceptions=True)
+        replies = await asyncio.gather(
+            *(self.engine.generate_once(r, checked=True) for r, _ in requests), return_exceptions=True
+        )
         failed = next((r for r in replies if isinstance(r, BaseException)), None)
         if failed is not None:
             return self.failure(failed)
