@@ -26,6 +26,7 @@ from areal_agents.config import PPOConfig
 from areal_agents.trainers.batching import per_trajectory
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.microbatch import MicroBatch, spread
+from areal_agents.trainers.optim import optimizer_step
 from areal_agents.trainers.packing import packed_hidden_states, use_packed_attention
 from areal_agents.types import Trajectory
 
@@ -171,8 +172,4 @@ def critic_step(
     critic: ValueModel, optimizer: torch.optim.Optimizer, max_grad_norm: float, dp: DataParallel | None = None
 ) -> float:
     """Sum the gradients across ranks (``dp``), clip and step; the gradient norm before clipping."""
-    if dp:
-        dp.all_reduce_grads(list(critic.parameters()))
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(critic.parameters(), max_grad_norm))
-    optimizer.step()
-    return grad_norm
+    return optimizer_step(critic, optimizer, max_grad_norm, dp=dp)

@@ -1,4 +1,4 @@
-"""The optimizer and its learning-rate schedule (warm-up, then constant, linear or cosine decay)."""
+"""The optimizer, its learning-rate schedule (warm-up, then constant, linear or cosine decay) and its step."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import functools
 import math
 
 import torch
+
+from areal_agents.trainers.distributed import DataParallel
 
 
 def make_optimizer(
@@ -34,3 +36,27 @@ def lr_factor(step: int, *, warmup_steps: int, schedule: str, total_steps: int) 
         return 1.0
     progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
     return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def optimizer_step(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float,
+    *,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    grad_divisor: float = 1.0,
+    dp: DataParallel | None = None,
+) -> float:
+    """Sum ``module``'s gradients across ranks (``dp``), divide them by ``grad_divisor``, clip to
+    ``max_grad_norm`` and step (the schedule too, if any); the gradient norm before clipping."""
+    if dp:
+        dp.all_reduce_grads(list(module.parameters()))
+    if grad_divisor != 1.0:
+        for p in module.parameters():
+            if p.grad is not None:
+                p.grad.div_(grad_divisor)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), max_grad_norm))
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    return grad_norm

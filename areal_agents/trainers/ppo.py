@@ -4,7 +4,7 @@
    the critic's values and returns) with the weights as they are.
 2. accumulate: `accumulate`: forward and backward of each token-budgeted micro-batch, the loss summed
    over tokens / ``num_tokens``; gradients add up in ``.grad``.
-3. step: `policy_step` (and `critic.critic_step`): sum across ranks, normalise, clip, step.
+3. step: `optim.optimizer_step` (and `critic.critic_step`): sum across ranks, normalise, clip, step.
 
 `ppo_update` runs them for ``ppo_epochs`` x ``num_minibatches`` optimizer steps, each over a minibatch
 whose loss-token count is known before its first micro-batch. `StreamedUpdate` is the one-step case
@@ -27,6 +27,7 @@ from areal_agents.trainers.batching import token_logprobs
 from areal_agents.trainers.critic import ValueModel, critic_backward, critic_step, critic_values
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.microbatch import MicroBatch, spread
+from areal_agents.trainers.optim import optimizer_step
 from areal_agents.trainers.ppo_batch import PreparedBatch, add_counts, batch_stats, prepare_batch, proximal_logprobs
 from areal_agents.trainers.ppo_loss import decoupled_ppo_loss, kl_to_reference
 from areal_agents.types import Trajectory
@@ -147,29 +148,6 @@ def accumulate(
         tally.add(st, float(loss.detach()) * num_tokens, value)
 
 
-def policy_step(
-    model: PreTrainedModel,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    max_grad_norm: float,
-    *,
-    grad_divisor: float = 1.0,
-    dp: DataParallel | None = None,
-) -> float:
-    """Sum the gradients across ranks (``dp``), divide them by ``grad_divisor``, clip and step; the
-    gradient norm before clipping."""
-    if dp:
-        dp.all_reduce_grads(list(model.parameters()))
-    if grad_divisor != 1.0:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.div_(grad_divisor)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
-    optimizer.step()
-    scheduler.step()
-    return grad_norm
-
-
 def _minibatches(n: int, cfg: PPOConfig, generator: torch.Generator | None) -> Iterator[list[int]]:
     """``ppo_epochs`` shuffles of ``range(n)``, each cut into ``num_minibatches`` (non-empty) index lists."""
     for _ in range(cfg.ppo_epochs):
@@ -221,7 +199,7 @@ def ppo_update(
             model, dp.share(mbs) if dp else mbs, minibatch, cfg, tally,
             temperature=temperature, num_tokens=total, ref_model=ref_model, critic=critic,
         )  # fmt: skip
-        norms = {"grad_norm": policy_step(model, optimizer, scheduler, cfg.max_grad_norm, dp=dp)}
+        norms = {"grad_norm": optimizer_step(model, optimizer, cfg.max_grad_norm, scheduler=scheduler, dp=dp)}
         if critic is not None:
             norms["critic_grad_norm"] = critic_step(critic, critic_optimizer, cfg.max_grad_norm, dp)
         tally.end_step(total, **norms)
@@ -285,7 +263,9 @@ class StreamedUpdate:
         # the draw of ppo_update's one minibatch: the generator's stream is that of an unstreamed update
         torch.randperm(trained, generator=generator)
         total = max(self.counts["loss_tokens"], 1.0)
-        grad_norm = policy_step(self.model, self.optimizer, self.scheduler, self.cfg.max_grad_norm, grad_divisor=total)
+        grad_norm = optimizer_step(
+            self.model, self.optimizer, self.cfg.max_grad_norm, scheduler=self.scheduler, grad_divisor=total
+        )
         self.tally.end_step(total, grad_norm=grad_norm)
         stats |= self.tally.stats(None)
         return stats | {"lr": self.scheduler.get_last_lr()[0], "loss_tokens": self.counts["loss_tokens"]}

@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from areal_agents.agents.chat_tokens import ChatTokens
 from areal_agents.trainers.batching import make_micro_batches, token_logprobs
+from areal_agents.trainers.optim import optimizer_step
 from areal_agents.types import Trajectory
 
 
@@ -51,9 +52,7 @@ def sft_update(
         loss = -(logp * mb.loss_mask).sum() / max(total, 1)
         loss.backward()
         loss_sum += float(loss.detach())
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
-    optimizer.step()
-    scheduler.step()
+    grad_norm = optimizer_step(model, optimizer, max_grad_norm, scheduler=scheduler)
     return {
         "loss": loss_sum,
         "grad_norm": grad_norm,
