@@ -26,6 +26,11 @@ class EngineError(ArealAgentsError):
     """An inference engine failed to serve a request."""
 
 
+class RequestError(EngineError, ValueError):
+    """A request the engine refuses, with the field named (serve-model answers 400). Sending it again gets
+    the same answer: the episode runner never retries it, whichever engine refused it."""
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """Return ' Did you mean X?' for the closest choice, or '' when nothing is close."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)

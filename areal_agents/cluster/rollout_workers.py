@@ -23,7 +23,7 @@ from areal_agents.cluster.env_servers import EnvServers
 from areal_agents.config import TrainConfig
 from areal_agents.engines.local_servers import engine_client
 from areal_agents.envs.runtime.backends import EnvBackend
-from areal_agents.errors import ClusterError, EngineError, EnvError, WorkerLostError
+from areal_agents.errors import ClusterError, EngineError, EnvError, RequestError, WorkerLostError
 from areal_agents.models.loading import load_tokenizer, quiet_transformers
 from areal_agents.rollout.episodes import failure_kind, local_episode
 from areal_agents.types import Trajectory
@@ -56,6 +56,8 @@ class RolloutWorker:
             kind = failure_kind(e)
             if isinstance(e, EnvError):
                 return kind, (e.kind, e.detail)
+            if isinstance(e, RequestError):
+                return "refused", str(e)  # an engine failure the driver must not retry
             return kind, traceback.format_exc() if kind == "failed" else str(e)
 
     def pid(self) -> int:
@@ -178,6 +180,8 @@ def _rebuilt(kind: str, value: Any, where: str) -> Exception:
         return EnvError(*value)
     if kind == "engine":
         return EngineError(value)
+    if kind == "refused":
+        return RequestError(value)
     if kind == "worker":
         return WorkerLostError(f"{where}: {value}")
     if kind == "cluster":

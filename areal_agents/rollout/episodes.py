@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from areal_agents.agents.base import Agent
-from areal_agents.engines.hf.request_checks import RequestError
 from areal_agents.envs.async_env import AsyncEnv
-from areal_agents.errors import ClusterError, EngineError, EnvError, WorkerLostError
+from areal_agents.errors import ClusterError, EngineError, EnvError, RequestError, WorkerLostError
 from areal_agents.types import Trajectory
 
 log = logging.getLogger(__name__)

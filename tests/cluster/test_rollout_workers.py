@@ -113,3 +113,21 @@ def test_a_workers_failure_reaches_the_driver_as_the_same_kind(error):
     kind, value = asyncio.run(worker.run_episode(0, "g0/e0"))
     assert kind == failure_kind(error)
     assert failure_kind(_rebuilt(kind, value, "episode g0/e0 on worker 0")) == kind
+
+
+def test_a_request_a_workers_engine_refused_is_refused_in_the_driver_too():
+    """A refusal (a prompt past the context) is an engine failure that the driver must not retry: it comes
+    back as a `RequestError`, which the `EpisodeRunner` counts at once."""
+    from areal_agents.cluster.rollout_workers import RolloutWorker, _rebuilt
+    from areal_agents.errors import RequestError
+    from areal_agents.rollout.episodes import failure_kind
+
+    class Refusing:
+        async def run_episode(self, env, *, seed, episode_id):
+            raise RequestError("input_ids: 5000 tokens do not fit the model's context of 512")
+
+    worker = RolloutWorker.__ray_actor_class__.__new__(RolloutWorker.__ray_actor_class__)
+    worker.episode = lambda seed, episode_id: Refusing().run_episode(None, seed=seed, episode_id=episode_id)
+    kind, value = asyncio.run(worker.run_episode(0, "g0/e0"))
+    error = _rebuilt(kind, value, "episode g0/e0 on worker 0")
+    assert isinstance(error, RequestError) and failure_kind(error) == "engine" and "5000 tokens" in str(error)

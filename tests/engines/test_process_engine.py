@@ -115,3 +115,13 @@ def test_a_dead_engine_process_fails_its_requests_clearly(long_dir, tokenizer):
 def test_a_model_that_does_not_load_is_an_error_naming_it(tmp_path):
     with pytest.raises(EngineError, match="could not start an engine for .*nowhere"):
         ProcessEngine(str(tmp_path / "nowhere"))
+
+
+def test_a_refused_request_stays_a_request_error_across_the_pipe(engine):
+    """The episode runner never retries a `RequestError`; the process engine must not turn it into a plain
+    `EngineError` (which it would retry)."""
+    from areal_agents.errors import RequestError
+
+    request = GenRequest("bad", [10**6], SamplingParams(max_new_tokens=2, temperature=0.0))
+    with pytest.raises(RequestError, match="vocab"):
+        asyncio.run(engine.agenerate(request))

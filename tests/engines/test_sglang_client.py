@@ -127,3 +127,15 @@ def test_a_cancelled_generation_is_aborted_on_the_server():
 
     asyncio.run(run())
     assert stand_in.aborted == stand_in.rids and len(stand_in.rids) == 1
+
+
+@pytest.mark.parametrize("status", [400, 422])
+def test_a_request_the_server_refuses_is_a_request_error(status):
+    """A 4xx the server would repeat is the request's fault: a `RequestError`, which the episode runner
+    never retries; a 5xx stays a plain `EngineError`."""
+    from areal_agents.errors import RequestError
+
+    refused, _ = generate(StandIn([(status, {"error": {"message": "bad input_ids"}})]), max_retries=5)
+    assert isinstance(refused, RequestError)
+    failed, _ = generate(StandIn([(500, "Internal Server Error")]), max_retries=5)
+    assert isinstance(failed, EngineError) and not isinstance(failed, RequestError)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of tensors sent as weights)
 
-from areal_agents.errors import EngineError
+from areal_agents.errors import EngineError, RequestError
 from areal_agents.types import GenRequest, GenResponse
 from areal_agents.workers import start_child, stop_child
 
@@ -79,6 +79,8 @@ async def _child_loop(conn: Any, engine: Any) -> None:
             result: GenResponse | str = await engine.agenerate(request)
         except asyncio.CancelledError:
             return
+        except RequestError as e:
+            result = e  # a refusal stays one in the parent (not worth retrying)
         except BaseException as e:  # noqa: BLE001  (the caller gets it as an EngineError)
             result = f"{type(e).__name__}: {e}"
         finally:

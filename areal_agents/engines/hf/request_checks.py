@@ -18,12 +18,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from areal_agents.errors import EngineError
+from areal_agents.errors import RequestError  # re-exported: the checks raise it
 from areal_agents.types import GenRequest
-
-
-class RequestError(EngineError, ValueError):
-    """A request the engine refuses (serve-model answers 400), with the field named."""
 
 
 @dataclass(frozen=True)

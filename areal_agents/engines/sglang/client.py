@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from areal_agents.engines.sglang.protocol import ProtocolError, read_generate_response
-from areal_agents.errors import EngineError
+from areal_agents.errors import EngineError, RequestError
 from areal_agents.types import GenRequest, GenResponse
 
 
@@ -322,9 +322,8 @@ class SGLangEngine:
                     if r.status >= 400:
                         message = _message(text)
                         if not await self._transient(url, r.status):
-                            raise EngineError(
-                                f"{url}{path}: HTTP {r.status}: {message}{_NOT_RETRIED.get(r.status, '')}"
-                            )
+                            refused = RequestError if 400 <= r.status < 500 else EngineError  # the request itself
+                            raise refused(f"{url}{path}: HTTP {r.status}: {message}{_NOT_RETRIED.get(r.status, '')}")
                         raise ServerError(url, r.status, message)
                     if not text.strip():
                         return {}
