@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import queue
 import threading
 import traceback
@@ -218,3 +219,23 @@ class WorkerPool:
     def pids(self) -> list[int]:
         with self._lock:
             return [w.process.pid for w in self._all if w.process.pid is not None]
+
+
+_shared: dict[str, tuple[int, WorkerPool]] = {}  # name -> (the pid that started it, the pool)
+_shared_lock = threading.Lock()
+
+
+def shared_pool(name: str, workers: int, initializer: Callable[[], Any] | None = None) -> WorkerPool:
+    """The process-wide pool ``name``, started on first use and again in a forked child (whose copy of
+    the parent's pool has no live workers): one pool per purpose, shared by every caller."""
+    with _shared_lock:
+        pid, pool = _shared.get(name, (0, None))
+        if pool is None or pid != os.getpid():
+            pool = WorkerPool(workers, initializer=initializer)
+            _shared[name] = (os.getpid(), pool)
+        return pool
+
+
+def may_start_processes() -> bool:
+    """Whether this process may start worker processes (a daemonic one, e.g. a pool worker, may not)."""
+    return not mp.current_process().daemon

@@ -14,8 +14,6 @@ itself already runs in a killable worker).
 
 from __future__ import annotations
 
-import multiprocessing
-import threading
 from typing import Any, Literal
 
 from areal_agents.data.base import BaseDataset, builtin_for, load_task_dataset
@@ -23,21 +21,14 @@ from areal_agents.envs.base import TextEnv
 from areal_agents.importing import load_object
 from areal_agents.rewards.base import RewardFunction, RewardResult, as_result
 from areal_agents.rewards.math_reward import MathReward, warm_up
-from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerPool
+from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerPool, may_start_processes, shared_pool
 
 DEFAULT_TEMPLATE = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 
-_pool: WorkerPool | None = None
-_pool_lock = threading.Lock()
-
 
 def reward_pool(workers: int = 2) -> WorkerPool:
-    """The process-wide verification pool, started on first use and shared by every Math env."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = WorkerPool(workers, initializer=warm_up)
-        return _pool
+    """The process-wide reward pool, started on first use and shared by every Math env."""
+    return shared_pool("math-env-rewards", workers, initializer=warm_up)
 
 
 def _load(dataset: str, split: str | None, prompt_key: str | None, dataset_class: str) -> BaseDataset:
@@ -125,7 +116,7 @@ class MathEnv(TextEnv):
     def _score(self, action: str) -> RewardResult:
         # a daemonic process (a process-mode env pool's worker) cannot start the pool's workers: score here,
         # bounded by check_math's own limits and the env pool's step timeout
-        if self.reward_mode == "inline" or multiprocessing.current_process().daemon:
+        if self.reward_mode == "inline" or not may_start_processes():
             return as_result(self.reward_fn(action, self.row))
         try:
             return as_result(reward_pool().call_sync(self.reward_fn, action, self.row, timeout=self.verify_timeout))

@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import multiprocessing as mp
-import os
 import re
-import threading
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 from areal_agents.rewards.extract import brace_depth, extract_answer, last_boxed, strip_thinking, tail
-from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerPool
+from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerPool, may_start_processes, shared_pool
 
 
 class _DropTimeoutNotice(logging.Filter):
@@ -177,7 +174,7 @@ def check_math(completion: str, gold: str, config: MathVerifyConfig = DEFAULT) -
 def _bounded(text: str, answer: str | None, gold: str, config: MathVerifyConfig) -> MathCheck:
     """`math_verify_check` in the verification pool with ``config.timeout_s``; in place in a daemon process."""
     pool = None
-    if not mp.current_process().daemon:  # a daemon (a pool worker) may not start processes; its pool's timeout holds
+    if may_start_processes():  # a daemon (a pool worker) may not; its own pool's timeout holds
         try:
             pool = verification_pool()
         except RuntimeError:  # a spawned child importing a __main__ that called us unguarded: no children yet
@@ -245,16 +242,6 @@ def _start_verifier(memory_mb: int) -> None:
     warm_up()
 
 
-_pool: WorkerPool | None = None
-_pool_pid = 0
-_pool_lock = threading.Lock()
-
-
 def verification_pool() -> WorkerPool:
     """The process-wide pool `check_math` runs math-verify in, started on first use (again after a fork)."""
-    global _pool, _pool_pid
-    with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid():
-            _pool = WorkerPool(VERIFY_WORKERS, initializer=functools.partial(_start_verifier, VERIFY_MEMORY_MB))
-            _pool_pid = os.getpid()
-        return _pool
+    return shared_pool("math-verify", VERIFY_WORKERS, functools.partial(_start_verifier, VERIFY_MEMORY_MB))
