@@ -13,19 +13,20 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from areal_agents.models.logprobs import tempered_token_logprobs
+from areal_agents.models.logprobs import chunked_token_logprobs
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.microbatch import MicroBatch, spread
 from areal_agents.trainers.packing import (
     ffd_bins,
     pack_rows,
+    packed_hidden_states,
     packed_token_logprobs,
     prompt_units,
     use_packed_attention,
 )
 from areal_agents.types import Trajectory
 
-__all__ = ["MicroBatch", "make_micro_batches", "per_trajectory", "spread", "token_logprobs"]
+__all__ = ["MicroBatch", "hidden_states", "make_micro_batches", "per_trajectory", "spread", "token_logprobs"]
 
 
 def make_micro_batches(
@@ -74,31 +75,42 @@ def make_micro_batches(
 def _collate(trajs: list[Trajectory], adv: list[float], index: list[int], pad: int) -> MicroBatch:
     n, width = len(trajs), max(len(t) for t in trajs)
     input_ids = torch.full((n, width), pad, dtype=torch.long)
-    attention = torch.zeros((n, width), dtype=torch.long)
     loss_mask = torch.zeros((n, width), dtype=torch.float)
     logprobs = torch.zeros((n, width), dtype=torch.float)
     for row, t in enumerate(trajs):
         length = len(t)
         input_ids[row, :length] = torch.tensor(t.input_ids)
-        attention[row, :length] = 1
         loss_mask[row, :length] = torch.tensor(t.loss_mask, dtype=torch.float)
         logprobs[row, :length] = torch.tensor(t.logprobs, dtype=torch.float)
     advantages = torch.tensor(adv, dtype=torch.float)[:, None].expand(n, width) * loss_mask
     slices = [(row, 0, len(t)) for row, t in enumerate(trajs)]
-    return MicroBatch(index, input_ids, attention, loss_mask, logprobs, advantages, slices=slices)
+    return MicroBatch(index, input_ids, loss_mask, logprobs, advantages, slices=slices)
+
+
+def hidden_states(decoder: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
+    """Final hidden states laid out like ``mb.input_ids`` (``[B, L, H]``, or ``[1, T, H]`` packed).
+
+    Padded rows are right-padded, so causal attention alone keeps every real token from the pads after
+    it: no attention mask is passed (transformers would build a ``[B, 1, L, L]`` one, quadratic in length)
+    and the pads' own outputs, which no loss reads, are whatever they are."""
+    if mb.cu_seqlens is not None:
+        return packed_hidden_states(decoder, mb)[None]
+    use_packed_attention(decoder, False)
+    return decoder(input_ids=mb.input_ids, use_cache=False).last_hidden_state
 
 
 def token_logprobs(model: PreTrainedModel, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
-    """``log softmax(logits / T)`` of each actual token given its prefix, ``[B, L]``; 0 at position 0.
+    """``log softmax(logits / T)`` of each actual token given its prefix, ``[B, L]``; 0 at a trajectory's
+    first token. Logits are made a chunk of tokens at a time (`chunked_token_logprobs`).
 
     ``T`` must be the sampling temperature, so these match the engine's behavior logprobs.
     """
     if mb.cu_seqlens is not None:
         return packed_token_logprobs(model, mb, temperature)
-    use_packed_attention(model.get_decoder(), False)
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-    logp = tempered_token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], temperature)
-    return torch.nn.functional.pad(logp, (1, 0))
+    hidden = hidden_states(model.get_decoder(), mb)[:, :-1]  # position t predicts token t + 1
+    tokens = mb.input_ids[:, 1:]
+    logp = chunked_token_logprobs(hidden.flatten(0, 1), model.get_output_embeddings(), tokens.flatten(), temperature)
+    return torch.nn.functional.pad(logp.view(tokens.shape), (1, 0))
 
 
 def per_trajectory(

@@ -23,11 +23,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from areal_agents.config import PPOConfig
-from areal_agents.trainers.batching import per_trajectory
+from areal_agents.trainers.batching import hidden_states, per_trajectory
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.microbatch import MicroBatch, spread
 from areal_agents.trainers.optim import optimizer_step
-from areal_agents.trainers.packing import packed_hidden_states, use_packed_attention
 from areal_agents.types import Trajectory
 
 
@@ -46,12 +45,7 @@ class ValueModel(nn.Module):
 
     def forward(self, mb: MicroBatch) -> torch.Tensor:
         """``V`` of the prefix before each token, laid out like ``mb.input_ids``; 0 at position 0."""
-        if mb.cu_seqlens is not None:
-            hidden = packed_hidden_states(self.body, mb)[None]
-        else:
-            use_packed_attention(self.body, False)
-            hidden = self.body(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-            hidden = hidden.last_hidden_state
+        hidden = hidden_states(self.body, mb)
         values = self.head(hidden[:, :-1]).squeeze(-1).float()  # the state after position t, before token t + 1
         values = nn.functional.pad(values, (1, 0))
         if mb.cu_seqlens is not None:

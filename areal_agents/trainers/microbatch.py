@@ -27,12 +27,11 @@ class SharedPrompts:
 
 @dataclass
 class MicroBatch:
-    """Tensors ``[B, L]`` (padded) or ``[1, T]`` (packed); trajectory ``index[k]`` is ``[row, start:end]``
+    """Tensors ``[B, L]`` (right-padded) or ``[1, T]`` (packed); trajectory ``index[k]`` is ``[row, start:end]``
     of them, ``slices[k] = (row, start, end)``."""
 
     index: list[int]
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor | None
     loss_mask: torch.Tensor
     logprobs: torch.Tensor
     advantages: torch.Tensor

@@ -8,8 +8,9 @@
   distinct prompt once, every completion attending to its prompt (`SharedPrompts`); hidden states are
   then gathered back to the trajectory layout, so losses and gradients are the unshared ones.
 - ``packed_sdpa``: an attention implementation (registered with transformers' `AttentionInterface`)
-  that follows an `AttentionPlan`: causal SDPA per sequence (or per prompt), and each completion over
-  its prompt's keys and its own; similar lengths share one call, and no ``T x T`` mask is ever built.
+  that follows an `AttentionPlan`: causal SDPA (no mask at all) per sequence, a completion's sequence
+  being its prompt's tokens then its own; similar lengths share one call. Memory stays linear in length:
+  no ``T x T`` or ``W x (P + W)`` mask is built, and the kernel skips the masked triangle.
 - `packed_token_logprobs`: token logprobs of a packed row, computed from the final hidden states in
   chunks under activation checkpointing (`chunked_token_logprobs`), so the full-vocabulary log-softmax
   is never materialised for the whole row (long outputs stay cheap in memory).
@@ -19,7 +20,6 @@ The micro-batch type is `microbatch.py`'s; `batching.py` calls `pack_rows`, neve
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -99,7 +99,6 @@ def pack_rows(
     mb = MicroBatch(
         index,
         ids,
-        None,
         loss_mask,
         logprobs,
         advantages * loss_mask,
@@ -149,74 +148,57 @@ def _share_prompts(trajs: list[Trajectory], starts: list[int]) -> SharedPrompts:
 
 
 @dataclass(frozen=True)
-class _Pass:
-    """One SDPA call over ``n`` sequences padded to ``width`` queries and ``key_width`` keys; ``mask``
-    None means plain causal."""
-
-    n: int
-    width: int
-    key_width: int
-    mask: torch.Tensor | None
-
-
-@dataclass(frozen=True)
 class AttentionPlan:
-    """The SDPA calls that make up attention over one packed row. Queries and keys of every call are
-    gathered from the row in one ``index_select`` each (a pad points at token 0: its key is masked and
-    its query's output dropped), so the backward pass scatters into one gradient per tensor rather
-    than one per call; ``output_index`` picks each row position's output from the calls' outputs."""
+    """Attention over one packed row as causal SDPA calls and no mask. Each call runs ``n`` sequences padded
+    at the end to ``width``; a sequence is read from the row by ``index`` (a pad points at token 0: it
+    comes after every real key, so causality hides it, and its output is dropped). ``output_index`` picks
+    each row position's output from the calls' outputs. A completion's sequence is its prompt then itself,
+    so it attends to all of the prompt and causally to itself without a ``W x (P + W)`` mask."""
 
-    passes: tuple[_Pass, ...]
-    query_index: torch.Tensor
-    key_index: torch.Tensor
+    widths: tuple[tuple[int, int], ...]  # (n, width) of each call
+    index: torch.Tensor
     output_index: torch.Tensor
 
 
-@functools.lru_cache(maxsize=64)
 def attention_plan(
-    causal: tuple[tuple[int, int], ...], completions: tuple[tuple[int, int, int, int], ...], total: int
+    causal: Sequence[tuple[int, int]], completions: Sequence[tuple[int, int, int, int]], total: int
 ) -> AttentionPlan:
     """Causal attention within each ``(start, length)`` of ``causal``; each completion ``(start, length,
-    prompt start, prompt length)`` attends to all of its prompt and causally to itself."""
-    passes, queries, keys, output = [], [], [], torch.empty(total, dtype=torch.long)
-    for bucket in _buckets(sorted(causal, key=lambda s: s[1])):
-        width = max(n for _, n in bucket)
-        _place(output, len(queries), width, [(s, n) for s, n in bucket])
-        gather = [s + t if t < n else 0 for s, n in bucket for t in range(width)]
-        queries += gather
-        keys += gather
-        passes.append(_Pass(len(bucket), width, width, None))
-    for bucket in _buckets(sorted(completions, key=lambda c: c[1])):
-        width, prompt_width = max(c[1] for c in bucket), max(c[3] for c in bucket)
-        _place(output, len(queries), width, [(s, n) for s, n, _, _ in bucket])
-        query = [s + t if t < n else 0 for s, n, _, _ in bucket for t in range(width)]
-        for k, (_, _, p0, p) in enumerate(bucket):
-            keys += [p0 + t if t < p else 0 for t in range(prompt_width)] + query[k * width : (k + 1) * width]
-        queries += query
-        prompt_ok = torch.arange(prompt_width)[None, :] < torch.tensor([c[3] for c in bucket])[:, None]  # [n, Pw]
-        causal_ok = torch.ones(width, width, dtype=torch.bool).tril()  # [W, W]
-        mask = torch.cat(
-            [prompt_ok[:, None, :].expand(-1, width, -1), causal_ok[None].expand(len(bucket), -1, -1)], dim=2
-        )[:, None]  # [n, 1, W, Pw + W]
-        passes.append(_Pass(len(bucket), width, prompt_width + width, mask))
-    return AttentionPlan(tuple(passes), torch.tensor(queries), torch.tensor(keys), output)
+    prompt start, prompt length)`` attends to all of its prompt and causally to itself. A prompt's own
+    outputs come from its first completion's call (the same causal attention), or from a call of its own
+    when it has none. Built per forward: nothing holds a plan after the update that used it."""
+    sequences = []  # (row segments read in order as one sequence, how many leading tokens give no output)
+    prompted = set()
+    for s, n, p0, p in completions:
+        sequences.append((((p0, p), (s, n)), p if (p0, p) in prompted else 0))
+        prompted.add((p0, p))
+    sequences += [(((s, n),), 0) for s, n in causal if (s, n) not in prompted]
+    widths, index, output = [], [], torch.empty(total, dtype=torch.long)
+    offset = 0
+    for bucket in _buckets(sorted(sequences, key=lambda q: sum(n for _, n in q[0]))):
+        width = max(sum(n for _, n in segments) for segments, _ in bucket)
+        for segments, skip in bucket:
+            read = torch.cat([torch.arange(s, s + n) for s, n in segments])
+            index.append(F.pad(read, (0, width - len(read))))
+            output[read[skip:]] = torch.arange(offset + skip, offset + len(read))
+            offset += width
+        widths.append((len(bucket), width))
+    return AttentionPlan(tuple(widths), torch.cat(index), output)
 
 
-def _place(output: torch.Tensor, offset: int, width: int, spans: list[tuple[int, int]]) -> None:
-    """Point each row position of ``spans`` at its query in a call laid out ``[len(spans), width]`` from ``offset``."""
-    for k, (s, n) in enumerate(spans):
-        output[s : s + n] = torch.arange(offset + k * width, offset + k * width + n)
-
-
-def _buckets(spans: list) -> list[list]:
+def _buckets(sequences: list) -> list[list]:
     """Consecutive runs of (length-sorted) sequences whose lengths are within 25% (or 8 tokens)."""
+
+    def length(k: int) -> int:
+        return sum(n for _, n in sequences[k][0])
+
     out, i = [], 0
-    while i < len(spans):
-        shortest = spans[i][1]
+    while i < len(sequences):
+        shortest = length(i)
         j = i + 1
-        while j < len(spans) and j - i < BUCKET_SIZE and spans[j][1] <= max(shortest * 5 // 4, shortest + 8):
+        while j < len(sequences) and j - i < BUCKET_SIZE and length(j) <= max(shortest * 5 // 4, shortest + 8):
             j += 1
-        out.append(spans[i:j])
+        out.append(sequences[i:j])
         i = j
     return out
 
@@ -230,18 +212,12 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    query_sizes = [p.n * p.width for p in plan.passes]
-    key_sizes = [p.n * p.key_width for p in plan.passes]
-    qs = query[0].index_select(1, plan.query_index).split(query_sizes, dim=1)  # [H, n * W, D] a call
-    ks = key[0].index_select(1, plan.key_index).split(key_sizes, dim=1)
-    vs = value[0].index_select(1, plan.key_index).split(key_sizes, dim=1)
+    sizes = [n * width for n, width in plan.widths]
+    qs, ks, vs = (x[0].index_select(1, plan.index).split(sizes, dim=1) for x in (query, key, value))  # [H, n * W, D]
     outs = []
-    for p, q, k, v in zip(plan.passes, qs, ks, vs):
-        q = q.unflatten(1, (p.n, p.width)).transpose(0, 1)  # [n, H, W, D]
-        k, v = (x.unflatten(1, (p.n, p.key_width)).transpose(0, 1) for x in (k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scaling, dropout_p=dropout
-        )
+    for (n, width), q, k, v in zip(plan.widths, qs, ks, vs):
+        q, k, v = (x.unflatten(1, (n, width)).transpose(0, 1) for x in (q, k, v))  # [n, H, W, D]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout)
         outs.append(out.transpose(0, 1).flatten(1, 2))  # [H, n * W, D]
     out = torch.cat(outs, dim=1).index_select(1, plan.output_index)
     return out[None].transpose(1, 2).contiguous(), None
@@ -255,7 +231,7 @@ def packed_hidden_states(decoder: PreTrainedModel, mb: MicroBatch) -> torch.Tens
     shared: SharedPrompts | None = mb.shared
     if shared is None:
         edges = mb.cu_seqlens.tolist()
-        plan = attention_plan(tuple((a, b - a) for a, b in zip(edges[:-1], edges[1:])), (), edges[-1])
+        plan = attention_plan([(a, b - a) for a, b in zip(edges[:-1], edges[1:])], (), edges[-1])
         ids, positions = mb.input_ids, mb.position_ids
     else:
         plan = attention_plan(shared.prompts, shared.completions, shared.input_ids.shape[1])
