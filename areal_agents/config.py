@@ -90,9 +90,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _check_positive(self, "batch_size", "group_size", "max_new_tokens", "max_concurrent_rollouts")
-        for name in ("max_staleness", "max_retries"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: expects a value >= 0, got {getattr(self, name)!r}")
+        _check_positive(self, "max_staleness", "max_retries", or_zero=True)
         if self.max_concurrent_rollouts < self.group_size:
             raise ValueError(
                 f"max_concurrent_rollouts: expects at least group_size ({self.group_size}) episodes, a whole group "
@@ -137,6 +135,16 @@ class PPOConfig:
     reward_scale: float = config_field("rewards become (r + reward_bias) * reward_scale before advantages", default=1.0)
     reward_bias: float = config_field("added to rewards before scaling", default=0.0)
     reward_clip: float | None = config_field("clip shaped rewards to [-c, c]; null = no clipping", default=None)
+    overlong_filtering: bool = config_field(
+        "DAPO: truncated trajectories (stop reason length, or out of context) train no loss, yet count in advantages",
+        default=False,
+    )
+    overlong_buffer: int = config_field(
+        "DAPO soft overlong punishment: the reward ramps to -overlong_penalty over the last K tokens of rollout."
+        "max_new_tokens, by the episode's longest turn (added before reward_bias/scale/clip); 0 = off",
+        default=0,
+    )
+    overlong_penalty: float = config_field("soft overlong punishment: the penalty at max_new_tokens", default=1.0)
     ppo_epochs: int = config_field("passes over each batch", default=1)
     num_minibatches: int = config_field("optimizer steps per epoch", default=1)
     micro_batch_tokens: int = config_field("token budget of one forward/backward micro-batch", default=16384)
@@ -168,10 +176,7 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         _check_positive(self, "lr", "eps_clip", "ppo_epochs", "num_minibatches", "micro_batch_tokens")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef: expects a value >= 0, got {self.kl_coef!r}")
-        if self.cpu_threads < 0:
-            raise ValueError(f"cpu_threads: expects a value >= 0, got {self.cpu_threads!r}")
+        _check_positive(self, "kl_coef", "cpu_threads", "overlong_buffer", "overlong_penalty", or_zero=True)
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip: expects a value > 1, got {self.dual_clip}")
         for name in ("gamma", "lam"):
@@ -252,9 +257,7 @@ class EngineConfig:
         _check_positive(self, "num_servers", "tp", "max_running_requests")
         if self.own_process and (self.backend != "hf" or self.urls):
             raise ValueError("own_process: applies to the in-process hf engine (backend hf, no urls)")
-        for name in ("cpu_threads", "prefix_cache_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: expects a value >= 0, got {getattr(self, name)!r}")
+        _check_positive(self, "cpu_threads", "prefix_cache_tokens", or_zero=True)
 
 
 @dataclass
@@ -315,8 +318,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_positive(self, "steps")
-        if self.max_train_minutes < 0:
-            raise ValueError(f"max_train_minutes: expects a value >= 0, got {self.max_train_minutes!r}")
+        _check_positive(self, "max_train_minutes", or_zero=True)
+        budget, buffer = self.rollout.max_new_tokens, self.ppo.overlong_buffer
+        if buffer > budget:
+            raise ValueError(f"ppo.overlong_buffer: expects at most rollout.max_new_tokens ({budget}), got {buffer}")
         if self.ppo.trainer == "process" and self.launcher == "ray":
             raise ValueError(
                 "ppo.trainer: 'process' is for local runs; with launcher=ray the trainer ranks are Ray actors"
@@ -346,11 +351,11 @@ class SFTConfig:
         _check_positive(self, "steps", "batch_size", "lr", "micro_batch_tokens")
 
 
-def _check_positive(obj: Any, *names: str) -> None:
+def _check_positive(obj: Any, *names: str, or_zero: bool = False) -> None:
     for name in names:
         value = getattr(obj, name)
-        if value <= 0:
-            raise ValueError(f"{name}: expects a value > 0, got {value!r}")
+        if value < 0 or (value == 0 and not or_zero):
+            raise ValueError(f"{name}: expects a value {'>=' if or_zero else '>'} 0, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------

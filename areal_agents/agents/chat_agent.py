@@ -64,9 +64,7 @@ class ChatAgent:
 
     async def run_episode(self, env: AsyncEnv, *, seed: int | None, episode_id: str) -> list[Trajectory]:
         try:
-            segments, turn_rewards, truncated_by_agent, final_info, stop_reasons = await self._play(
-                env, seed, episode_id
-            )
+            segments, turn_rewards, cut, final_info, stop_reasons = await self._play(env, seed, episode_id)
         finally:
             await env.aclose()  # also when the env or the engine failed mid-episode
         total = sum(turn_rewards)
@@ -83,7 +81,8 @@ class ChatAgent:
                 metadata={
                     "segment": i,
                     "num_turns": len(turn_rewards),
-                    "truncated_by_agent": truncated_by_agent,
+                    "truncated_by_agent": cut is not None,  # out of context or of turns
+                    "context_exhausted": cut == "context",  # no room left for another turn
                     "final_info": final_info,  # the env's info of the last step (e.g. the extracted answer)
                     "messages": seg.messages,
                     "stop_reasons": stop_reasons,  # the engine's stop_reason of each generated turn, in order
@@ -95,9 +94,10 @@ class ChatAgent:
 
     async def _play(
         self, env: AsyncEnv, seed: int | None, episode_id: str
-    ) -> tuple[list[ChatTokens], list[float], bool, dict[str, Any], list[StopReason]]:
-        """The turn loop: the token segments, the reward of each turn, whether the agent cut it off, the
-        env's last step info, and the engine's stop reason of each generation."""
+    ) -> tuple[list[ChatTokens], list[float], str | None, dict[str, Any], list[StopReason]]:
+        """The turn loop: the token segments, the reward of each turn, why the agent cut it off (``context``:
+        no room for another turn; ``max_turns``; None: the env or `should_stop` ended it), the env's last
+        step info, and the engine's stop reason of each generation."""
         observation, info = await env.areset(seed=seed)
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         messages.append({"role": info.get("role", "user"), "content": self.format_observation(observation, info)})
@@ -105,7 +105,7 @@ class ChatAgent:
         chat.start(messages)
         segments: list[ChatTokens] = []
         turn_rewards: list[float] = []
-        truncated_by_agent = False
+        cut: str | None = None
         last_info: dict[str, Any] = {}
         stop_reasons: list[StopReason] = []
         limits = getattr(self.engine, "limits", None)  # an in-process engine knows its model's context
@@ -113,7 +113,7 @@ class ChatAgent:
         for turn in range(self.max_turns):
             budget = min(self.sampling.max_new_tokens, room - len(chat.input_ids))
             if budget < 1:
-                truncated_by_agent = True
+                cut = "context"
                 break
             request = GenRequest(
                 f"{episode_id}/t{turn}", list(chat.input_ids), replace(self.sampling, max_new_tokens=budget)
@@ -136,6 +136,6 @@ class ChatAgent:
                 chat = ChatTokens(self.tokenizer)
                 chat.start([*segments[-1].messages, {"role": role, "content": message}])
         else:
-            truncated_by_agent = True
+            cut = "max_turns"
         segments.append(chat)
-        return segments, turn_rewards, truncated_by_agent, last_info, stop_reasons
+        return segments, turn_rewards, cut, last_info, stop_reasons

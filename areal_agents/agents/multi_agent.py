@@ -23,7 +23,7 @@ from areal_agents.agents.chat_tokens import ChatTokens
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ArealAgentsError
-from areal_agents.types import GenRequest, SamplingParams, Trajectory
+from areal_agents.types import GenRequest, SamplingParams, StopReason, Trajectory
 
 
 class MultiAgentChatAgent:
@@ -64,7 +64,7 @@ class MultiAgentChatAgent:
 
     async def run_episode(self, env: AsyncEnv, *, seed: int | None, episode_id: str) -> list[Trajectory]:
         try:
-            segments, turn_rewards, final_info = await self._play(env, seed, episode_id)
+            segments, turn_rewards, final_info, stop_reasons, cut = await self._play(env, seed, episode_id)
         finally:
             await env.aclose()
         out = []
@@ -90,6 +90,8 @@ class MultiAgentChatAgent:
                             "messages": chat.messages,
                             "episode": episode_id,
                             "info": info,
+                            "stop_reasons": list(stop_reasons[agent_id]),  # the engine's, of each of its turns
+                            "context_exhausted": agent_id in cut,  # cut: a conversation had no room left
                             **outcome,
                         },
                     )
@@ -102,6 +104,8 @@ class MultiAgentChatAgent:
         segments: dict[str, list[ChatTokens]] = defaultdict(list)
         turn_rewards: dict[str, list[float]] = defaultdict(list)
         final_info: dict[str, dict[str, Any]] = {}
+        stop_reasons: dict[str, list[StopReason]] = defaultdict(list)
+        cut: set[str] = set()  # the agents still acting when a conversation ran out of room
         acting = list(observations)
         for turn in range(self.max_turns):
             if not acting:
@@ -110,6 +114,7 @@ class MultiAgentChatAgent:
                 a: min(self.sampling.max_new_tokens, self.max_total_tokens - len(chats[a].input_ids)) for a in acting
             }
             if min(budgets.values()) < 1:
+                cut = set(acting)
                 break  # a conversation outgrew max_total_tokens: the agent cuts the episode
             responses = await asyncio.gather(
                 *(
@@ -123,6 +128,8 @@ class MultiAgentChatAgent:
                     for a in acting
                 )
             )
+            for a, r in zip(acting, responses):
+                stop_reasons[a].append(r.stop_reason)
             actions = {
                 a: chats[a].append_generation(r.output_tokens, r.output_logprobs, r.output_versions)
                 for a, r in zip(acting, responses)
@@ -143,4 +150,4 @@ class MultiAgentChatAgent:
             acting = still
         for a, chat in chats.items():
             segments[a].append(chat)
-        return segments, turn_rewards, final_info
+        return segments, turn_rewards, final_info, stop_reasons, cut

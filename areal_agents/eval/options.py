@@ -21,6 +21,7 @@ from typing import Any, Literal
 from areal_agents.config import EngineConfig, config_field
 from areal_agents.errors import ConfigError
 from areal_agents.eval.runner import EvalSettings, eval_settings
+from areal_agents.models.loading import check_max_new_tokens
 
 
 @dataclass
@@ -61,11 +62,14 @@ class EvalOptions:
     out: str = config_field("output directory (default runs/eval/DATASET or ENV, or -2, -3, ... if taken)", default="")
 
     def check(self) -> None:
-        """What every run needs: a model, and a dataset or an env."""
+        """What every run needs: a model, and a dataset or an env; a ``max_new_tokens`` given within the
+        model's context (a preset's default stays: the engine caps each turn at the context left)."""
         if not self.model:
             raise ConfigError("eval needs --model (or 'model:' in --config)")
         if not (self.dataset or self.env.id):
             raise ConfigError("eval needs --dataset or --env (or 'dataset:' / 'env: {id: ...}' in --config)")
+        if self.max_new_tokens is not None:
+            check_max_new_tokens(self.max_new_tokens, self.model, "max_new_tokens (--max-new-tokens)")
 
     def modules(self) -> list[str]:
         """The modules to import before the env is made."""

@@ -1,13 +1,15 @@
-"""Load any transformers checkpoint (the tiny one or a real one) with a clear error on a bad path."""
+"""Load any transformers checkpoint (the tiny one or a real one) with a clear error on a bad path; check a
+generation budget against the model's context before a run starts."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from areal_agents.errors import ModelLoadError
+from areal_agents.errors import ConfigError, ModelLoadError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config names
 
@@ -59,3 +61,30 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """The id the trainer pads with: the tokenizer's pad token, else its EOS (many chat models have no pad)."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def model_context(path: str | Path) -> int | None:
+    """The context of the checkpoint at ``path``, in positions: ``max_position_embeddings`` of its config.json
+    (or of its ``text_config``), as the engines read it; None when it states none."""
+    p = _check_path(path)
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {p / 'config.json'}: {e}".splitlines()[0]) from None
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_max_new_tokens(max_new_tokens: int, path: str | Path, field: str) -> None:
+    """`ConfigError` naming ``field`` when ``max_new_tokens`` is more than the context of the model at ``path``
+    (no generation can be that long). Budgets up to the context pass: the engines cap each turn's at the
+    context its prompt leaves."""
+    context = model_context(path)
+    if context is not None and max_new_tokens > context:
+        raise ConfigError(
+            f"{field}: {max_new_tokens} tokens is more than the model's context, {context} positions "
+            f"(max_position_embeddings in {Path(path) / 'config.json'}); set {field} to at most {context}"
+        )

@@ -121,6 +121,7 @@ class Policy:
                 temperature=s.temperature,
                 pad_token_id=s.pad_token_id,
                 ref_model=self.reference,
+                max_new_tokens=s.max_new_tokens,
             )
         self.streamed.add(trajectories)
 
@@ -149,6 +150,7 @@ class Policy:
             critic=self.critic,
             critic_optimizer=self.critic_optimizer,
             dp=dp,
+            max_new_tokens=s.max_new_tokens,
         )
 
     def remote_train_step(

@@ -53,12 +53,20 @@ class TrainSpec:
     total_steps: int  # training steps of the run (the learning-rate schedule's length)
     seed: int = 0  # seeds a trainer in another process
     cpu_threads: int = 0  # the trainer's intra-op threads; 0: torch's default
+    max_new_tokens: int | None = None  # the rollouts' budget per turn: Lmax of ppo.overlong_buffer's penalty
 
     @classmethod
     def of(cls, cfg: TrainConfig, pad_token_id: int) -> TrainSpec:
         """The spec of a run (``cpu_threads``: ``ppo.cpu_threads``; a launcher may fill in 0)."""
         return cls(
-            cfg.ppo, cfg.rollout.temperature, pad_token_id, cfg.model.dtype, cfg.steps, cfg.seed, cfg.ppo.cpu_threads
+            cfg.ppo,
+            cfg.rollout.temperature,
+            pad_token_id,
+            cfg.model.dtype,
+            cfg.steps,
+            cfg.seed,
+            cfg.ppo.cpu_threads,
+            cfg.rollout.max_new_tokens,
         )
 
 

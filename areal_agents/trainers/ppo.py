@@ -171,18 +171,27 @@ def ppo_update(
     critic: ValueModel | None = None,
     critic_optimizer: torch.optim.Optimizer | None = None,
     dp: DataParallel | None = None,
+    max_new_tokens: int | None = None,
 ) -> dict[str, float]:
     """Train on one batch; return namespaced-ready stats (loss, clip fraction, weights, grad norm).
 
     With ``cfg.kl_coef > 0``, ``ref_model`` (frozen, usually the initial policy) adds a KL penalty.
     ``cfg.advantage == "gae"`` needs ``critic`` and ``critic_optimizer``. With ``dp`` this rank trains
-    on its share of every minibatch and gradients are summed across ranks (`distributed.py`)."""
+    on its share of every minibatch and gradients are summed across ranks (`distributed.py`).
+    ``max_new_tokens``: the rollout's, which ``cfg.overlong_buffer`` needs (`prepare_batch`)."""
     use_gae = cfg.advantage == "gae"
     if use_gae and (critic is None or critic_optimizer is None):
         raise ValueError("ppo.advantage=gae needs a critic and its optimizer")
     critic = critic if use_gae else None
     batch = prepare_batch(
-        model, trajectories, cfg, temperature=temperature, pad_token_id=pad_token_id, critic=critic, dp=dp
+        model,
+        trajectories,
+        cfg,
+        temperature=temperature,
+        pad_token_id=pad_token_id,
+        critic=critic,
+        dp=dp,
+        max_new_tokens=max_new_tokens,
     )
     stats = batch_stats(batch.counts)
     if not batch.trajectories:
@@ -230,6 +239,7 @@ class StreamedUpdate:
         temperature: float,
         pad_token_id: int,
         ref_model: PreTrainedModel | None = None,
+        max_new_tokens: int | None = None,
     ) -> None:
         if not streamable(cfg):
             raise ValueError(
@@ -238,6 +248,7 @@ class StreamedUpdate:
             )
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, cfg
         self.temperature, self.pad_token_id, self.ref_model = temperature, pad_token_id, ref_model
+        self.max_new_tokens = max_new_tokens
         self.counts = dict.fromkeys(_GROUP_COUNTS, 0.0)
         self.tally = _Tally(critic=False)
         optimizer.zero_grad(set_to_none=True)
@@ -245,7 +256,12 @@ class StreamedUpdate:
     def add(self, trajectories: list[Trajectory]) -> None:
         """Forward and backward on whole groups (every trajectory of each group id among them)."""
         part = prepare_batch(
-            self.model, trajectories, self.cfg, temperature=self.temperature, pad_token_id=self.pad_token_id
+            self.model,
+            trajectories,
+            self.cfg,
+            temperature=self.temperature,
+            pad_token_id=self.pad_token_id,
+            max_new_tokens=self.max_new_tokens,
         )
         add_counts(self.counts, part.counts)
         mbs = part.micro_batches(self.cfg, self.pad_token_id) if part.trajectories else []

@@ -1,11 +1,13 @@
 """What a PPO update trains on: the first stage of `ppo.py`'s one update path (prepare -> accumulate -> step).
 
-`prepare_batch` shapes the rewards and keeps the trajectories that carry signal: with group advantages
-(GRPO, Dr.GRPO, RLOO) zero-variance groups are dropped and every loss token gets its trajectory's
-advantage; with GAE the critic is the baseline, every trajectory is kept and each token gets its own
-advantage and return (`critic.gae_targets`). With more than one optimizer step per batch it also scores
-π_prox, the weights as they are before the first step. The batch's stats come from sums (`counts`)
-that a streamed batch adds up over its parts.
+`prepare_batch` shapes the rewards (DAPO's soft overlong punishment first, `overlong.py`) and keeps the
+trajectories that carry signal: with group advantages (GRPO, Dr.GRPO, RLOO) zero-variance groups are
+dropped and every loss token gets its trajectory's advantage; with GAE the critic is the baseline, every
+trajectory is kept and each token gets its own advantage and return (`critic.gae_targets`). With
+``ppo.overlong_filtering`` truncated trajectories are then left out, after advantages (their loss masked,
+as DAPO does; with GAE they train neither the policy nor the critic). With more than one optimizer step per
+batch it also scores π_prox, the weights as they are before the first step. The batch's stats come from sums
+(`counts`) that a streamed batch adds up over its parts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from areal_agents.trainers.batching import make_micro_batches, per_trajectory, t
 from areal_agents.trainers.critic import ValueModel, gae_targets
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.microbatch import MicroBatch
+from areal_agents.trainers.overlong import is_truncated, overlong_penalties
 from areal_agents.types import Trajectory
 
 
@@ -72,16 +75,18 @@ def prepare_batch(
     pad_token_id: int,
     critic: ValueModel | None = None,
     dp: DataParallel | None = None,
+    max_new_tokens: int | None = None,
 ) -> PreparedBatch:
     """Advantages (and GAE's values and returns) of the trajectories to train; π_prox when the update takes
-    more than one optimizer step. Puts ``model`` in training mode when there is anything to train."""
+    more than one optimizer step. Puts ``model`` in training mode when there is anything to train.
+    ``max_new_tokens`` (``rollout.max_new_tokens``) is the Lmax of the soft overlong punishment."""
     if cfg.advantage == "gae" and critic is None:
         raise ValueError("ppo.advantage=gae needs a critic and its optimizer")
-    rewards = shape_rewards([t.reward for t in trajectories], cfg.reward_scale, cfg.reward_bias, cfg.reward_clip)
+    rewards, counts = _rewards(trajectories, cfg, max_new_tokens)
     # GRPO groups are (prompt, agent role): in a multi-agent episode each role is compared with itself
     group_ids = [f"{t.group_id}/{t.agent_id}" for t in trajectories]
     flat = zero_variance_groups(rewards, group_ids)
-    counts = {"groups": float(len(set(group_ids))), "flat_groups": float(len(flat))}
+    counts |= {"groups": float(len(set(group_ids))), "flat_groups": float(len(flat))}
     if cfg.advantage == "gae":  # the critic is the baseline: every trajectory carries signal
         keep = list(range(len(trajectories)))
     else:
@@ -89,6 +94,9 @@ def prepare_batch(
         advantages = group_advantages(rewards, group_ids, cfg.advantage, episode_ids=episode_ids)
         keep = [i for i, g in enumerate(group_ids) if not (cfg.filter_zero_variance_groups and g in flat)]
         counts |= {"advantage_abs_sum": float(advantages.abs().sum()), "advantage_count": float(len(trajectories))}
+    if cfg.overlong_filtering:  # after advantages: a truncated trajectory still counts in its group's baseline
+        counts["overlong_filtered"] = float(sum(is_truncated(trajectories[i]) for i in keep))
+        keep = [i for i in keep if not is_truncated(trajectories[i])]
     trajs = [trajectories[i] for i in keep]
     counts["trained"] = float(len(keep))
     counts["loss_tokens"] = float(sum(sum(t.loss_mask) for t in trajs))
@@ -109,6 +117,22 @@ def prepare_batch(
     return PreparedBatch(trajs, adv, counts | sums, prox, values, returns)
 
 
+def _rewards(
+    trajectories: list[Trajectory], cfg: PPOConfig, max_new_tokens: int | None
+) -> tuple[list[float], dict[str, float]]:
+    """The shaped reward of each trajectory: the soft overlong penalty added (``ppo.overlong_buffer``), then
+    ``reward_bias``, ``reward_scale`` and ``reward_clip``; and the penalty's counts."""
+    raw = [t.reward for t in trajectories]
+    counts: dict[str, float] = {}
+    if cfg.overlong_buffer:
+        if max_new_tokens is None:
+            raise ValueError("ppo.overlong_buffer: the soft overlong punishment needs max_new_tokens (its Lmax)")
+        penalties = overlong_penalties(trajectories, max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+        raw = [r + p for r, p in zip(raw, penalties)]
+        counts = {"overlong_penalty_sum": float(sum(penalties)), "overlong_scored": float(len(penalties))}
+    return shape_rewards(raw, cfg.reward_scale, cfg.reward_bias, cfg.reward_clip), counts
+
+
 def batch_stats(counts: dict[str, float]) -> dict[str, float]:
     """The batch's stats from its `PreparedBatch.counts` (summed over the parts of a streamed batch)."""
     stats = {
@@ -117,6 +141,10 @@ def batch_stats(counts: dict[str, float]) -> dict[str, float]:
     }
     if "advantage_count" in counts:  # per trajectory (group advantages) or per loss token (GAE)
         stats["advantage_abs_mean"] = counts["advantage_abs_sum"] / max(counts["advantage_count"], 1.0)
+    if "overlong_scored" in counts:  # per trajectory, before reward_bias and reward_scale
+        stats["overlong_penalty_mean"] = counts["overlong_penalty_sum"] / max(counts["overlong_scored"], 1.0)
+    if "overlong_filtered" in counts:
+        stats["overlong_filtered_trajectories"] = counts["overlong_filtered"]
     if "value_sum" in counts:
         n_tokens = max(counts["advantage_count"], 1.0)
         stats["value_mean"] = counts["value_sum"] / n_tokens

@@ -33,7 +33,7 @@ from areal_agents.agents.factory import make_rollout_agent
 from areal_agents.config import TrainConfig
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ConfigError
-from areal_agents.models.loading import load_tokenizer, pad_token_id
+from areal_agents.models.loading import check_max_new_tokens, load_tokenizer, pad_token_id
 from areal_agents.progress import plural, progress_bar
 from areal_agents.rollout.controller import Group, RolloutController, has_reward_variance
 from areal_agents.rollout.episodes import EpisodeFn
@@ -70,6 +70,9 @@ def run_train(
         )
     found, changes = _checkpoint_to_resume(cfg, resume, allow_config_change)
     tokenizer = load_tokenizer(cfg.model.path)
+    starts = dict(cfg.policies) if cfg.policies else {SHARED: cfg.model.path}  # policy name -> starting model
+    for start in starts.values():  # before any rollout: a budget past the model's context is a config error
+        check_max_new_tokens(cfg.rollout.max_new_tokens, start, "rollout.max_new_tokens")
     run_dir = prepare_run_dir(cfg.run_dir, cfg)
     seed_everything(cfg.seed)
     state = None
@@ -81,7 +84,6 @@ def run_train(
     forget_after(run_dir, state["step"] if state else 0)  # steps after the checkpoint are redone, and logged anew
     launcher = launcher if launcher is not None else LocalLauncher(cfg, run_dir)
     spec = TrainSpec.of(cfg, pad_token_id(tokenizer))
-    starts = dict(cfg.policies) if cfg.policies else {SHARED: cfg.model.path}  # policy name -> starting model
     policies: dict[str, TrainablePolicy] = {}
     # This thread runs the event loop (agents, envs), not tensors: one intra-op thread, so the torch
     # work it does start (weight swaps) adds no OpenMP team beside the trainer's and the engine's.

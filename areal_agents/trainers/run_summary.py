@@ -44,6 +44,8 @@ def write_summary(
         # end to end over the training steps (rollout waits + training + weight pushes), evals excluded
         "samples_per_s": totals.consumed_samples / max(totals.step_seconds, 1e-9),
         "generated_tokens_per_s": totals.generated_tokens / max(totals.rollout_seconds, 1e-9),
+        # trajectories with a generation stopped at its token budget (or out of context), over the training steps
+        "truncated_fraction": totals.truncated_samples / max(totals.consumed_samples, 1),
         # where the training steps' time went: the trainer busy (the rest it waited for rollouts), and the
         # share of it the engine was busy decoding (None for an engine without counters)
         "step_seconds": totals.step_seconds,

@@ -17,7 +17,7 @@ from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.config import SFTConfig
 from areal_agents.data.jsonl import read_chat_jsonl
 from areal_agents.engines.hf.engine import HFEngine
-from areal_agents.models.loading import load_model, load_tokenizer, pad_token_id
+from areal_agents.models.loading import check_max_new_tokens, load_model, load_tokenizer, pad_token_id
 from areal_agents.progress import plural, progress_bar
 from areal_agents.rollout.held_out import evaluate
 from areal_agents.trainers.checkpoint import save_model
@@ -36,6 +36,8 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, Any]:
         raise ConfigError("config key 'data' is empty: set it to a chat JSONL file")
     conversations = read_chat_jsonl(cfg.data)
     evaluating = cfg.eval.num_problems > 0
+    if evaluating:  # the held-out episodes generate up to max_new_tokens a turn
+        check_max_new_tokens(cfg.max_new_tokens, cfg.model.path, "max_new_tokens")
     loop = asyncio.new_event_loop()  # one loop for every evaluation (the env backend is bound to it)
     backend = loop.run_until_complete(open_checked_backend(cfg.env, cfg.eval)) if evaluating else None
     try:

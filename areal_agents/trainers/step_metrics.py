@@ -1,8 +1,8 @@
-"""What one RL step logs to TensorBoard: ``rollout/`` (rewards, accuracy, the ledger, staleness), ``train/``
-(each policy's update), ``perf/`` (throughput and where the step's time went) and ``engine/`` (the serving
-engine's counters per step, when it reports them: `areal_agents.engines.base.engine_counters`); and the
-totals over the run's steps that its summary reports; and the step's trajectories as JSONL
-(``rollout.dump_trajectories``).
+"""What one RL step logs to TensorBoard: ``rollout/`` (rewards, accuracy, the truncated fraction, the ledger,
+staleness), ``train/`` (each policy's update), ``perf/`` (throughput and where the step's time went) and
+``engine/`` (the serving engine's counters per step, when it reports them:
+`areal_agents.engines.base.engine_counters`); and the totals over the run's steps that its summary reports;
+and the step's trajectories as JSONL (``rollout.dump_trajectories``).
 
 Example::
 
@@ -28,6 +28,7 @@ from areal_agents.engines.base import InferenceEngine, engine_counters
 from areal_agents.rollout.controller import RolloutController
 from areal_agents.rollout.episodes import RolloutLedger
 from areal_agents.trainers.metrics_writer import MetricsWriter, prefixed
+from areal_agents.trainers.overlong import is_truncated, truncated_fraction
 from areal_agents.trainers.policy import SHARED
 from areal_agents.types import Trajectory
 
@@ -56,6 +57,7 @@ class Totals:
 
     trained_samples: int = 0
     consumed_samples: int = 0
+    truncated_samples: int = 0  # of the consumed: a generation stopped at its budget, or out of context
     generated_tokens: int = 0
     rollout_seconds: float = 0.0
     train_seconds: float = 0.0
@@ -125,6 +127,7 @@ class StepLog:
         t.train_seconds += times.train
         t.step_seconds += times.end - times.start
         t.consumed_samples += len(trajectories)
+        t.truncated_samples += sum(map(is_truncated, trajectories))
         t.engine_busy_seconds += busy
         scalars = {**prefixed("rollout", rollout), **prefixed("train", train), **prefixed("perf", perf)}
         self.metrics.log(step, scalars | {"engine/version": float(self.engine.get_version())} | engine)
@@ -132,6 +135,7 @@ class StepLog:
         return {
             "reward": f"{rollout['reward_mean']:.3f}",
             "acc": f"{rollout['accuracy']:.2f}",
+            "trunc": f"{rollout['truncated_fraction']:.2f}",
             "tok_s": f"{perf['gen_tokens_per_s']:.0f}",
         }
 
@@ -151,13 +155,14 @@ def train_stats(per_policy: dict[str, dict[str, float]]) -> dict[str, float]:
 def rollout_stats(
     trajectories: list[Trajectory], ledger: RolloutLedger, controller: RolloutController, env_id: str
 ) -> dict[str, float]:
-    """The batch's rewards and staleness, the ledger's counts and the controller's queue."""
+    """The batch's rewards, truncation and staleness, the ledger's counts and the controller's queue."""
     rewards = [t.reward for t in trajectories]
     staleness = controller.stats.staleness[-len(trajectories) :] or [0]
     return {
         "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
         "accuracy": float(np.mean([x >= 1.0 for x in rewards])) if rewards else 0.0,
         "generated_tokens": float(sum(t.num_generated for t in trajectories)),
+        "truncated_fraction": truncated_fraction(trajectories),  # what ppo.overlong_filtering leaves out
         "episodes_failed": float(ledger.failed),
         "episodes_env_failed": float(ledger.env_failed),
         "episodes_engine_failed": float(ledger.engine_failed),

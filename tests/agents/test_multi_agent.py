@@ -6,6 +6,7 @@ import asyncio
 from test_segments import InlineEnv
 
 from areal_agents.agents.multi_agent import MultiAgentChatAgent
+from areal_agents.engines import HFEngine
 from areal_agents.envs import make_env
 from areal_agents.types import GenResponse, SamplingParams
 
@@ -52,3 +53,34 @@ def test_shared_policy_plays_every_agent(tokenizer):
     assert len(engine.rids) == 6
     assert len({t.reward for t in trajectories}) == 1  # same answers, same rewards
     assert all("success" in t.metadata for t in trajectories)
+
+
+class RecordingEngine(HFEngine):
+    """The real engine, also keeping every response it returned, by request id."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.responses = {}
+
+    async def agenerate(self, request):
+        self.responses[request.rid] = response = await super().agenerate(request)
+        return response
+
+
+def test_each_agent_keeps_its_stop_reasons_and_a_cut_for_want_of_room(model, tokenizer):
+    """Each agent's trajectory holds the engine's stop reason of each of its turns; when a conversation has
+    no room left the episode ends, and every agent still acting is marked ``context_exhausted``."""
+    engine = RecordingEngine(model, seed=0)
+    free = play(MultiAgentChatAgent(engine, tokenizer, SamplingParams(max_new_tokens=3)), rounds=2)
+    for t in free:
+        reasons = [r.stop_reason for rid, r in engine.responses.items() if rid.startswith(f"{t.episode_id}/")]
+        assert t.metadata["stop_reasons"] == reasons and len(reasons) == 2
+        assert not t.metadata["context_exhausted"]
+    room = max(t.loss_mask.index(1) for t in free) + 3  # the first turn fits, the second does not
+    engine.responses.clear()
+    cut = play(
+        MultiAgentChatAgent(engine, tokenizer, SamplingParams(max_new_tokens=3), max_total_tokens=room), rounds=2
+    )
+    assert sorted(rid.rsplit("/", 1)[1] for rid in engine.responses) == ["t0", "t0"]  # one turn each
+    for t in cut:
+        assert t.metadata["context_exhausted"] and len(t.metadata["stop_reasons"]) == 1
