@@ -38,7 +38,9 @@ def cmd_tiny_model(args: argparse.Namespace) -> None:
     from areal_agents.models.tiny import save_tiny_model
 
     _quiet_transformers()
-    out = save_tiny_model(args.out_dir, seed=args.seed, overwrite=args.overwrite)
+    out = save_tiny_model(
+        args.out_dir, seed=args.seed, overwrite=args.overwrite, max_position_embeddings=args.context
+    )
     print(f"tiny model and tokenizer saved to {out}")
 
 
@@ -189,6 +191,9 @@ def _add_tiny_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="write over a model already at OUT_DIR")
+    p.add_argument(
+        "--context", type=int, default=512, help="max_position_embeddings: prompt + answer tokens (e.g. 32768)"
+    )
     p.set_defaults(fn=cmd_tiny_model)
 
 

@@ -114,6 +114,8 @@ def test_user_errors_are_one_line_exit_2(tmp_path, tiny_dir, args, message):
 def test_tiny_model_command(tmp_path):
     assert main(["tiny-model", str(tmp_path / "m")]) == 0
     assert (tmp_path / "m" / "model.safetensors").is_file()
+    assert main(["tiny-model", str(tmp_path / "long"), "--context", "32768"]) == 0
+    assert json.loads((tmp_path / "long" / "config.json").read_text())["max_position_embeddings"] == 32768
 
 
 def test_rl_through_the_env_server(tmp_path, tiny_dir):
