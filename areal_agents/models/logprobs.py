@@ -43,16 +43,19 @@ def chunked_token_logprobs(
     tokens: torch.Tensor,
     temperature: float,
     chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`tempered_token_logprobs` of ``head(hidden)`` (hidden ``[T, H]``, tokens ``[T]``), ``chunk_tokens``
+    """`tempered_token_logprobs` of ``head(hidden)`` (hidden ``[N, H]``, tokens ``[T]``), ``chunk_tokens``
     rows at a time under activation checkpointing when gradients flow: the ``[T, V]`` logits are never
-    held for the whole sequence, in the forward or for the backward."""
+    held for the whole sequence, in the forward or for the backward. Token t is scored from hidden row t,
+    or ``rows[t]`` (a layout that repeats rows, as shared prompts do, is then gathered a chunk at a time)."""
 
-    def chunk(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return tempered_token_logprobs(head(h), y, temperature)
+    def chunk(h: torch.Tensor, y: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        return tempered_token_logprobs(head(h if r is None else h.index_select(0, r)), y, temperature)
 
     parts = []
     for s in range(0, tokens.shape[0], chunk_tokens):
-        h, y = hidden[s : s + chunk_tokens], tokens[s : s + chunk_tokens]
-        parts.append(checkpoint(chunk, h, y, use_reentrant=False) if h.requires_grad else chunk(h, y))
+        y = tokens[s : s + chunk_tokens]
+        h, r = (hidden[s : s + chunk_tokens], None) if rows is None else (hidden, rows[s : s + chunk_tokens])
+        parts.append(checkpoint(chunk, h, y, r, use_reentrant=False) if h.requires_grad else chunk(h, y, r))
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float)

@@ -228,6 +228,13 @@ AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
 
 def packed_hidden_states(decoder: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
     """Final hidden states ``[T, H]`` of a packed row (trajectory layout), attention kept within each trajectory."""
+    hidden, expand = _run_hidden_states(decoder, mb)
+    return hidden if expand is None else hidden.index_select(0, expand)
+
+
+def _run_hidden_states(decoder: PreTrainedModel, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Final hidden states of the row the model runs on, and (shared prompts) the row position of each
+    token of the trajectory layout; None when the two layouts are the same."""
     shared: SharedPrompts | None = mb.shared
     if shared is None:
         edges = mb.cu_seqlens.tolist()
@@ -238,7 +245,7 @@ def packed_hidden_states(decoder: PreTrainedModel, mb: MicroBatch) -> torch.Tens
         ids, positions = shared.input_ids, shared.position_ids
     use_packed_attention(decoder, True)
     hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, packed_plan=plan).last_hidden_state[0]
-    return hidden if shared is None else hidden.index_select(0, shared.expand)
+    return hidden, None if shared is None else shared.expand
 
 
 def use_packed_attention(decoder: PreTrainedModel, packed: bool) -> None:
@@ -254,8 +261,10 @@ def use_packed_attention(decoder: PreTrainedModel, packed: bool) -> None:
 
 def packed_token_logprobs(model: PreTrainedModel, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
     """``log softmax(logits / T)`` of each token of a packed row, ``[1, T]``; 0 where a trajectory starts."""
-    hidden = packed_hidden_states(model.get_decoder(), mb)[:-1]  # position t predicts token t + 1
-    logp = chunked_token_logprobs(hidden, model.get_output_embeddings(), mb.input_ids[0, 1:], temperature)
+    hidden, expand = _run_hidden_states(model.get_decoder(), mb)
+    rows = None if expand is None else expand[:-1]  # shared prompts: read in chunks, never expanded whole
+    head, tokens = model.get_output_embeddings(), mb.input_ids[0, 1:]  # position t predicts token t + 1
+    logp = chunked_token_logprobs(hidden if rows is not None else hidden[:-1], head, tokens, temperature, rows=rows)
     logp = F.pad(logp, (1, 0))
     logp[mb.cu_seqlens[:-1].long()] = 0.0  # a trajectory's first token has no prefix (the previous one is another's)
     return logp[None]

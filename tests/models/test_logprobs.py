@@ -48,3 +48,19 @@ def test_chunks_give_the_values_and_gradients_of_one_pass(grad):
         (g_chunked,) = torch.autograd.grad(chunked.sum(), hidden)
         assert torch.allclose(g_chunked, g_whole, atol=1e-6)
     assert chunked_token_logprobs(hidden[:0], head, tokens[:0], 1.0).shape == (0,)
+
+
+def test_rows_score_a_repeating_layout_without_expanding_it():
+    """Shared prompts score each trajectory token from a row of a shorter run (``rows``); the same values
+    and gradients as expanding the hidden states first."""
+    gen = torch.Generator().manual_seed(3)
+    head = torch.nn.Linear(4, 11)
+    hidden = torch.randn(6, 4, generator=gen, requires_grad=True)
+    rows = torch.tensor([0, 1, 2, 3, 0, 1, 2, 4, 5, 5])
+    tokens = torch.randint(0, 11, (10,), generator=gen)
+    expanded = tempered_token_logprobs(head(hidden.index_select(0, rows)), tokens, 0.8)
+    chunked = chunked_token_logprobs(hidden, head, tokens, 0.8, chunk_tokens=3, rows=rows)
+    assert torch.allclose(chunked, expanded, atol=1e-6)
+    (g_expanded,) = torch.autograd.grad(expanded.sum(), hidden)
+    (g_chunked,) = torch.autograd.grad(chunked.sum(), hidden)
+    assert torch.allclose(g_chunked, g_expanded, atol=1e-6)
