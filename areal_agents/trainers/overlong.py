@@ -22,7 +22,7 @@ its answer: a sound line of reasoning that ran out of tokens scores as a wrong o
   It is added to the env's reward before ``reward_bias``, ``reward_scale`` and ``reward_clip``. Each turn
   of a multi-turn episode has its own budget of ``max_new_tokens``, so L is the episode's longest
   generated turn (a run of consecutive loss tokens), not the sum of its turns; the segments of one episode
-  share it, as they share its reward.
+  share it, as they share its reward (per agent, in a multi-agent episode).
 
 ``rollout/truncated_fraction`` (`truncated_fraction`) is the share of a step's trajectories that are
 truncated, the share overlong filtering leaves out.
@@ -75,10 +75,10 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int, factor: floa
 def overlong_penalties(
     trajectories: Sequence[Trajectory], max_new_tokens: int, buffer: int, factor: float
 ) -> list[float]:
-    """The penalty of each trajectory: that of its episode's longest turn (the trajectories of one episode,
-    the segments of a conversation, by ``episode_id``, share it)."""
-    keys = [t.episode_id or f"#{i}" for i, t in enumerate(trajectories)]
-    longest: dict[str, int] = {}
+    """The penalty of each trajectory: that of its agent's longest turn in its episode (the segments of one
+    conversation share it; in a multi-agent episode each agent answers for its own turns)."""
+    keys = [(t.episode_id or f"#{i}", t.agent_id) for i, t in enumerate(trajectories)]
+    longest: dict[tuple[str, str], int] = {}
     for key, t in zip(keys, trajectories):
         longest[key] = max(longest.get(key, 0), longest_turn(t))
     return [overlong_penalty(longest[key], max_new_tokens, buffer, factor) for key in keys]

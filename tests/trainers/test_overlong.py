@@ -132,8 +132,9 @@ def test_a_multi_turn_episode_is_measured_by_its_longest_turn(model, tokenizer):
     # a second segment of the same episode (as when a template rewrites history) shares the episode's L
     short = dataclasses.replace(traj, input_ids=[5, 6, 7], loss_mask=[0, 1, 0], logprobs=[0.0] * 3, versions=[0] * 3)
     other = dataclasses.replace(short, episode_id="other")
+    rival = dataclasses.replace(short, agent_id="rival")  # another agent of the same episode: its own turns
     budget = max(lengths)  # the longest turn sits exactly at Lmax: the full penalty
-    assert overlong_penalties([traj, short, other], budget, 2, 1.0) == [-1.0, -1.0, 0.0]
+    assert overlong_penalties([traj, short, other, rival], budget, 2, 1.0) == [-1.0, -1.0, 0.0, 0.0]
 
 
 def _grouped(trajs, rewards):
