@@ -38,9 +38,7 @@ def cmd_tiny_model(args: argparse.Namespace) -> None:
     from areal_agents.models.tiny import save_tiny_model
 
     _quiet_transformers()
-    out = save_tiny_model(
-        args.out_dir, seed=args.seed, overwrite=args.overwrite, max_position_embeddings=args.context
-    )
+    out = save_tiny_model(args.out_dir, seed=args.seed, overwrite=args.overwrite, max_position_embeddings=args.context)
     print(f"tiny model and tokenizer saved to {out}")
 
 
