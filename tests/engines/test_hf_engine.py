@@ -600,3 +600,49 @@ def test_a_bfloat16_kv_cache_samples_close_to_the_model_through_segments_and_nex
 def test_kv_dtype_is_checked(model):
     with pytest.raises(ValueError, match="kv_dtype: expects one of .*'bfloat16'.*got 'bf16'"):
         HFEngine(model, kv_dtype="bf16")
+
+
+def test_long_contexts_prefill_in_chunks_with_the_same_tokens_and_logprobs(model, tokenizer, tiny_dir, monkeypatch):
+    """A prefill runs PREFILL_CHUNK_TOKENS columns a call (its mask [rows, 1, chunk, context], not [rows, 1,
+    W, W]): left-padded rows of different lengths, resumed rows re-running their tokens after a weight
+    swap and next turns from the prefix cache all give the logprobs of a full forward pass."""
+    from areal_agents.engines.hf import batch_runner
+    from areal_agents.models import load_model
+
+    monkeypatch.setattr(batch_runner, "PREFILL_CHUNK_TOKENS", 3)
+    widths = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        if kwargs.get("input_ids") is not None and kwargs["input_ids"].shape[1] > 1:
+            widths.append(kwargs["input_ids"].shape[1])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    engine = HFEngine(model, eos_token_ids=[], seed=2, fast_decode=False)
+    new_weights, old_weights = perturbed(tiny_dir), load_model(tiny_dir)  # the engine's model takes the new ones
+    prompts = [prompt(tokenizer, t) for t in ("1+2=", "34+56=", "345+6789=")]  # a chunk of only padding, too
+
+    async def run():
+        tasks = [
+            asyncio.ensure_future(engine.agenerate(GenRequest(str(i), p, SamplingParams(30, temperature=0.7))))
+            for i, p in enumerate(prompts)
+        ]
+        while engine.stats.decode_steps < 8:
+            await asyncio.sleep(0.001)
+        await engine.update_weights(new_weights.state_dict())  # the rows re-run prompt + tokens, in chunks
+        return await asyncio.gather(*tasks)
+
+    responses = asyncio.run(run())
+    assert widths and max(widths) <= 3 and engine.stats.prefill_tokens > 3 * len(prompts)
+    for p, r in zip(prompts, responses):
+        switch = r.output_versions.index(1)
+        before = forward_logprobs(old_weights, p + r.output_tokens[:switch], switch, temperature=0.7)
+        after = forward_logprobs(new_weights, p + r.output_tokens, len(r.output_tokens) - switch, temperature=0.7)
+        assert torch.allclose(torch.tensor(r.output_logprobs[:switch]), before, atol=1e-4)
+        assert torch.allclose(torch.tensor(r.output_logprobs[switch:]), after, atol=1e-4)
+    episodes = run_multi_turn(engine, tokenizer, 3, 3, lambda i, turn: 4 + i)  # next turns: prefix + new columns
+    for turns in episodes:
+        for ctx, r in turns:
+            ref = forward_logprobs(new_weights, ctx + r.output_tokens, len(r.output_tokens))
+            assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=1e-4)

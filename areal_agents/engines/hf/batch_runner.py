@@ -30,6 +30,10 @@ from areal_agents.errors import EngineError
 from areal_agents.models.logprobs import tempered_log_softmax
 from areal_agents.types import GenResponse, StopReason
 
+# Columns one prefill call runs: its attention mask is [rows, 1, chunk, context] rather than [rows, 1, W, W],
+# so re-running a long context (a resumed 16K-token answer) costs memory linear in its length.
+PREFILL_CHUNK_TOKENS = 2048
+
 Outcome = tuple[Submission, GenResponse | BaseException]  # a submission and what its caller gets
 
 
@@ -172,14 +176,18 @@ class BatchRunner:
             dtype = self.model.dtype
             past = DynamicCache(ddp_cache_data=[(k.to(dtype), v.to(dtype)) for k, v in zip(keys, values)])
             attention = torch.cat([past_mask, attention], dim=1)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=positions,
-            cache=past,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        context = attention.shape[1] - width  # cached prefix columns before the new ones
+        for c0 in range(0, width, PREFILL_CHUNK_TOKENS):
+            c1 = min(width, c0 + PREFILL_CHUNK_TOKENS)
+            out = self.model(
+                input_ids=input_ids[:, c0:c1],
+                attention_mask=attention[:, : context + c1],
+                position_ids=positions[:, c0:c1],
+                cache=past,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            past = out.cache
         self.stats.prefills += 1
         self.stats.prefill_tokens += sum(len(c) for c in news)
         self.stats.prefix_hit_tokens += sum(start)
