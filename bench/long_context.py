@@ -15,7 +15,8 @@ Time is the best of ``--repeats`` updates (default 3 up to 4096 tokens, else 1).
 the memory exponent fitted over ``--lengths`` (1.0 = linear; the target is <= 1.05) and, per L, shared
 prompts' memory and time against plain packing's. Last, ``--updates`` updates of varied lengths (shared
 prompts) in one process: RSS after all of them against RSS after a tenth
-(target: within 10%; anything cached per batch would grow it).
+(target: within 10%; anything cached per batch would grow it). ``--only alternate`` times shared prompts
+against packing alternated in one process, the fair ratio where separate processes' times scatter.
 """
 
 from __future__ import annotations
@@ -162,7 +163,35 @@ def drift_child(args: argparse.Namespace) -> dict:
     return {"rss": rss, "s": time.perf_counter() - start}
 
 
-CHILDREN = {"train": train_child, "engine": engine_child, "drift": drift_child}
+def alternate_child(args: argparse.Namespace) -> dict:
+    """Seconds of a packed and a shared-prompt update of one ``args.length`` group, alternated in one process
+    (``args.repeats`` rounds after a warm-up one; medians): a fair time ratio on a noisy machine."""
+    import statistics
+
+    from areal_agents.config import PPOConfig
+    from areal_agents.models import load_model
+    from areal_agents.trainers.optim import make_optimizer
+    from areal_agents.trainers.ppo import ppo_update
+
+    model = load_model(args.model)
+    model.train()
+    trajs = group(args.length, args.prompt, args.group, random.Random(0))
+    times: dict[str, list[float]] = {"packed": [], "shared prompts": []}
+    for round_ in range(1 + (args.repeats or 5)):
+        for name in times:
+            cfg = PPOConfig(
+                share_prompts=name == "shared prompts", micro_batch_tokens=args.group * args.length,
+                filter_zero_variance_groups=False, behav_imp_weight_cap=None,
+            )  # fmt: skip
+            optimizer, scheduler = make_optimizer(model, cfg.lr, 0.0, 0)
+            start = time.perf_counter()
+            ppo_update(model, optimizer, scheduler, trajs, cfg, temperature=1.0, pad_token_id=0)
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+CHILDREN = {"train": train_child, "engine": engine_child, "drift": drift_child, "alternate": alternate_child}
 
 
 # ---- the driver ------------------------------------------------------------------------------------
@@ -253,6 +282,17 @@ def bench_drift(args: argparse.Namespace, model: Path) -> None:
     )
 
 
+def bench_alternate(args: argparse.Namespace, model: Path) -> None:
+    print(f"== shared prompts vs packed, alternated in one process ({args.repeats or 5} rounds, medians) ==")
+    for n in args.lengths:
+        r = measure("alternate", model, length=n, group=args.group, prompt=args.prompt, repeats=args.repeats)
+        if "error" in r:
+            print(f"L={n:6d}: failed: {r['error']}")
+        else:
+            shared, packed = r["shared prompts"], r["packed"]
+            print(f"L={n:6d}: packed {packed:6.2f} s, shared prompts {shared:6.2f} s = {shared / packed:.3f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
@@ -266,7 +306,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--paths", default=",".join(TRAIN_PATHS), help="trainer paths to run, comma-separated")
     parser.add_argument("--repeats", type=int, default=0, help="updates timed per L (0: 3 up to 4096 tokens, else 1)")
-    parser.add_argument("--only", choices=["trainer", "engine", "drift"], default=None)
+    parser.add_argument("--only", choices=["trainer", "engine", "drift", "alternate"], default=None)
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--path", choices=sorted(TRAIN_PATHS), help=argparse.SUPPRESS)
@@ -299,6 +339,8 @@ def main() -> None:
             bench_engine(args, model)
         if args.only in (None, "drift") and args.updates:
             bench_drift(args, model)
+        if args.only == "alternate":
+            bench_alternate(args, model)
 
 
 if __name__ == "__main__":
