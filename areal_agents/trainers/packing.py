@@ -173,11 +173,14 @@ def attention_plan(
         sequences.append((((p0, p), (s, n)), p if (p0, p) in prompted else 0))
         prompted.add((p0, p))
     sequences += [(((s, n),), 0) for s, n in causal if (s, n) not in prompted]
+    lengths = [sum(n for _, n in segments) for segments, _ in sequences]
+    order = sorted(range(len(sequences)), key=lengths.__getitem__)
     widths, index, output = [], [], torch.empty(total, dtype=torch.long)
     offset = 0
-    for bucket in _buckets(sorted(sequences, key=lambda q: sum(n for _, n in q[0]))):
-        width = max(sum(n for _, n in segments) for segments, _ in bucket)
-        for segments, skip in bucket:
+    for bucket in _buckets([lengths[k] for k in order]):
+        width = lengths[order[bucket[-1]]]  # ascending: the bucket's last is its longest
+        for k in bucket:
+            segments, skip = sequences[order[k]]
             read = torch.cat([torch.arange(s, s + n) for s, n in segments])
             index.append(F.pad(read, (0, width - len(read))))
             output[read[skip:]] = torch.arange(offset + skip, offset + len(read))
@@ -186,19 +189,15 @@ def attention_plan(
     return AttentionPlan(tuple(widths), torch.cat(index), output)
 
 
-def _buckets(sequences: list) -> list[list]:
-    """Consecutive runs of (length-sorted) sequences whose lengths are within 25% (or 8 tokens)."""
-
-    def length(k: int) -> int:
-        return sum(n for _, n in sequences[k][0])
-
+def _buckets(lengths: list[int]) -> list[range]:
+    """Consecutive runs of (ascending) ``lengths`` within 25% (or 8 tokens) of their shortest, as index ranges."""
     out, i = [], 0
-    while i < len(sequences):
-        shortest = length(i)
+    while i < len(lengths):
+        shortest = lengths[i]
         j = i + 1
-        while j < len(sequences) and j - i < BUCKET_SIZE and length(j) <= max(shortest * 5 // 4, shortest + 8):
+        while j < len(lengths) and j - i < BUCKET_SIZE and lengths[j] <= max(shortest * 5 // 4, shortest + 8):
             j += 1
-        out.append(sequences[i:j])
+        out.append(range(i, j))
         i = j
     return out
 
