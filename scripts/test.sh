@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite, slow tests included (~2 minutes). Arguments replace that
+# Set up (with vLLM's environment), then run the whole test suite, slow tests included. Arguments replace that
 # selection and go to pytest (e.g. `bash scripts/test.sh -k engine`; plain `pytest` skips slow tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh || exit 1
+bash scripts/setup.sh --with-vllm || exit 1  # vLLM in .venv-vllm: tests/engines/test_remote_engines.py
 if [ "$#" -eq 0 ]; then
   set -- -m "slow or not slow"
 fi

@@ -1,4 +1,4 @@
-"""Model servers (serve-model on CPU, SGLang on GPU) as Ray actors, placed by the resources they ask
+"""Model servers (serve-model on CPU, SGLang or vLLM on GPU) as Ray actors, placed by the resources they ask
 for; each actor runs the same server command the local launcher would, restarts it (on the same address,
 with the run's current weights: `Supervisor`) when it dies or reports its engine failed, and stops it
 when it goes."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -46,8 +47,9 @@ class EngineServerActor:
         log = Path(log_dir) / f"{cfg.backend}-{index}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_bytes(b"")
-        proc = _spawn(server_command(cfg, model_path, dtype, port, 0), log)
-        self.group = ServerGroup([f"http://{host}:{port}"], [proc], [log])
+        scratch = Path(tempfile.mkdtemp(prefix="areal-vllm-")) if cfg.backend == "vllm" else None  # its sockets
+        proc = _spawn(server_command(cfg, model_path, dtype, port, 0, scratch=scratch), log)
+        self.group = ServerGroup([f"http://{host}:{port}"], [proc], [log], scratch=[scratch] if scratch else [])
         try:
             wait_healthy(self.group, cfg.startup_timeout_s)
         except BaseException:
@@ -55,7 +57,9 @@ class EngineServerActor:
             raise
 
         def command_for(i: int, path: str, tokenizer: str, version: str | None) -> list[str]:
-            return server_command(cfg, path, dtype, port, 0, tokenizer_path=tokenizer, weight_version=version)
+            return server_command(
+                cfg, path, dtype, port, 0, tokenizer_path=tokenizer, weight_version=version, scratch=scratch
+            )
 
         weights = Path(weights_dir) if weights_dir else None
         self.group.supervisor = Supervisor(

@@ -19,8 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.engines.sglang.client import write_weights
-from areal_agents.engines.weight_sync import WeightSync
+from areal_agents.engines.weight_sync import WeightSync, write_weights
 from areal_agents.models.loading import load_model, quiet_transformers
 from areal_agents.net import free_port
 from areal_agents.trainers.distributed import DataParallel

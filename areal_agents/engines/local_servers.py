@@ -1,8 +1,9 @@
 """Start (or connect to) the model servers a run generates with, and build its engine.
 
 ``engine.backend``: ``hf`` (in-process `HFEngine`), ``serve-model`` (our SGLang-protocol CPU server in
-subprocesses) or ``sglang`` (``python -m sglang.launch_server`` processes on GPUs); with
-``engine.urls`` set, the run connects to running servers instead. Servers this process started are
+subprocesses), ``sglang`` (``python -m sglang.launch_server`` processes on GPUs) or ``vllm`` (vLLM's
+OpenAI-compatible server, from ``engine.vllm_python``: `engines.vllm.server`); with ``engine.urls`` set,
+the run connects to running servers instead. Servers this process started are
 waited for (``/health``), restarted with the run's current weights when one dies or reports its engine
 failed (`Supervisor`), and stopped when the run ends or the process exits.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from typing import Any
 from areal_agents import net
 from areal_agents.config import EngineConfig
 from areal_agents.engines.supervisor import Supervisor
+from areal_agents.engines.vllm.server import checkpoint_dtype, vllm_command, vllm_python
 from areal_agents.errors import EngineError
 from areal_agents.net import free_port, log_tail
 
@@ -36,6 +39,7 @@ class ServerGroup:
     procs: list[subprocess.Popen] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     supervisor: Any = None  # a `Supervisor` restarting the servers this process started (stopped first)
+    scratch: list[Path] = field(default_factory=list)  # the servers' own temporary files, deleted at stop
 
     def stop(self) -> None:
         if self.supervisor is not None:
@@ -53,6 +57,8 @@ class ServerGroup:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.procs = []
+        for path in self.scratch:
+            shutil.rmtree(path, ignore_errors=True)
 
     def __enter__(self) -> ServerGroup:
         return self
@@ -70,8 +76,10 @@ def server_command(
     *,
     tokenizer_path: str | None = None,
     weight_version: str | None = None,
+    scratch: Path | None = None,
 ) -> list[str]:
-    """The command line of server ``index`` of a launch (a restart names the tokenizer and weight_version)."""
+    """The command line of server ``index`` of a launch (a restart names the tokenizer and weight_version;
+    ``scratch``: a directory of the server's own for its temporary files, which vLLM needs)."""
     backend, host = cfg.backend, cfg.host
     restart = ["--tokenizer-path", tokenizer_path] if tokenizer_path else []
     restart += ["--weight-version", weight_version] if weight_version is not None else []
@@ -84,10 +92,11 @@ def server_command(
         return [
             sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
             "--port", str(port), "--tp-size", str(cfg.tp), "--mem-fraction-static", str(cfg.mem_fraction),
-            "--dtype", dtype,
+            "--dtype", engine_dtype(cfg, model_path, dtype),
             "--base-gpu-id", str(index * cfg.tp), "--skip-server-warmup", *restart, *cfg.extra_args,
         ]  # fmt: skip
     if backend == "serve-model":
+        dtype = engine_dtype(cfg, model_path, dtype)
         return [
             sys.executable, "-m", "areal_agents.cli", "serve-model", "--model-path", model_path, "--host", host,
             "--port", str(port), "--dtype", dtype, "--max-running-requests", str(cfg.max_running_requests),
@@ -96,7 +105,22 @@ def server_command(
             *([] if cfg.fast_decode else ["--no-fast-decode"]),
             *restart, *cfg.extra_args,
         ]  # fmt: skip
-    raise EngineError(f"engine.backend must be 'hf', 'serve-model' or 'sglang' to launch servers, got {backend!r}")
+    if backend == "vllm":
+        if scratch is None:
+            raise EngineError("a vLLM server needs a scratch directory of its own (server_command(scratch=...))")
+        dtype = engine_dtype(cfg, model_path, dtype)
+        return vllm_command(cfg, vllm_python(cfg), model_path, dtype, port, scratch, tokenizer_path=tokenizer_path)
+    raise EngineError(
+        f"engine.backend must be 'hf', 'serve-model', 'sglang' or 'vllm' to launch servers, got {backend!r}"
+    )
+
+
+def engine_dtype(cfg: EngineConfig, model_path: str, run_dtype: str) -> str:
+    """The dtype a launched server computes in: ``engine.dtype``; ``auto``: the checkpoint's own for SGLang
+    and vLLM (16-bit kernels on GPUs), the run's ``model.dtype`` for serve-model."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return run_dtype if cfg.backend == "serve-model" else checkpoint_dtype(model_path)
 
 
 def launch_servers(
@@ -115,10 +139,14 @@ def launch_servers(
     log_dir.mkdir(parents=True, exist_ok=True)
     group = ServerGroup([])
     atexit.register(group.stop)
+    scratch = [
+        Path(tempfile.mkdtemp(prefix="areal-vllm-")) for _ in range(cfg.num_servers if cfg.backend == "vllm" else 0)
+    ]
+    group.scratch += scratch  # short paths: vLLM's IPC sockets live there (a socket path has at most 107 bytes)
     try:
         for i in range(cfg.num_servers):
             port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)
-            command = server_command(cfg, model_path, dtype, port, i)
+            command = server_command(cfg, model_path, dtype, port, i, scratch=scratch[i] if scratch else None)
             log = log_dir / f"{cfg.backend}-{i}.log"
             with open(log, "wb") as out:
                 proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -133,7 +161,10 @@ def launch_servers(
         ports = [int(a.rsplit(":", 1)[1]) for a in group.addresses]
 
         def command_for(i: int, path: str, tokenizer: str, version: str | None) -> list[str]:
-            return server_command(cfg, path, dtype, ports[i], i, tokenizer_path=tokenizer, weight_version=version)
+            return server_command(
+                cfg, path, dtype, ports[i], i, tokenizer_path=tokenizer, weight_version=version,
+                scratch=scratch[i] if scratch else None,
+            )  # fmt: skip
 
         weights = Path(weights_dir) if weights_dir else None
         group.supervisor = Supervisor(
@@ -195,13 +226,16 @@ def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path
 
 
 def engine_client(cfg: EngineConfig, addresses: list[str], weights_dir: Path | None = None):
-    """An `SGLangEngine` over ``addresses`` with the config's timeout and retries (``weights_dir``: where
-    weight updates are written, for the client that pushes them)."""
+    """The client of ``addresses`` (`VLLMEngine` for ``engine.backend=vllm``, else `SGLangEngine`) with the
+    config's timeout, retries and pause mode (``weights_dir``: where weight updates are written)."""
     from areal_agents.engines.sglang.client import SGLangEngine  # noqa: PLC0415
+    from areal_agents.engines.vllm.client import VLLMEngine  # noqa: PLC0415
 
-    return SGLangEngine(
+    client = VLLMEngine if cfg.backend == "vllm" else SGLangEngine
+    return client(
         addresses,
         weights_dir=str(weights_dir) if weights_dir else None,
         request_timeout_s=cfg.request_timeout_s,
         max_retries=cfg.max_retries,
+        pause_mode=cfg.pause_mode,
     )

@@ -7,11 +7,12 @@ version, so every token generated afterwards carries it. Two implementations tod
 =================  =========================================================================================
 `InProcessSync`    ``engine.update_weights(state_dict, version)``: an engine in this process (or its own
                    process, fed through shared memory) swaps the tensors (pause, swap, version, resume)
-`DiskSync`         the source writes ``weights_dir/vN``; every server loads it (``/update_weights_from_disk``,
-                   SGLang's protocol, which serve-model speaks too); older copies are deleted
+`DiskSync`         the source writes ``weights_dir/vN``; every server loads it (SGLang's and serve-model's
+                   ``/update_weights_from_disk``, vLLM's ``/collective_rpc`` ``reload_weights``); older copies
+                   are deleted
 =================  =========================================================================================
 
-Later transports are one class each, behind the same two methods: vLLM's reload, an NCCL broadcast from
+Later transports are one class each, behind the same two methods: an NCCL broadcast from
 the trainer's GPUs (``init_weights_update_group`` / ``update_weights_from_distributed``), and LoRA. For
 LoRA the source holds one adapter's tensors only and the sync loads them under the adapter's name
 (``/load_lora_adapter``); one base model on one engine then serves several trainable adapters, one per
@@ -78,7 +79,7 @@ class InProcessSync:
 
 
 class DiskEngine(InferenceEngine, Protocol):
-    """An engine whose servers load weights from disk (`SGLangEngine`: SGLang or serve-model servers)."""
+    """An engine whose servers load weights from disk (`SGLangEngine`, `VLLMEngine`: a `RemoteEngine`)."""
 
     def weights_path(self, version: int) -> Path: ...
 
@@ -110,3 +111,24 @@ class DiskSync:
         for engine in self.engines:
             engine.set_version(version)
             await engine.announce_version()  # fresh servers say "default", not the run's version
+
+
+def write_weights(state_dict: dict[str, Any], path: str | Path) -> None:
+    """``state_dict`` as ``path/model.safetensors``: what servers load (SGLang's ``/update_weights_from_disk``,
+    vLLM's ``reload_weights``)."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    save_file(_untie(tensors), str(Path(path) / "model.safetensors"))
+
+
+def _untie(tensors: dict) -> dict:
+    """safetensors refuses shared storage (tied embeddings): give each tensor its own."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out

@@ -23,8 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.engines.sglang.client import write_weights
-from areal_agents.engines.weight_sync import WeightSync
+from areal_agents.engines.weight_sync import WeightSync, write_weights
 from areal_agents.errors import ConfigError
 from areal_agents.models.loading import load_model
 from areal_agents.trainers.critic import ValueModel

@@ -21,8 +21,7 @@ import torch.multiprocessing  # noqa: F401  (registers the shared-memory picklin
 from transformers import PreTrainedModel
 
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.engines.sglang.client import write_weights
-from areal_agents.engines.weight_sync import WeightSync
+from areal_agents.engines.weight_sync import WeightSync, write_weights
 from areal_agents.errors import ArealAgentsError
 from areal_agents.models.loading import load_model, quiet_transformers
 from areal_agents.trainers.policy import load_trainable

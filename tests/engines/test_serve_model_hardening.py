@@ -25,8 +25,9 @@ from areal_agents.config import EngineConfig
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.hf.request_checks import RequestError, RequestLimits, check_request
 from areal_agents.engines.local_servers import ServerGroup, launch_servers, wait_healthy
-from areal_agents.engines.sglang.client import SGLangEngine, write_weights
+from areal_agents.engines.sglang.client import SGLangEngine
 from areal_agents.engines.supervisor import Supervisor, complete_safetensors, pushed_weights
+from areal_agents.engines.weight_sync import write_weights
 from areal_agents.errors import EngineError
 from areal_agents.models import load_model
 from areal_agents.net import free_port

@@ -1,0 +1,376 @@
+"""`RemoteEngine`: what every client of remote inference servers shares (`SGLangEngine`, `VLLMEngine`).
+
+Requests go round-robin over the servers, with episode stickiness: requests whose rid shares the prefix
+before the last ``/`` (``episode7/t0``, ``episode7/t1``) go to the same server, so its prefix cache
+holds the conversation. Each token's version comes from the server's ``weight_versions`` spans (names
+the client set, mapped back to ints). A weight update pauses every server, loads the weights, names the
+new version and resumes. With ``pause_mode="abort"`` in-flight requests come back ``abort`` with their
+tokens so far and are resubmitted as prompt + tokens so far with the remaining budget (AReaL's partial
+rollouts); with ``"keep"`` they wait inside the server and go on with the new weights (their KV cache
+keeps the old weights': PipelineRL's in-flight update), and the spans say where the version changed.
+
+Retries: connection errors, client timeouts and 5xx replies are retried with exponential backoff; after
+``max_retries`` the request fails with `EngineError`. Errors the server would repeat are not retried and
+raise at once with the server's message: a 4xx (bad input; 408 and 429 excepted), a 501, and a 500 from a
+server whose ``/health`` answers 200 (the request itself fails there). Every generate attempt carries a
+fresh server-side request id (the ``rid`` plus ``#`` and a random suffix), and an attempt given up on
+(client timeout, dropped connection, cancelled caller) is aborted on its server, so it does not keep
+generating beside its retry.
+
+A subclass says how its servers' API spells these things: the generate route, its body and reply, the
+request-id key, abort, pause and resume, loading weights from a directory, and naming a version.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import collections
+import itertools
+import json
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import aiohttp
+
+from areal_agents.engines.weight_sync import write_weights
+from areal_agents.errors import EngineError, RequestError
+from areal_agents.types import GenRequest, GenResponse
+
+PauseMode = Literal["abort", "keep"]
+
+
+class ServerError(EngineError):
+    """A server replied with an error status (``status``) or could not be reached (``status`` None)."""
+
+    def __init__(self, url: str, status: int | None, message: str) -> None:
+        super().__init__(f"{url}: {message}" if status is None else f"{url}: HTTP {status}: {message}")
+        self.url, self.status = url, status
+
+
+@dataclass
+class GenerateReply:
+    """What a client takes from one generate reply."""
+
+    rid: str
+    tokens: list[int]
+    logprobs: list[float]
+    finish: str  # stop | length | abort
+    versions: list[str | None]  # the weight_version of each token (None: the server did not say)
+    message: str = ""
+
+
+class RemoteEngine(abc.ABC):
+    """An `InferenceEngine` over HTTP servers; see the module docstring. Subclasses fill in the API."""
+
+    GENERATE_PATH: ClassVar[str]
+    RID_KEY: ClassVar[str]  # the generate body's request-id field
+
+    def __init__(
+        self,
+        addresses: list[str],
+        *,
+        weights_dir: str | None = None,
+        request_timeout_s: float = 3600.0,
+        max_retries: int = 5,
+        backoff_s: float = 0.5,
+        version: int = 0,
+        max_sticky_episodes: int = 100_000,
+        pause_mode: PauseMode = "abort",
+    ) -> None:
+        if not addresses:
+            raise EngineError(f"{type(self).__name__} needs at least one server address")
+        if pause_mode not in ("abort", "keep"):
+            raise EngineError(f"pause_mode must be 'abort' or 'keep', got {pause_mode!r}")
+        self.addresses = [a.rstrip("/") if "://" in a else f"http://{a.rstrip('/')}" for a in addresses]
+        self.weights_dir = Path(weights_dir) if weights_dir else None
+        self.request_timeout_s, self.max_retries, self.backoff_s = request_timeout_s, max_retries, backoff_s
+        self.pause_mode: PauseMode = pause_mode
+        self._version = version
+        self._names: dict[str, int] = {}  # weight_version strings the servers report -> our int versions
+        self._round_robin = itertools.cycle(range(len(self.addresses)))
+        self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._max_sticky = max_sticky_episodes
+        self._resumed: asyncio.Event | None = None
+        self._paused = False
+        self._session: aiohttp.ClientSession | None = None
+        self._update_lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.stats = collections.Counter()
+
+    # ---- what a subclass says about its servers' API -------------------------------------------
+
+    @abc.abstractmethod
+    def generate_body(self, request: GenRequest, tokens_so_far: list[int]) -> dict[str, Any]:
+        """The generate route's body for ``request`` continued after ``tokens_so_far``."""
+
+    @abc.abstractmethod
+    def read_reply(self, reply: Any) -> GenerateReply:
+        """The generate route's reply read; a `ValueError` if it lacks what the client needs."""
+
+    @abc.abstractmethod
+    async def pause_servers(self) -> None:
+        """Pause every server (``self.pause_mode``: abort in-flight requests or keep them)."""
+
+    @abc.abstractmethod
+    async def resume_servers(self) -> None:
+        """Resume every server."""
+
+    @abc.abstractmethod
+    async def load_on_servers(self, model_path: str, version: int) -> None:
+        """Have every (paused) server load the weights in ``model_path`` and name them ``version``."""
+
+    @abc.abstractmethod
+    async def name_version_on_servers(self, version: int) -> None:
+        """Have every server name its weights ``version`` (no new weights)."""
+
+    @abc.abstractmethod
+    async def abort_on_server(self, url: str, rid: str) -> None:
+        """Ask ``url`` to stop the request whose server-side id is ``rid``."""
+
+    # ---- the InferenceEngine protocol -----------------------------------------------------------
+
+    def get_version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    async def announce_version(self) -> None:
+        """Have every server tag its tokens with this client's version (a resumed run's servers start
+        as "default", and clients in other processes read versions from the servers)."""
+        await self.name_version_on_servers(self._version)
+        self._names[str(self._version)] = self._version
+
+    async def agenerate(self, request: GenRequest) -> GenResponse:
+        start = time.perf_counter()
+        sp = request.sampling
+        url = self.addresses[self._server_for(request.rid)]
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        while True:
+            await self._wait_resumed()
+            body = self.generate_body(request, tokens)
+            submitted_version = self._version
+            reply = await self._post(url, self.GENERATE_PATH, body, rid=request.rid)
+            try:
+                part = self.read_reply(reply)
+            except ValueError as e:
+                raise EngineError(f"{url}{self.GENERATE_PATH}: {e}") from e
+            tokens += part.tokens
+            logprobs += part.logprobs
+            versions += [self._to_int(v, submitted_version) for v in part.versions]
+            self.stats["requests"] += 1
+            if part.finish != "abort":
+                return GenResponse(tokens, logprobs, versions, part.finish, time.perf_counter() - start)
+            self.stats["resubmitted"] += 1
+            if len(tokens) >= sp.max_new_tokens:
+                return GenResponse(tokens, logprobs, versions, "length", time.perf_counter() - start)
+
+    async def pause(self) -> None:
+        """Pause every server; new requests wait here for `resume` (in-flight ones: see ``pause_mode``)."""
+        self._paused = True
+        self._ensure_primitives()
+        self._resumed.clear()
+        await self.pause_servers()
+
+    async def resume(self) -> None:
+        await self.resume_servers()
+        self._paused = False
+        self._ensure_primitives()
+        self._resumed.set()
+
+    async def update_weights(self, state_dict: dict[str, Any], version: int | None = None) -> None:
+        """Write ``state_dict`` as safetensors under ``weights_dir`` and have every server load it."""
+        version = self._version + 1 if version is None else version
+        path = self.weights_path(version)
+        await asyncio.to_thread(write_weights, state_dict, path)
+        await self.update_weights_from_disk(str(path), version)
+        self.prune_weights(version)
+
+    def weights_path(self, version: int) -> Path:
+        """Where the weights of ``version`` are written for the servers to load."""
+        if self.weights_dir is None:
+            raise EngineError(
+                f"{type(self).__name__}.update_weights needs weights_dir (a directory the servers can read)"
+            )
+        return self.weights_dir / f"v{version}"
+
+    def prune_weights(self, version: int) -> None:
+        """Delete written weights older than the version before ``version``."""
+        for old in self.weights_path(version).parent.glob("v*"):
+            if old.is_dir() and old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
+        """Pause all servers, load ``model_path`` on each, name the new version, resume."""
+        self._ensure_primitives()
+        version = self._version + 1 if version is None else version
+        async with self._update_lock:
+            was_paused = self._paused
+            await self.pause()
+            try:
+                await self.load_on_servers(model_path, version)
+                self._names[str(version)] = version
+                self._version = version
+            finally:
+                if not was_paused:
+                    await self.resume()
+
+    async def health(self) -> list[bool]:
+        """Whether each server answers /health now (no retries)."""
+        return list(await asyncio.gather(*(self._healthy(u) for u in self.addresses)))
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _server_for(self, rid: str) -> int:
+        episode = rid.rsplit("/", 1)[0]
+        if episode in self._sticky:
+            self._sticky.move_to_end(episode)
+            return self._sticky[episode]
+        index = next(self._round_robin)
+        self._sticky[episode] = index
+        if len(self._sticky) > self._max_sticky:
+            self._sticky.popitem(last=False)
+        return index
+
+    def _to_int(self, name: str | None, default: int) -> int:
+        if name is None:
+            return default
+        if name in self._names:
+            return self._names[name]
+        try:
+            return int(name)
+        except ValueError:
+            return default  # e.g. the servers' initial "default"
+
+    def _ensure_primitives(self) -> None:
+        """asyncio primitives for the running loop (a second asyncio.run gets fresh ones)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop = loop
+            self._resumed = asyncio.Event()
+            if not self._paused:
+                self._resumed.set()
+            self._update_lock = asyncio.Lock()
+            self._session = None  # bound to the old loop
+
+    async def _wait_resumed(self) -> None:
+        self._ensure_primitives()
+        await self._resumed.wait()
+
+    def _client(self) -> aiohttp.ClientSession:
+        self._ensure_primitives()
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def _all(self, path: str, body: dict | None, params: dict | None = None) -> list[Any]:
+        return list(await asyncio.gather(*(self._post(url, path, body, params=params) for url in self.addresses)))
+
+    async def _post(
+        self, url: str, path: str, body: dict | None, rid: str | None = None, params: dict | None = None
+    ) -> Any:
+        """POST with retries on connection errors, timeouts and transient 5xx; errors the server would
+        repeat raise at once (see the module docstring). With ``rid``, each attempt sends a fresh
+        ``rid#suffix`` and one given up on is aborted on the server."""
+        delay = self.backoff_s
+        last: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            if rid is not None:
+                body = {**body, self.RID_KEY: f"{rid}#{secrets.token_hex(4)}"}
+            try:
+                return await self._post_once(url, path, body, params)
+            except ServerError as e:
+                last = e
+            except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+                last = ServerError(url, None, f"{type(e).__name__}: {e}")
+                if rid is not None:  # it may still be running there
+                    await self._abort(url, body[self.RID_KEY])
+            except asyncio.CancelledError:
+                if rid is not None:
+                    await self._abort(url, body[self.RID_KEY])
+                raise
+            if attempt < self.max_retries:
+                self.stats["retries"] += 1
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise EngineError(f"{url}{path} failed after {self.max_retries + 1} attempts: {last}")
+
+    async def _post_once(self, url: str, path: str, body: dict | None, params: dict | None) -> Any:
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+        async with self._client().post(f"{url}{path}", json=body, params=params, timeout=timeout) as r:
+            text = await r.text()
+            if r.status >= 400:
+                message = _message(text)
+                if not await self._transient(url, r.status):
+                    refused = RequestError if 400 <= r.status < 500 else EngineError  # the request itself
+                    raise refused(f"{url}{path}: HTTP {r.status}: {message}{_NOT_RETRIED.get(r.status, '')}")
+                raise ServerError(url, r.status, message)
+            if not text.strip():
+                return {}
+            try:
+                return json.loads(text)
+            except ValueError as e:
+                raise ServerError(url, r.status, f"reply is not JSON: {text[:200]}") from e
+
+    async def _transient(self, url: str, status: int) -> bool:
+        """Whether an error reply may go away on a retry: not a 4xx (but 408, 429), not a 501, and not a
+        500 from a server that is healthy (the request itself fails there and would again)."""
+        if status in (408, 429):
+            return True
+        if status < 500 or status == 501:
+            return False
+        if status == 500:
+            return not await self._healthy(url)
+        return True
+
+    async def _healthy(self, url: str) -> bool:
+        try:
+            async with self._client().get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError, ConnectionError):
+            return False
+
+    async def _abort(self, url: str, rid: str) -> None:
+        """Best effort: stop request ``rid`` on ``url`` (shielded from the caller's cancellation)."""
+        try:
+            await asyncio.shield(asyncio.wait_for(self.abort_on_server(url, rid), timeout=5))
+            self.stats["aborted"] += 1
+        except (TimeoutError, aiohttp.ClientError, ConnectionError, asyncio.CancelledError):
+            pass  # the server is gone, or the caller is cancelled again: nothing more to do
+
+    async def _post_quick(self, url: str, path: str, body: dict) -> None:
+        """One POST without retries (aborts), its reply read and dropped."""
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with self._client().post(f"{url}{path}", json=body, timeout=timeout) as r:
+            await r.read()
+
+
+_NOT_RETRIED = {500: " (not retried: the server is healthy, so the request itself fails there)"}
+
+
+def _message(text: str) -> str:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:300]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if "message" in body:
+            return str(body["message"])
+    return text[:300]
