@@ -6,8 +6,8 @@ holds the conversation. Each token's version comes from the server's ``weight_ve
 the client set, mapped back to ints). A weight update pauses every server, loads the weights, names the
 new version and resumes. With ``pause_mode="abort"`` in-flight requests come back ``abort`` with their
 tokens so far and are resubmitted as prompt + tokens so far with the remaining budget (AReaL's partial
-rollouts); with ``"keep"`` they wait inside the server and go on with the new weights (their KV cache
-keeps the old weights': PipelineRL's in-flight update), and the spans say where the version changed.
+rollouts); with ``"keep"`` they wait inside the server and go on with the new weights (PipelineRL's in-flight
+update), and the spans say where the version changed.
 
 Retries: connection errors, client timeouts and 5xx replies are retried with exponential backoff; after
 ``max_retries`` the request fails with `EngineError`. Errors the server would repeat are not retried and

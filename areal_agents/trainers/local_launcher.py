@@ -96,5 +96,5 @@ def trainer_threads(cfg: TrainConfig) -> int:
     e = cfg.engine
     if cfg.rollout.max_staleness == 0 or e.urls or e.backend == "sglang" or not e.cpu_threads:
         return DEFAULT_CPU_THREADS
-    engines = e.num_servers if e.backend == "serve-model" else 1  # launched here, beside the trainer
+    engines = e.num_servers if e.backend in ("serve-model", "vllm") else 1  # launched here, beside the trainer
     return max(1, DEFAULT_CPU_THREADS - engines * e.cpu_threads)

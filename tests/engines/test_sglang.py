@@ -16,7 +16,6 @@ from areal_agents.engines.local_servers import ServerGroup, launch_servers, serv
 from areal_agents.engines.sglang.client import SGLangEngine
 from areal_agents.engines.sglang.protocol import read_generate_response
 from areal_agents.errors import EngineError
-from areal_agents.models import load_model
 from areal_agents.net import free_port
 from areal_agents.types import GenRequest, SamplingParams
 
@@ -211,54 +210,6 @@ def test_pause_aborts_in_flight_and_holds_new_requests_until_continue(server, to
     aborted, was_held, held = asyncio.run(run())
     assert aborted[1]["meta_info"]["finish_reason"]["type"] == "abort"
     assert was_held and held[1]["meta_info"]["completion_tokens"] == 3
-
-
-def test_weight_update_mid_generation_through_the_server(server, tokenizer, tiny_dir, tmp_path):
-    """Long generations in flight; an update lands mid-way: every response is complete, versions switch
-    exactly once at the update, and the logprobs on each side match a forward pass of those weights."""
-    old = load_model(tiny_dir)
-    new = load_model(tiny_dir)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    new.save_pretrained(tmp_path / "new")
-    n_tokens = 400
-    prompts = [prompt(tokenizer, f"{i}+{i}=") for i in range(6)]
-    engine = SGLangEngine(server.addresses)
-
-    url = server.addresses[0]
-
-    async def generated_tokens():
-        return (await get(url, "/get_server_info"))[1]["engine"]["generated_tokens"]
-
-    async def run():
-        start = await generated_tokens()
-        tasks = [
-            asyncio.ensure_future(
-                engine.agenerate(GenRequest(f"ep{i}/t0", p, SamplingParams(n_tokens, ignore_eos=True)))
-            )
-            for i, p in enumerate(prompts)
-        ]
-        while await generated_tokens() < start + 20 * len(prompts):  # mid-way by tokens, not by a sleep
-            await asyncio.sleep(0.01)
-        await engine.update_weights_from_disk(str(tmp_path / "new"), version=1)
-        try:
-            return await asyncio.gather(*tasks)
-        finally:
-            await engine.update_weights_from_disk(str(tiny_dir), version=2)  # leave the module's server as found
-            await engine.aclose()
-
-    responses = asyncio.run(run())
-    assert engine.stats["resubmitted"] >= 1
-    for p, r in zip(prompts, responses):
-        assert len(r.output_tokens) == n_tokens and r.stop_reason == "length"
-        v = r.output_versions
-        assert v == sorted(v) and v[0] == 0 and v[-1] == 1, "versions switch once, at the update"
-        switch = v.index(1)
-        before = forward_logprobs(old, p + r.output_tokens[:switch], switch)
-        after = forward_logprobs(new, p + r.output_tokens, n_tokens - switch)
-        assert torch.allclose(torch.tensor(r.output_logprobs[:switch]), before, atol=1e-4)
-        assert torch.allclose(torch.tensor(r.output_logprobs[switch:]), after, atol=1e-4)
 
 
 def test_episode_stickiness_and_round_robin():

@@ -2,18 +2,22 @@
 the checks on weights vLLM would reload wrongly (the real server: test_remote_engines.py)."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from areal_agents.config import EngineConfig, TrainConfig, load_config
-from areal_agents.engines.local_servers import engine_client, engine_dtype, server_command
+from areal_agents.engines.local_servers import engine_client, engine_dtype, launch_servers, server_command
 from areal_agents.engines.sglang.client import SGLangEngine
 from areal_agents.engines.vllm.client import VLLMEngine, check_reloadable, read_generate_reply
 from areal_agents.engines.weight_sync import write_weights
 from areal_agents.errors import ConfigError, EngineError
 from areal_agents.models import load_model
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = os.environ.get("AREAL_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
 
 # A reply of vLLM 0.32.0's /inference/v1/generate, recorded from the tiny model (logprobs shortened to 3).
 RECORDED = {
@@ -120,3 +124,13 @@ def test_weights_vllm_would_reload_wrongly_are_refused_before_a_server_sees_them
         check_reloadable(tmp_path / "tied")
     write_weights(model.state_dict(), tmp_path / "pushed")
     check_reloadable(Path(tmp_path / "pushed"))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_vllm_server_that_dies_at_start_fails_the_launch_with_its_log_tail(tiny_dir, tmp_path):
+    if not Path(VLLM_PYTHON).is_file():
+        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: bash scripts/setup.sh --with-vllm")
+    cfg = EngineConfig(backend="vllm", vllm_python=VLLM_PYTHON, extra_args=["--no-such-flag"])
+    with pytest.raises(EngineError, match=r"(?s)exited with code \d+ during start-up.*--no-such-flag"):
+        launch_servers(cfg, str(tiny_dir), log_dir=tmp_path / "logs", supervise=False)

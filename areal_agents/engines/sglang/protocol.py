@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
+from areal_agents.engines.remote_engine import GenerateReply
 from areal_agents.types import GenRequest, GenResponse, SamplingParams
 
 # SGLang sampling params serve-model honours, with SGLang's defaults.
@@ -196,18 +196,6 @@ def generate_response(
         ]
     meta.update(completion_tokens=len(tokens), cached_tokens=0, e2e_latency=response.latency)
     return {"text": decode(tokens[:-1] if trim else tokens, skip_special), "output_ids": tokens, "meta_info": meta}
-
-
-@dataclass
-class GenerateReply:
-    """What the client takes from a /generate reply."""
-
-    rid: str
-    tokens: list[int]
-    logprobs: list[float]
-    finish: str  # stop | length | abort
-    versions: list[str | None]  # the weight_version of each token (None: the server did not say)
-    message: str = ""
 
 
 def read_generate_response(reply: Any) -> GenerateReply:
