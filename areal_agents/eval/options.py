@@ -43,8 +43,9 @@ class EvalOptions:
         "the first N problems (an env without a dataset: seeds 0..N-1)", default=None
     )
     success_threshold: float = config_field("the return that counts as success when the env reports none", default=1.0)
-    engine: Literal["hf", "serve-model", "sglang"] = config_field("the inference engine", default="hf")
-    engine_url: list[str] = config_field("running SGLang-protocol servers", default_factory=list)
+    engine: Literal["hf", "serve-model", "sglang", "vllm"] = config_field("the inference engine", default="hf")
+    engine_url: list[str] = config_field("running servers of that engine", default_factory=list)
+    vllm_python: str = config_field("vllm: the Python of an environment with vLLM", default="")
     n_samples: int | None = config_field("samples per problem (default: the preset's)", default=None)
     temperature: float | None = config_field("default: the preset's", default=None)
     top_p: float | None = config_field("default: the preset's", default=None)
@@ -97,7 +98,7 @@ class EvalOptions:
         )
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(backend=self.engine, urls=list(self.engine_url))
+        return EngineConfig(backend=self.engine, urls=list(self.engine_url), vllm_python=self.vllm_python)
 
     def out_dir(self) -> str:
         """``out``, or runs/eval/ named after the dataset or the env."""
