@@ -1,6 +1,9 @@
 """End-to-end arithmetic recipe benchmark: tiny model -> SFT -> RL, with the figures issue 2 asks for.
 
-    .venv/bin/python bench/e2e_arith.py [--rl-steps N] [--out runs/bench_arith] [--engine serve-model]
+    .venv/bin/python bench/e2e_arith.py [--rl-steps N] [--out runs/bench_arith] [--engine serve-model|vllm]
+
+``--engine vllm`` runs the RL part on a vLLM server started from ``--vllm-python`` (an environment of its
+own: ``bash scripts/setup.sh --with-vllm`` builds ``.venv-vllm``).
 
 Prints SFT accuracy, RL accuracy (held-out, greedy, same problems), wall seconds, trained samples/s
 and generated tokens/s. The baseline for the RL figure is the SFT model, measured in the same run.
@@ -44,7 +47,15 @@ def main() -> None:
     parser.add_argument("--rl-steps", type=int, default=None, help="override the recipe's RL steps")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
-        "--engine", choices=["hf", "serve-model"], default="hf", help="in-process, or HTTP model servers (remote path)"
+        "--engine",
+        choices=["hf", "serve-model", "vllm"],
+        default="hf",
+        help="in-process, or HTTP model servers (remote path): ours (serve-model) or vLLM's",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=str(ROOT / ".venv-vllm" / "bin" / "python"),
+        help="--engine vllm: the Python of an environment with vLLM",
     )
     args = parser.parse_args()
     transformers.utils.logging.set_verbosity_error()
@@ -58,6 +69,8 @@ def main() -> None:
     t_rl = time.perf_counter()
     rl_overrides = [f"run_dir={out / 'rl'}", f"model.path={sft['model']}", f"seed={args.seed}"]
     rl_overrides.append(f"engine.backend={args.engine}")
+    if args.engine == "vllm":
+        rl_overrides.append(f"engine.vllm_python={args.vllm_python}")
     if args.rl_steps:
         rl_overrides.append(f"steps={args.rl_steps}")
     rl = run_train(load_config(TrainConfig, RECIPE / "rl.yaml", rl_overrides), progress=False)
