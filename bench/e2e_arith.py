@@ -81,7 +81,8 @@ def main() -> None:
     print(f"RL accuracy:           {rl['accuracy_after']:.1%}  ({rl['steps']} RL steps)")
     print(f"RL gain:               {100 * (rl['accuracy_after'] - sft['accuracy_after']):+.1f} points")
     print(f"wall seconds:          {end - start:.0f}  (SFT {t_rl - t_sft:.0f}, RL {end - t_rl:.0f})")
-    print(f"trained samples/s:     {rl['trained_samples_per_s']:.0f}")
+    print(f"trained samples/s:     {rl['trained_samples_per_s']:.0f}  (over the trainer's busy time)")
+    print(f"samples/s end to end:  {rl['samples_per_s']:.0f}  (over the training steps: rollout waits included)")
     print(f"generated tokens/s:    {rl['generated_tokens_per_s']:.0f}")
 
 
