@@ -48,6 +48,7 @@ from pathlib import Path
 
 import aiohttp
 import transformers
+from engine import prompts_for  # bench/ is on sys.path when this script runs
 
 from areal_agents.config import EngineConfig
 from areal_agents.engines.local_servers import ServerGroup, engine_client, launch_servers
@@ -56,18 +57,6 @@ from areal_agents.types import GenRequest, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_TOKENS = 8  # the "user" tokens appended to a conversation before its next turn
-
-
-def prompts_for(tokenizer, n: int, rng: random.Random) -> list[list[int]]:
-    out = []
-    for _ in range(n):
-        a, b = rng.randrange(10 ** rng.randint(1, 6)), rng.randrange(10 ** rng.randint(1, 6))
-        out.append(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": f"{a}+{b}="}], add_generation_prompt=True, return_dict=False
-            )
-        )
-    return out
 
 
 def group_cpu_seconds(pgid: int) -> float:
