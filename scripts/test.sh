@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Set up (with vLLM's environment), then run the whole test suite, slow tests included. Arguments replace that
-# selection and go to pytest (e.g. `bash scripts/test.sh -k engine`; plain `pytest` skips slow tests).
+# selection and go to pytest (e.g. `bash scripts/test.sh -k engine`; plain `pytest` skips slow tests). The
+# slowest 15 tests are listed at the end, to keep CI's hour in view.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --with-vllm || exit 1  # vLLM in .venv-vllm: tests/engines/test_remote_engines.py
 if [ "$#" -eq 0 ]; then
-  set -- -m "slow or not slow"
+  set -- -m "slow or not slow" --durations=15
 fi
 .venv/bin/python -m pytest "$@"
 rc=$?
