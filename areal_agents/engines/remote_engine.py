@@ -31,6 +31,7 @@ import json
 import secrets
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -209,13 +210,18 @@ class RemoteEngine(abc.ABC):
 
     async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
         """Pause all servers, load ``model_path`` on each, name the new version, resume."""
+        await self.swap_weights(lambda v: self.load_on_servers(model_path, v), version)
+
+    async def swap_weights(self, load: Callable[[int], Awaitable[None]], version: int | None = None) -> None:
+        """One weight update, however the weights travel: under the update lock, pause the servers (unless
+        already paused), ``await load(version)``, take ``version`` (default: the current + 1), resume."""
         self._ensure_primitives()
         version = self._version + 1 if version is None else version
         async with self._update_lock:
             was_paused = self._paused
             await self.pause()
             try:
-                await self.load_on_servers(model_path, version)
+                await load(version)
                 self._names[str(version)] = version
                 self._version = version
             finally:

@@ -139,3 +139,42 @@ def test_a_request_the_server_refuses_is_a_request_error(status):
     assert isinstance(refused, RequestError)
     failed, _ = generate(StandIn([(500, "Internal Server Error")]), max_retries=5)
     assert isinstance(failed, EngineError) and not isinstance(failed, RequestError)
+
+
+def test_nccl_weight_update_pauses_announces_broadcasts_and_resumes_with_a_mocked_broadcast():
+    """The NCCL path's HTTP side against a stand-in SGLang server; the broadcast is a stand-in too (NCCL
+    needs GPUs): pause (abort), the tensors' names/dtypes/shapes announced, each tensor broadcast, resume."""
+    import torch
+
+    calls, broadcast = [], []
+
+    async def record(request):
+        body = await request.json() if request.can_read_body else {}
+        calls.append((request.path, body))
+        return web.json_response({"success": True})
+
+    async def run():
+        app = web.Application()
+        for path in ("/pause_generation", "/update_weights_from_distributed", "/continue_generation"):
+            app.router.add_post(path, record)
+        server = TestServer(app)
+        await server.start_server()
+        engine = SGLangEngine([str(server.make_url(""))])
+        tensors = [("w", torch.zeros(2, 3)), ("b", torch.zeros(3, dtype=torch.bfloat16))]
+        try:
+            await engine.update_weights_from_distributed(tensors, lambda t: broadcast.append(tuple(t.shape)))
+            return engine.get_version()
+        finally:
+            await engine.aclose()
+            await server.close()
+
+    assert asyncio.run(run()) == 1
+    assert [path for path, _ in calls] == [
+        "/pause_generation",
+        "/update_weights_from_distributed",
+        "/continue_generation",
+    ]
+    announced = calls[1][1]
+    assert announced["names"] == ["w", "b"] and announced["dtypes"] == ["float32", "bfloat16"]
+    assert announced["shapes"] == [[2, 3], [3]] and announced["weight_version"] == "1"
+    assert broadcast == [(2, 3), (3,)]

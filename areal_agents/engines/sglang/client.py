@@ -112,27 +112,21 @@ class SGLangEngine(RemoteEngine):
         ``broadcast`` is the trainer's ``torch.distributed.broadcast`` on the group made by
         `init_weights_update_group` (not runnable here: no NCCL).
         """
-        self._ensure_primitives()
-        version = self._version + 1 if version is None else version
-        async with self._update_lock:
-            await self.pause()
-            try:
-                body = {
-                    "names": [n for n, _ in named_tensors],
-                    "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
-                    "shapes": [list(t.shape) for _, t in named_tensors],
-                    "group_name": group_name,
-                    "weight_version": str(version),
-                    "abort_all_requests": True,
-                }
-                posted = asyncio.ensure_future(self._all("/update_weights_from_distributed", body))
-                for _, tensor in named_tensors:
-                    await asyncio.to_thread(broadcast, tensor)
-                replies = await posted
-                failed = [r for r in replies if not r.get("success", False)]
-                if failed:
-                    raise EngineError(f"update_weights_from_distributed failed: {failed[0]}")
-                self._names[str(version)] = version
-                self._version = version
-            finally:
-                await self.resume()
+
+        async def load(version: int) -> None:
+            body = {
+                "names": [n for n, _ in named_tensors],
+                "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
+                "shapes": [list(t.shape) for _, t in named_tensors],
+                "group_name": group_name,
+                "weight_version": str(version),
+                "abort_all_requests": True,
+            }
+            posted = asyncio.ensure_future(self._all("/update_weights_from_distributed", body))
+            for _, tensor in named_tensors:
+                await asyncio.to_thread(broadcast, tensor)
+            failed = [r for r in await posted if not r.get("success", False)]
+            if failed:
+                raise EngineError(f"update_weights_from_distributed failed: {failed[0]}")
+
+        await self.swap_weights(load, version)
