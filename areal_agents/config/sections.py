@@ -1,32 +1,11 @@
-"""Typed config dataclasses, loaded from a YAML file plus ``a.b=c`` command-line overrides.
-
-Every key is checked against the dataclasses: an unknown key or a value of the wrong type is a
-`ConfigError` that names the key and where it came from (the file, or the override), with a
-near-match suggestion. Hand-written rather than OmegaConf for exactly these messages and for
-``Literal`` choices, which OmegaConf's structured configs do not support.
-
-    cfg = load_config(TrainConfig, "examples/arithmetic/rl.yaml", ["ppo.lr=3e-4"])
-"""
+"""The config sections: one typed dataclass per YAML section, with a help line per key."""
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-import yaml
-
-from areal_agents.errors import ConfigError, did_you_mean
-
-T = TypeVar("T")
-
-
-def config_field(text: str, **kw: Any) -> Any:
-    """A dataclass field with a one-line help text (shown by ``areal-agents CMD --help-config``)."""
-    return field(metadata={"help": text}, **kw)
+from areal_agents.config.fields import check_positive, config_field
 
 
 @dataclass
@@ -56,7 +35,7 @@ class EnvConfig:
     server_url: str = config_field("backend server: its URL; empty launches a local server for the run", default="")
 
     def __post_init__(self) -> None:
-        _check_positive(self, "workers", "step_timeout")
+        check_positive(self, "workers", "step_timeout")
 
 
 @dataclass
@@ -89,8 +68,8 @@ class RolloutConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_positive(self, "batch_size", "group_size", "max_new_tokens", "max_concurrent_rollouts")
-        _check_positive(self, "max_staleness", "max_retries", or_zero=True)
+        check_positive(self, "batch_size", "group_size", "max_new_tokens", "max_concurrent_rollouts")
+        check_positive(self, "max_staleness", "max_retries", or_zero=True)
         if self.max_concurrent_rollouts < self.group_size:
             raise ValueError(
                 f"max_concurrent_rollouts: expects at least group_size ({self.group_size}) episodes, a whole group "
@@ -167,6 +146,29 @@ class PPOConfig:
         default=True,
     )
     filter_zero_variance_groups: bool = config_field("drop groups whose rewards are all equal", default=True)
+    device: Literal["auto", "cpu", "cuda"] = config_field(
+        "the trainer's device; auto: cuda when torch sees a GPU, else cpu", default="auto"
+    )
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = config_field(
+        "forward/backward dtype (weights and optimizer state stay model.dtype); auto: bfloat16 on cuda, float32 on cpu",
+        default="auto",
+    )
+    nproc_per_node: int = config_field(
+        "trainer ranks on this machine, FSDP2-sharded (gloo on CPU, NCCL on GPUs), each in a process of its own",
+        default=1,
+    )
+    peak_tflops: float = config_field(
+        "the trainer device's dense peak TFLOP/s at compute_dtype, for perf/mfu; 0: the GPU kind's (docs/gpu.md)",
+        default=0.0,
+    )
+    behav_seq_ratio_min: float | None = config_field(
+        "sequence-level mismatch mask: leave out a trajectory whose geometric-mean pi_prox/pi_behav is below this",
+        default=None,
+    )
+    behav_seq_ratio_max: float | None = config_field(
+        "sequence-level mismatch mask: leave out a trajectory whose geometric-mean pi_prox/pi_behav is above this",
+        default=None,
+    )
     stream_updates: bool = config_field(
         "with max_staleness > 0, one optimizer step a batch and group advantages (grpo, dr_grpo, rloo), and a "
         "local trainer: start forward/backward on a batch's finished groups while its last still generate (the "
@@ -175,14 +177,19 @@ class PPOConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_positive(self, "lr", "eps_clip", "ppo_epochs", "num_minibatches", "micro_batch_tokens")
-        _check_positive(self, "kl_coef", "cpu_threads", "overlong_buffer", "overlong_penalty", or_zero=True)
+        check_positive(self, "lr", "eps_clip", "ppo_epochs", "num_minibatches", "micro_batch_tokens")
+        check_positive(self, "kl_coef", "cpu_threads", "overlong_buffer", "overlong_penalty", or_zero=True)
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip: expects a value > 1, got {self.dual_clip}")
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name}: expects a value in [0, 1], got {getattr(self, name)!r}")
-        _check_positive(self, "critic_lr")
+        check_positive(self, "critic_lr")
+        check_positive(self, "nproc_per_node")
+        check_positive(self, "peak_tflops", or_zero=True)
+        low, high = self.behav_seq_ratio_min, self.behav_seq_ratio_max
+        if low is not None and high is not None and not 0 <= low < 1 < high:
+            raise ValueError(f"behav_seq_ratio_min/max: expects 0 <= min < 1 < max, got {low}, {high}")
 
 
 @dataclass
@@ -198,7 +205,7 @@ class EvalConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_positive(self, "num_problems", "n_samples")
+        check_positive(self, "num_problems", "n_samples")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"temperature >= 0 and 0 < top_p <= 1 expected, got {self.temperature}, {self.top_p}")
 
@@ -223,6 +230,22 @@ class EngineConfig:
     pause_mode: Literal["abort", "keep"] = config_field(
         "servers, on a weight update: abort and resubmit requests (AReaL) or keep them (docs/vllm.md)", default="abort"
     )
+    sglang_python: str = config_field("sglang: Python of an env with SGLang (docs/gpu.md); empty: this one", default="")
+    device: Literal["auto", "cpu", "cuda"] = config_field(
+        "hf engine / serve-model: its device; auto: cuda when torch sees a GPU, else cpu", default="auto"
+    )
+    gpus: list[int] = config_field(
+        "GPUs set aside for the launched servers (disaggregated); empty: they share the trainer's (colocated)",
+        default_factory=list,
+    )
+    weight_sync: Literal["auto", "disk", "broadcast", "in_process"] = config_field(
+        "how new weights reach the engine; auto: in_process for the hf engine, disk for servers (docs/gpu.md)",
+        default="auto",
+    )
+    weight_sync_timeout: float = config_field(
+        "broadcast: seconds before a weight push to a server counts as failed (it leaves the rotation)", default=120.0
+    )
+    weight_sync_bucket_mb: int = config_field("broadcast: MiB of tensors sent in one bucket", default=512)
     max_running_requests: int = config_field("requests decoded together by the hf engine / serve-model", default=256)
     cpu_threads: int = config_field(
         "hf engine / serve-model of an async run: the decode thread's CPU threads (0 = torch's default); one leaves "
@@ -255,12 +278,22 @@ class EngineConfig:
     max_retries: int = config_field("retries (exponential backoff) of a call on connection errors and 5xx", default=5)
 
     def __post_init__(self) -> None:
-        _check_positive(self, "num_servers", "tp", "max_running_requests")
+        check_positive(self, "num_servers", "tp", "max_running_requests")
         if self.own_process and (self.backend != "hf" or self.urls):
             raise ValueError("own_process: applies to the in-process hf engine (backend hf, no urls)")
         if self.pause_mode != "abort" and self.backend == "hf" and not self.urls:
             raise ValueError("pause_mode: applies to model servers; the in-process hf engine keeps requests (stale_kv)")
-        _check_positive(self, "cpu_threads", "prefix_cache_tokens", "max_model_len", or_zero=True)
+        check_positive(self, "cpu_threads", "prefix_cache_tokens", "max_model_len", or_zero=True)
+        check_positive(self, "weight_sync_timeout", "weight_sync_bucket_mb")
+        in_process = self.backend == "hf" and not self.urls
+        if self.weight_sync == "in_process" and not in_process:
+            raise ValueError("weight_sync: in_process applies to the in-process hf engine (backend hf, no urls)")
+        if self.weight_sync in ("disk", "broadcast") and in_process:
+            raise ValueError(f"weight_sync: {self.weight_sync} applies to model servers, not the in-process hf engine")
+        if self.weight_sync == "broadcast" and self.backend == "vllm":
+            raise ValueError(
+                "weight_sync: broadcast speaks SGLang's update_weights_from_distributed (sglang, serve-model)"
+            )
 
 
 @dataclass
@@ -276,6 +309,7 @@ class RayConfig:
     rollout_worker_cpus: float = config_field("CPUs each rollout worker reserves", default=1.0)
     trainer_cpus: float = config_field("CPUs each trainer rank reserves", default=1.0)
     engine_server_cpus: float = config_field("CPUs each model server reserves", default=1.0)
+    trainer_gpus: float = config_field("GPUs each trainer rank reserves (NCCL between ranks when > 0)", default=0.0)
     engine_server_gpus: float = config_field("GPUs each model server reserves (sglang: engine.tp)", default=0.0)
     max_restarts: int = config_field("restarts of a dead env server or rollout worker actor", default=3)
     recovery_timeout_s: float = config_field(
@@ -283,7 +317,7 @@ class RayConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_positive(self, "env_servers", "rollout_workers", "trainer_ranks")
+        check_positive(self, "env_servers", "rollout_workers", "trainer_ranks")
 
 
 @dataclass
@@ -320,11 +354,13 @@ class TrainConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
-        _check_positive(self, "steps")
-        _check_positive(self, "max_train_minutes", or_zero=True)
+        check_positive(self, "steps")
+        check_positive(self, "max_train_minutes", or_zero=True)
         budget, buffer = self.rollout.max_new_tokens, self.ppo.overlong_buffer
         if buffer > budget:
             raise ValueError(f"ppo.overlong_buffer: expects at most rollout.max_new_tokens ({budget}), got {buffer}")
+        if self.ppo.nproc_per_node > 1 and self.launcher == "ray":
+            raise ValueError("ppo.nproc_per_node: for local runs; with launcher=ray set ray.trainer_ranks")
         if self.ppo.trainer == "process" and self.launcher == "ray":
             raise ValueError(
                 "ppo.trainer: 'process' is for local runs; with launcher=ray the trainer ranks are Ray actors"
@@ -351,148 +387,4 @@ class SFTConfig:
     max_new_tokens: int = config_field("generation budget per turn during evaluation", default=32)
 
     def __post_init__(self) -> None:
-        _check_positive(self, "steps", "batch_size", "lr", "micro_batch_tokens")
-
-
-def _check_positive(obj: Any, *names: str, or_zero: bool = False) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value < 0 or (value == 0 and not or_zero):
-            raise ValueError(f"{name}: expects a value {'>=' if or_zero else '>'} 0, got {value!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
-
-
-def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> T:
-    """Build ``cls`` from a YAML file and ``a.b=c`` overrides; raise `ConfigError` naming the key."""
-    data: dict[str, Any] = {}
-    source = "defaults"
-    if path is not None:
-        path = Path(path)
-        source = str(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}".replace("\n", " ")) from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: expects a mapping at the top level, got {type(loaded).__name__}")
-        data = loaded or {}
-        _check_keys(cls, data, "", f"in {path}")
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r}: expects the form key.sub=value")
-        where = f"in override {item!r}"
-        _check_keys(cls, _nest(key.split("."), None), "", where)
-        _set_nested(data, key.split("."), yaml.safe_load(raw) if raw != "" else "")
-        source = f"{source} + overrides"
-    return _build(cls, data, "", f"in {source}")
-
-
-def config_to_dict(cfg: Any) -> dict[str, Any]:
-    """Plain-dict view of a config, for saving next to a run."""
-    return dataclasses.asdict(cfg)
-
-
-def _nest(keys: list[str], value: Any) -> dict[str, Any]:
-    out: Any = value
-    for k in reversed(keys):
-        out = {k: out}
-    return out
-
-
-def _set_nested(data: dict[str, Any], keys: list[str], value: Any) -> None:
-    for k in keys[:-1]:
-        if not isinstance(data.get(k), dict):
-            data[k] = {}
-        data = data[k]
-    data[keys[-1]] = value
-
-
-def _fields(cls: type) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls)}
-
-
-def _check_keys(cls: type, data: dict[str, Any], prefix: str, where: str) -> None:
-    """Reject unknown keys anywhere below ``cls`` (free-form dict fields excepted)."""
-    hints = typing.get_type_hints(cls)
-    fields = _fields(cls)
-    for key, value in data.items():
-        full = f"{prefix}{key}"
-        if key not in fields:
-            choices = [f"{prefix}{name}" for name in fields]
-            raise ConfigError(f"unknown config key {full!r} {where}.{did_you_mean(full, choices)}")
-        if dataclasses.is_dataclass(hints[key]):
-            if isinstance(value, dict):
-                _check_keys(hints[key], value, f"{full}.", where)
-            elif value is not None:
-                raise ConfigError(f"config key {full!r} {where}: expects a mapping, got {value!r}")
-
-
-def _build(cls: type[T], data: dict[str, Any], prefix: str, where: str) -> T:
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for name, value in data.items():
-        kwargs[name] = _convert(value, hints[name], f"{prefix}{name}", where)
-    try:
-        return cls(**kwargs)
-    except ValueError as e:
-        raise ConfigError(f"config key {prefix}{e} ({where})") from None
-
-
-def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-
-    def bad(expected: str) -> ConfigError:
-        return ConfigError(f"config key {key!r} {where}: expects {expected}, got {value!r}")
-
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise bad("a mapping")
-        return _build(tp, value, f"{key}.", where)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(value, inner, key, where)
-    if origin is Literal:
-        if value not in args:
-            raise bad("one of " + ", ".join(repr(a) for a in args))
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise bad("a list")
-        return [_convert(v, args[0], f"{key}[{i}]", where) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise bad("a mapping")
-        return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise bad("true or false")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad("an integer")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
-            try:
-                return float(value)
-            except ValueError:
-                raise bad("a number") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad("a number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise bad("a string")
-        return str(value)
-    if tp is Any:
-        return value
-    raise TypeError(f"config field {key!r} has unsupported type {tp!r}")
+        check_positive(self, "steps", "batch_size", "lr", "micro_batch_tokens")

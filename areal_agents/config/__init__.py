@@ -1,0 +1,33 @@
+"""Typed config dataclasses, loaded from a YAML file plus ``a.b=c`` command-line overrides.
+
+cfg = load_config(TrainConfig, "examples/arithmetic/rl.yaml", ["ppo.lr=3e-4"])
+"""
+
+from areal_agents.config.fields import config_field
+from areal_agents.config.loading import config_to_dict, load_config
+from areal_agents.config.sections import (
+    EngineConfig,
+    EnvConfig,
+    EvalConfig,
+    ModelConfig,
+    PPOConfig,
+    RayConfig,
+    RolloutConfig,
+    SFTConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "EngineConfig",
+    "EnvConfig",
+    "EvalConfig",
+    "ModelConfig",
+    "PPOConfig",
+    "RayConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "TrainConfig",
+    "config_field",
+    "config_to_dict",
+    "load_config",
+]

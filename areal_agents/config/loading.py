@@ -1,0 +1,153 @@
+"""`load_config`: a config dataclass from a YAML file plus ``a.b=c`` overrides, every key checked.
+
+An unknown key or a value of the wrong type is a `ConfigError` that names the key and where it came
+from (the file, or the override), with a near-match suggestion. Hand-written rather than OmegaConf for
+exactly these messages and for ``Literal`` choices, which OmegaConf's structured configs do not support.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from areal_agents.errors import ConfigError, did_you_mean
+
+T = TypeVar("T")
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> T:
+    """Build ``cls`` from a YAML file and ``a.b=c`` overrides; raise `ConfigError` naming the key."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}".replace("\n", " ")) from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expects a mapping at the top level, got {type(loaded).__name__}")
+        data = loaded or {}
+        _check_keys(cls, data, "", f"in {path}")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expects the form key.sub=value")
+        where = f"in override {item!r}"
+        _check_keys(cls, _nest(key.split("."), None), "", where)
+        _set_nested(data, key.split("."), yaml.safe_load(raw) if raw != "" else "")
+        source = f"{source} + overrides"
+    return _build(cls, data, "", f"in {source}")
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain-dict view of a config, for saving next to a run."""
+    return dataclasses.asdict(cfg)
+
+
+def _nest(keys: list[str], value: Any) -> dict[str, Any]:
+    out: Any = value
+    for k in reversed(keys):
+        out = {k: out}
+    return out
+
+
+def _set_nested(data: dict[str, Any], keys: list[str], value: Any) -> None:
+    for k in keys[:-1]:
+        if not isinstance(data.get(k), dict):
+            data[k] = {}
+        data = data[k]
+    data[keys[-1]] = value
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _check_keys(cls: type, data: dict[str, Any], prefix: str, where: str) -> None:
+    """Reject unknown keys anywhere below ``cls`` (free-form dict fields excepted)."""
+    hints = typing.get_type_hints(cls)
+    fields = _fields(cls)
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            choices = [f"{prefix}{name}" for name in fields]
+            raise ConfigError(f"unknown config key {full!r} {where}.{did_you_mean(full, choices)}")
+        if dataclasses.is_dataclass(hints[key]):
+            if isinstance(value, dict):
+                _check_keys(hints[key], value, f"{full}.", where)
+            elif value is not None:
+                raise ConfigError(f"config key {full!r} {where}: expects a mapping, got {value!r}")
+
+
+def _build(cls: type[T], data: dict[str, Any], prefix: str, where: str) -> T:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _convert(value, hints[name], f"{prefix}{name}", where)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ConfigError(f"config key {prefix}{e} ({where})") from None
+
+
+def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"config key {key!r} {where}: expects {expected}, got {value!r}")
+
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise bad("a mapping")
+        return _build(tp, value, f"{key}.", where)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(value, inner, key, where)
+    if origin is Literal:
+        if value not in args:
+            raise bad("one of " + ", ".join(repr(a) for a in args))
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad("a list")
+        return [_convert(v, args[0], f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad("a mapping")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad("a number") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise bad("a string")
+        return str(value)
+    if tp is Any:
+        return value
+    raise TypeError(f"config field {key!r} has unsupported type {tp!r}")
