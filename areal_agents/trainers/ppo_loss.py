@@ -94,3 +94,39 @@ def kl_to_reference(
     with torch.no_grad():
         mean = float((kl * mask).sum()) / max(int(mask.sum()), 1)
     return (kl * mask).sum() / n, mean
+
+
+def mismatch_stats(logp_train: torch.Tensor, logp_behav: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """The train/inference mismatch over ``mask``'s tokens (those the engine generated with the weights the
+    trainer scores them with): the sum of KL(π_behav || π_train) by the k3 estimator, ``r - 1 - log r`` with
+    ``r = π_train / π_behav`` (non-negative, unbiased for samples of π_behav), the token count, and the largest
+    ``|log π_train - log π_behav|``. Sums, so micro-batches and ranks add up."""
+    keep = mask.bool()
+    with torch.no_grad():
+        d = (logp_train - logp_behav)[keep].double()
+        return {
+            "mismatch_kl_sum": float((torch.exp(d) - 1.0 - d).sum()),
+            "mismatch_tokens": float(keep.sum()),
+            "mismatch_max_abs": float(d.abs().max()) if d.numel() else 0.0,
+        }
+
+
+def sequence_ratio_mask(
+    log_ratio: torch.Tensor,
+    loss_mask: torch.Tensor,
+    slices: list[tuple[int, int, int]],
+    low: float | None,
+    high: float | None,
+) -> torch.Tensor:
+    """``loss_mask`` with every trajectory whose geometric-mean behavior ratio, ``exp(mean log π_prox/π_behav)``
+    over its loss tokens, leaves ``[low, high]`` masked out whole (sequence-level masking of the train/inference
+    mismatch); ``slices[k] = (row, start, end)`` of trajectory k, as in `MicroBatch`. None: no bound that side."""
+    out = loss_mask.clone()
+    for row, a, b in slices:
+        m = loss_mask[row, a:b].bool()
+        if not m.any():
+            continue
+        ratio = float(torch.exp(log_ratio[row, a:b][m].double().mean()))
+        if (low is not None and ratio < low) or (high is not None and ratio > high):
+            out[row, a:b] = 0
+    return out

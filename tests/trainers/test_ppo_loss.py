@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from areal_agents.trainers.ppo_loss import decoupled_ppo_loss, kl_to_reference
+from areal_agents.trainers.ppo_loss import decoupled_ppo_loss, kl_to_reference, mismatch_stats, sequence_ratio_mask
 
 
 def loss_of(logp, prox, behav, adv, mask=None, **kw):
@@ -174,3 +174,32 @@ def test_one_step_update_equals_the_explicit_proximal_recompute(tiny_dir):
     )
     for p, b, q in zip(skipped.parameters(), before, explicit.parameters()):
         assert torch.allclose(b - p.detach(), q.grad, atol=1e-6)
+
+
+def test_mismatch_stats_are_k3_sums_over_the_fresh_tokens_only():
+    train = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    behav = torch.tensor([[-1.0, -2.5, -0.5, -1.0]])
+    fresh = torch.tensor([[1.0, 1.0, 0.0, 0.0]])  # the last two: another version's tokens, not counted
+    st = mismatch_stats(train, behav, fresh)
+    d = 0.5  # log π_train - log π_behav of the second token
+    assert st["mismatch_tokens"] == 2.0
+    assert st["mismatch_kl_sum"] == pytest.approx(math.exp(d) - 1.0 - d)
+    assert st["mismatch_max_abs"] == pytest.approx(0.5)
+    assert mismatch_stats(train, train, torch.ones_like(train))["mismatch_kl_sum"] == 0.0
+    assert mismatch_stats(train, behav, torch.zeros_like(train)) == {
+        "mismatch_kl_sum": 0.0, "mismatch_tokens": 0.0, "mismatch_max_abs": 0.0,
+    }  # fmt: skip
+
+
+def test_sequence_ratio_mask_drops_whole_trajectories_outside_the_band():
+    # two trajectories packed in one row: [0:3] with log-ratios 0, 0.2, 0.1 (mean 0.1 -> ratio 1.105) and
+    # [3:6] with -1, -1 on its two loss tokens (ratio 0.37); a third in row 1 without loss tokens
+    log_ratio = torch.tensor([[0.0, 0.2, 0.1, 9.0, -1.0, -1.0], [5.0] * 6])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0, 1.0, 1.0], [0.0] * 6])
+    slices = [(0, 0, 3), (0, 3, 6), (1, 0, 6)]
+    out = sequence_ratio_mask(log_ratio, mask, slices, 0.5, 2.0)
+    assert out.tolist() == [[1.0, 1.0, 1.0, 0.0, 0.0, 0.0], [0.0] * 6]
+    assert torch.equal(
+        sequence_ratio_mask(log_ratio, mask, slices, None, 1.05), torch.tensor([[0.0] * 4 + [1.0] * 2, [0.0] * 6])
+    )
+    assert torch.equal(sequence_ratio_mask(log_ratio, mask, slices, None, None), mask)
