@@ -185,10 +185,13 @@ async def _train_loop(cfg, tokenizer, policies, launcher, backend, agents, run_d
         last = step == cfg.steps or bool(cfg.max_train_minutes and spent >= 60 * cfg.max_train_minutes)
         if last:
             controller.pause()  # the last update needs no more rollouts
+        pushed = time.perf_counter()
         for policy in policies.values():
             await policy.push_weights()
         controller.notify_version()
-        times = StepTimes(t0, rollout_end, time.perf_counter(), waited)
+        end = time.perf_counter()
+        moved = sum(getattr(p.weight_sync, "last_push", {}).get("weight_sync_bytes", 0.0) for p in policies.values())
+        times = StepTimes(t0, rollout_end, end, waited, end - pushed, moved)
         bar.set_postfix(**await log.record(step, trajectories, per_policy, times), refresh=False)
         bar.update()
         saver.done, saver.snap = step, run.snapshot(controller.data_position, main.engine.get_version())

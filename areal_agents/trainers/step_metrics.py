@@ -32,6 +32,7 @@ from areal_agents.trainers.overlong import is_truncated, truncated_fraction
 from areal_agents.trainers.policy import SHARED
 from areal_agents.types import Trajectory
 
+_TRAINER_PERF = ("model_flops", "peak_flops", "trained_tokens")  # an update's figures that `trainer_perf` logs
 _COUNTERS = ("prefix_hit_tokens", "prefill_tokens", "busy_seconds", "generated_tokens", "decode_steps")
 
 
@@ -44,6 +45,8 @@ class StepTimes:
     rollout_end: float
     end: float
     waited: float
+    push: float = 0.0  # seconds the weight pushes took (in ``train``)
+    pushed_bytes: float = 0.0  # what they moved, when the weight sync says (`WeightSync.last_push`)
 
     @property
     def train(self) -> float:
@@ -118,7 +121,7 @@ class StepLog:
         """Log step ``step``; add it to the totals; the few values a progress bar shows."""
         train = train_stats(per_policy)
         rollout = rollout_stats(trajectories, self.ledger, self.controller, self.env_id)
-        perf = perf_stats(trajectories, train["trained_trajectories"], times)
+        perf = perf_stats(trajectories, train["trained_trajectories"], times) | trainer_perf(per_policy, times)
         engine, busy = await self.engine_use.read()
         t = self.totals
         t.trained_samples += int(train["trained_trajectories"])
@@ -144,9 +147,11 @@ class StepLog:
 
 
 def train_stats(per_policy: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The policies' update stats (a separate policy's under its name) and the trajectories they trained on."""
+    """The policies' update stats (a separate policy's under its name) and the trajectories they trained on;
+    the trainer's FLOP and memory figures go to ``perf/`` instead (`trainer_perf`)."""
     stats: dict[str, float] = {}
     for name, policy_stats in per_policy.items():
+        policy_stats = {k: v for k, v in policy_stats.items() if k not in _TRAINER_PERF and not k.startswith("perf/")}
         stats |= policy_stats if name == SHARED else prefixed(name, policy_stats)
     stats["trained_trajectories"] = sum(s.get("trained_trajectories", 0.0) for s in per_policy.values())
     return stats
@@ -189,6 +194,24 @@ def perf_stats(trajectories: list[Trajectory], trained: float, times: StepTimes)
         "step_seconds": times.end - times.start,
         **gpu_utilisation(),
     }
+
+
+def trainer_perf(per_policy: dict[str, dict[str, float]], times: StepTimes) -> dict[str, float]:
+    """The updates' model FLOP/s and MFU (their ``model_flops`` over the step's training seconds, less the
+    weight pushes, against the trainers' summed ``peak_flops``; docs/gpu.md has the count), the trainers'
+    GPU memory (``perf/gpu_memory_*``, the largest), and the weight pushes' seconds and bytes."""
+    seconds = max(times.train - times.push, 1e-9)
+    flops = sum(s.get("model_flops", 0.0) for s in per_policy.values())
+    peak = max((s.get("peak_flops", 0.0) for s in per_policy.values()), default=0.0)
+    out = {"weight_sync_seconds": times.push, "weight_sync_bytes": times.pushed_bytes}
+    if flops:
+        out["model_tflops_per_s"] = flops / seconds / 1e12
+        out |= {"mfu": flops / seconds / peak} if peak else {}
+    for stats in per_policy.values():
+        for key, value in stats.items():
+            if key.startswith("perf/"):
+                out[key[5:]] = max(out.get(key[5:], 0.0), value)
+    return out
 
 
 def reward_breakdown(trajectories: list[Trajectory], default_env: str) -> dict[str, float]:
