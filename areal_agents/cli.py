@@ -38,8 +38,9 @@ def cmd_tiny_model(args: argparse.Namespace) -> None:
     from areal_agents.models.tiny import save_tiny_model
 
     _quiet_transformers()
-    out = save_tiny_model(args.out_dir, seed=args.seed, overwrite=args.overwrite, max_position_embeddings=args.context)
-    print(f"tiny model and tokenizer saved to {out}")
+    context = {} if args.context is None else {"max_position_embeddings": args.context}
+    out = save_tiny_model(args.out_dir, seed=args.seed, overwrite=args.overwrite, preset=args.preset, **context)
+    print(f"{args.preset} model and tokenizer saved to {out}")
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -185,12 +186,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_tiny_model(sub: argparse._SubParsersAction) -> None:
     """``tiny-model``."""
-    p = sub.add_parser("tiny-model", help="build a tiny Llama model + char tokenizer for CPU runs and tests")
+    p = sub.add_parser(
+        "tiny-model", help="build a tiny Llama (or, --preset qwen3-0.4b, a GPU-sized Qwen3) + char tokenizer"
+    )
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="write over a model already at OUT_DIR")
     p.add_argument(
-        "--context", type=int, default=512, help="max_position_embeddings: prompt + answer tokens (e.g. 32768)"
+        "--preset",
+        default="tiny",
+        help="tiny: 0.8M-parameter Llama for CPU runs; qwen3-0.4b: Qwen3-0.6B's decoder (0.44B) for one GPU "
+        "(models/tiny.py PRESETS)",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="max_position_embeddings: prompt + answer tokens (e.g. 32768); default: the preset's (512, 4096)",
     )
     p.set_defaults(fn=cmd_tiny_model)
 

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_agents.errors import ArealAgentsError, ModelLoadError
@@ -75,3 +76,44 @@ def test_cli_tiny_model_onto_an_existing_model_is_one_line_exit_2(tmp_path, caps
     assert main(["tiny-model", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "already exists" in err and str(out) in err
+
+
+def test_qwen3_preset_is_qwen3_06b_decoder_at_04b_parameters():
+    """Counted on the meta device (no memory, no init): Qwen3-0.6B's decoder over our 100-token vocabulary."""
+    from areal_agents.models.tiny import PRESETS, build_tiny_model
+
+    with torch.device("meta"):
+        model = build_tiny_model(100, **PRESETS["qwen3-0.4b"])
+    c = model.config
+    assert c.model_type == "qwen3" and c.tie_word_embeddings
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (1024, 28, 16, 8)
+    # per layer: q 1024x2048, k and v 1024x1024, o 2048x1024, MLP 3 x 1024x3072, norms: 15.73M; x 28 = 440.4M
+    assert 0.43e9 < sum(p.numel() for p in model.parameters()) < 0.45e9
+
+
+def test_small_qwen3_round_trips_with_the_char_tokenizer(tmp_path):
+    """A qwen3 checkpoint keeps our tokenizer (a qwen2 one would reload as Qwen2Tokenizer and drop spaces)."""
+    path = save_tiny_model(
+        tmp_path, preset="qwen3-0.4b", **SMALL, num_kv_heads=1, head_dim=8, max_position_embeddings=64
+    )
+    tok, model = load_tokenizer(path), load_model(path)
+    assert model.config.model_type == "qwen3" and model.config.max_position_embeddings == 64
+    assert "Qwen2" not in type(tok).__name__
+    assert tok.decode(tok.encode("1 + 2 = 3", add_special_tokens=False)) == "1 + 2 = 3"
+
+
+def test_unknown_preset_names_the_key_and_a_near_match(tmp_path):
+    with pytest.raises(
+        ArealAgentsError, match=r"preset: expects one of tiny, qwen3-0.4b, got 'qwen3-04b'.*'qwen3-0.4b'"
+    ):
+        save_tiny_model(tmp_path, preset="qwen3-04b")
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_cli_tiny_model_preset(tmp_path, capsys):
+    from areal_agents.cli import main
+
+    assert main(["tiny-model", str(tmp_path / "bad"), "--preset", "qwen"]) == 2
+    assert "preset: expects one of" in capsys.readouterr().err
+    assert main(["tiny-model", str(tmp_path / "m"), "--preset", "tiny", "--context", "64"]) == 0
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["max_position_embeddings"] == 64
