@@ -2,21 +2,23 @@
 
 A trainer hands over a `WeightSource` (its weights, readable as tensors in this process or written to a
 directory); a `WeightSync` moves them to its engines the way those engines load weights, and bumps their
-version, so every token generated afterwards carries it. Two implementations today:
+version, so every token generated afterwards carries it. ``engine.weight_sync`` picks one (`open_weight_sync`):
 
 =================  =========================================================================================
 `InProcessSync`    ``engine.update_weights(state_dict, version)``: an engine in this process (or its own
                    process, fed through shared memory) swaps the tensors (pause, swap, version, resume)
-`DiskSync`         the source writes ``weights_dir/vN``; every server loads it (SGLang's and serve-model's
+`DiskSync`         the source writes ``weights_dir/vN`` (safetensors shards in the servers' dtype, the
+                   checkpoint's ``config.json``); every server loads it (SGLang's and serve-model's
                    ``/update_weights_from_disk``, vLLM's ``/collective_rpc`` ``reload_weights``); older copies
                    are deleted
+`BroadcastSync`    SGLang's ``/init_weights_update_group`` + ``/update_weights_from_distributed``: the trainer
+                   broadcasts bucket after bucket to every server (NCCL on GPUs, gloo on CPU; serve-model
+                   speaks it over gloo); `engines.broadcast`
 =================  =========================================================================================
 
-Later transports are one class each, behind the same two methods: an NCCL broadcast from
-the trainer's GPUs (``init_weights_update_group`` / ``update_weights_from_distributed``), and LoRA. For
-LoRA the source holds one adapter's tensors only and the sync loads them under the adapter's name
-(``/load_lora_adapter``); one base model on one engine then serves several trainable adapters, one per
-agent: each agent's policy owns its adapter and its own sync over the shared engine.
+Every sync times its last push: ``sync.last_push`` holds ``weight_sync_seconds`` and ``weight_sync_bytes``
+(the payload written or sent once), which the recipe logs as ``perf/...``. LoRA would be one more class: the
+source holds one adapter's tensors and the sync loads them under the adapter's name (``/load_lora_adapter``).
 
 Example::
 
@@ -26,11 +28,21 @@ Example::
 
 from __future__ import annotations
 
+import json
+import shutil
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from areal_agents.engines.base import InferenceEngine
+from areal_agents.errors import ConfigError
+
+if TYPE_CHECKING:
+    from areal_agents.config import EngineConfig
+
+SHARD_BYTES = 5 * 1024**3  # `write_weights`: at most this many bytes a shard (transformers' default)
+CONFIG_FILES = ("config.json", "generation_config.json")  # what makes a weights directory a loadable checkpoint
 
 
 @runtime_checkable
@@ -41,14 +53,16 @@ class WeightSource(Protocol):
         """The weights as a state dict in this process."""
         ...
 
-    async def save_weights(self, path: Path) -> None:
-        """Write the weights to the directory ``path`` as ``model.safetensors`` (what servers load)."""
+    async def save_weights(self, path: Path, dtype: str | None = None) -> None:
+        """Write the weights to the directory ``path`` with `write_weights` (in ``dtype``; None: as held)."""
         ...
 
 
 @runtime_checkable
 class WeightSync(Protocol):
     """Moves a `WeightSource`'s weights to a set of engines and tags them with a version."""
+
+    last_push: dict[str, float]  # weight_sync_seconds, weight_sync_bytes of the last push
 
     async def push(self, source: WeightSource, version: int | None = None) -> int:
         """Load the source's weights on every engine as ``version`` (default: the current + 1); return it."""
@@ -65,12 +79,15 @@ class InProcessSync:
 
     def __init__(self, engines: Sequence[InferenceEngine]) -> None:
         self.engines = list(engines)
+        self.last_push: dict[str, float] = {}
 
     async def push(self, source: WeightSource, version: int | None = None) -> int:
+        start = time.perf_counter()
         version = self.engines[0].get_version() + 1 if version is None else version
         state_dict = await source.tensors()
         for engine in self.engines:
             await engine.update_weights(state_dict, version)  # pause, swap, version, resume
+        self.last_push = timed(start, tensor_bytes(state_dict))
         return version
 
     async def announce(self, version: int) -> None:
@@ -91,20 +108,32 @@ class DiskEngine(InferenceEngine, Protocol):
 
 
 class DiskSync:
-    """The source writes the weights of version N under the first engine's ``weights_path(N)``; every
-    engine's servers load them; copies older than N - 1 are deleted (a server restarting meanwhile may
-    still read N - 1)."""
+    """The source writes the weights of version N under the first engine's ``weights_path(N)`` (in ``dtype``,
+    None: as the trainer holds them), with ``model_dir``'s config files beside them so the directory is a
+    loadable checkpoint; every engine's servers load it; copies older than N - 1 are deleted (a server
+    restarting meanwhile may still read N - 1)."""
 
-    def __init__(self, engines: Sequence[DiskEngine]) -> None:
+    def __init__(
+        self, engines: Sequence[DiskEngine], *, dtype: str | None = None, model_dir: str | Path | None = None
+    ) -> None:
         self.engines = list(engines)
+        self.dtype, self.model_dir = dtype, Path(model_dir) if model_dir else None
+        self.last_push: dict[str, float] = {}
 
     async def push(self, source: WeightSource, version: int | None = None) -> int:
+        start = time.perf_counter()
         version = self.engines[0].get_version() + 1 if version is None else version
         path = self.engines[0].weights_path(version)
-        await source.save_weights(path)
+        if self.dtype is None:
+            await source.save_weights(path)
+        else:
+            await source.save_weights(path, self.dtype)
+        copy_config(self.model_dir, path)
+        written = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         for engine in self.engines:
             await engine.update_weights_from_disk(str(path), version)  # pause, load, version, resume
         self.engines[0].prune_weights(version)
+        self.last_push = timed(start, written)
         return version
 
     async def announce(self, version: int) -> None:
@@ -113,14 +142,103 @@ class DiskSync:
             await engine.announce_version()  # fresh servers say "default", not the run's version
 
 
-def write_weights(state_dict: dict[str, Any], path: str | Path) -> None:
-    """``state_dict`` as ``path/model.safetensors``: what servers load (SGLang's ``/update_weights_from_disk``,
-    vLLM's ``reload_weights``)."""
+def open_weight_sync(cfg: EngineConfig, engine: Any, servers: Any, model_dir: str, dtype: str) -> WeightSync:
+    """The `WeightSync` ``engine.weight_sync`` names for ``engine`` (``servers``: the `ServerGroup` behind it,
+    None for an engine in this process; ``model_dir``: the checkpoint whose config the servers load;
+    ``dtype``: the servers' dtype, what disk and broadcast send). ``auto``: in_process for an engine in this
+    process, else disk."""
+    kind = cfg.weight_sync
+    if kind == "auto":
+        kind = "in_process" if servers is None else "disk"
+    if kind == "in_process":
+        if servers is not None:
+            raise ConfigError("engine.weight_sync=in_process: applies to an engine in this process, not servers")
+        return InProcessSync([engine])
+    if servers is None:
+        raise ConfigError(f"engine.weight_sync={kind}: applies to model servers; this engine runs in this process")
+    wire_dtype = None if dtype in ("auto", "", None) else dtype
+    if kind == "disk":
+        return DiskSync([engine], dtype=wire_dtype, model_dir=model_dir)
+    if kind == "broadcast":
+        if cfg.backend == "vllm":
+            raise ConfigError("engine.weight_sync=broadcast: speaks SGLang's protocol (sglang, serve-model), not vllm")
+        from areal_agents.engines.broadcast_sync import BroadcastSync  # noqa: PLC0415
+
+        return BroadcastSync(
+            [engine],
+            dtype=wire_dtype,
+            bucket_bytes=cfg.weight_sync_bucket_mb * 1024**2,
+            timeout_s=cfg.weight_sync_timeout,
+            backend="gloo" if cfg.backend == "serve-model" else "auto",  # serve-model receives on its CPU
+            tp_size=cfg.tp if cfg.backend == "sglang" else 1,
+            restarts=getattr(getattr(servers, "supervisor", None), "restarts", None),
+        )
+    raise ConfigError(f"engine.weight_sync: expects auto, disk, broadcast or in_process, got {kind!r}")
+
+
+def write_weights(
+    state_dict: dict[str, Any], path: str | Path, dtype: str | None = None, shard_bytes: int = SHARD_BYTES
+) -> None:
+    """``state_dict`` under the directory ``path`` as servers load it (SGLang's ``/update_weights_from_disk``,
+    vLLM's ``reload_weights``, serve-model): one ``model.safetensors``, or ``model-0000i-of-0000N.safetensors``
+    shards of at most ``shard_bytes`` each with ``model.safetensors.index.json`` (``weight_map``,
+    ``total_size``). Floating-point tensors in ``dtype`` (None: as given); tied tensors are stored twice."""
     from safetensors.torch import save_file  # noqa: PLC0415
 
-    Path(path).mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    save_file(_untie(tensors), str(Path(path) / "model.safetensors"))
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = _untie({k: _as(v.detach(), dtype).contiguous().cpu() for k, v in state_dict.items()})
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    for old in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)  # a rewrite with another shard count leaves no stale file behind
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {"total_size": tensor_bytes(tensors)}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def copy_config(model_dir: Path | None, path: Path) -> None:
+    """``model_dir``'s config files (`CONFIG_FILES`) into the weights directory ``path``, if any."""
+    if model_dir is None:
+        return
+    for name in CONFIG_FILES:
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, path / name)
+
+
+def tensor_bytes(state_dict: dict[str, Any]) -> int:
+    """Bytes of a state dict's tensors."""
+    return sum(t.numel() * t.element_size() for t in state_dict.values())
+
+
+def timed(start: float, nbytes: int) -> dict[str, float]:
+    """A push's ``last_push``: seconds since ``start`` (`time.perf_counter`) and bytes moved."""
+    return {"weight_sync_seconds": time.perf_counter() - start, "weight_sync_bytes": float(nbytes)}
+
+
+def _as(t: Any, dtype: str | None) -> Any:
+    import torch  # noqa: PLC0415
+
+    if dtype is None or not t.is_floating_point():
+        return t
+    target = getattr(torch, dtype, None)
+    if not isinstance(target, torch.dtype):
+        raise ConfigError(f"weight dtype: expects a torch dtype name such as bfloat16, got {dtype!r}")
+    return t.to(target)
 
 
 def _untie(tensors: dict) -> dict:
