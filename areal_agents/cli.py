@@ -172,7 +172,8 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
             fast_decode=args.fast_decode,
             cpu_threads=args.cpu_threads,
             seed=args.seed,
-        )
+        ),
+        device=args.device,
     )
 
 
@@ -384,6 +385,9 @@ def _add_serve_model(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--cpu-threads", type=int, default=0, help="intra-op threads of the decode thread (0 = all cores)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="cpu", help="where the engine runs (cuda: in bfloat16)"
+    )
     p.set_defaults(fn=cmd_serve_model)
 
 

@@ -15,6 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from areal_agents.engines.hf.decode_step import LlamaDecodeStep
 from areal_agents.engines.hf.kv_buffer import GrowingLayer, kv_dtype_of
+from areal_agents.engines.hf.placement import Placement, moved_weights_error, weight_versions
 from areal_agents.engines.hf.prefix_cache import PrefixCache
 from areal_agents.engines.hf.running_batch import (
     RunningBatch,
@@ -53,22 +54,41 @@ class BatchRunner:
         max_segments: int,
         kv_dtype: str | torch.dtype | None,
         fast_decode: bool,
+        placement: Placement | None = None,
     ) -> None:
         self.model, self.stats = model, stats
+        self.placement = placement or Placement(model.device, model.dtype, model.dtype)
+        self.device = self.placement.device  # of the model, the KV cache, masks, positions and sampling
         # decode steps of Llama-family models run `LlamaDecodeStep` (False, or another model: transformers' forward)
-        self.decode_step = LlamaDecodeStep.of(model) if fast_decode else None
+        self.decode_step = LlamaDecodeStep.of(model, self.placement.dtype) if fast_decode else None
         self.sliding_window = _sliding_window(model)  # the segments' masks attend to every column
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
         self.prefixes = PrefixCache(prefix_cache_tokens)  # finished rows' KV
         self.max_segments = max_segments  # KV cache segments (1: one cache, left-padded to the oldest row)
-        self.kv_dtype = kv_dtype_of(kv_dtype, model.dtype)  # of the KV cache decode steps attend to
+        self.kv_dtype = kv_dtype_of(kv_dtype, self.placement.dtype)  # of the KV cache decode steps attend to
         self.outbox: list[Outcome] = []  # finished this step
+        # weights shared with a trainer: their in-place versions at the last push, and that push's version
+        self.pushed: tuple[tuple[int, ...], int] | None = None
+
+    def new_weights(self, version: int, shared: bool) -> None:
+        """The model has new weights (at a step boundary): the decode step derives its fused ones again;
+        ``shared``: remember the weights' in-place versions, which must not move until the next push."""
+        if self.decode_step is not None:
+            self.decode_step.refresh()
+        self.pushed = (weight_versions(self.model), version) if shared else None
 
     @torch.inference_mode()
     def step(self, batch: RunningBatch, incoming: list[Submission], stale: bool, version: int) -> None:
         """Admit (and re-prefill after a weight swap), then one decode step; retire finished rows."""
+        if self.pushed is not None and weight_versions(self.model) != self.pushed[0]:
+            raise moved_weights_error(self.pushed[1])  # a trainer stepped under a sharing engine: stop it
+        with self.placement.precision():
+            self.run_step(batch, incoming, stale, version)
+
+    def run_step(self, batch: RunningBatch, incoming: list[Submission], stale: bool, version: int) -> None:
+        """`step` in the engine's precision."""
         start = time.perf_counter()
         live = [s for s in incoming if not s.abort]
         for seq in incoming:
@@ -126,7 +146,9 @@ class BatchRunner:
         extends a finished request's (the next turn of an episode) runs only its new tokens, and so do
         resumed rows of one group after a weight swap (their prompt runs once)."""
         distinct: dict[tuple[int, ...], int] = {}
-        owner = torch.tensor([distinct.setdefault(tuple(s.input_ids + s.tokens), len(distinct)) for s in rows])
+        owner = torch.tensor(
+            [distinct.setdefault(tuple(s.input_ids + s.tokens), len(distinct)) for s in rows], device=self.device
+        )
         contexts = list(distinct)
         if self.prefixes.max_tokens > 0:
             self.cache_shared_prompts(rows)
@@ -170,6 +192,8 @@ class BatchRunner:
             input_ids[i, width - len(new) :] = torch.tensor(new)
             attention[i, width - len(new) :] = 1
         positions = (attention.cumsum(-1) - 1).clamp(min=0) + torch.tensor(start)[:, None]
+        # built on the host, moved once (on CPU `to` is the tensor itself)
+        input_ids, attention, positions = (t.to(self.device) for t in (input_ids, attention, positions))
         past = None
         if any(start):
             keys, values, past_mask = self.prefixes.gather(hits)  # in kv_dtype: the prefill runs in the model's
@@ -202,10 +226,11 @@ class BatchRunner:
         rows, masks, start = [], [], 0
         for segment in batch.segments:
             n = len(segment.rows)
-            segment.attention = torch.cat([segment.attention, torch.ones((n, 1), dtype=torch.long)], dim=1)
+            ones = torch.ones((n, 1), dtype=torch.long, device=self.device)
+            segment.attention = torch.cat([segment.attention, ones], dim=1)
             rows.append(slice(start, start + n))
             start += n
-            bias = torch.zeros(segment.attention.shape, dtype=self.kv_dtype)
+            bias = torch.zeros(segment.attention.shape, dtype=self.kv_dtype, device=self.device)
             masks.append(bias.masked_fill_(segment.attention == 0, float("-inf"))[:, None, None, :])
             self.stats.kv_cells += segment.attention.numel()
             self.stats.kv_context_cells += int(segment.attention.sum())
@@ -218,7 +243,8 @@ class BatchRunner:
         else:
             logits = self.model(
                 input_ids=input_ids[:, None],
-                attention_mask=torch.zeros((start, 1, 1, 1), dtype=self.model.dtype),  # 4D: used as it is (unused)
+                # 4D: used as it is (unused)
+                attention_mask=torch.zeros((start, 1, 1, 1), dtype=self.model.dtype, device=self.device),
                 position_ids=positions[:, None],
                 cache=cache,
                 use_cache=True,
@@ -243,9 +269,9 @@ class BatchRunner:
 
     def sample(self, rows: list[Submission], logits: torch.Tensor, version: int) -> torch.Tensor:
         """Each row's next token (a row whose logits are not finite fails); record it on the live rows."""
-        temperature = torch.tensor([s.sampling.temperature for s in rows], dtype=torch.float)
-        top_p = torch.tensor([s.sampling.top_p for s in rows], dtype=torch.float)
-        top_k = torch.tensor([s.sampling.top_k for s in rows], dtype=torch.long)
+        temperature = torch.tensor([s.sampling.temperature for s in rows], dtype=torch.float, device=self.device)
+        top_p = torch.tensor([s.sampling.top_p for s in rows], dtype=torch.float, device=self.device)
+        top_k = torch.tensor([s.sampling.top_k for s in rows], dtype=torch.long, device=self.device)
         try:
             tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, self.generator)
         except ValueError:  # rows whose logits are not finite (NaN, inf): those requests fail, the others go on
@@ -286,7 +312,8 @@ class BatchRunner:
                 self.finish(seq, seq.stop_reason or "abort")
                 finished.append(i)
         if finished and self.prefixes.max_tokens > 0:
-            index = torch.tensor(finished)  # their rows hold context + tokens[:-1]: kept for a next turn
+            # their rows hold context + tokens[:-1]: kept for a next turn
+            index = torch.tensor(finished, device=self.device)
             self.prefixes.add(
                 [layer.keys[index] for layer in segment.cache.layers],
                 [layer.values[index] for layer in segment.cache.layers],

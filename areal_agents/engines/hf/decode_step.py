@@ -9,7 +9,9 @@ step (figures: `bench/engine_decode.py`, docs/benchmarks.md). Prefill and traini
 transformers' forward; tests check this step's tokens and logprobs against it.
 
 The fused weights are copies (attention and MLP weights held twice), made again when any of their
-sources changes: the step compares each parameter's identity and in-place version counter every call.
+sources changes: the step compares each parameter's identity and in-place version counter every call,
+and `refresh` forgets them all (the engine calls it on every weight swap). They are made in the compute
+dtype: over float32 weights shared with a trainer (autocast to bfloat16), cast once, not every step.
 
     step = LlamaDecodeStep.of(model)             # None when the model is not one this step reproduces
     logits = step(input_ids, positions, cache)   # [B] token ids and positions; cache.update -> SegmentedKV
@@ -32,26 +34,32 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # the same decoder layer;
 class LlamaDecodeStep:
     """The decode step of one model; `of` says whether it can be built."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, dtype: torch.dtype | None = None) -> None:
         config = model.config
         self.model = model
+        self.dtype = dtype  # of the fused weights (None: the model's)
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.qk_norm = config.model_type == "qwen3"
-        self._fused: list[tuple[tuple, _Fused | None]] = [((), None)] * len(model.model.layers)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Forget the fused weights: they are made again from the model's at the next call."""
+        self._fused: list[tuple[tuple, _Fused | None]] = [((), None)] * len(self.model.model.layers)
 
     @classmethod
-    def of(cls, model: PreTrainedModel) -> LlamaDecodeStep | None:
-        """The step for ``model``, or None when it is not a Llama-family decoder of the stock layout."""
+    def of(cls, model: PreTrainedModel, dtype: torch.dtype | None = None) -> LlamaDecodeStep | None:
+        """The step for ``model`` (fused weights in ``dtype``, default the model's), or None when it is not a
+        Llama-family decoder of the stock layout."""
         config = model.config
         body = getattr(model, "model", None)
         if config.model_type not in LLAMA_FAMILY or body is None or not hasattr(body, "rotary_emb"):
             return None
         if getattr(config, "pretraining_tp", 1) != 1 or not all(_stock_layer(layer) for layer in body.layers):
             return None
-        return cls(model)
+        return cls(model, dtype)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:  # noqa: ANN001
         """Next-token logits ``[B, V]`` of one token a row; ``cache.update(k, v, layer)`` stores this
@@ -87,7 +95,7 @@ class LlamaDecodeStep:
         key = tuple((id(p), p.data_ptr(), p._version) for p in params)
         seen, fused = self._fused[index]
         if key != seen:
-            fused = _Fused.of(attn, mlp)
+            fused = _Fused.of(attn, mlp, self.dtype)
             self._fused[index] = (key, fused)
         return fused
 
@@ -110,9 +118,12 @@ class _Fused:
     gate_up_bias: torch.Tensor | None
 
     @classmethod
-    def of(cls, attn: torch.nn.Module, mlp: torch.nn.Module) -> _Fused:
+    def of(cls, attn: torch.nn.Module, mlp: torch.nn.Module, dtype: torch.dtype | None = None) -> _Fused:
         with torch.no_grad():
-            return cls(*_stack(attn.q_proj, attn.k_proj, attn.v_proj), *_stack(mlp.gate_proj, mlp.up_proj))
+            qkv, gate_up = _stack(attn.q_proj, attn.k_proj, attn.v_proj), _stack(mlp.gate_proj, mlp.up_proj)
+            if dtype is not None:
+                qkv, gate_up = ([t if t is None else t.to(dtype) for t in pair] for pair in (qkv, gate_up))
+            return cls(*qkv, *gate_up)
 
 
 def _stack(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -18,6 +18,9 @@ step or sampling fails that request alone. ``health()`` says whether the decode 
 ``abort()`` ends requests early with stop reason ``abort`` and the tokens so far (what ``serve-model``'s
 /pause_generation and /abort_request do); ``generate_once`` may return such a partial response, while
 ``agenerate`` resubmits prompt + tokens so far until the request completes, as the SGLang client does.
+``device`` puts the model, the KV cache, masks and sampling on a GPU (bfloat16 there by default;
+placement.py); ``share_weights`` makes ``update_weights`` take the trainer's tensors themselves, no copy
+(``engine.weight_sync=in_process`` on one GPU: a synchronous run only, which the engine enforces).
 
 This module is the engine's API; `Scheduler` (scheduler.py) runs the queue and the decode thread,
 `BatchRunner` (batch_runner.py) each step on the model, over the `RunningBatch` (running_batch.py).
@@ -25,6 +28,9 @@ This module is the engine's API; `Scheduler` (scheduler.py) runs the queue and t
     engine = HFEngine(load_model("runs/tiny"))
     resp = await engine.agenerate(GenRequest("r1", prompt_ids, SamplingParams(max_new_tokens=8)))
     await engine.update_weights(trainer_model.state_dict())      # pause, load, version += 1, resume
+
+    engine = HFEngine(load_model("runs/tiny"), device="cuda", share_weights=True)   # one GPU, colocated
+    await engine.update_weights(trainer_model.state_dict())      # the trainer's tensors: no copy
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import torch
 from transformers import PreTrainedModel
 
 from areal_agents.engines.hf.batch_runner import BatchRunner
+from areal_agents.engines.hf.placement import Placement, share_tensors
 from areal_agents.engines.hf.request_checks import RequestLimits, check_request
 from areal_agents.engines.hf.running_batch import MAX_SEGMENTS, Submission
 from areal_agents.engines.hf.scheduler import Scheduler
@@ -54,7 +61,12 @@ STALL_S = 600.0  # seconds a decode step may take before `health` calls the thre
 
 
 class HFEngine:
-    """In-process `InferenceEngine` over a transformers causal LM (the CPU default and test engine)."""
+    """In-process `InferenceEngine` over a transformers causal LM (the CPU default and test engine).
+
+    ``device``: ``cpu``, ``cuda`` or ``auto``; ``compute_dtype``: ``auto`` (bfloat16 for a float32 model on
+    CUDA, else the model's dtype), ``float32`` or ``bfloat16``; ``share_weights``: ``update_weights`` points
+    the model at the given tensors instead of copying them (same device, same dtype; see `update_weights`).
+    """
 
     stall_s: float = STALL_S  # `health`: busy this long without finishing a step is stuck
 
@@ -75,12 +87,17 @@ class HFEngine:
         max_segments: int = MAX_SEGMENTS,
         kv_dtype: str | torch.dtype | None = None,
         fast_decode: bool = True,
+        device: str | torch.device = "cpu",
+        compute_dtype: str = "auto",
+        share_weights: bool = False,
     ) -> None:
         if stale_kv not in ("recompute", "keep"):
             raise ValueError(f"stale_kv: expects 'recompute' or 'keep', got {stale_kv!r}")
         if max_segments < 1:
             raise ValueError(f"max_segments: expects at least 1, got {max_segments!r}")
-        self.model = _prepare(model)
+        self.placement = Placement.of(model.dtype, device, compute_dtype, share_weights)
+        self.share_weights = share_weights
+        self.model = _prepare(self.placement.place(model))
         self.limits = RequestLimits.of(model)  # every request is checked against them (`check_request`)
         eos = eos_token_ids if eos_token_ids is not None else model.generation_config.eos_token_id
         self.eos_token_ids = set([eos] if isinstance(eos, int) else (eos or []))
@@ -97,7 +114,10 @@ class HFEngine:
             max_segments=max_segments,
             kv_dtype=kv_dtype,
             fast_decode=fast_decode,
+            placement=self.placement,
         )
+        if share_weights:  # its own weights until the first push; they must not move either
+            self._runner.new_weights(version, shared=True)
         self.kv_dtype = self._runner.kv_dtype  # of the KV cache decode steps attend to
         self._scheduler = Scheduler(
             self._runner,
@@ -166,11 +186,25 @@ class HFEngine:
         return self._scheduler.abort(rid)
 
     async def update_weights(self, state_dict: dict[str, Any], version: int | None = None) -> None:
-        """Load new weights at a step boundary and set the version (default: version + 1)."""
-        await self._swap_weights(lambda: self.model.load_state_dict(state_dict), version)
+        """Load new weights at a step boundary and set the version (default: version + 1).
+
+        With ``share_weights`` the model takes ``state_dict``'s tensors themselves (the trainer's, on this
+        device in this dtype, else `EngineError`): the trainer's later optimizer steps write into them, so
+        the trainer must not step again until it has pushed the next version; a step the engine would decode
+        with weights changed since the last push fails instead (``rollout.max_staleness=0``)."""
+        if self.share_weights:
+            await self._swap_weights(lambda: share_tensors(self.model, state_dict, self.placement), version)
+        else:
+            await self._swap_weights(lambda: self.model.load_state_dict(state_dict), version)
 
     async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
         """Load the weights of a saved checkpoint (a `save_pretrained` directory) in place."""
+        if self.share_weights:
+            raise EngineError(
+                "update_weights_from_disk: this engine shares its weights with the trainer (share_weights=True, "
+                "engine.weight_sync=in_process); loading a checkpoint into them would overwrite the trainer's: "
+                "push the trainer's weights with update_weights instead"
+            )
         await self._swap_weights(lambda: _load_checkpoint(self.model, model_path), version)
 
     async def aclose(self) -> None:
@@ -209,7 +243,8 @@ class HFEngine:
         try:
             with torch.no_grad():
                 load()
-            self._scheduler.new_weights(version, recompute=self.stale_kv == "recompute")
+            version = self._scheduler.new_weights(version, recompute=self.stale_kv == "recompute")
+            self._runner.new_weights(version, shared=self.share_weights)  # the decode thread waits at a boundary
         finally:
             if not was_paused:
                 await self.resume()

@@ -97,7 +97,7 @@ class PrefixCache:
         width = max(h.block.mask.shape[1] for h in used)
         two_layers, _, heads, _, dim = used[0].block.kv.shape
         kv = used[0].block.kv.new_zeros(two_layers, len(hits), heads, width, dim)
-        mask = torch.zeros(len(hits), width, dtype=used[0].block.mask.dtype)
+        mask = used[0].block.mask.new_zeros(len(hits), width)
         by_block: dict[int, tuple[_Block, list[int], list[int]]] = {}
         for i, h in enumerate(hits):
             if h is not None:
@@ -105,7 +105,8 @@ class PrefixCache:
                 entry[1].append(i)
                 entry[2].append(h.row)
         for block, targets, rows in by_block.values():
-            dst, src, w = torch.tensor(targets), torch.tensor(rows), block.mask.shape[1]
+            dst, src = torch.tensor(targets, device=kv.device), torch.tensor(rows, device=kv.device)
+            w = block.mask.shape[1]
             mask[dst, width - w :] = block.mask[src]
             kv[:, dst, :, width - w :] = block.kv[:, src]
         layers = two_layers // 2

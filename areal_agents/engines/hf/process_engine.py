@@ -135,8 +135,12 @@ class ProcessEngine:
         stale_kv: str = "recompute",
         kv_dtype: str = "auto",
         fast_decode: bool = True,
+        device: str = "cpu",
+        compute_dtype: str = "auto",
     ) -> None:
         kwargs = dict(
+            device=device,
+            compute_dtype=compute_dtype,
             max_batch_size=max_batch_size,
             seed=seed,
             num_threads=num_threads,

@@ -138,7 +138,8 @@ def compact(segment: Segment) -> None:
     order = list(range(n))
     for hole, mover in zip(holes, movers):
         order[hole] = mover
-    index = torch.tensor(order)
+    device = segment.attention.device
+    index = torch.tensor(order, device=device)
     segment.rows = [segment.rows[i] for i in order]
     segment.attention, segment.positions, segment.pending = (
         segment.attention[index],
@@ -147,6 +148,7 @@ def compact(segment: Segment) -> None:
     )
     first = int(segment.attention.any(0).nonzero()[0])  # leading columns nobody attends to any more
     segment.attention = segment.attention[:, first:]
-    holes_t, movers_t = torch.tensor(holes, dtype=torch.long), torch.tensor(movers, dtype=torch.long)
+    holes_t = torch.tensor(holes, dtype=torch.long, device=device)
+    movers_t = torch.tensor(movers, dtype=torch.long, device=device)
     for layer in segment.cache.layers:
         layer.keep_rows(holes_t, movers_t, n, first)

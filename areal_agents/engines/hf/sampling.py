@@ -57,5 +57,5 @@ def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> to
     if not bool(ok.all()):  # as torch.multinomial refuses them
         bad = (~ok).squeeze(1).nonzero().squeeze(1).tolist()
         raise ValueError(f"sample_tokens: next-token logits of rows {bad[:8]} are not finite (NaN or inf)")
-    u = 1.0 - torch.rand(weights.shape[0], 1, dtype=torch.float64, generator=generator)  # (0, 1]
+    u = 1.0 - torch.rand(weights.shape[0], 1, dtype=torch.float64, generator=generator, device=weights.device)  # (0, 1]
     return torch.searchsorted(cdf, u * total).squeeze(1).clamp(max=weights.shape[-1] - 1)

@@ -97,12 +97,14 @@ class Scheduler:
             while not (self.at_boundary or self.closed) and self.thread is not None and self.thread.is_alive():
                 self.cv.wait(0.1)
 
-    def new_weights(self, version: int | None, recompute: bool) -> None:
-        """The model has new weights (loaded at a boundary): set the version; ``recompute``: re-prefill."""
+    def new_weights(self, version: int | None, recompute: bool) -> int:
+        """The model has new weights (loaded at a boundary): set the version and return it; ``recompute``:
+        re-prefill."""
         with self.cv:
             self.version = self.version + 1 if version is None else version
             self.stale_cache = recompute
             self.runner.stats.weight_updates += 1
+            return self.version
 
     def abort(self, rid: str | None) -> int:
         """Mark queued and running submissions (all, or those whose rid is ``rid``) to end as ``abort``."""
@@ -155,6 +157,7 @@ class Scheduler:
         """The decode thread: take work, run a step (or only hand back aborts while paused), deliver."""
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)  # this thread's OpenMP team only
+        self.runner.placement.bind_thread()  # the engine's GPU, if any, is this thread's current device
         runner, batch = self.runner, RunningBatch()
         try:
             while (work := self._take_work(batch)) is not None:

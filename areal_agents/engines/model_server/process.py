@@ -16,8 +16,9 @@ SHUTDOWN_GRACE_S = 2.0  # on SIGTERM, requests in flight get this long to finish
 EXIT_DEADLINE_S = 8.0  # ... and if the process is still there after this long, it exits anyway
 
 
-def serve_model(cfg: ModelServerConfig) -> None:
-    """Load the model and serve it until interrupted (the `serve-model` command)."""
+def serve_model(cfg: ModelServerConfig, device: str = "cpu") -> None:
+    """Load the model and serve it on ``device`` (``cpu``, ``cuda`` or ``auto``) until interrupted (the
+    `serve-model` command)."""
     import uvicorn  # noqa: PLC0415
 
     from areal_agents.models import load_model, load_tokenizer  # noqa: PLC0415
@@ -33,9 +34,11 @@ def serve_model(cfg: ModelServerConfig) -> None:
         kv_dtype=cfg.kv_dtype,
         fast_decode=cfg.fast_decode,
         num_threads=cfg.cpu_threads or None,
+        device=device,
     )
     app = build_app(engine, tokenizer, cfg)
-    print(f"serve-model: {cfg.model_path} on http://{cfg.host}:{cfg.port} (SGLang native API)", flush=True)
+    where = f"{cfg.model_path} on {engine.placement.device}"
+    print(f"serve-model: {where}, http://{cfg.host}:{cfg.port} (SGLang native API)", flush=True)
     config = uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
     )
