@@ -18,6 +18,7 @@ import ray
 from areal_agents.config import EngineConfig
 from areal_agents.engines.local_servers import ServerGroup, failing_s, server_command, wait_healthy
 from areal_agents.engines.supervisor import Supervisor
+from areal_agents.errors import ConfigError
 from areal_agents.net import free_port
 
 
@@ -41,9 +42,10 @@ class EngineServerActor:
         since = time.time()
         host = ray.util.get_node_ip_address()
         port = free_port(host)
-        # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs, so an SGLang server counts from GPU 0
+        # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs (ray.engine_server_gpus), so the server is placed
+        # already (no engine.gpus) and an SGLang server counts from GPU 0 (index 0);
         # a serve-model actor has its node's share to itself: its decode thread takes all the cores torch sees
-        cfg = replace(cfg, host=host, cpu_threads=0)
+        cfg = replace(cfg, host=host, cpu_threads=0, gpus=[])
         log = Path(log_dir) / f"{cfg.backend}-{index}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_bytes(b"")
@@ -77,6 +79,23 @@ class EngineServerActor:
         self.group.stop()
 
 
+def check_server_gpus(cfg: EngineConfig, gpus: float) -> None:
+    """Fail before any actor starts when the GPUs a server actor reserves cannot hold its server: SGLang
+    needs ``engine.tp`` of them (or a share of one at tp 1); vLLM on GPUs likewise; ``engine.gpus`` is the
+    launcher without Ray's placement (under Ray, the reservation places each server)."""
+    if cfg.gpus:
+        raise ConfigError(
+            f"engine.gpus={cfg.gpus}: places servers of a run without Ray; with launcher=ray, each server actor "
+            "reserves ray.engine_server_gpus and Ray picks its GPUs: leave engine.gpus empty"
+        )
+    needs_gpus = cfg.backend == "sglang" or (cfg.backend == "vllm" and gpus > 0)
+    if needs_gpus and not (gpus >= cfg.tp or (cfg.tp == 1 and gpus > 0)):
+        raise ConfigError(
+            f"ray.engine_server_gpus={gpus:g}: each {cfg.backend} server needs engine.tp={cfg.tp} GPUs "
+            f"(a fraction of one at tp 1); set ray.engine_server_gpus={cfg.tp}"
+        )
+
+
 class EngineServers:
     """The model servers of one policy; ``stop()`` like a local `ServerGroup`."""
 
@@ -90,7 +109,9 @@ class EngineServers:
         gpus: float,
         weights_dir: Path | None = None,
     ):
-        """``weights_dir``: where the run writes weight updates (default: ``engine_weights`` beside ``log_dir``)."""
+        """``weights_dir``: where the run writes weight updates (default: ``engine_weights`` beside ``log_dir``);
+        ``gpus``: what each server actor reserves (``ray.engine_server_gpus``, checked by `check_server_gpus`)."""
+        check_server_gpus(cfg, gpus)
         options = {"num_cpus": cpus, "num_gpus": gpus}
         weights = str(weights_dir or Path(log_dir).parent / "engine_weights")
         self.actors = [

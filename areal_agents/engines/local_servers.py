@@ -1,17 +1,18 @@
 """Start (or connect to) the model servers a run generates with, and build its engine.
 
-``engine.backend``: ``hf`` (in-process `HFEngine`), ``serve-model`` (our SGLang-protocol CPU server in
-subprocesses), ``sglang`` (``python -m sglang.launch_server`` processes on GPUs) or ``vllm`` (vLLM's
-OpenAI-compatible server, from ``engine.vllm_python``: `engines.vllm.server`); with ``engine.urls`` set,
-the run connects to running servers instead. Servers this process started are
-waited for (``/health``), restarted with the run's current weights when one dies or reports its engine
-failed (`Supervisor`), and stopped when the run ends or the process exits.
+``engine.backend``: ``hf`` (in-process `HFEngine`), ``serve-model`` (our SGLang-protocol server in
+subprocesses), ``sglang`` (``python -m sglang.launch_server`` on GPUs, from ``engine.sglang_python``:
+`engines.sglang.server`) or ``vllm`` (vLLM's OpenAI-compatible server, from ``engine.vllm_python``:
+`engines.vllm.server`); with ``engine.urls`` set, the run connects to running servers instead. Each server
+gets its share of ``engine.gpus`` as ``CUDA_VISIBLE_DEVICES`` (disaggregated) or, with none named, sees the
+trainer's GPUs (colocated); ``engine.dtype=auto`` is bfloat16 on a GPU (`engine_dtype`). Servers this
+process started are waited for (``/health``), restarted with the run's current weights when one dies or
+reports its engine failed (`Supervisor`), and stopped when the run ends or the process exits.
 """
 
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import os
 import shutil
 import signal
@@ -25,9 +26,10 @@ from typing import Any
 
 from areal_agents import net
 from areal_agents.config import EngineConfig
+from areal_agents.engines.sglang.server import sglang_command, sglang_python
 from areal_agents.engines.supervisor import Supervisor
 from areal_agents.engines.vllm.server import checkpoint_dtype, vllm_command, vllm_python
-from areal_agents.errors import EngineError
+from areal_agents.errors import ConfigError, EngineError
 from areal_agents.net import free_port, log_tail
 
 
@@ -79,47 +81,92 @@ def server_command(
     scratch: Path | None = None,
 ) -> list[str]:
     """The command line of server ``index`` of a launch (a restart names the tokenizer and weight_version;
-    ``scratch``: a directory of the server's own for its temporary files, which vLLM needs)."""
+    ``scratch``: a directory of the server's own for its temporary files, which vLLM needs). With
+    ``engine.gpus`` it starts with ``env CUDA_VISIBLE_DEVICES=...``, its share of them (`server_gpus`)."""
     backend, host = cfg.backend, cfg.host
-    restart = ["--tokenizer-path", tokenizer_path] if tokenizer_path else []
-    restart += ["--weight-version", weight_version] if weight_version is not None else []
+    if backend not in ("sglang", "serve-model", "vllm"):
+        raise EngineError(
+            f"engine.backend must be 'hf', 'serve-model', 'sglang' or 'vllm' to launch servers, got {backend!r}"
+        )
+    gpus = server_gpus(cfg, index)
+    placement = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
+    dtype = engine_dtype(cfg, model_path, dtype)
     if backend == "sglang":
-        if importlib.util.find_spec("sglang") is None:
-            raise EngineError(
-                "engine.backend=sglang needs SGLang, which is not installed: pip install 'areal-agents[sglang]' "
-                "on a GPU machine (or use engine.backend=serve-model on CPU, or engine.urls=[...] for running servers)"
-            )
-        return [
-            sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
-            "--port", str(port), "--tp-size", str(cfg.tp), "--mem-fraction-static", str(cfg.mem_fraction),
-            "--dtype", engine_dtype(cfg, model_path, dtype),
-            "--base-gpu-id", str(index * cfg.tp), "--skip-server-warmup", *restart, *cfg.extra_args,
-        ]  # fmt: skip
-    if backend == "serve-model":
-        dtype = engine_dtype(cfg, model_path, dtype)
-        return [
-            sys.executable, "-m", "areal_agents.cli", "serve-model", "--model-path", model_path, "--host", host,
-            "--port", str(port), "--dtype", dtype, "--max-running-requests", str(cfg.max_running_requests),
-            "--prefix-cache-tokens", str(cfg.prefix_cache_tokens), "--stale-kv", cfg.stale_kv,
-            "--kv-dtype", cfg.kv_dtype, "--cpu-threads", str(cfg.cpu_threads),
-            *([] if cfg.fast_decode else ["--no-fast-decode"]),
-            *restart, *cfg.extra_args,
-        ]  # fmt: skip
+        # placed: it sees only its GPUs; colocated: it sees them all and takes engine.tp from index * tp on
+        python = sglang_python(cfg)
+        base_gpu_id = 0 if gpus else index * cfg.tp
+        command = sglang_command(
+            cfg, python, model_path, dtype, port, base_gpu_id=base_gpu_id, tokenizer_path=tokenizer_path,
+            weight_version=weight_version,
+        )  # fmt: skip
+        return with_env(placement, command)
     if backend == "vllm":
         if scratch is None:
             raise EngineError("a vLLM server needs a scratch directory of its own (server_command(scratch=...))")
-        dtype = engine_dtype(cfg, model_path, dtype)
-        return vllm_command(cfg, vllm_python(cfg), model_path, dtype, port, scratch, tokenizer_path=tokenizer_path)
-    raise EngineError(
-        f"engine.backend must be 'hf', 'serve-model', 'sglang' or 'vllm' to launch servers, got {backend!r}"
-    )
+        python = vllm_python(cfg)
+        return vllm_command(
+            cfg, python, model_path, dtype, port, scratch, tokenizer_path=tokenizer_path, placement=placement
+        )
+    restart = ["--tokenizer-path", tokenizer_path] if tokenizer_path else []
+    restart += ["--weight-version", weight_version] if weight_version is not None else []
+    return with_env(placement, [
+        sys.executable, "-m", "areal_agents.cli", "serve-model", "--model-path", model_path, "--host", host,
+        "--port", str(port), "--dtype", dtype, "--max-running-requests", str(cfg.max_running_requests),
+        "--prefix-cache-tokens", str(cfg.prefix_cache_tokens), "--stale-kv", cfg.stale_kv,
+        "--kv-dtype", cfg.kv_dtype, "--cpu-threads", str(cfg.cpu_threads),
+        *([] if cfg.fast_decode else ["--no-fast-decode"]),
+        *restart, *cfg.extra_args,
+    ])  # fmt: skip
+
+
+def with_env(variables: dict[str, str], command: list[str]) -> list[str]:
+    """``env K=V ... command`` (on the command line, so a `Supervisor` restart sets them too)."""
+    return ["env", *(f"{k}={v}" for k, v in variables.items()), *command] if variables else command
+
+
+def gpus_per_server(cfg: EngineConfig) -> int:
+    """GPUs one launched server takes: ``engine.tp`` for SGLang and vLLM, one for serve-model."""
+    return 1 if cfg.backend == "serve-model" else cfg.tp
+
+
+def server_gpus(cfg: EngineConfig, index: int) -> list[int]:
+    """Server ``index``'s GPUs out of ``engine.gpus`` (disaggregated: `gpus_per_server` each, in order); empty
+    when ``engine.gpus`` is (colocated: the servers see the trainer's GPUs). An error unless the list holds
+    exactly ``engine.num_servers`` x that many distinct GPU ids."""
+    if not cfg.gpus:
+        return []
+    per = gpus_per_server(cfg)
+    need = cfg.num_servers * per
+    if len(cfg.gpus) != need:
+        raise ConfigError(
+            f"engine.gpus: expects engine.num_servers x GPUs per server (engine.tp for sglang and vllm, 1 for "
+            f"serve-model) = {cfg.num_servers} x {per} = {need} GPU ids, got {len(cfg.gpus)}: {cfg.gpus}"
+        )
+    if len(set(cfg.gpus)) != len(cfg.gpus) or min(cfg.gpus) < 0:
+        raise ConfigError(f"engine.gpus: expects distinct GPU ids >= 0 (as nvidia-smi numbers them), got {cfg.gpus}")
+    return list(cfg.gpus[index * per : (index + 1) * per])
+
+
+def server_device(cfg: EngineConfig) -> str:
+    """Where a launched server computes, ``cuda`` or ``cpu``: SGLang always on a GPU; serve-model and vLLM
+    where ``engine.device`` says, ``auto`` being cuda when ``engine.gpus`` names GPUs or torch here sees one."""
+    if cfg.backend == "sglang":
+        return "cuda"
+    if cfg.device != "auto":
+        return cfg.device
+    import torch  # noqa: PLC0415  (a launcher that starts no server needs no torch)
+
+    return "cuda" if cfg.gpus or torch.cuda.is_available() else "cpu"
 
 
 def engine_dtype(cfg: EngineConfig, model_path: str, run_dtype: str) -> str:
-    """The dtype a launched server computes in: ``engine.dtype``; ``auto``: the checkpoint's own for SGLang
-    and vLLM (16-bit kernels on GPUs), the run's ``model.dtype`` for serve-model."""
+    """The dtype a launched server computes in: ``engine.dtype``; ``auto``: bfloat16 on a GPU
+    (`server_device`: SGLang's and vLLM's attention kernels want 16 bits); on CPU the run's ``model.dtype``
+    for serve-model and the checkpoint's own for vLLM (whose ``auto`` would make float32 float16)."""
     if cfg.dtype != "auto":
         return cfg.dtype
+    if server_device(cfg) == "cuda":
+        return "bfloat16"
     return run_dtype if cfg.backend == "serve-model" else checkpoint_dtype(model_path)
 
 

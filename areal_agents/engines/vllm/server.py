@@ -46,11 +46,22 @@ def checkpoint_dtype(model_path: str) -> str:
 
 
 def vllm_command(
-    cfg: EngineConfig, python: str, model_path: str, dtype: str, port: int, scratch: Path, *, tokenizer_path=None
+    cfg: EngineConfig,
+    python: str,
+    model_path: str,
+    dtype: str,
+    port: int,
+    scratch: Path,
+    *,
+    tokenizer_path: str | None = None,
+    placement: dict[str, str] | None = None,
 ) -> list[str]:
     """``env VARS python -m vllm.entrypoints.openai.api_server ...`` for one server (the variables ride on
-    the command line so that a restart by the `Supervisor` gets them too)."""
+    the command line so that a restart by the `Supervisor` gets them too; ``placement``: its
+    ``CUDA_VISIBLE_DEVICES`` when ``engine.gpus`` names them). ``--gpu-memory-utilization`` goes to the CPU
+    build too, which accepts it and sizes its KV cache by ``VLLM_CPU_KVCACHE_SPACE`` instead."""
     variables = {
+        **(placement or {}),
         "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, /update_weight_version
         "VLLM_NO_USAGE_STATS": "1",
         "HF_HUB_OFFLINE": "1",  # the model is a local directory; never reach for the Hub

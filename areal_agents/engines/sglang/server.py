@@ -1,0 +1,63 @@
+"""Start an SGLang server from an environment of its own (SGLang pins its torch and transformers, which clash
+with ours: docs/sglang.md): its command line and a clear error when that interpreter lacks SGLang.
+
+    python = sglang_python(cfg)     # engine.sglang_python, checked for the sglang module
+    sglang_command(cfg, python, "/models/m", "bfloat16", 30000, base_gpu_id=0)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from areal_agents.config import EngineConfig
+from areal_agents.errors import EngineError
+
+SETUP_HINT = (
+    "make an environment with SGLang and name its interpreter (docs/sglang.md): bash scripts/setup.sh --with-sglang "
+    "builds .venv-sglang on an NVIDIA machine (engine.sglang_python=.venv-sglang/bin/python)"
+)
+
+
+def sglang_python(cfg: EngineConfig) -> str:
+    """The interpreter that runs SGLang: ``engine.sglang_python``, else this one; an error if it lacks SGLang."""
+    python = cfg.sglang_python or sys.executable
+    if cfg.sglang_python and not (Path(python).is_file() and os.access(python, os.X_OK)):
+        raise EngineError(f"engine.sglang_python: {python} is not an executable file; {SETUP_HINT}")
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
+    if subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode != 0:
+        where = "engine.sglang_python" if cfg.sglang_python else "this interpreter (engine.sglang_python is unset)"
+        raise EngineError(
+            f"engine.backend=sglang: {where} ({python}) has no sglang module; {SETUP_HINT}. Without a GPU, "
+            "engine.backend=serve-model speaks the same API on CPU; engine.urls=[...] connects to running servers"
+        )
+    return python
+
+
+def sglang_command(
+    cfg: EngineConfig,
+    python: str,
+    model_path: str,
+    dtype: str,
+    port: int,
+    *,
+    base_gpu_id: int,
+    tokenizer_path: str | None = None,
+    weight_version: str | None = None,
+) -> list[str]:
+    """``python -m sglang.launch_server ...`` for one server: ``engine.tp`` as ``--tp-size``,
+    ``engine.mem_fraction`` as ``--mem-fraction-static``, ``dtype`` (`engine_dtype`'s), the first of its
+    GPUs among those it sees (``base_gpu_id``), a restart's tokenizer and weight_version, ``engine.extra_args``
+    last (so they win)."""
+    command = [
+        python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", cfg.host, "--port", str(port),
+        "--tp-size", str(cfg.tp), "--mem-fraction-static", str(cfg.mem_fraction), "--dtype", dtype,
+        "--base-gpu-id", str(base_gpu_id), "--skip-server-warmup",
+    ]  # fmt: skip
+    if tokenizer_path:
+        command += ["--tokenizer-path", tokenizer_path]
+    if weight_version is not None:
+        command += ["--weight-version", weight_version]
+    return [*command, *cfg.extra_args]

@@ -1,0 +1,165 @@
+"""Launching SGLang (and vLLM) servers from config, with a fake SGLang: SGLang itself cannot run here (no GPU),
+so a fake ``sglang`` package behind a fake interpreter records the argv and CUDA_VISIBLE_DEVICES each
+server got and answers /health; the launcher, its probe and its wait are the real ones."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal_agents.cluster.engine_servers import check_server_gpus
+from areal_agents.config import EngineConfig
+from areal_agents.engines.local_servers import engine_dtype, launch_servers, server_command, server_gpus
+from areal_agents.errors import ConfigError, EngineError
+
+FAKE_LAUNCH_SERVER = """
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+args = sys.argv[1:]
+flag = lambda name: args[args.index(name) + 1]
+record = {"argv": args, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+Path(os.environ["FAKE_SGLANG_RECORDS"], flag("--port") + ".json").write_text(json.dumps(record))
+
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+ThreadingHTTPServer((flag("--host"), int(flag("--port"))), Health).serve_forever()
+"""
+
+
+def fake_python(tmp_path: Path, with_sglang: bool = True) -> Path:
+    """An interpreter (this one, wrapped) that imports a fake ``sglang`` whose launch_server records and serves."""
+    package = tmp_path / "site" / "sglang"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text("")
+    (package / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    (tmp_path / "records").mkdir(exist_ok=True)
+    path = "" if not with_sglang else f'export PYTHONPATH="{tmp_path / "site"}"\n'
+    python = tmp_path / ("fake-python" if with_sglang else "python-without-sglang")
+    records = f'export FAKE_SGLANG_RECORDS="{tmp_path / "records"}"\n'
+    python.write_text(f'#!/bin/sh\n{path}{records}exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+def recorded(tmp_path: Path, address: str) -> tuple[dict[str, str], list[str], str | None]:
+    """(flag -> value, argv, CUDA_VISIBLE_DEVICES) the fake server at ``address`` was started with."""
+    record = json.loads((tmp_path / "records" / f"{address.rsplit(':', 1)[1]}.json").read_text())
+    args = record["argv"]
+    flags = {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--") and i + 1 < len(args)}
+    return flags, args, record["CUDA_VISIBLE_DEVICES"]
+
+
+def test_fake_sglang_gets_each_config_key_as_its_flag_and_its_own_gpus(tiny_dir, tmp_path):
+    """engine.gpus=[6, 7, 4, 5], tp 2: server 0 sees GPUs 6,7 and server 1 sees 4,5, each from its GPU 0;
+    dtype auto is bfloat16 though the checkpoint and model.dtype are float32; extra_args come last."""
+    cfg = EngineConfig(
+        backend="sglang", sglang_python=str(fake_python(tmp_path)), num_servers=2, tp=2, gpus=[6, 7, 4, 5],
+        mem_fraction=0.6, extra_args=["--context-length", "2048"],
+    )  # fmt: skip
+    with launch_servers(cfg, str(tiny_dir), "float32", log_dir=tmp_path / "logs", supervise=False) as group:
+        seen = [recorded(tmp_path, address) for address in group.addresses]
+    for (flags, args, visible), gpus, address in zip(seen, ["6,7", "4,5"], group.addresses):
+        assert args[:2] == ["--model-path", str(tiny_dir)] and visible == gpus
+        assert flags["--port"] == address.rsplit(":", 1)[1] and flags["--host"] == "127.0.0.1"
+        assert flags["--tp-size"] == "2" and flags["--mem-fraction-static"] == "0.6"
+        assert flags["--dtype"] == "bfloat16" and flags["--base-gpu-id"] == "0"
+        assert "--skip-server-warmup" in args and args[-2:] == ["--context-length", "2048"]
+
+
+def test_colocated_sglang_servers_see_the_trainers_gpus_and_count_from_their_index(tiny_dir, tmp_path, monkeypatch):
+    """No engine.gpus: CUDA_VISIBLE_DEVICES is the run's own; server i starts at GPU i x tp; dtype as set."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    cfg = EngineConfig(backend="sglang", sglang_python=str(fake_python(tmp_path)), num_servers=2, dtype="float16")
+    with launch_servers(cfg, str(tiny_dir), "float32", log_dir=tmp_path / "logs", supervise=False) as group:
+        seen = [recorded(tmp_path, address) for address in group.addresses]
+    assert [visible for _, _, visible in seen] == ["3,5", "3,5"]
+    assert [flags["--base-gpu-id"] for flags, _, _ in seen] == ["0", "1"]
+    assert {flags["--dtype"] for flags, _, _ in seen} == {"float16"} and seen[0][0]["--tp-size"] == "1"
+    restart = server_command(cfg, "/restart/dir", "float32", 1234, 1, tokenizer_path="/tok", weight_version="7")
+    assert restart[:4] == [cfg.sglang_python, "-m", "sglang.launch_server", "--model-path"]
+    assert restart[restart.index("--tokenizer-path") + 1] == "/tok" and restart[-1] == "7"
+
+
+def test_an_interpreter_without_sglang_is_named_with_the_docs_before_any_server_starts(tiny_dir, tmp_path):
+    without = EngineConfig(backend="sglang", sglang_python=str(fake_python(tmp_path, with_sglang=False)))
+    with pytest.raises(EngineError, match=r"engine.sglang_python \(.*python-without-sglang\) has no sglang module"):
+        launch_servers(without, str(tiny_dir), log_dir=tmp_path / "logs")
+    assert not list((tmp_path / "logs").iterdir())
+    with pytest.raises(EngineError, match=r"this interpreter \(engine.sglang_python is unset\).*docs/sglang.md"):
+        server_command(EngineConfig(backend="sglang"), str(tiny_dir), "float32", 1, 0)  # .venv has no SGLang
+    missing = EngineConfig(backend="sglang", sglang_python=str(tmp_path / "nope" / "python"))
+    with pytest.raises(EngineError, match=r"engine.sglang_python: .*nope/python is not an executable file"):
+        server_command(missing, str(tiny_dir), "float32", 1, 0)
+
+
+def test_vllm_gets_tp_memory_dtype_extra_args_and_its_gpus(tiny_dir, tmp_path, monkeypatch):
+    """The vLLM command builder (argv only: vLLM itself runs in test_remote_engines.py)."""
+    monkeypatch.setattr("areal_agents.engines.local_servers.vllm_python", lambda cfg: "/venv-vllm/bin/python")
+    cfg = EngineConfig(
+        backend="vllm", num_servers=2, tp=2, gpus=[0, 1, 2, 3], mem_fraction=0.5, extra_args=["--enforce-eager"]
+    )
+    command = server_command(cfg, str(tiny_dir), "float32", 8000, 1, scratch=tmp_path)
+    python = command.index("/venv-vllm/bin/python")
+    env = dict(arg.split("=", 1) for arg in command[1:python])
+    args = command[python:]
+    flags = {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--") and i + 1 < len(args)}
+    assert command[0] == "env" and env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert flags["--tensor-parallel-size"] == "2" and flags["--gpu-memory-utilization"] == "0.5"
+    assert flags["--dtype"] == "bfloat16", "auto on GPUs: bfloat16, not the float32 checkpoint's"
+    assert args[-1] == "--enforce-eager"
+
+
+@pytest.mark.parametrize(
+    "backend, device, gpus, expected",
+    [
+        ("sglang", "auto", [], "bfloat16"),  # SGLang always runs on a GPU
+        ("sglang", "cpu", [], "bfloat16"),  # ... whatever engine.device says (it is serve-model's)
+        ("vllm", "cpu", [], "float16"),  # CPU: the checkpoint's own
+        ("vllm", "auto", [0], "bfloat16"),  # engine.gpus names GPUs: a GPU
+        ("serve-model", "cpu", [], "float32"),  # CPU: the run's model.dtype
+        ("serve-model", "cuda", [], "bfloat16"),
+        ("serve-model", "auto", [2], "bfloat16"),
+    ],
+)
+def test_dtype_auto_is_bfloat16_on_a_gpu_and_as_before_on_cpu(tmp_path, backend, device, gpus, expected):
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
+    cfg = EngineConfig(backend=backend, device=device, gpus=gpus)
+    assert engine_dtype(cfg, str(tmp_path), "float32") == expected
+    cfg = EngineConfig(backend=backend, device=device, gpus=gpus, dtype="float32")
+    assert engine_dtype(cfg, str(tmp_path), "bfloat16") == "float32", "engine.dtype set: it, always"
+
+
+def test_serve_model_servers_take_one_gpu_each_and_bad_gpu_lists_name_the_key(tiny_dir, tmp_path):
+    cfg = EngineConfig(backend="serve-model", num_servers=2, tp=4, gpus=[1, 2])
+    assert [server_gpus(cfg, i) for i in range(2)] == [[1], [2]]
+    command = server_command(cfg, str(tiny_dir), "float32", 1, 1)
+    assert command[:2] == ["env", "CUDA_VISIBLE_DEVICES=2"] and command[command.index("--dtype") + 1] == "bfloat16"
+    sglang = EngineConfig(backend="sglang", num_servers=2, tp=2, gpus=[0, 1, 2])
+    with pytest.raises(ConfigError, match=r"engine.gpus: expects .* = 2 x 2 = 4 GPU ids, got 3: \[0, 1, 2\]"):
+        launch_servers(sglang, str(tiny_dir), log_dir=tmp_path / "logs")
+    assert not list((tmp_path / "logs").iterdir()), "nothing started"
+    with pytest.raises(ConfigError, match="engine.gpus: expects distinct GPU ids"):
+        server_gpus(EngineConfig(backend="serve-model", num_servers=2, gpus=[3, 3]), 0)
+
+
+def test_ray_server_actors_reserve_the_gpus_their_server_needs():
+    """Under Ray the actor's reservation places the server (Ray sets its CUDA_VISIBLE_DEVICES)."""
+    for backend, tp, gpus in [("sglang", 2, 2.0), ("sglang", 1, 0.5), ("vllm", 1, 0.0), ("serve-model", 4, 0.0)]:
+        check_server_gpus(EngineConfig(backend=backend, tp=tp), gpus)
+    with pytest.raises(ConfigError, match=r"ray.engine_server_gpus=0: each sglang server needs engine.tp=1 GPUs"):
+        check_server_gpus(EngineConfig(backend="sglang"), 0.0)
+    with pytest.raises(ConfigError, match=r"ray.engine_server_gpus=1: each vllm server needs engine.tp=2"):
+        check_server_gpus(EngineConfig(backend="vllm", tp=2), 1.0)
+    with pytest.raises(ConfigError, match=r"engine.gpus=\[0\]: places servers of a run without Ray"):
+        check_server_gpus(EngineConfig(backend="sglang", gpus=[0]), 1.0)
