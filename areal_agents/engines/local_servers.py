@@ -113,7 +113,7 @@ def server_command(
         sys.executable, "-m", "areal_agents.cli", "serve-model", "--model-path", model_path, "--host", host,
         "--port", str(port), "--dtype", dtype, "--max-running-requests", str(cfg.max_running_requests),
         "--prefix-cache-tokens", str(cfg.prefix_cache_tokens), "--stale-kv", cfg.stale_kv,
-        "--kv-dtype", cfg.kv_dtype, "--cpu-threads", str(cfg.cpu_threads),
+        "--kv-dtype", cfg.kv_dtype, "--cpu-threads", str(cfg.cpu_threads), "--device", server_device(cfg),
         *([] if cfg.fast_decode else ["--no-fast-decode"]),
         *restart, *cfg.extra_args,
     ])  # fmt: skip
@@ -245,7 +245,8 @@ def wait_healthy(group: ServerGroup, timeout_s: float) -> None:
 
 
 def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path, seed: int = 0):
-    """The run's inference engine and the servers behind it (None for the in-process engine)."""
+    """The run's inference engine and the servers behind it (None for the in-process engine, which computes
+    on ``engine.device``)."""
     if cfg.backend == "hf" and not cfg.urls:
         from areal_agents.engines.hf.engine import HFEngine  # noqa: PLC0415
         from areal_agents.engines.hf.process_engine import ProcessEngine  # noqa: PLC0415
@@ -259,6 +260,7 @@ def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path
             stale_kv=cfg.stale_kv,
             kv_dtype=cfg.kv_dtype,
             fast_decode=cfg.fast_decode,
+            device=cfg.device,
         )
         if cfg.own_process:
             return ProcessEngine(model_path, dtype, **kwargs), None

@@ -163,3 +163,23 @@ def test_ray_server_actors_reserve_the_gpus_their_server_needs():
         check_server_gpus(EngineConfig(backend="vllm", tp=2), 1.0)
     with pytest.raises(ConfigError, match=r"engine.gpus=\[0\]: places servers of a run without Ray"):
         check_server_gpus(EngineConfig(backend="sglang", gpus=[0]), 1.0)
+
+
+def test_engine_device_reaches_serve_model_and_the_in_process_engine(tiny_dir, tmp_path):
+    """engine.device: serve-model's --device (parsed by its own parser) and HFEngine's device."""
+    import torch
+
+    from areal_agents.cli import build_parser
+    from areal_agents.engines.local_servers import open_engine
+
+    for device in ("cpu", "cuda"):
+        command = server_command(EngineConfig(backend="serve-model", device=device), "m", "float32", 1, 0)
+        assert build_parser().parse_args(command[command.index("serve-model") :]).device == device
+    engine, servers = open_engine(EngineConfig(device="cpu"), str(tiny_dir), "float32", run_dir=tmp_path)
+    assert servers is None and engine.placement.device == torch.device("cpu")
+    if torch.cuda.is_available():  # the device machine: the engine goes there
+        engine, _ = open_engine(EngineConfig(device="cuda"), str(tiny_dir), "float32", run_dir=tmp_path)
+        assert engine.placement.device.type == "cuda"
+    else:  # here: the device reached the engine, which refuses a GPU torch does not see
+        with pytest.raises(ConfigError, match="device: cuda asked for, but torch sees no GPU"):
+            open_engine(EngineConfig(device="cuda"), str(tiny_dir), "float32", run_dir=tmp_path)
