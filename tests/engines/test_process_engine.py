@@ -17,7 +17,7 @@ from areal_agents.types import GenRequest, SamplingParams
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
-    engine = ProcessEngine(str(tiny_dir), seed=0)
+    engine = ProcessEngine(str(tiny_dir), seed=0, device="cpu")  # the device reaches the child's HFEngine
     yield engine
     engine.close()
 
