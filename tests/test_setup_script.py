@@ -92,6 +92,25 @@ def test_gpu_machine_takes_the_default_index_and_a_kept_torch_installs_nothing(t
     assert pip_calls(tmp_path) == [] and pip_calls(tmp_path / "kept") == []
 
 
+def test_with_sglang_installs_sglang_into_its_own_env_on_a_gpu_machine_only(tmp_path):
+    """SGLang's pins clash with ours: it goes into an environment of its own, never into .venv; on a machine
+    without an NVIDIA GPU (no CPU build on PyPI) setup refuses before installing anything."""
+    venv = fake_venv(tmp_path, torch_importable=True, cpu_index_works=True)  # .venv: must stay untouched
+    sglang_venv = fake_venv(tmp_path / "sglang", torch_importable=False, cpu_index_works=True)  # no sglang yet
+    out = run_setup_fn(tmp_path, venv, f'SGLANG_VENV="{sglang_venv}" install_sglang python3', gpu=True)
+    assert out.returncode == 0, out.stderr
+    assert pip_calls(tmp_path) == [] and pip_calls(tmp_path / "sglang") == [
+        "install --quiet --disable-pip-version-check sglang==0.5.23"
+    ]
+    assert f"engine.sglang_python={sglang_venv}/bin/python" in out.stdout
+    cpu_machine = tmp_path / "cpu"  # a PATH of its own: without the nvidia-smi above
+    cpu_machine.mkdir()
+    for fn in (f'SGLANG_VENV="{sglang_venv}" install_sglang python3', "main --with-sglang"):
+        out = run_setup_fn(cpu_machine, venv, fn, gpu=False)
+        assert out.returncode == 2 and "--with-sglang needs an NVIDIA GPU" in out.stderr, out.stderr
+    assert len(pip_calls(tmp_path / "sglang")) == 1 and pip_calls(tmp_path) == []
+
+
 def test_pip_fails_fast_on_an_unreachable_index(tmp_path):
     """The flags setup.sh gives pip for PyTorch's index make a real pip give up at once, not hang."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
