@@ -183,3 +183,26 @@ def test_engine_device_reaches_serve_model_and_the_in_process_engine(tiny_dir, t
     else:  # here: the device reached the engine, which refuses a GPU torch does not see
         with pytest.raises(ConfigError, match="device: cuda asked for, but torch sees no GPU"):
             open_engine(EngineConfig(device="cuda"), str(tiny_dir), "float32", run_dir=tmp_path)
+
+
+@pytest.mark.slow
+def test_ray_gives_each_sglang_actor_its_gpus_and_the_server_counts_from_zero(tmp_path):
+    """launcher=ray: a local cluster declaring 2 GPUs (none exist here; Ray hands out their ids all the
+    same), two tp-1 SGLang actors reserving one each: Ray's CUDA_VISIBLE_DEVICES reaches each server."""
+    import ray
+
+    from areal_agents.cluster.engine_servers import EngineServers
+
+    cfg = EngineConfig(backend="sglang", sglang_python=str(fake_python(tmp_path)), num_servers=2)
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        servers = EngineServers(cfg, "/models/m", "float32", tmp_path / "servers", cpus=0.5, gpus=1.0)
+        try:
+            seen = [recorded(tmp_path, address) for address in servers.addresses]
+        finally:
+            servers.stop()
+    finally:
+        ray.shutdown()
+    assert sorted(visible for _, _, visible in seen) == ["0", "1"]
+    assert {flags["--base-gpu-id"] for flags, _, _ in seen} == {"0"}
+    assert {flags["--dtype"] for flags, _, _ in seen} == {"bfloat16"}
