@@ -19,6 +19,11 @@ generating beside its retry.
 
 A subclass says how its servers' API spells these things: the generate route, its body and reply, the
 request-id key, abort, pause and resume, loading weights from a directory, and naming a version.
+
+Rotation: a server taken out (`take_out`, e.g. by `BroadcastSync` when it failed a push) gets no new
+requests, nor pauses and weight loads, until `put_back`; its episodes move to the others. Weights a
+broadcast pushed are lost when a server restarts, so after `guard_restarts` a server that stops answering a
+generate, or that the launcher's `Supervisor` restarted, leaves the rotation until a push reaches it again.
 """
 
 from __future__ import annotations
@@ -51,6 +56,10 @@ class ServerError(EngineError):
     def __init__(self, url: str, status: int | None, message: str) -> None:
         super().__init__(f"{url}: {message}" if status is None else f"{url}: HTTP {status}: {message}")
         self.url, self.status = url, status
+
+
+class ServerLost(EngineError):
+    """A server left the rotation while a request was on it (the request moves to another server)."""
 
 
 @dataclass
@@ -102,6 +111,10 @@ class RemoteEngine(abc.ABC):
         self._update_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stats = collections.Counter()
+        self.out: dict[int, str] = {}  # servers out of the rotation -> why
+        self._guard = False  # `guard_restarts`: a server that stops answering leaves the rotation
+        self._restarts: list | None = None  # a `Supervisor`'s restarts, watched after `guard_restarts`
+        self._restarts_seen = 0
 
     # ---- what a subclass says about its servers' API -------------------------------------------
 
@@ -150,15 +163,19 @@ class RemoteEngine(abc.ABC):
     async def agenerate(self, request: GenRequest) -> GenResponse:
         start = time.perf_counter()
         sp = request.sampling
-        url = self.addresses[self._server_for(request.rid)]
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
         while True:
             await self._wait_resumed()
+            url = self.addresses[self._server_for(request.rid)]
             body = self.generate_body(request, tokens)
             submitted_version = self._version
-            reply = await self._post(url, self.GENERATE_PATH, body, rid=request.rid)
+            try:
+                reply = await self._post(url, self.GENERATE_PATH, body, rid=request.rid)
+            except ServerLost:
+                self.stats["rerouted"] += 1
+                continue  # prompt + tokens so far, to another server
             try:
                 part = self.read_reply(reply)
             except ValueError as e:
@@ -228,6 +245,41 @@ class RemoteEngine(abc.ABC):
                 if not was_paused:
                     await self.resume()
 
+    def in_rotation(self) -> list[int]:
+        """The servers that take requests (every one not taken out), by index in ``addresses``."""
+        self._note_restarts()
+        return [i for i in range(len(self.addresses)) if i not in self.out]
+
+    def take_out(self, index: int, reason: str) -> None:
+        """Send no more requests, pauses or weight loads to server ``index`` until `put_back`."""
+        if index not in self.out:
+            self.stats["taken_out"] += 1
+        self.out[index] = reason
+        for episode in [e for e, i in self._sticky.items() if i == index]:
+            del self._sticky[episode]  # its episodes continue elsewhere
+
+    def put_back(self, index: int) -> None:
+        """Server ``index`` takes requests again (it serves the current weights)."""
+        self.out.pop(index, None)
+
+    def guard_restarts(self, restarts: list | None = None) -> None:
+        """From now on a server that stops answering a generate leaves the rotation, and so does one that
+        ``restarts`` (a `Supervisor`'s list) records as restarted: it lost the weights pushed to it."""
+        self._guard, self._restarts = True, restarts
+        self._restarts_seen = len(restarts) if restarts is not None else 0
+
+    async def post_once(self, url: str, path: str, body: dict | None, timeout_s: float) -> Any:
+        """One POST to ``url`` without retries, with its own timeout: the reply's JSON, or an error
+        (`ServerError`; `RequestError` for a 4xx, as `_post`)."""
+        try:
+            return await self._post_once(url, path, body, None, timeout_s)
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+            raise ServerError(url, None, f"{type(e).__name__}: {e}") from e
+
+    async def healthy(self, index: int) -> bool:
+        """Whether server ``index`` answers /health now (no retries)."""
+        return await self._healthy(self.addresses[index])
+
     async def health(self) -> list[bool]:
         """Whether each server answers /health now (no retries)."""
         return list(await asyncio.gather(*(self._healthy(u) for u in self.addresses)))
@@ -240,15 +292,29 @@ class RemoteEngine(abc.ABC):
     # ---- internals ----------------------------------------------------------------------------
 
     def _server_for(self, rid: str) -> int:
+        rotation = self.in_rotation()
+        if not rotation:
+            reasons = "; ".join(f"{self.addresses[i]}: {why}" for i, why in self.out.items())
+            raise EngineError(f"every server is out of the rotation until a weight push reaches it ({reasons})")
         episode = rid.rsplit("/", 1)[0]
         if episode in self._sticky:
             self._sticky.move_to_end(episode)
             return self._sticky[episode]
         index = next(self._round_robin)
+        while index in self.out:
+            index = next(self._round_robin)
         self._sticky[episode] = index
         if len(self._sticky) > self._max_sticky:
             self._sticky.popitem(last=False)
         return index
+
+    def _note_restarts(self) -> None:
+        """Take out the servers the supervisor restarted since the last look (after `guard_restarts`)."""
+        if self._restarts is None or len(self._restarts) == self._restarts_seen:
+            return
+        for restart in self._restarts[self._restarts_seen :]:
+            self.take_out(restart.index, f"restarted ({restart.reason}): it lost the pushed weights")
+        self._restarts_seen = len(self._restarts)
 
     def _to_int(self, name: str | None, default: int) -> int:
         if name is None:
@@ -282,7 +348,9 @@ class RemoteEngine(abc.ABC):
         return self._session
 
     async def _all(self, path: str, body: dict | None, params: dict | None = None) -> list[Any]:
-        return list(await asyncio.gather(*(self._post(url, path, body, params=params) for url in self.addresses)))
+        """POST to every server in the rotation; their replies in that order."""
+        urls = [self.addresses[i] for i in self.in_rotation()]
+        return list(await asyncio.gather(*(self._post(url, path, body, params=params) for url in urls)))
 
     async def _post(
         self, url: str, path: str, body: dict | None, rid: str | None = None, params: dict | None = None
@@ -303,6 +371,9 @@ class RemoteEngine(abc.ABC):
                 last = ServerError(url, None, f"{type(e).__name__}: {e}")
                 if rid is not None:  # it may still be running there
                     await self._abort(url, body[self.RID_KEY])
+                if rid is not None and self._guard and url in self.addresses:
+                    self.take_out(self.addresses.index(url), f"stopped answering: {last}")
+                    raise ServerLost(str(last)) from e
             except asyncio.CancelledError:
                 if rid is not None:
                     await self._abort(url, body[self.RID_KEY])
@@ -313,8 +384,10 @@ class RemoteEngine(abc.ABC):
                 delay *= 2
         raise EngineError(f"{url}{path} failed after {self.max_retries + 1} attempts: {last}")
 
-    async def _post_once(self, url: str, path: str, body: dict | None, params: dict | None) -> Any:
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+    async def _post_once(
+        self, url: str, path: str, body: dict | None, params: dict | None, timeout_s: float | None = None
+    ) -> Any:
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.request_timeout_s)
         async with self._client().post(f"{url}{path}", json=body, params=params, timeout=timeout) as r:
             text = await r.text()
             if r.status >= 400:

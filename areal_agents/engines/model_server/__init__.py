@@ -3,7 +3,8 @@
     areal-agents serve-model --model-path runs/tiny --port 30000      # like python -m sglang.launch_server
 
 Endpoints (SGLang 0.5.x shapes, see docs/serve-model.md): /generate, /pause_generation,
-/continue_generation, /abort_request, /update_weights_from_disk, /update_weight_version,
+/continue_generation, /abort_request, /update_weights_from_disk, /init_weights_update_group,
+/update_weights_from_distributed, /destroy_weights_update_group (over gloo), /update_weight_version,
 /get_model_info (and /model_info), /get_weight_version (and /weight_version), /health,
 /health_generate, /flush_cache, /get_server_info.
 
@@ -14,6 +15,7 @@ that request (500) and the others go on. If the engine's decode loop itself fail
 `EXIT_DEADLINE_S` seconds, whatever its decode thread is doing.
 
 Modules: ``server`` (the config and the app's state: engine, tokenizer, weight version names),
+``broadcast`` (the broadcast weight update's receiving side),
 ``routes`` (the FastAPI app, route group by route group), ``process`` (load the model and run uvicorn).
 """
 

@@ -23,6 +23,7 @@ def build_app(engine: HFEngine, tokenizer, cfg: ModelServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        server.broadcast.close()  # weight groups' connections, before the process exits
         engine.close(timeout_s=CLOSE_TIMEOUT_S)  # a decode thread stuck in a step must not keep the process up
 
     app = FastAPI(title="areal-agents serve-model (SGLang native API)", lifespan=lifespan)
@@ -87,13 +88,26 @@ def add_generation_routes(app: FastAPI, server: ModelServer) -> None:
 
 
 def add_weight_routes(app: FastAPI, server: ModelServer) -> None:
-    """/update_weights_from_disk, /update_weight_version, /get_weight_version (and /weight_version)."""
+    """/update_weights_from_disk, the broadcast's /init_weights_update_group, /update_weights_from_distributed
+    and /destroy_weights_update_group, /update_weight_version, /get_weight_version (and /weight_version)."""
     engine = server.engine
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:
         body = await json_body(request, required=True)
         return await server.update_from_disk(body)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> Response:
+        return await server.broadcast.init_group(await json_body(request, required=True))
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> Response:
+        return await server.broadcast.update(await json_body(request, required=True))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> Response:
+        return await server.broadcast.destroy(await json_body(request))
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> Response:

@@ -1,5 +1,6 @@
 """`ModelServer`: serve-model's state (the engine, the tokenizer, the weight_version names of engine versions)
-and the work behind /generate and /update_weights_from_disk; `ModelServerConfig`: its command line."""
+and the work behind /generate and /update_weights_from_disk (the broadcast routes: ``broadcast.py``);
+`ModelServerConfig`: its command line."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.hf.request_checks import RequestError, check_request
+from areal_agents.engines.model_server.broadcast import BroadcastReceiver
 from areal_agents.engines.sglang.protocol import ProtocolError, generate_response, parse_generate
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest
@@ -46,6 +48,7 @@ class ModelServer:
         self.names: dict[int, str] = {engine.get_version(): cfg.weight_version}
         self.model_path = cfg.model_path
         self.update_lock = asyncio.Lock()
+        self.broadcast = BroadcastReceiver(self)  # /init_weights_update_group, /update_weights_from_distributed
         # the most characters one token stands for: a text longer than context x this cannot fit, and is
         # refused before tokenizing it (megabytes of text would hold the event loop for seconds)
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
@@ -124,9 +127,11 @@ class ModelServer:
                 return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, 400)
             message = "Succeeded to update model weights."
             if body.get("weight_version") is not None:
-                self.names[version] = str(body["weight_version"])
                 message += f" Weight version updated to {body['weight_version']}."
-            else:
-                self.names[version] = self.names.get(version - 1, str(version - 1))  # SGLang keeps the name
+            self.name_new_version(version, body.get("weight_version"))
             self.model_path = path
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+    def name_new_version(self, version: int, name: Any) -> None:
+        """Name the engine's new ``version`` ``name`` (None: the previous version's name, as SGLang keeps it)."""
+        self.names[version] = str(name) if name is not None else self.names.get(version - 1, str(version - 1))

@@ -7,12 +7,12 @@
 SGLang's native API: ``/generate`` with ``input_ids`` (token ids in, ``output_token_logprobs`` out),
 ``/pause_generation`` (``abort``; ``pause_mode="keep"`` sends ``in_place``) and ``/continue_generation``,
 ``/update_weights_from_disk``, ``/update_weight_version``, ``/abort_request``. Routing, retries,
-resubmission and versions: `RemoteEngine`.
+resubmission and versions: `RemoteEngine`. The broadcast weight update (``/init_weights_update_group``,
+``/update_weights_from_distributed``) is `BroadcastSync`'s, over this client.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from areal_agents.engines.remote_engine import GenerateReply, RemoteEngine
@@ -69,64 +69,3 @@ class SGLangEngine(RemoteEngine):
 
     async def abort_on_server(self, url: str, rid: str) -> None:
         await self._post_quick(url, "/abort_request", {"rid": rid})
-
-    async def init_weights_update_group(
-        self, master_address: str, master_port: int, *, tp_size: int = 1, group_name: str = "weight_update_group"
-    ) -> int:
-        """GPU path: every server's tp ranks join an NCCL group with the trainer as rank 0; returns its size.
-
-        The trainer joins the same group concurrently, e.g. with SGLang's
-        ``init_custom_process_group(backend="nccl", init_method=f"tcp://{addr}:{port}", world_size=size,
-        rank=0, group_name=group_name)``. Written against SGLang 0.5.x; not runnable on a CPU-only machine.
-        """
-        world_size = 1 + len(self.addresses) * tp_size
-        await asyncio.gather(
-            *(
-                self._post(
-                    url,
-                    "/init_weights_update_group",
-                    {
-                        "master_address": master_address,
-                        "master_port": master_port,
-                        "rank_offset": 1 + i * tp_size,
-                        "world_size": world_size,
-                        "group_name": group_name,
-                        "backend": "nccl",
-                    },
-                )
-                for i, url in enumerate(self.addresses)
-            )
-        )
-        return world_size
-
-    async def update_weights_from_distributed(
-        self,
-        named_tensors: list[tuple[str, Any]],
-        broadcast,
-        *,
-        version: int | None = None,
-        group_name: str = "weight_update_group",
-    ) -> None:
-        """GPU path: announce names/dtypes/shapes to every server, then ``broadcast(tensor)`` each from rank 0.
-
-        ``broadcast`` is the trainer's ``torch.distributed.broadcast`` on the group made by
-        `init_weights_update_group` (not runnable here: no NCCL).
-        """
-
-        async def load(version: int) -> None:
-            body = {
-                "names": [n for n, _ in named_tensors],
-                "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
-                "shapes": [list(t.shape) for _, t in named_tensors],
-                "group_name": group_name,
-                "weight_version": str(version),
-                "abort_all_requests": True,
-            }
-            posted = asyncio.ensure_future(self._all("/update_weights_from_distributed", body))
-            for _, tensor in named_tensors:
-                await asyncio.to_thread(broadcast, tensor)
-            failed = [r for r in await posted if not r.get("success", False)]
-            if failed:
-                raise EngineError(f"update_weights_from_distributed failed: {failed[0]}")
-
-        await self.swap_weights(load, version)

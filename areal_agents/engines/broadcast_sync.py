@@ -1,0 +1,251 @@
+"""`BroadcastSync`: new weights broadcast from the trainer to every server (``engine.weight_sync=broadcast``),
+in SGLang's protocol: real SGLang servers over NCCL, serve-model over gloo.
+
+The trainer is rank 0 of a group with every server's ranks (``/init_weights_update_group``; `engines.broadcast`
+makes it without touching torch.distributed's default group). A push pauses the servers, then per bucket
+(tensors up to ``bucket_bytes``, in the state dict's order) posts ``/update_weights_from_distributed``
+{names, dtypes, shapes, group_name, flush_cache, weight_version} to every server while broadcasting the
+bucket's tensors, names the version and resumes (`RemoteEngine.swap_weights`).
+
+Failures: a server that dies or hangs mid-push fails its call (or the broadcast, within ``timeout_s``); it
+leaves the engine's rotation, the group is dropped (its peers' waits end at once), and the push starts
+again on a new group of the servers left, so the run goes on with them. A server out of the rotation that
+answers /health again at a later push (restarted by the supervisor, or back) joins that push's group and
+takes requests once it holds those weights: rejoining at the next push needs no disk copy and gives it
+exactly the weights the others serve. Servers that restart lose broadcast weights, so the engine takes a
+restarted or unanswering server out at once (`RemoteEngine.guard_restarts`).
+
+    sync = BroadcastSync([engine], dtype="bfloat16", bucket_bytes=512 << 20, timeout_s=120)
+    await sync.push(policy)   # every server in the rotation serves the policy's weights as version + 1
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from areal_agents.engines.broadcast import WeightGroup, dtype_name, join_group, local_address, plan_buckets
+from areal_agents.engines.weight_sync import WeightSource, tensor_bytes, timed
+from areal_agents.errors import EngineError
+from areal_agents.net import free_port
+
+_groups = itertools.count(1)  # group names unique in this process: a server never mixes two pushes' groups
+
+
+class BroadcastSync:
+    """A `WeightSync` over SGLang's broadcast protocol; see the module docstring. ``engines``: `RemoteEngine`
+    clients (`SGLangEngine`); ``dtype``: what the servers receive (None: the trainer's); ``backend``: ``gloo``,
+    ``nccl`` or ``auto`` (NCCL for tensors on CUDA); ``restarts``: the launcher's `Supervisor.restarts`."""
+
+    def __init__(
+        self,
+        engines: Sequence[Any],
+        *,
+        dtype: str | None = None,
+        bucket_bytes: int = 512 << 20,
+        timeout_s: float = 120.0,
+        backend: str = "auto",
+        tp_size: int = 1,
+        restarts: list | None = None,
+    ) -> None:
+        if backend not in ("auto", "gloo", "nccl"):
+            raise EngineError(f"BroadcastSync backend: expects auto, gloo or nccl, got {backend!r}")
+        self.engines = list(engines)
+        self.dtype, self.bucket_bytes, self.timeout_s = dtype, bucket_bytes, timeout_s
+        self.backend, self.tp_size = backend, tp_size
+        self.groups: dict[int, tuple[list[int], WeightGroup]] = {}  # engine -> (its member servers, the group)
+        self.last_push: dict[str, float] = {}
+        for engine in self.engines:
+            engine.guard_restarts(restarts)
+
+    async def push(self, source: WeightSource, version: int | None = None) -> int:
+        start = time.perf_counter()
+        version = self.engines[0].get_version() + 1 if version is None else version
+        tensors = await source.tensors()
+        backend = self._backend(tensors)
+        tensors = {name: self._wire(t, backend) for name, t in tensors.items()}
+        buckets = plan_buckets(tensors, self.bucket_bytes)
+        for i, engine in enumerate(self.engines):
+            members = await self._candidates(engine)  # before the pause, which goes to the rotation
+
+            async def load(v: int, i: int = i, engine: Any = engine, members: list[int] = members) -> None:
+                await self._load(i, engine, members, tensors, buckets, v, backend)
+
+            await engine.swap_weights(load, version)  # lock, pause, load, version, resume
+        self.last_push = timed(start, tensor_bytes(tensors))
+        return version
+
+    async def announce(self, version: int) -> None:
+        for engine in self.engines:
+            engine.set_version(version)
+            await engine.announce_version()
+
+    def close(self) -> None:
+        """Leave every group (the servers' ends fail their next wait)."""
+        for _, group in self.groups.values():
+            group.close()
+        self.groups.clear()
+
+    # ---- one engine's push ----------------------------------------------------------------------
+
+    async def _load(
+        self,
+        i: int,
+        engine: Any,
+        members: list[int],
+        tensors: dict,
+        buckets: list[list[str]],
+        version: int,
+        backend: str,
+    ) -> None:
+        """Every server of ``members`` gets the weights and takes requests; those that fail leave the rotation."""
+        while members:
+            group = await self._group(i, engine, members, backend)
+            if group is None:
+                break
+            members = self.groups[i][0]  # those that joined
+            lost = await self._send(engine, members, group, tensors, buckets, version)
+            if not lost:
+                for m in members:
+                    engine.put_back(m)
+                return
+            self._drop(i)
+            members = [m for m in members if m not in lost]
+        raise EngineError(f"no server took the weights of version {version}: {engine.out}")
+
+    async def _candidates(self, engine: Any) -> list[int]:
+        """The servers whose /health answers: those in the rotation, and those out of it, which rejoin; one
+        in the rotation that does not answer leaves it (a group waits for every rank it names)."""
+        indices = range(len(engine.addresses))
+        answers = await asyncio.gather(*(engine.healthy(i) for i in indices))
+        for i, ok in zip(indices, answers):
+            if not ok and i not in engine.out:
+                engine.take_out(i, "did not answer /health before a weight push")
+        return [i for i, ok in zip(indices, answers) if ok]
+
+    async def _group(self, i: int, engine: Any, members: list[int], backend: str) -> WeightGroup | None:
+        """The group of ``members`` (the current one if it has exactly them), or None if none joined."""
+        if i in self.groups and self.groups[i][0] == members and self.groups[i][1].backend == backend:
+            return self.groups[i][1]
+        await self._forget(i, engine)
+        while members:
+            name = f"areal_weights_{next(_groups)}"
+            host = urlsplit(engine.addresses[members[0]]).hostname or "127.0.0.1"
+            master = local_address(host, urlsplit(engine.addresses[members[0]]).port or 80)
+            port = free_port(master)
+            world = 1 + len(members) * self.tp_size
+            posts = [
+                engine.post_once(
+                    engine.addresses[m],
+                    "/init_weights_update_group",
+                    {
+                        "master_address": master,
+                        "master_port": port,
+                        "rank_offset": 1 + k * self.tp_size,
+                        "world_size": world,
+                        "group_name": name,
+                        "backend": backend,
+                    },
+                    self.timeout_s + 10,
+                )
+                for k, m in enumerate(members)
+            ]
+            rank0 = asyncio.to_thread(
+                join_group, master, port, rank=0, world_size=world, group_name=name, backend=backend,
+                timeout_s=self.timeout_s,
+            )  # fmt: skip
+            *replies, group = await asyncio.gather(*posts, rank0, return_exceptions=True)
+            failed = [m for m, r in zip(members, replies) if isinstance(r, BaseException)]
+            if not failed and isinstance(group, WeightGroup):
+                self.groups[i] = (list(members), group)
+                return group
+            if isinstance(group, WeightGroup):
+                group.close()
+            for m, r in zip(members, replies):
+                if isinstance(r, BaseException):
+                    engine.take_out(m, f"could not join the weight group: {r}")
+            if not failed:  # every server joined but rank 0 could not: nothing a retry would change
+                raise EngineError(f"the trainer could not make the weight group {name}: {group}")
+            members = [m for m in members if m not in failed]
+        return None
+
+    async def _send(
+        self, engine: Any, members: list[int], group: WeightGroup, tensors: dict, buckets: list[list[str]], version: int
+    ) -> set[int]:
+        """Every bucket to ``members``; the servers lost on the way (empty: all hold the weights now)."""
+        for names in buckets:
+            body = {
+                "names": names,
+                "dtypes": [dtype_name(tensors[n].dtype) for n in names],
+                "shapes": [list(tensors[n].shape) for n in names],
+                "group_name": group.name,
+                "flush_cache": True,
+                "abort_all_requests": False,
+                "weight_version": str(version),
+            }
+            path, timeout = "/update_weights_from_distributed", self.timeout_s + 10
+            posts = [asyncio.ensure_future(engine.post_once(engine.addresses[m], path, body, timeout)) for m in members]
+            failure: BaseException | None = None
+            try:
+                await asyncio.to_thread(_broadcast_all, group, [tensors[n] for n in names])
+            except Exception as e:  # noqa: BLE001  (a rank gone, or the timeout)
+                failure = e
+                group.close()  # the servers still waiting in this bucket fail at once
+            replies = await asyncio.gather(*posts, return_exceptions=True)
+            lost = await self._lost(engine, members, replies, failure)
+            if failure is not None or lost:
+                if not lost:
+                    raise EngineError(f"weight broadcast failed and every server is healthy: {failure}")
+                return lost
+        return set()
+
+    async def _lost(self, engine: Any, members: list[int], replies: list, failure: BaseException | None) -> set[int]:
+        """The servers a bucket lost, taken out of the rotation: those whose call failed (after a failed
+        broadcast, which fails every call: those that no longer answer /health)."""
+        lost = set()
+        for m, reply in zip(members, replies):
+            if not isinstance(reply, BaseException):
+                continue
+            gone = getattr(reply, "status", 0) is None or not await engine.healthy(m)
+            if failure is None or gone:
+                engine.take_out(m, f"failed a weight push: {reply}")
+                lost.add(m)
+        return lost
+
+    async def _forget(self, i: int, engine: Any) -> None:
+        """Drop engine ``i``'s group and ask its servers still in the rotation to leave it (best effort)."""
+        if i not in self.groups:
+            return
+        members, group = self.groups.pop(i)
+        group.close()
+        body = {"group_name": group.name}
+        leave = [engine.post_once(engine.addresses[m], "/destroy_weights_update_group", body, 10) for m in members]
+        await asyncio.gather(*leave, return_exceptions=True)  # SGLang before 0.5.x has no such route
+
+    def _drop(self, i: int) -> None:
+        members_group = self.groups.pop(i, None)
+        if members_group is not None:
+            members_group[1].close()
+
+    def _backend(self, tensors: dict) -> str:
+        if self.backend != "auto":
+            return self.backend
+        first = next(iter(tensors.values()), None)
+        return "nccl" if first is not None and first.is_cuda else "gloo"
+
+    def _wire(self, t: Any, backend: str) -> Any:
+        """A tensor as it is broadcast: in ``dtype`` (floating point only), on the backend's device."""
+        import torch  # noqa: PLC0415
+
+        if self.dtype is not None and t.is_floating_point():
+            t = t.to(getattr(torch, self.dtype))
+        return (t.cpu() if backend == "gloo" else t).detach().contiguous()
+
+
+def _broadcast_all(group: WeightGroup, tensors: list) -> None:
+    for t in tensors:
+        group.broadcast(t)

@@ -1,0 +1,105 @@
+"""serve-model's side of SGLang's broadcast weight update, over gloo: ``/init_weights_update_group`` joins
+the trainer's group (`engines.broadcast`), ``/update_weights_from_distributed`` receives one bucket, and
+``/destroy_weights_update_group`` leaves a group. Buckets are staged until every parameter of the model
+has arrived, then loaded at once through ``HFEngine.update_weights`` (pause, swap, version, resume), so a
+push cut short by a dead peer never leaves half-new weights; SGLang loads bucket by bucket instead, which
+the client's pause around the whole push makes look the same from outside."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import JSONResponse
+
+from areal_agents.engines.broadcast import WeightGroup, join_group, receive
+from areal_agents.engines.sglang.protocol import ProtocolError
+
+if TYPE_CHECKING:
+    from areal_agents.engines.model_server.server import ModelServer
+
+GROUP_TIMEOUT_S = 120.0  # a broadcast this server waits in fails after this long (the trainer's is its own)
+INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
+
+
+class BroadcastReceiver:
+    """The weight groups this server belongs to (by name) and the tensors received of the current push."""
+
+    def __init__(self, server: ModelServer, timeout_s: float = GROUP_TIMEOUT_S) -> None:
+        self.server, self.timeout_s = server, timeout_s
+        self.groups: dict[str, WeightGroup] = {}
+        self.staged: dict[str, Any] = {}
+        self.expected = set(server.engine.model.state_dict())  # a push is complete once all have come
+
+    async def init_group(self, body: dict) -> JSONResponse:
+        missing = [k for k in INIT_FIELDS if body.get(k) is None]
+        if missing:
+            raise ProtocolError(f"init_weights_update_group: {', '.join(missing)} required")
+        name = str(body.get("group_name", "weight_update_group"))
+        backend = body.get("backend", "gloo")
+        if backend != "gloo":
+            return _reply(False, f"serve-model joins weight groups over gloo (CPU), got backend {backend!r}")
+        self.close(name)
+        try:
+            group = await asyncio.to_thread(
+                join_group,
+                str(body["master_address"]),
+                int(body["master_port"]),
+                rank=int(body["rank_offset"]),
+                world_size=int(body["world_size"]),
+                group_name=name,
+                backend=backend,
+                timeout_s=self.timeout_s,
+            )
+        except Exception as e:  # noqa: BLE001  (SGLang answers success=false)
+            return _reply(False, f"Failed to init group: {type(e).__name__}: {e}")
+        self.groups[name] = group
+        self.staged.clear()  # a new group starts a new push
+        return _reply(True, f"Succeeded to init group {name} as rank {group.rank} of {group.world_size}.")
+
+    async def update(self, body: dict) -> JSONResponse:
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not all(isinstance(x, list) for x in (names, dtypes, shapes)):
+            raise ProtocolError("update_weights_from_distributed: names, dtypes and shapes (lists) are required")
+        unknown = [n for n in names if n not in self.expected]
+        if unknown:
+            return _reply(False, f"update_weights_from_distributed: not parameters of this model: {unknown[:3]}")
+        name = str(body.get("group_name", "weight_update_group"))
+        group = self.groups.get(name)
+        if group is None:
+            return _reply(False, f"update_weights_from_distributed: no weight group {name!r} (init it first)")
+        server = self.server
+        async with server.update_lock:
+            if body.get("abort_all_requests"):
+                await server.engine.abort()
+            try:
+                self.staged.update(await asyncio.to_thread(receive, group, names, dtypes, shapes))
+            except Exception as e:  # noqa: BLE001  (a peer gone or the timeout: this group is done)
+                self.close(name)
+                return _reply(False, f"Failed to receive the weights: {type(e).__name__}: {e}")
+            if not self.expected <= self.staged.keys():
+                return _reply(True, f"Received {len(self.staged)} of {len(self.expected)} tensors.")
+            version = server.engine.get_version() + 1
+            await server.engine.update_weights(self.staged, version=version)
+            self.staged = {}
+            server.name_new_version(version, body.get("weight_version"))
+        return _reply(True, "Succeeded to update parameter online from distributed.")
+
+    async def destroy(self, body: dict) -> JSONResponse:
+        name = str(body.get("group_name", "weight_update_group"))
+        if name not in self.groups:
+            return _reply(False, f"no weight group {name!r}")
+        self.close(name)
+        return _reply(True, f"Succeeded to destroy group {name}.")
+
+    def close(self, name: str | None = None) -> None:
+        """Leave group ``name`` (None: every group)."""
+        for key in list(self.groups) if name is None else [name]:
+            group = self.groups.pop(key, None)
+            if group is not None:
+                group.close()
+
+
+def _reply(success: bool, message: str) -> JSONResponse:
+    """SGLang's reply shape: 200 with success true, 400 with success false."""
+    return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)

@@ -1,0 +1,219 @@
+"""The weight-sync transports against real serve-model processes (issue 30, item 4): this test process is
+the trainer. Broadcast: the whole SGLang protocol over gloo (group set-up, buckets in order, dtypes, the
+version), a server joining late, a server dying mid-broadcast; disk: the bf16 sharded layout. After every
+push the server's logprobs for a fixed prompt equal the trainer's forward pass (1e-4), and differ from the
+old weights', so a transport that reports success while the server keeps its old weights fails here.
+"""
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from areal_agents.config import EngineConfig
+from areal_agents.engines.broadcast_sync import BroadcastSync
+from areal_agents.engines.local_servers import ServerGroup, launch_servers, server_command, wait_healthy
+from areal_agents.engines.sglang.client import SGLangEngine
+from areal_agents.engines.weight_sync import DiskSync, write_weights
+from areal_agents.models import load_model
+from areal_agents.net import free_port
+from areal_agents.types import GenRequest, SamplingParams
+
+FAULTY = Path(__file__).parent / "faulty_broadcast_server.py"
+PROMPT = [5, 17, 23, 42, 8, 9, 60, 3]
+BUCKET_BYTES = 32 * 1024  # several buckets for the tiny model
+
+
+class Trainer:
+    """The trainer's side of a push: a model whose weights change between pushes (a `WeightSource`)."""
+
+    def __init__(self, model_dir, shard_bytes: int = 5 << 30) -> None:
+        self.model = load_model(model_dir)
+        self.shard_bytes = shard_bytes
+        self.generator = torch.Generator().manual_seed(0)
+
+    def step(self) -> None:
+        """New weights, as an optimizer step would make them."""
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(torch.randn(p.shape, generator=self.generator) * 0.05)
+
+    async def tensors(self) -> dict:
+        return self.model.state_dict()
+
+    async def save_weights(self, path, dtype=None) -> None:
+        write_weights(self.model.state_dict(), path, dtype, shard_bytes=self.shard_bytes)
+
+
+def served(url: str, n: int = 8) -> tuple[list[int], list[float], str]:
+    """(tokens, logprobs, weight_version) of a greedy /generate of the fixed prompt on the server ``url``."""
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "return_logprob": True}
+    request = urllib.request.Request(
+        url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as r:
+        meta = json.loads(r.read())["meta_info"]
+    triples = meta["output_token_logprobs"]
+    return [t[1] for t in triples], [t[0] for t in triples], meta["weight_version"]
+
+
+def forward(model, tokens: list[int]) -> torch.Tensor:
+    """The trainer's logprobs of ``tokens`` after the fixed prompt."""
+    ids = PROMPT + tokens
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    logp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    return logp[-len(tokens) :]
+
+
+def assert_serves(url: str, model, version: int, old: list[float] | None = None) -> list[float]:
+    """The server at ``url`` serves ``model``'s weights as ``version``: its logprobs equal a forward pass."""
+    tokens, logprobs, name = served(url)
+    assert name == str(version)
+    assert torch.allclose(torch.tensor(logprobs), forward(model, tokens), atol=1e-4), (logprobs, forward(model, tokens))
+    if old is not None:
+        assert max(abs(a - b) for a, b in zip(logprobs, old)) > 1e-3, "the weights did not change"
+    return logprobs
+
+
+def get(url: str, path: str) -> dict:
+    with urllib.request.urlopen(url + path, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def start_server(command: list[str], url: str, log: Path) -> ServerGroup:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    group = ServerGroup([url], [proc], [log])
+    wait_healthy(group, 120)
+    return group
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    """One serve-model for the module; each test pushes its own weights to it."""
+    group = launch_servers(
+        EngineConfig(backend="serve-model"), str(tiny_dir), log_dir=tmp_path_factory.mktemp("logs"), supervise=False
+    )
+    yield group.addresses[0]
+    group.stop()
+
+
+def test_two_broadcast_pushes_leave_the_server_serving_the_trainers_weights(server, tiny_dir):
+    trainer = Trainer(tiny_dir)
+    engine = SGLangEngine([server])
+    sync = BroadcastSync([engine], bucket_bytes=BUCKET_BYTES, timeout_s=30)
+    before = served(server)[1]
+    nbytes = sum(t.numel() * t.element_size() for t in trainer.model.state_dict().values())
+    try:
+        for version in (1, 2):
+            trainer.step()
+            assert asyncio.run(sync.push(trainer)) == version
+            before = assert_serves(server, trainer.model, version, old=before)
+            assert sync.last_push["weight_sync_bytes"] == nbytes and sync.last_push["weight_sync_seconds"] > 0
+            if version == 1:
+                first_group = sync.groups[0][1].name
+        assert sync.groups[0][1].name == first_group, "the group is made once and kept"
+        assert engine.get_version() == 2 and engine.in_rotation() == [0]
+    finally:
+        sync.close()
+        asyncio.run(engine.aclose())
+
+
+def test_a_server_joining_late_gets_the_weights_before_it_serves(server, tiny_dir, tmp_path):
+    trainer = Trainer(tiny_dir)
+    port = free_port()
+    late = f"http://127.0.0.1:{port}"
+    engine = SGLangEngine([server, late], max_retries=0)
+    sync = BroadcastSync([engine], bucket_bytes=BUCKET_BYTES, timeout_s=30)
+    group = None
+    try:
+        trainer.step()
+        asyncio.run(sync.push(trainer))  # the late server is not up yet: it leaves the rotation
+        assert engine.in_rotation() == [0] and 1 in engine.out
+        command = server_command(EngineConfig(backend="serve-model"), str(tiny_dir), "float32", port, 1)
+        group = start_server(command, late, tmp_path / "late.log")
+
+        async def generate_some() -> None:
+            for k in range(4):
+                await engine.agenerate(GenRequest(f"ep{k}/t0", PROMPT, SamplingParams(4)))
+
+        asyncio.run(generate_some())
+        assert get(late, "/get_server_info")["engine"]["generated_tokens"] == 0, "no request before its weights"
+        trainer.step()
+        assert asyncio.run(sync.push(trainer)) == 2  # it joins this push's group
+        assert engine.in_rotation() == [0, 1]
+        assert_serves(late, trainer.model, 2)
+        assert_serves(server, trainer.model, 2)
+    finally:
+        sync.close()
+        asyncio.run(engine.aclose())
+        if group is not None:
+            group.stop()
+
+
+def test_a_server_dying_mid_broadcast_leaves_the_rotation_and_the_run_goes_on_simulated_fault(
+    server, tiny_dir, tmp_path
+):
+    trainer = Trainer(tiny_dir)
+    port = free_port()
+    dying = f"http://127.0.0.1:{port}"
+    group = start_server([sys.executable, str(FAULTY), str(tiny_dir), str(port)], dying, tmp_path / "dying.log")
+    engine = SGLangEngine([server, dying], max_retries=0)
+    timeout_s = 20.0
+    sync = BroadcastSync([engine], bucket_bytes=BUCKET_BYTES, timeout_s=timeout_s)
+    try:
+        trainer.step()
+        start = time.monotonic()
+        assert asyncio.run(sync.push(trainer)) == 1
+        assert time.monotonic() - start < timeout_s
+        assert group.procs[0].wait(timeout=10) == 1, "it died in the second bucket"
+        assert engine.in_rotation() == [0] and "failed a weight push" in engine.out[1]
+        assert_serves(server, trainer.model, 1)
+
+        async def generate_some() -> list:
+            requests = [GenRequest(f"ep{k}/t0", PROMPT, SamplingParams(4)) for k in range(4)]
+            return await asyncio.gather(*(engine.agenerate(r) for r in requests))
+
+        assert all(r.output_versions == [1] * 4 for r in asyncio.run(generate_some()))
+        trainer.step()
+        assert asyncio.run(sync.push(trainer)) == 2, "the next push goes to the servers left"
+        assert_serves(server, trainer.model, 2)
+    finally:
+        sync.close()
+        asyncio.run(engine.aclose())
+        group.stop()
+
+
+def test_disk_sync_writes_bf16_shards_with_the_config_and_the_server_serves_them(server, tiny_dir, tmp_path):
+    trainer = Trainer(tiny_dir, shard_bytes=64 * 1024)
+    engine = SGLangEngine([server], weights_dir=str(tmp_path / "weights"))
+    sync = DiskSync([engine], dtype="bfloat16", model_dir=tiny_dir)
+    trainer.step()
+    try:
+        assert asyncio.run(sync.push(trainer, version=7)) == 7
+    finally:
+        asyncio.run(engine.aclose())
+    path = tmp_path / "weights" / "v7"
+    shards = sorted(path.glob("model-*-of-*.safetensors"))
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(shards) > 1 and shards[0].name == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert set(index["weight_map"]) == set(trainer.model.state_dict()), "every tensor, lm_head too"
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    total = sum(t.numel() * 2 for t in trainer.model.state_dict().values())  # bf16: 2 bytes a value
+    assert index["metadata"]["total_size"] == total <= sync.last_push["weight_sync_bytes"]
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert (path / "config.json").read_text() == (Path(tiny_dir) / "config.json").read_text()
+    with torch.no_grad():  # the server (float32) holds the bf16-rounded weights
+        for p in trainer.model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    assert_serves(server, trainer.model, 7)
