@@ -223,16 +223,20 @@ class EngineConfig:
     mem_fraction: float = config_field("sglang: --mem-fraction-static; vllm: --gpu-memory-utilization", default=0.8)
     extra_args: list[str] = config_field("more command-line flags for each launched server", default_factory=list)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = config_field(
-        "servers' dtype; auto: the checkpoint's (sglang, vllm) or model.dtype (serve-model)", default="auto"
+        "servers' dtype; auto: bfloat16 on a GPU (sglang always), on CPU the checkpoint's (vllm) or model.dtype",
+        default="auto",
     )
     vllm_python: str = config_field("vllm: Python of an env with vLLM (setup.sh --with-vllm: .venv-vllm)", default="")
     max_model_len: int = config_field("vllm: --max-model-len, the longest sequence (0: the model's)", default=0)
     pause_mode: Literal["abort", "keep"] = config_field(
         "servers, on a weight update: abort and resubmit requests (AReaL) or keep them (docs/vllm.md)", default="abort"
     )
-    sglang_python: str = config_field("sglang: Python of an env with SGLang (docs/gpu.md); empty: this one", default="")
+    sglang_python: str = config_field(
+        "sglang: Python of an env with SGLang (docs/sglang.md: setup.sh --with-sglang); empty: this one", default=""
+    )
     device: Literal["auto", "cpu", "cuda"] = config_field(
-        "hf engine / serve-model: its device; auto: cuda when torch sees a GPU, else cpu", default="auto"
+        "hf engine / serve-model: its device (and so dtype auto for them and vllm); auto: cuda if torch sees one",
+        default="auto",
     )
     gpus: list[int] = config_field(
         "GPUs set aside for the launched servers (disaggregated); empty: they share the trainer's (colocated)",
