@@ -50,7 +50,10 @@ class Placement:
     ) -> Placement:
         """``dtype`` ``auto``: bfloat16 for a float32 model on CUDA, else the model's own (CPU: unchanged).
         Shared weights keep the model's dtype (the trainer's); others are cast to the compute dtype."""
-        where = device if isinstance(device, torch.device) else resolve_device(device)
+        if isinstance(device, str):
+            where = resolve_device(device)
+        else:  # a torch.device; plain "cuda" gets its index, which tensors report
+            where = resolve_device("cuda") if device.type == "cuda" and device.index is None else device
         if dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"compute_dtype: expects one of {', '.join(COMPUTE_DTYPES)}, got {dtype!r}")
         if dtype == "auto":

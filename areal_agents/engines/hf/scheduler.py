@@ -157,9 +157,9 @@ class Scheduler:
         """The decode thread: take work, run a step (or only hand back aborts while paused), deliver."""
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)  # this thread's OpenMP team only
-        self.runner.placement.bind_thread()  # the engine's GPU, if any, is this thread's current device
         runner, batch = self.runner, RunningBatch()
         try:
+            runner.placement.bind_thread()  # the engine's GPU, if any, is this thread's current device
             while (work := self._take_work(batch)) is not None:
                 if work.flush:
                     runner.prefixes.clear()
