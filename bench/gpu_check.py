@@ -3,7 +3,8 @@
     bash scripts/gpu_check.sh                   # on the GPU machine: the carried wheels, then this driver
     bash scripts/gpu_check.sh --cpu-rehearsal   # here: a small model, the same code paths on the CPU
 
-Parts (one function each, each under its own cap in seconds; past it the rest of the part is skipped, said so):
+Parts (one function each, run in the order a, b, d, e, c, each under its own cap in seconds: past it the rest of
+the part is skipped, and said so; a part stuck past its cap by `HARD_GRACE_S` is interrupted):
 
 a. the bf16 matmul peak (one 8192^3 product, warm-up, CUDA-event timing), then PPO steps of the trainer a
    run opens (`open_policy`: FSDP2, bf16 compute) on the qwen3-0.4b model: tokens/s, MFU against that peak
@@ -22,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,7 +35,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "gpu"
-PARTS = "abcde"
+PARTS = "abdec"  # c, the longest and the most likely to hit its cap, last
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,14 @@ class PartCapped(Exception):
     """A part ran past its cap; the message says what was skipped."""
 
 
+class HardCap(BaseException):
+    """A part ran past its cap plus `HARD_GRACE_S`: raised by SIGALRM wherever the part was (a BaseException,
+    so no ``except Exception`` on the way swallows it)."""
+
+
+HARD_GRACE_S = 30.0  # after a part's cap, how long its current piece of work may finish before it is interrupted
+
+
 class Cap:
     """A part's deadline: `check` before each piece of work that may be skipped."""
 
@@ -158,14 +168,23 @@ def _fmt(v: Any) -> str:
 def run_part(report: Report, part: str, cap_s: float, fn: Callable[[Cap], None]) -> None:
     """``fn(cap)``; a cap reached is a SKIP line, an exception a FAIL line with its last frames."""
     start = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, _hard_stop)
+    signal.setitimer(signal.ITIMER_REAL, cap_s + HARD_GRACE_S)
     try:
         fn(Cap(cap_s))
-    except PartCapped as e:
+    except (PartCapped, HardCap) as e:
         report.add(part, "SKIP", "cap", reason=str(e))
     except Exception as e:  # noqa: BLE001  (any failure of a part is a FAIL line; the other parts still run)
         tail = traceback.format_exc().strip().splitlines()[-6:]
         report.add(part, "FAIL", "error", error=f"{type(e).__name__}: {e}", traceback=tail)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
     report.add(part, "INFO", "seconds", seconds=round(time.monotonic() - start, 1), cap=cap_s)
+
+
+def _hard_stop(signum: int, frame: Any) -> None:
+    raise HardCap(f"past its cap by {HARD_GRACE_S:.0f}s: interrupted mid-way, the rest of the part skipped")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -175,8 +194,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", default=PARTS, help=f"which parts, e.g. 'ad' (default {PARTS})")
     parser.add_argument("--cap-scale", type=float, default=1.0, help="multiply every part's cap")
     args = parser.parse_args(argv)
-    if not args.parts or set(args.parts) - set(PARTS):
-        parser.error(f"--parts: expects letters of {PARTS!r}, got {args.parts!r}")
+    if not args.parts or set(args.parts) - set(PARTS) or len(set(args.parts)) < len(args.parts):
+        parser.error(f"--parts: expects distinct letters of {PARTS!r}, got {args.parts!r}")
     if args.cap_scale <= 0:
         parser.error(f"--cap-scale: expects a positive number, got {args.cap_scale}")
     return args

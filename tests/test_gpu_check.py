@@ -4,6 +4,7 @@ figures, a GPU: `bash scripts/gpu_check.sh --cpu-rehearsal` runs them on the CPU
 
 import json
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -23,12 +24,12 @@ def gpu_check(monkeypatch):
 def test_arguments_default_out_to_dollar_out_and_reject_bad_parts(gpu_check, monkeypatch, capsys):
     monkeypatch.setenv("OUT", "/tmp/device-out")
     args = gpu_check.parse_args([])
-    assert (args.out, args.parts, args.cpu_rehearsal) == ("/tmp/device-out", "abcde", False)
-    for bad in (["--parts", "az"], ["--parts", ""], ["--cap-scale", "0"]):
+    assert (args.out, args.parts, args.cpu_rehearsal) == ("/tmp/device-out", "abdec", False)
+    for bad in (["--parts", "az"], ["--parts", ""], ["--parts", "aa"], ["--cap-scale", "0"]):
         with pytest.raises(SystemExit) as e:
             gpu_check.parse_args(bad)
         assert e.value.code == 2
-    assert "--parts: expects letters of 'abcde', got 'az'" in capsys.readouterr().err
+    assert "--parts: expects distinct letters of 'abdec', got 'az'" in capsys.readouterr().err
 
 
 def test_every_record_is_in_the_json_file_when_it_is_printed(gpu_check, tmp_path, capsys):
@@ -69,6 +70,23 @@ def test_a_part_past_its_cap_skips_the_rest_and_says_so(gpu_check, tmp_path):
         "past its 60s cap: HFEngine at 256 concurrent requests and the rest of the part skipped"
     )
     assert report.failed == 0
+
+
+def test_a_part_stuck_past_its_cap_is_interrupted(gpu_check, tmp_path, monkeypatch):
+    """A piece of work that never returns to a `Cap.check` (a whole SFT run) is stopped by SIGALRM."""
+    monkeypatch.setattr(gpu_check, "HARD_GRACE_S", 0.05)
+    report = gpu_check.Report(tmp_path / "r.json", {})
+
+    def stuck(cap):
+        try:
+            time.sleep(5)
+        except Exception:  # noqa: BLE001  (project code catching everything must not swallow the stop)
+            pass
+
+    start = time.monotonic()
+    gpu_check.run_part(report, "c", 0.05, stuck)
+    assert time.monotonic() - start < 2
+    assert report.records[1]["status"] == "SKIP" and "interrupted mid-way" in report.records[1]["reason"]
 
 
 def test_an_error_in_a_part_is_a_fail_line_and_the_next_part_runs(gpu_check, tmp_path, monkeypatch):
