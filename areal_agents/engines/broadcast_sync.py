@@ -29,10 +29,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from areal_agents.engines.broadcast import WeightGroup, dtype_name, join_group, local_address, plan_buckets
+from areal_agents.engines.remote_engine import ServerError
 from areal_agents.engines.weight_sync import WeightSource, tensor_bytes, timed
 from areal_agents.errors import EngineError
 from areal_agents.net import free_port
 
+AFTER_FAILURE_S = 10.0  # after a failed broadcast, the servers' replies are waited for this long
 _groups = itertools.count(1)  # group names unique in this process: a server never mixes two pushes' groups
 
 
@@ -195,7 +197,7 @@ class BroadcastSync:
             except Exception as e:  # noqa: BLE001  (a rank gone, or the timeout)
                 failure = e
                 group.close()  # the servers still waiting in this bucket fail at once
-            replies = await asyncio.gather(*posts, return_exceptions=True)
+            replies = await _replies(posts, grace_s=None if failure is None else AFTER_FAILURE_S)
             lost = await self._lost(engine, members, replies, failure)
             if failure is not None or lost:
                 if not lost:
@@ -244,6 +246,25 @@ class BroadcastSync:
         if self.dtype is not None and t.is_floating_point():
             t = t.to(getattr(torch, self.dtype))
         return (t.cpu() if backend == "gloo" else t).detach().contiguous()
+
+
+async def _replies(posts: list[asyncio.Future], grace_s: float | None) -> list:
+    """The posts' replies or errors; with ``grace_s``, a post still unanswered that long after a failed
+    broadcast (its server hangs) counts as unreachable."""
+    if grace_s is not None:
+        _, pending = await asyncio.wait(posts, timeout=grace_s)
+        for post in pending:
+            post.cancel()
+    out: list = []
+    for post in posts:
+        if post.cancelled():
+            out.append(ServerError("", None, f"no reply {grace_s:.0f}s after the broadcast failed"))
+            continue
+        try:
+            out.append(await post)
+        except Exception as e:  # noqa: BLE001  (the server's failure, judged by `_lost`)
+            out.append(e)
+    return out
 
 
 def _broadcast_all(group: WeightGroup, tensors: list) -> None:
