@@ -122,6 +122,13 @@ def test_two_broadcast_pushes_leave_the_server_serving_the_trainers_weights(serv
                 first_group = sync.groups[0][1].name
         assert sync.groups[0][1].name == first_group, "the group is made once and kept"
         assert engine.get_version() == 2 and engine.in_rotation() == [0]
+        sync.dtype = "bfloat16"  # what a GPU run sends: the server (float32 here) holds the rounded weights
+        trainer.step()
+        assert asyncio.run(sync.push(trainer)) == 3 and sync.last_push["weight_sync_bytes"] == nbytes / 2
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        assert_serves(server, trainer.model, 3, old=before)
     finally:
         sync.close()
         asyncio.run(engine.aclose())
