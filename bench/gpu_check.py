@@ -82,7 +82,7 @@ GPU = Sizes(
     rl_overrides=(),
     eval_problems=200,
     sync_repeats=3,
-    caps={"a": 50, "b": 50, "d": 45, "e": 25, "c": 100},  # 270 s: with start-up, inside gpu_check.sh's 300
+    caps={"a": 60, "b": 50, "d": 45, "e": 25, "c": 90},  # 270 s: with start-up, inside gpu_check.sh's 300
     min_mfu=0.30,
     max_in_process_sync_s=0.5,
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import subprocess
 import sys
@@ -21,7 +22,12 @@ from engine import engine_rate, prompts_for  # bench/engine.py: the same load as
 from areal_agents.config import SFTConfig, TrainConfig, load_config
 from areal_agents.models import load_model, load_tokenizer, save_tiny_model
 from areal_agents.models.device import peak_tflops
+from areal_agents.models.loading import pad_token_id
+from areal_agents.net import free_port
+from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.local_launcher import open_policy, open_policy_engine
+from areal_agents.trainers.policy import load_trainable
+from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.trainers.rl_recipe import run_train
 from areal_agents.trainers.sft_recipe import run_sft
 from areal_agents.types import GenRequest, SamplingParams, Trajectory
@@ -123,32 +129,61 @@ def palm_flops(model, trajectories: list[Trajectory]) -> float:
 
 
 def part_a(ctx, cap) -> None:
-    """The bf16 matmul peak, then timed PPO steps of the run's trainer: tokens/s and MFU against that peak."""
+    """The bf16 matmul peak; then PPO steps of one FSDP2 rank (a multi-GPU run's rank, bf16 mixed precision)
+    and of the trainer the single-GPU recipe opens (`open_policy`): tokens/s and MFU against that peak."""
     r, s = ctx.report, ctx.sizes
     peak = matmul_peak(ctx.device, s.matmul_n)
     ctx.measured_peak_tflops = peak
-    table = peak_tflops(ctx.device)
-    r.check("a", "matmul_peak", peak > 0, tflops=peak, n=s.matmul_n, table_tflops=table)
-    cap.check("the PPO step")
+    r.check("a", "matmul_peak", peak > 0, tflops=peak, n=s.matmul_n, table_tflops=peak_tflops(ctx.device))
+    cap.check("the FSDP2 PPO step")
+    path = model_dir(ctx)
+    cfg = train_config(ctx, ctx.work / "fsdp", path)
+    dp = fsdp_rank(ctx.device)
+    try:
+        spec = TrainSpec.of(cfg, pad_token_id(load_tokenizer(path)))
+        sharded = load_trainable("policy", spec, str(path), str(path), dp=dp)
+        r.add("a", "INFO", "fsdp2_trainer", fsdp=is_fsdp(sharded.trained), world_size=dp.world_size)
+        timed_updates(ctx, cap, "fsdp2", sharded.model, lambda t, g: sharded.train_step(t, g), peak)
+    finally:
+        dp.close()
+    sharded = None
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    cap.check("the single-GPU recipe's PPO step")
     policy = policy_for(ctx)
-    trajectories = synthetic_groups(s, policy.model.config.vocab_size)
+    timed_updates(ctx, cap, "recipe", policy.model, lambda t, g: ctx.loop.run_until_complete(policy.update(t, g)), peak)
+
+
+def fsdp_rank(device: torch.device):
+    """This process as rank 0 of 1, joined torchrun's way (NCCL on a GPU, gloo on the CPU)."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    return DataParallel.from_env(device)
+
+
+def timed_updates(ctx, cap, name: str, model, update, peak: float) -> None:
+    """A warm-up update, then two timed ones, each a PASS/FAIL line: tokens/s, MFU against ``peak`` TFLOP/s."""
+    r, s = ctx.report, ctx.sizes
+    trajectories = synthetic_groups(s, model.config.vocab_size)
     generator = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
-    ctx.loop.run_until_complete(policy.update(trajectories, generator))  # warm-up: allocator, kernels
-    r.add("a", "INFO", "ppo_warmup", seconds=time.perf_counter() - t0, trainer=type(policy).__name__)
+    update(trajectories, generator)  # warm-up: the allocator, the kernels
+    r.add("a", "INFO", f"{name}_warmup", seconds=time.perf_counter() - t0)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
     for step in range(2):
-        cap.check(f"timed PPO step {step + 1}")
+        cap.check(f"timed {name} PPO step {step + 1}")
         sync(ctx.device)
         t0 = time.perf_counter()
-        stats = ctx.loop.run_until_complete(policy.update(trajectories, generator))
+        stats = update(trajectories, generator)
         sync(ctx.device)
         seconds = time.perf_counter() - t0
         tokens = stats.get("trained_tokens") or sum(len(t) for t in trajectories)
-        flops = stats.get("model_flops") or palm_flops(policy.model, trajectories)
+        flops = stats.get("model_flops") or palm_flops(model, trajectories)
         mfu = flops / seconds / (peak * 1e12)
         r.check(
             "a",
-            f"ppo_step_{step + 1}",
+            f"{name}_ppo_step_{step + 1}",
             mfu >= s.min_mfu and mfu > 0 and math.isfinite(stats.get("loss", 0.0)),
             tokens_per_s=tokens / seconds,
             mfu=mfu,
@@ -158,8 +193,7 @@ def part_a(ctx, cap) -> None:
             model_flops=flops,
             flops_from="update stats" if stats.get("model_flops") else "palm_flops here",
             trainer_peak_flops=stats.get("peak_flops"),
-            trainer=type(policy).__name__,
-            fsdp=is_fsdp(policy.model),
+            loss=stats.get("loss"),
             gpu_memory_peak_gib=torch.cuda.max_memory_allocated() / 2**30 if ctx.device.type == "cuda" else None,
         )
 
