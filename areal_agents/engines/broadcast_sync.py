@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 from areal_agents.engines.broadcast import WeightGroup, dtype_name, join_group, local_address, plan_buckets
 from areal_agents.engines.remote_engine import ServerError
 from areal_agents.engines.weight_sync import WeightSource, tensor_bytes, timed
-from areal_agents.errors import EngineError
+from areal_agents.errors import ConfigError, EngineError
 from areal_agents.net import free_port
 
 AFTER_FAILURE_S = 10.0  # after a failed broadcast, the servers' replies are waited for this long
@@ -56,6 +56,10 @@ class BroadcastSync:
     ) -> None:
         if backend not in ("auto", "gloo", "nccl"):
             raise EngineError(f"BroadcastSync backend: expects auto, gloo or nccl, got {backend!r}")
+        import torch  # noqa: PLC0415
+
+        if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ConfigError(f"weight dtype: expects a torch dtype name such as bfloat16, got {dtype!r}")
         self.engines = list(engines)
         self.dtype, self.bucket_bytes, self.timeout_s = dtype, bucket_bytes, timeout_s
         self.backend, self.tp_size = backend, tp_size
@@ -69,16 +73,16 @@ class BroadcastSync:
         version = self.engines[0].get_version() + 1 if version is None else version
         tensors = await source.tensors()
         backend = self._backend(tensors)
-        tensors = {name: self._wire(t, backend) for name, t in tensors.items()}
-        buckets = plan_buckets(tensors, self.bucket_bytes)
+        wire = {name: self._wire(t, "meta") for name, t in tensors.items()}  # dtypes and shapes as sent
+        buckets = plan_buckets(wire, self.bucket_bytes)
         for i, engine in enumerate(self.engines):
             members = await self._candidates(engine)  # before the pause, which goes to the rotation
 
             async def load(v: int, i: int = i, engine: Any = engine, members: list[int] = members) -> None:
-                await self._load(i, engine, members, tensors, buckets, v, backend)
+                await self._load(i, engine, members, (tensors, wire), buckets, v, backend)
 
             await engine.swap_weights(load, version)  # lock, pause, load, version, resume
-        self.last_push = timed(start, tensor_bytes(tensors))
+        self.last_push = timed(start, tensor_bytes(wire))
         return version
 
     async def announce(self, version: int) -> None:
@@ -99,7 +103,7 @@ class BroadcastSync:
         i: int,
         engine: Any,
         members: list[int],
-        tensors: dict,
+        tensors: tuple[dict, dict],
         buckets: list[list[str]],
         version: int,
         backend: str,
@@ -176,14 +180,22 @@ class BroadcastSync:
         return None
 
     async def _send(
-        self, engine: Any, members: list[int], group: WeightGroup, tensors: dict, buckets: list[list[str]], version: int
+        self,
+        engine: Any,
+        members: list[int],
+        group: WeightGroup,
+        tensors: tuple[dict, dict],
+        buckets: list[list[str]],
+        version: int,
     ) -> set[int]:
-        """Every bucket to ``members``; the servers lost on the way (empty: all hold the weights now)."""
+        """Every bucket to ``members`` (``tensors``: the source's, and as sent on the meta device); the
+        servers lost on the way (empty: all hold the weights now)."""
+        source, wire = tensors
         for names in buckets:
             body = {
                 "names": names,
-                "dtypes": [dtype_name(tensors[n].dtype) for n in names],
-                "shapes": [list(tensors[n].shape) for n in names],
+                "dtypes": [dtype_name(wire[n].dtype) for n in names],
+                "shapes": [list(wire[n].shape) for n in names],
                 "group_name": group.name,
                 "flush_cache": True,
                 "abort_all_requests": False,
@@ -193,7 +205,8 @@ class BroadcastSync:
             posts = [asyncio.ensure_future(engine.post_once(engine.addresses[m], path, body, timeout)) for m in members]
             failure: BaseException | None = None
             try:
-                await asyncio.to_thread(_broadcast_all, group, [tensors[n] for n in names])
+                bucket = [self._wire(source[n], group.backend) for n in names]  # one bucket converted at a time
+                await asyncio.to_thread(_broadcast_all, group, bucket)
             except Exception as e:  # noqa: BLE001  (a rank gone, or the timeout)
                 failure = e
                 group.close()  # the servers still waiting in this bucket fail at once
@@ -240,12 +253,15 @@ class BroadcastSync:
         return "nccl" if first is not None and first.is_cuda else "gloo"
 
     def _wire(self, t: Any, backend: str) -> Any:
-        """A tensor as it is broadcast: in ``dtype`` (floating point only), on the backend's device."""
+        """A tensor as it is broadcast: in ``dtype`` (floating point only), on the backend's device (gloo:
+        the CPU; ``meta``: its dtype and shape only)."""
         import torch  # noqa: PLC0415
 
-        if self.dtype is not None and t.is_floating_point():
-            t = t.to(getattr(torch, self.dtype))
-        return (t.cpu() if backend == "gloo" else t).detach().contiguous()
+        dtype = getattr(torch, self.dtype) if self.dtype is not None and t.is_floating_point() else t.dtype
+        if backend == "meta":
+            return torch.empty(t.shape, dtype=dtype, device="meta")
+        t = t.detach().to(dtype)
+        return (t.cpu() if backend == "gloo" else t).contiguous()
 
 
 async def _replies(posts: list[asyncio.Future], grace_s: float | None) -> list:

@@ -54,6 +54,8 @@ def test_sharded_weights_have_an_index_and_take_the_dtype(tmp_path):
 def test_a_bad_dtype_names_what_it_expects(tmp_path):
     with pytest.raises(ConfigError, match="expects a torch dtype name such as bfloat16, got 'bf17'"):
         write_weights(state(), tmp_path, "bf17")
+    with pytest.raises(ConfigError, match="expects a torch dtype name such as bfloat16, got 'bf17'"):
+        BroadcastSync([], dtype="bf17")
 
 
 def test_open_weight_sync_picks_the_transport_the_config_names(tmp_path):
