@@ -13,7 +13,7 @@ version, so every token generated afterwards carries it. ``engine.weight_sync`` 
                    are deleted
 `BroadcastSync`    SGLang's ``/init_weights_update_group`` + ``/update_weights_from_distributed``: the trainer
                    broadcasts bucket after bucket to every server (NCCL on GPUs, gloo on CPU; serve-model
-                   speaks it over gloo); `engines.broadcast`
+                   speaks it over gloo); `engines.broadcast_sync`
 =================  =========================================================================================
 
 Every sync times its last push: ``sync.last_push`` holds ``weight_sync_seconds`` and ``weight_sync_bytes``
