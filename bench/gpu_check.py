@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -191,6 +192,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-rehearsal", action="store_true", help="a small model on the CPU: the same paths")
     parser.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_check", help="default: $OUT")
+    parser.add_argument("--work", default=None, help="where a fresh work directory goes (default: the temp dir)")
     parser.add_argument("--parts", default=PARTS, help=f"which parts, e.g. 'ad' (default {PARTS})")
     parser.add_argument("--cap-scale", type=float, default=1.0, help="multiply every part's cap")
     args = parser.parse_args(argv)
@@ -215,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     device = torch.device("cpu" if args.cpu_rehearsal else "cuda")
     report = Report(out / "gpu_check.json", environment(device, sizes))
-    ctx = Context(sizes, device, out / "work", report, asyncio.new_event_loop())
+    # models, run dirs and checkpoints (GBs) stay out of OUT: the device tool brings back 8 files of it at most
+    work = Path(tempfile.mkdtemp(prefix="gpu_check-", dir=args.work))
+    report.add("meta", "INFO", "work_dir", path=str(work))
+    ctx = Context(sizes, device, work, report, asyncio.new_event_loop())
     import gpu_check_parts as parts  # noqa: PLC0415  (bench/ is on sys.path when this script runs)
 
     for part in args.parts:

@@ -295,7 +295,7 @@ def part_c(ctx, cap) -> None:
         steps=s.sft_steps,
     )
     cap.check("RL")
-    minutes = max(cap.left() - 20.0, 10.0) / 60  # leave the last evaluation its time
+    minutes = max(cap.left() - 35.0, 10.0) / 60  # leave the last evaluation and the checkpoint their time
     cpu = ("ppo.compute_dtype=auto",) if ctx.device.type == "cpu" else ()  # bf16 on a CPU: correct, but slow
     rl_cfg = train_config(
         ctx,

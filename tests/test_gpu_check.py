@@ -102,7 +102,7 @@ def test_an_error_in_a_part_is_a_fail_line_and_the_next_part_runs(gpu_check, tmp
 
     fake = types.SimpleNamespace(PART={"a": broken, "e": fine}, finish=lambda ctx: calls.append("finish"))
     monkeypatch.setitem(sys.modules, "gpu_check_parts", fake)
-    rc = gpu_check.main(["--cpu-rehearsal", "--out", str(tmp_path), "--parts", "ae"])
+    rc = gpu_check.main(["--cpu-rehearsal", "--out", str(tmp_path), "--work", str(tmp_path), "--parts", "ae"])
     assert rc == 1 and calls == ["a", "e", "finish"]
     records = json.loads((tmp_path / "gpu_check.json").read_text())
     fail = next(r for r in records if r["status"] == "FAIL")
@@ -116,4 +116,4 @@ def test_all_passing_parts_exit_0(gpu_check, tmp_path, monkeypatch):
         PART={"d": lambda ctx, cap: ctx.report.check("d", "in_process", True)}, finish=lambda ctx: None
     )
     monkeypatch.setitem(sys.modules, "gpu_check_parts", fake)
-    assert gpu_check.main(["--cpu-rehearsal", "--out", str(tmp_path), "--parts", "d"]) == 0
+    assert gpu_check.main(["--cpu-rehearsal", "--out", str(tmp_path), "--work", str(tmp_path), "--parts", "d"]) == 0
