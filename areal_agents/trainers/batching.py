@@ -26,7 +26,35 @@ from areal_agents.trainers.packing import (
 )
 from areal_agents.types import Trajectory
 
-__all__ = ["MicroBatch", "hidden_states", "make_micro_batches", "per_trajectory", "spread", "token_logprobs"]
+__all__ = [
+    "MicroBatch",
+    "ScoredLM",
+    "hidden_states",
+    "make_micro_batches",
+    "module_device",
+    "per_trajectory",
+    "spread",
+    "token_logprobs",
+]
+
+
+class ScoredLM(torch.nn.Module):
+    """A causal LM whose forward is `token_logprobs`. FSDP2 shards it as the root: the root's hooks
+    (gathering the embedding, the final norm and the head) run on the root's own forward, and
+    `token_logprobs` calls the decoder and the head apart, never the LM's forward."""
+
+    def __init__(self, lm: PreTrainedModel) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
+        # a copy, not a view: FSDP2's pre-backward hook would be lost to an in-place op on a view
+        return token_logprobs(self.lm, mb, temperature).clone()
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where ``module``'s parameters live (the device its micro-batches go to)."""
+    return next(module.parameters()).device
 
 
 def make_micro_batches(
@@ -77,14 +105,16 @@ def _collate(trajs: list[Trajectory], adv: list[float], index: list[int], pad: i
     input_ids = torch.full((n, width), pad, dtype=torch.long)
     loss_mask = torch.zeros((n, width), dtype=torch.float)
     logprobs = torch.zeros((n, width), dtype=torch.float)
+    versions = torch.full((n, width), -1, dtype=torch.long)
     for row, t in enumerate(trajs):
         length = len(t)
         input_ids[row, :length] = torch.tensor(t.input_ids)
         loss_mask[row, :length] = torch.tensor(t.loss_mask, dtype=torch.float)
         logprobs[row, :length] = torch.tensor(t.logprobs, dtype=torch.float)
+        versions[row, :length] = torch.tensor(t.versions, dtype=torch.long)
     advantages = torch.tensor(adv, dtype=torch.float)[:, None].expand(n, width) * loss_mask
     slices = [(row, 0, len(t)) for row, t in enumerate(trajs)]
-    return MicroBatch(index, input_ids, loss_mask, logprobs, advantages, slices=slices)
+    return MicroBatch(index, input_ids, loss_mask, logprobs, advantages, slices=slices, versions=versions)
 
 
 def hidden_states(decoder: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
@@ -105,6 +135,8 @@ def token_logprobs(model: PreTrainedModel, mb: MicroBatch, temperature: float = 
 
     ``T`` must be the sampling temperature, so these match the engine's behavior logprobs.
     """
+    if isinstance(model, ScoredLM):  # sharded: through the root's forward
+        return model(mb, temperature)
     if mb.cu_seqlens is not None:
         return packed_token_logprobs(model, mb, temperature)
     hidden = hidden_states(model.get_decoder(), mb)[:, :-1]  # position t predicts token t + 1
@@ -121,17 +153,19 @@ def per_trajectory(
     pack: bool = False,
     dp: DataParallel | None = None,
     share_prompts: bool = False,
+    device: torch.device | None = None,
 ) -> list[torch.Tensor]:
-    """``score(micro_batch)`` (a tensor laid out like it) cut back into one 1-D tensor per trajectory.
-    With ``dp`` each rank scores its share of the micro-batches and the ranks' parts are gathered."""
+    """``score(micro_batch)`` (a tensor laid out like it) cut back into one 1-D float32 CPU tensor per
+    trajectory. With ``dp`` each rank scores its share of the micro-batches (as many on every rank) and
+    the ranks' parts are gathered. ``device``: where the micro-batches go (None: where they are)."""
     mbs = make_micro_batches(
         trajectories, max_tokens, pad_token_id=pad_token_id, pack=pack, share_prompts=share_prompts
     )
     out: dict[int, torch.Tensor] = {}
     for mb in dp.share(mbs) if dp else mbs:
-        values = score(mb)
+        values = score(mb if device is None else mb.to(device))
         for (row, a, b), i in zip(mb.slices, mb.index):
-            out[i] = values[row, a:b].clone()
+            out[i] = values[row, a:b].to("cpu", torch.float32, copy=True)
     if dp:
         out = dp.gather(out)
     return [out[i] for i in range(len(trajectories))]

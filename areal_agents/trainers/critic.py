@@ -16,14 +16,15 @@ per micro-batch `critic_backward` beside the policy's, and `critic_step` after t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from areal_agents.config import PPOConfig
-from areal_agents.trainers.batching import hidden_states, per_trajectory
+from areal_agents.trainers.batching import hidden_states, module_device, per_trajectory
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.microbatch import MicroBatch, spread
 from areal_agents.trainers.optim import optimizer_step
@@ -113,7 +114,7 @@ def critic_values(
     share_prompts: bool = False,
 ) -> list[torch.Tensor]:
     """The critic's value of the prefix before every token of every trajectory."""
-    return per_trajectory(critic, trajectories, max_tokens, pad, pack, dp, share_prompts)
+    return per_trajectory(critic, trajectories, max_tokens, pad, pack, dp, share_prompts, module_device(critic))
 
 
 def gae_targets(
@@ -152,18 +153,20 @@ def critic_backward(
     returns: Sequence[torch.Tensor],
     value_clip: float | None,
     num_tokens: float,
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> tuple[float, float]:
-    """Forward and backward of `value_loss` on one micro-batch (per-trajectory ``old_values`` and
-    ``returns`` indexed like its trajectories); returns ``(loss, clipped fraction)``."""
+    """Forward (in ``context``: the compute dtype's) and backward of `value_loss` on one micro-batch
+    (per-trajectory ``old_values`` and ``returns`` indexed like its trajectories); returns ``(loss,
+    clipped fraction)``."""
+    with context():
+        values = critic(mb)
     loss, clipped = value_loss(
-        critic(mb), spread(mb, old_values), spread(mb, returns), mb.loss_mask, value_clip, num_tokens
+        values, spread(mb, old_values), spread(mb, returns), mb.loss_mask, value_clip, num_tokens
     )
     loss.backward()
     return float(loss.detach()), clipped
 
 
-def critic_step(
-    critic: ValueModel, optimizer: torch.optim.Optimizer, max_grad_norm: float, dp: DataParallel | None = None
-) -> float:
-    """Sum the gradients across ranks (``dp``), clip and step; the gradient norm before clipping."""
-    return optimizer_step(critic, optimizer, max_grad_norm, dp=dp)
+def critic_step(critic: ValueModel, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> float:
+    """Clip (the global norm, summed over ranks when sharded) and step; the gradient norm before clipping."""
+    return optimizer_step(critic, optimizer, max_grad_norm)

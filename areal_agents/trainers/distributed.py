@@ -1,17 +1,18 @@
-"""`DataParallel`: what one rank of a data-parallel trainer needs inside `ppo_update`.
+"""`DataParallel`: what one rank of an FSDP2 trainer needs inside `ppo_update`, and the update's FLOP count.
 
-Every rank holds the whole model and sees the whole batch (so advantages, minibatch order and
-micro-batches are the same everywhere); it runs forward/backward on its share of each minibatch's
-micro-batches, balanced by token count. Gradients are summed across ranks (the loss is already
-normalised by the minibatch's global loss-token count), so every rank takes the same optimizer step
-the single-process trainer would take on the same data (torch.distributed; gloo, as the trainer computes
-on CPU).
+Every rank holds a shard of the model (`fsdp.py`) and sees the whole batch (so advantages, minibatch
+order and micro-batches are the same everywhere); it runs forward/backward on its share of each
+minibatch's micro-batches, balanced by token count and padded with zero-loss micro-batches so that
+every rank runs as many forward and backward passes (each one is a collective under FSDP2). Gradients
+are summed across ranks (the loss is already normalised by the minibatch's global loss-token count), so
+every rank takes the step the single-process trainer would take on the same data.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,10 +21,21 @@ import torch.distributed as dist
 from areal_agents.trainers.microbatch import MicroBatch
 
 
+def model_flops(tokens: float, parameters: int, layers: int, hidden: int, attended: float) -> float:
+    """FLOPs of forward + backward over ``tokens``, PaLM-style (Chowdhury et al. 2022, appendix B):
+    ``6 N`` per token for the ``N`` parameters' matmuls, plus ``12 · layers · hidden`` per attended
+    position for attention's scores and values; ``attended`` sums, over sequences, the positions each
+    token attends (causal: ``L (L + 1) / 2`` for a sequence of ``L`` tokens)."""
+    return 6.0 * parameters * tokens + 12.0 * layers * hidden * attended
+
+
 @dataclass
 class DataParallel:
+    """One rank of the trainer's process group (``device``: this rank's)."""
+
     rank: int
     world_size: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @classmethod
     def init(cls, rank: int, world_size: int, master: str, backend: str = "gloo") -> DataParallel:
@@ -31,15 +43,31 @@ class DataParallel:
         dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world_size)
         return cls(rank, world_size)
 
+    @classmethod
+    def from_env(cls, device: torch.device) -> DataParallel:
+        """Join the process group torchrun's way (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``):
+        NCCL on CUDA, gloo on CPU; ``device`` is this rank's."""
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+        return cls(rank, world_size, device)
+
     def share(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
-        """This rank's micro-batches: largest first, each to the rank with the fewest tokens so far."""
-        load = [(0, r) for r in range(self.world_size)]
+        """This rank's micro-batches: largest first, each to the rank with the fewest tokens so far; then
+        zero-loss copies of the smallest (`MicroBatch.padding`) up to the most any rank got."""
+        load = [(0, 0, r) for r in range(self.world_size)]  # (tokens, micro-batches, rank)
         mine = []
         for k in sorted(range(len(micro_batches)), key=lambda k: -micro_batches[k].num_tokens):
-            tokens, rank = heapq.heappop(load)
-            heapq.heappush(load, (tokens + micro_batches[k].num_tokens, rank))
+            tokens, count, rank = heapq.heappop(load)
+            heapq.heappush(load, (tokens + micro_batches[k].num_tokens, count + 1, rank))
             if rank == self.rank:
                 mine.append(micro_batches[k])
+        most = max(count for _, count, _ in load)
+        if len(mine) < most:
+            smallest = min(micro_batches, key=lambda mb: mb.num_tokens)
+            mine += [smallest.padding() for _ in range(most - len(mine))]
         return mine
 
     def broadcast_parameters(self, module: torch.nn.Module) -> None:
@@ -48,26 +76,15 @@ class DataParallel:
             for t in module.state_dict().values():
                 dist.broadcast(t, src=0)
 
-    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum gradients across ranks in one flat buffer (a rank without micro-batches sends zeros)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
-            offset += n
-
     def sum(self, values: dict[str, float]) -> dict[str, float]:
         """Sum per-rank partial sums (same keys on every rank, in sorted order)."""
         keys = sorted(values)
-        t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self._comm_device)
         dist.all_reduce(t)
         return dict(zip(keys, t.tolist()))
 
     def max(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self._comm_device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
@@ -76,6 +93,11 @@ class DataParallel:
         parts: list[Any] = [None] * self.world_size
         dist.all_gather_object(parts, part)
         return {k: v for p in parts for k, v in p.items()}
+
+    @property
+    def _comm_device(self) -> torch.device:
+        """Where a collective's tensors go: NCCL reduces only CUDA tensors."""
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -1,5 +1,6 @@
 """`LocalLauncher`: a run on this machine (``launcher: local``). Each policy trains in a thread of this
-process (`Policy`) or in a process of its own (``ppo.trainer: process``, `ProcessPolicy`) and serves through
+process (`Policy`), in a process of its own (``ppo.trainer: process``, `ProcessPolicy`) or in
+``ppo.nproc_per_node`` FSDP2 rank processes (`ProcessPolicy` with ranks) and serves through
 the configured engine: in this process (weights swapped in place), or launched model servers (weights
 through disk). Envs and episodes run in this process too.
 
@@ -18,7 +19,7 @@ from typing import Any
 from areal_agents.config import TrainConfig
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.local_servers import open_engine
-from areal_agents.engines.weight_sync import DiskSync, InProcessSync, WeightSync
+from areal_agents.engines.weight_sync import open_weight_sync
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.models.loading import load_tokenizer, pad_token_id
 from areal_agents.rollout.episodes import EpisodeFn
@@ -28,8 +29,8 @@ from areal_agents.trainers.trainer_process import ProcessPolicy
 
 
 class LocalLauncher:
-    """A `Launcher` for this machine; reads ``engine``, ``rollout.max_staleness``, ``ppo.trainer`` and
-    ``ppo.cpu_threads`` of the config (the rest is the recipe's)."""
+    """A `Launcher` for this machine; reads ``engine``, ``rollout.max_staleness``, ``ppo.trainer``,
+    ``ppo.nproc_per_node`` and ``ppo.cpu_threads`` of the config (the rest is the recipe's)."""
 
     def __init__(self, cfg: TrainConfig, run_dir: str | Path | None = None) -> None:
         self.cfg = cfg
@@ -42,7 +43,11 @@ class LocalLauncher:
         spec = replace(spec, cpu_threads=spec.cpu_threads or trainer_threads(self.cfg))
         engine, servers = open_policy_engine(name, self.cfg, model_path, self.run_dir)
         try:
-            sync = weight_sync_for(engine, servers)
+            sync = open_weight_sync(self.cfg.engine, engine, servers, model_path, self.cfg.engine.dtype)
+            nproc = self.cfg.ppo.nproc_per_node
+            if nproc > 1:
+                gpus = list(self.cfg.engine.gpus)
+                return ProcessPolicy(name, spec, model_path, init_path, engine, sync, servers, nproc, gpus)
             if self.cfg.ppo.trainer == "process":
                 return ProcessPolicy(name, spec, model_path, init_path, engine, sync, servers)
             policy = load_trainable(name, spec, model_path, init_path)
@@ -66,11 +71,6 @@ class LocalLauncher:
 
     def shutdown(self) -> None:
         """Nothing of its own to stop: each policy stops its trainer and servers."""
-
-
-def weight_sync_for(engine: InferenceEngine, servers: Any) -> WeightSync:
-    """In place for an engine in this process (or its own), through disk for launched or given servers."""
-    return InProcessSync([engine]) if servers is None else DiskSync([engine])
 
 
 def open_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, run_dir: Path) -> Policy:

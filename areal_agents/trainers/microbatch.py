@@ -8,7 +8,7 @@ not import each other for the type.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -40,6 +40,7 @@ class MicroBatch:
     position_ids: torch.Tensor | None = None  # packed: restarts at 0 for every trajectory
     cu_seqlens: torch.Tensor | None = None  # packed: trajectory boundaries [0, l1, l1 + l2, ...]
     shared: SharedPrompts | None = None  # packed with shared prompts: the shorter row the model runs on
+    versions: torch.Tensor | None = None  # the policy version of each generated token (long), -1 elsewhere
 
     @property
     def num_loss_tokens(self) -> int:
@@ -50,10 +51,37 @@ class MicroBatch:
         """Tokens the model runs on (what a micro-batch costs)."""
         return (self.shared.input_ids if self.shared is not None else self.input_ids).numel()
 
+    @property
+    def attended(self) -> int:
+        """Positions attended over all its trajectories, causal within each: ``L (L + 1) / 2`` for ``L`` tokens."""
+        return sum((b - a) * (b - a + 1) // 2 for _, a, b in self.slices or ())
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """Its tensors on ``device`` (one copy each; ``cu_seqlens``, read as a list, stays on the CPU); itself
+        when they are there already (the CPU path)."""
+        if self.input_ids.device == device:
+            return self
+        moved = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "cu_seqlens"}
+        moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
+        if self.shared is not None:
+            sh = self.shared
+            moved["shared"] = replace(
+                sh,
+                input_ids=sh.input_ids.to(device),
+                position_ids=sh.position_ids.to(device),
+                expand=sh.expand.to(device),
+            )
+        return replace(self, **moved)
+
+    def padding(self) -> MicroBatch:
+        """A zero-loss copy for a rank with fewer micro-batches than another: the same forward and backward
+        (every FSDP rank runs as many collectives), no loss tokens and no trajectories of its own."""
+        return replace(self, index=[], slices=[], loss_mask=torch.zeros_like(self.loss_mask))
+
 
 def spread(mb: MicroBatch, per_trajectory: Sequence[torch.Tensor]) -> torch.Tensor:
     """One 1-D tensor per trajectory (indexed like the ``make_micro_batches`` input) laid out like ``mb``."""
-    out = torch.zeros_like(mb.loss_mask)
+    out = torch.zeros(mb.loss_mask.shape, dtype=mb.loss_mask.dtype)  # filled on the CPU, then moved at once
     for (row, a, b), i in zip(mb.slices, mb.index):
         out[row, a:b] = per_trajectory[i]
-    return out
+    return out.to(mb.loss_mask.device)

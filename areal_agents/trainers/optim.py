@@ -6,8 +6,7 @@ import functools
 import math
 
 import torch
-
-from areal_agents.trainers.distributed import DataParallel
+from torch.distributed.tensor import DTensor
 
 
 def make_optimizer(
@@ -45,18 +44,27 @@ def optimizer_step(
     *,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     grad_divisor: float = 1.0,
-    dp: DataParallel | None = None,
 ) -> float:
-    """Sum ``module``'s gradients across ranks (``dp``), divide them by ``grad_divisor``, clip to
-    ``max_grad_norm`` and step (the schedule too, if any); the gradient norm before clipping."""
-    if dp:
-        dp.all_reduce_grads(list(module.parameters()))
+    """Divide ``module``'s gradients (summed over ranks already, when sharded) by ``grad_divisor``, clip
+    to ``max_grad_norm`` and step (the schedule too, if any); the gradient norm before clipping."""
     if grad_divisor != 1.0:
         for p in module.parameters():
             if p.grad is not None:
                 p.grad.div_(grad_divisor)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), max_grad_norm))
+    grad_norm = clip_grad_norm(list(module.parameters()), max_grad_norm)
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
     return grad_norm
+
+
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip to ``max_norm`` by the global gradient norm (over every rank's shards when FSDP-sharded);
+    the norm before clipping."""
+    if not parameters or not isinstance(parameters[0], DTensor):
+        return float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()  # the shards' partial norms, reduced
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return float(norm)

@@ -93,6 +93,7 @@ def pack_rows(
     ids = torch.tensor([tok for t in trajs for tok in t.input_ids])[None]
     loss_mask = torch.tensor([m for t in trajs for m in t.loss_mask], dtype=torch.float)[None]
     logprobs = torch.tensor([lp for t in trajs for lp in t.logprobs], dtype=torch.float)[None]
+    versions = torch.tensor([v for t in trajs for v in t.versions], dtype=torch.long)[None]
     advantages = torch.tensor([a for a, n in zip(adv, lengths) for _ in range(n)], dtype=torch.float)[None]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     slices = [(0, a, b) for a, b in zip(starts[:-1], starts[1:])]
@@ -106,6 +107,7 @@ def pack_rows(
         position_ids=positions,
         cu_seqlens=torch.tensor(starts, dtype=torch.int32),
         shared=_share_prompts(trajs, starts) if share_prompts else None,
+        versions=versions,
     )
     if prox_logprobs is not None:
         mb.prox_logprobs = torch.cat([prox_logprobs[i] for i in index])[None]
@@ -158,6 +160,12 @@ class AttentionPlan:
     widths: tuple[tuple[int, int], ...]  # (n, width) of each call
     index: torch.Tensor
     output_index: torch.Tensor
+
+    def to(self, device: torch.device) -> AttentionPlan:
+        """The plan's indices on ``device`` (where the row's activations are); itself when there already."""
+        if self.index.device == device:
+            return self
+        return AttentionPlan(self.widths, self.index.to(device), self.output_index.to(device))
 
 
 def attention_plan(
@@ -243,6 +251,7 @@ def _run_hidden_states(decoder: PreTrainedModel, mb: MicroBatch) -> tuple[torch.
         plan = attention_plan(shared.prompts, shared.completions, shared.input_ids.shape[1])
         ids, positions = shared.input_ids, shared.position_ids
     use_packed_attention(decoder, True)
+    plan = plan.to(ids.device)
     hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, packed_plan=plan).last_hidden_state[0]
     return hidden, None if shared is None else shared.expand
 

@@ -25,7 +25,9 @@ from transformers import PreTrainedModel
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.weight_sync import WeightSync, write_weights
 from areal_agents.errors import ConfigError
+from areal_agents.models.device import compute_dtype, resolve_device
 from areal_agents.models.loading import load_model
+from areal_agents.trainers import fsdp
 from areal_agents.trainers.critic import ValueModel
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.optim import make_optimizer
@@ -45,7 +47,7 @@ class Policy:
     spec: TrainSpec
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    reference: PreTrainedModel | None = None  # frozen initial policy, for ppo.kl_coef
+    reference: torch.nn.Module | None = None  # frozen initial policy, for ppo.kl_coef (a `ScoredLM` when sharded)
     critic: ValueModel | None = None  # ppo.advantage=gae
     critic_optimizer: torch.optim.Optimizer | None = None
     engine: InferenceEngine | None = None  # the rollout copy (in-process, or servers behind a client); None on a rank
@@ -53,6 +55,8 @@ class Policy:
     servers: Any = None  # model servers launched for the engine, stopped by `close`
     trainer: ThreadPoolExecutor | None = None  # the one thread its updates run on (see `update`)
     streamed: StreamedUpdate | None = None  # the update being fed in parts (`update_part`), if any
+    dp: DataParallel | None = None  # this rank's group when FSDP2-sharded (`load_trainable`)
+    trained: torch.nn.Module | None = None  # what `ppo_update` trains: ``model``, or its sharded `ScoredLM` root
     streams: ClassVar[bool] = True
 
     def close(self) -> None:
@@ -63,20 +67,41 @@ class Policy:
             self.servers.stop()
 
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer, schedule and critic (the model is saved apart)."""
+        """Optimizer, schedule and critic (the model is saved apart); sharded, the full state in the
+        single-process layout, gathered by every rank (call it on all) and kept by rank 0."""
+        if self.dp is not None:
+            state = {"optimizer": fsdp.full_optimizer_state(self.trained, self.optimizer)}
+            if self.critic is not None:
+                state["critic"] = fsdp.full_state_dict(self.critic)
+                state["critic_optimizer"] = fsdp.full_optimizer_state(self.critic, self.critic_optimizer)
+            return state | {"scheduler": self.scheduler.state_dict()}
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         if self.critic is not None:
             state |= {"critic": self.critic.state_dict(), "critic_optimizer": self.critic_optimizer.state_dict()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        """A `state_dict` of any number of ranks (every rank is given all of it when sharded)."""
+        if self.critic is not None and "critic" not in state:
+            raise ConfigError("--resume: ppo.advantage=gae but the checkpoint holds no critic")
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.dp is not None:
+            fsdp.load_optimizer_state(self.trained, self.optimizer, state["optimizer"])
+            if self.critic is not None:
+                fsdp.load_full_state_dict(self.critic, state["critic"])
+                fsdp.load_optimizer_state(self.critic, self.critic_optimizer, state["critic_optimizer"])
+            return
+        self.optimizer.load_state_dict(state["optimizer"])
         if self.critic is not None:
-            if "critic" not in state:
-                raise ConfigError("--resume: ppo.advantage=gae but the checkpoint holds no critic")
             self.critic.load_state_dict(state["critic"])
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The trained model's state dict; sharded, the full one on the CPU, gathered by every rank (call
+        it on all) and kept by rank 0 (``{}`` elsewhere)."""
+        if self.dp is None:
+            return self.model.state_dict()
+        return fsdp.full_state_dict(self.trained)
 
     async def update(self, trajectories: list[Trajectory], generator: torch.Generator) -> dict[str, float]:
         """One PPO update in the policy's trainer thread (rollouts keep running on the event loop).
@@ -137,7 +162,7 @@ class Policy:
         """One PPO update (``dp``: as one rank of a data-parallel group)."""
         s = self.spec
         return ppo_update(
-            self.model,
+            self.trained if self.trained is not None else self.model,
             self.optimizer,
             self.scheduler,
             trajectories,
@@ -148,7 +173,7 @@ class Policy:
             ref_model=self.reference,
             critic=self.critic,
             critic_optimizer=self.critic_optimizer,
-            dp=dp,
+            dp=dp if dp is not None else self.dp,
             max_new_tokens=s.max_new_tokens,
         )
 
@@ -169,9 +194,9 @@ class Policy:
         """The trainer's weights (a `WeightSource`)."""
         return self.model.state_dict()
 
-    async def save_weights(self, path: Path) -> None:
-        """The trainer's weights as ``path/model.safetensors`` (a `WeightSource`)."""
-        await asyncio.to_thread(write_weights, self.model.state_dict(), path)
+    async def save_weights(self, path: Path, dtype: str | None = None) -> None:
+        """The trainer's weights under ``path`` by `write_weights` (in ``dtype``; None: as held; a `WeightSource`)."""
+        await asyncio.to_thread(write_weights, self.model.state_dict(), path, dtype)
 
 
 def _with_generator(state: torch.Tensor, call: Any) -> tuple[dict[str, float], torch.Tensor]:
@@ -181,26 +206,44 @@ def _with_generator(state: torch.Tensor, call: Any) -> tuple[dict[str, float], t
     return call(generator), generator.get_state()
 
 
-def load_trainable(name: str, spec: TrainSpec, model_path: str, init_path: str) -> Policy:
+def load_trainable(
+    name: str, spec: TrainSpec, model_path: str, init_path: str, dp: DataParallel | None = None
+) -> Policy:
     """The training side of a policy (model, optimizer, schedule, reference, critic), without an engine;
-    the reference and the critic start from ``init_path`` (the run's starting model)."""
+    the reference and the critic start from ``init_path`` (the run's starting model). On ``ppo.device``;
+    with ``dp`` (a rank of several) every model is FSDP2-sharded over the ranks (`fsdp.shard_policy`),
+    from rank 0's weights."""
     p = spec.ppo
+    device = dp.device if dp is not None else resolve_device(p.device)
     model = load_model(model_path, spec.dtype)
-    total = spec.total_steps * p.ppo_epochs * p.num_minibatches
-    optimizer, scheduler = make_optimizer(model, p.lr, p.weight_decay, p.warmup_steps, p.lr_schedule, total)
-    policy = Policy(name, model, spec, optimizer, scheduler)
     if p.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    reference = critic = None
     if p.kl_coef > 0:
-        policy.reference = load_model(init_path, spec.dtype).eval().requires_grad_(False)
+        reference = load_model(init_path, spec.dtype).eval().requires_grad_(False)
     if p.advantage == "gae":  # a value model initialised from the starting checkpoint
         critic_lm = load_model(init_path, spec.dtype)
         if p.activation_checkpointing:
             critic_lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        policy.critic = ValueModel(critic_lm)
-        policy.critic_optimizer = torch.optim.AdamW(
-            policy.critic.parameters(), lr=p.critic_lr, weight_decay=p.weight_decay
-        )
+        critic = ValueModel(critic_lm)
+    trained = model
+    if device.type != "cpu":
+        for module in (model, reference, critic):
+            if module is not None:
+                module.to(device)  # before a broadcast: NCCL sends only CUDA tensors
+    if dp is not None:
+        if dp.world_size > 1:
+            for module in (model, reference, critic):
+                if module is not None:
+                    dp.broadcast_parameters(module)  # every rank starts from rank 0's weights, as DDP does
+        dtype = compute_dtype(device, p.compute_dtype)
+        trained, reference, critic = fsdp.shard_policy(model, reference, critic, device, dtype)
+    total = spec.total_steps * p.ppo_epochs * p.num_minibatches
+    optimizer, scheduler = make_optimizer(trained, p.lr, p.weight_decay, p.warmup_steps, p.lr_schedule, total)
+    policy = Policy(name, model, spec, optimizer, scheduler, reference, dp=dp, trained=trained)
+    if critic is not None:
+        policy.critic = critic
+        policy.critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=p.critic_lr, weight_decay=p.weight_decay)
     return policy
 
 

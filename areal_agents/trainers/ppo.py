@@ -4,7 +4,11 @@
    the critic's values and returns) with the weights as they are.
 2. accumulate: `accumulate`: forward and backward of each token-budgeted micro-batch, the loss summed
    over tokens / ``num_tokens``; gradients add up in ``.grad``.
-3. step: `optim.optimizer_step` (and `critic.critic_step`): sum across ranks, normalise, clip, step.
+3. step: `optim.optimizer_step` (and `critic.critic_step`): normalise, clip (the global norm), step.
+
+Each micro-batch goes to the model's device once; an unsharded model computes under autocast to
+``ppo.compute_dtype`` (nothing at all in float32, the CPU default), a sharded one casts by FSDP2's
+mixed-precision policy (`fsdp.py`), where gradients are also summed across ranks during backward.
 
 `ppo_update` runs them for ``ppo_epochs`` x ``num_minibatches`` optimizer steps, each over a minibatch
 whose loss-token count is known before its first micro-batch. `StreamedUpdate` is the one-step case
@@ -23,12 +27,20 @@ import torch
 from transformers import PreTrainedModel
 
 from areal_agents.config import PPOConfig
-from areal_agents.trainers.batching import token_logprobs
+from areal_agents.models.device import gpu_memory, peak_tflops
+from areal_agents.trainers.batching import ScoredLM, module_device, token_logprobs
 from areal_agents.trainers.critic import ValueModel, critic_backward, critic_step, critic_values
-from areal_agents.trainers.distributed import DataParallel
+from areal_agents.trainers.distributed import DataParallel, model_flops
 from areal_agents.trainers.microbatch import MicroBatch, spread
 from areal_agents.trainers.optim import optimizer_step
-from areal_agents.trainers.ppo_batch import PreparedBatch, add_counts, batch_stats, prepare_batch, proximal_logprobs
+from areal_agents.trainers.ppo_batch import (
+    PreparedBatch,
+    add_counts,
+    batch_stats,
+    precision,
+    prepare_batch,
+    proximal_logprobs,
+)
 from areal_agents.trainers.ppo_loss import decoupled_ppo_loss, kl_to_reference
 from areal_agents.types import Trajectory
 
@@ -65,6 +77,7 @@ class _Tally:
         self.run = dict.fromkeys(keys, 0.0)
         self.per_step: dict[str, float] = defaultdict(float)  # grad norms: the same on every rank
         self.behav_weight_max, self.steps = 0.0, 0
+        self.work = {"trained_tokens": 0.0, "attended": 0.0}  # the policy's forward + backward, for MFU
 
     def add(self, st: dict[str, float], loss_sum: float, value: tuple[float, float] | None = None) -> None:
         """One micro-batch's loss stats (and, with a critic, its value loss sum and clipped fraction)."""
@@ -89,6 +102,26 @@ class _Tally:
         run, bmax = (dp.sum(self.run), dp.max(self.behav_weight_max)) if dp else (self.run, self.behav_weight_max)
         out = {key: value / max(self.steps, 1) for key, value in (run | self.per_step).items()}
         return out | {"behav_weight_max": bmax, "optimizer_steps": float(self.steps)}
+
+    def perf(self, model: torch.nn.Module, cfg: PPOConfig, dp: DataParallel | None) -> dict[str, float]:
+        """``trained_tokens``, ``model_flops`` (`model_flops`) and ``peak_flops`` over all ranks, and on
+        CUDA ``perf/gpu_memory_*`` (the largest rank's)."""
+        device = module_device(model)
+        peak = (peak_tflops(device, cfg.peak_tflops) or 0.0) * 1e12
+        work = self.work | {"peak_flops": peak}
+        work = dp.sum(work) if dp else work
+        lm = model.lm if isinstance(model, ScoredLM) else model
+        n = sum(p.numel() for p in lm.parameters())  # global counts, sharded or not
+        config = lm.config.get_text_config()
+        flops = model_flops(work["trained_tokens"], n, config.num_hidden_layers, config.hidden_size, work["attended"])
+        memory = gpu_memory(device)
+        if dp:
+            memory = {key: dp.max(value) for key, value in sorted(memory.items())}
+        return {
+            "trained_tokens": work["trained_tokens"],
+            "model_flops": flops,
+            "peak_flops": work["peak_flops"],
+        } | memory
 
 
 def micro_batch_loss(
@@ -137,15 +170,23 @@ def accumulate(
 ) -> None:
     """Forward and backward of each micro-batch of ``batch`` (its trajectories indexed like ``batch``'s):
     the policy's loss and, with ``critic``, the value loss, each summed over tokens / ``num_tokens``."""
-    for mb in mbs:
+    device, context = module_device(model), precision(model, cfg)
+    for mb in mbs:  # a rank's padding (`DataParallel.share`) runs as the others do, with no loss tokens
         mb.advantages = spread(mb, batch.advantages)
-        loss, st = micro_batch_loss(model, mb, cfg, temperature, num_tokens, ref_model)
+        mb = mb.to(device)
+        with context():
+            loss, st = micro_batch_loss(model, mb, cfg, temperature, num_tokens, ref_model)
         loss.backward()
         value = None
         if critic is not None:
-            vloss, vclip = critic_backward(critic, mb, batch.old_values, batch.returns, cfg.value_clip, num_tokens)
+            vloss, vclip = critic_backward(
+                critic, mb, batch.old_values, batch.returns, cfg.value_clip, num_tokens, context
+            )
             value = (vloss * num_tokens, vclip)
         tally.add(st, float(loss.detach()) * num_tokens, value)
+        # its trajectories' tokens, whatever the layout (a streamed batch counts what the whole would)
+        tally.work["trained_tokens"] += sum(b - a for _, a, b in mb.slices)
+        tally.work["attended"] += mb.attended
 
 
 def _minibatches(n: int, cfg: PPOConfig, generator: torch.Generator | None) -> Iterator[list[int]]:
@@ -208,11 +249,11 @@ def ppo_update(
             model, dp.share(mbs) if dp else mbs, minibatch, cfg, tally,
             temperature=temperature, num_tokens=total, ref_model=ref_model, critic=critic,
         )  # fmt: skip
-        norms = {"grad_norm": optimizer_step(model, optimizer, cfg.max_grad_norm, scheduler=scheduler, dp=dp)}
+        norms = {"grad_norm": optimizer_step(model, optimizer, cfg.max_grad_norm, scheduler=scheduler)}
         if critic is not None:
-            norms["critic_grad_norm"] = critic_step(critic, critic_optimizer, cfg.max_grad_norm, dp)
+            norms["critic_grad_norm"] = critic_step(critic, critic_optimizer, cfg.max_grad_norm)
         tally.end_step(total, **norms)
-    stats |= tally.stats(dp)
+    stats |= tally.stats(dp) | tally.perf(model, cfg, dp)
     return stats | {"lr": scheduler.get_last_lr()[0], "loss_tokens": batch.counts["loss_tokens"]}
 
 
@@ -283,5 +324,5 @@ class StreamedUpdate:
             self.model, self.optimizer, self.cfg.max_grad_norm, scheduler=self.scheduler, grad_divisor=total
         )
         self.tally.end_step(total, grad_norm=grad_norm)
-        stats |= self.tally.stats(None)
+        stats |= self.tally.stats(None) | self.tally.perf(self.model, self.cfg, None)
         return stats | {"lr": self.scheduler.get_last_lr()[0], "loss_tokens": self.counts["loss_tokens"]}

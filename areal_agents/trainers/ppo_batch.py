@@ -12,15 +12,18 @@ batch it also scores π_prox, the weights as they are before the first step. The
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
 from areal_agents.config import PPOConfig
+from areal_agents.models.device import autocast, compute_dtype
 from areal_agents.trainers.advantages import group_advantages, shape_rewards, zero_variance_groups
-from areal_agents.trainers.batching import make_micro_batches, per_trajectory, token_logprobs
+from areal_agents.trainers.batching import make_micro_batches, module_device, per_trajectory, token_logprobs
 from areal_agents.trainers.critic import ValueModel, gae_targets
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.microbatch import MicroBatch
@@ -66,6 +69,16 @@ class PreparedBatch:
         )
 
 
+def precision(model: torch.nn.Module, cfg: PPOConfig) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context of a forward pass: autocast to ``cfg.compute_dtype`` on the model's device when it is
+    not sharded (FSDP2 casts a sharded one itself); nothing at all in float32 (the CPU path)."""
+    if isinstance(model, FSDPModule):
+        return contextlib.nullcontext
+    device = module_device(model)
+    dtype = compute_dtype(device, cfg.compute_dtype)
+    return lambda: autocast(device, dtype)
+
+
 def prepare_batch(
     model: PreTrainedModel,
     trajectories: list[Trajectory],
@@ -108,12 +121,13 @@ def prepare_batch(
     # logprobs are the detached forward, exactly, so the extra no-grad pass is skipped.
     if cfg.ppo_epochs * cfg.num_minibatches > 1:
         prox = proximal_logprobs(
-            model, trajs, temperature, cfg.micro_batch_tokens, pad_token_id, cfg.packing, dp, cfg.share_prompts
+            model, trajs, temperature, cfg.micro_batch_tokens, pad_token_id, cfg.packing, dp, cfg.share_prompts, cfg
         )
     if cfg.advantage != "gae":
         masks = [torch.tensor(t.loss_mask, dtype=torch.float) for t in trajs]
         return PreparedBatch(trajs, [a * m for a, m in zip(advantages[keep].tolist(), masks)], counts, prox)
-    values, adv, returns, sums = gae_targets(critic, trajs, [rewards[i] for i in keep], cfg, pad_token_id, dp)
+    with precision(critic, cfg)():
+        values, adv, returns, sums = gae_targets(critic, trajs, [rewards[i] for i in keep], cfg, pad_token_id, dp)
     return PreparedBatch(trajs, adv, counts | sums, prox, values, returns)
 
 
@@ -168,10 +182,14 @@ def proximal_logprobs(
     pack: bool = False,
     dp: DataParallel | None = None,
     share_prompts: bool = False,
+    cfg: PPOConfig | None = None,
 ) -> list[torch.Tensor]:
-    """π_prox logprobs of every token of every trajectory, with the weights as they are now."""
+    """π_prox logprobs of every token of every trajectory, with the weights as they are now (in
+    ``cfg.compute_dtype`` when given)."""
+    context = precision(model, cfg) if cfg is not None else contextlib.nullcontext
 
     def score(mb: MicroBatch) -> torch.Tensor:
-        return token_logprobs(model, mb, temperature)
+        with context():
+            return token_logprobs(model, mb, temperature)
 
-    return per_trajectory(score, trajectories, max_tokens, pad, pack, dp, share_prompts)
+    return per_trajectory(score, trajectories, max_tokens, pad, pack, dp, share_prompts, module_device(model))

@@ -1,0 +1,59 @@
+"""``ppo.nproc_per_node=2``: `LocalLauncher.open_policy` spawns two FSDP2 rank processes (gloo, torchrun's
+environment) behind one `TrainablePolicy`; the engine stays in this process and serves rank 0's gathered weights."""
+
+import asyncio
+
+import pytest
+import torch
+
+from areal_agents.config import TrainConfig
+from areal_agents.engines.weight_sync import InProcessSync
+from areal_agents.models import load_model
+from areal_agents.trainers.local_launcher import LocalLauncher
+from areal_agents.trainers.policy import load_trainable
+from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec
+from areal_agents.trainers.trainer_process import ProcessPolicy, rank_environments
+from tests.trainers.test_trainer_process import batch
+
+
+def test_two_rank_processes_train_push_and_checkpoint_as_one_process(tiny_dir, tmp_path):
+    cfg = TrainConfig(run_dir=str(tmp_path))
+    cfg.model.path = str(tiny_dir)
+    cfg.ppo.lr, cfg.ppo.num_minibatches, cfg.ppo.nproc_per_node, cfg.ppo.cpu_threads = 1e-3, 2, 2, 2
+    spec = TrainSpec.of(cfg, pad_token_id=0)
+    trajectories = batch(load_model(tiny_dir).config.vocab_size)
+    here = load_trainable("policy", spec, str(tiny_dir), str(tiny_dir))
+    expected = here.train_step(trajectories, torch.Generator().manual_seed(5))
+
+    policy = LocalLauncher(cfg).open_policy("policy", str(tiny_dir), str(tiny_dir), spec)
+    try:
+        assert isinstance(policy, ProcessPolicy) and isinstance(policy, TrainablePolicy)
+        assert len(policy._processes) == 2 and not policy.streams  # one FSDP2 rank per process
+        assert isinstance(policy.weight_sync, InProcessSync)
+        stats = asyncio.run(policy.update(trajectories, torch.Generator().manual_seed(5)))
+        asyncio.run(policy.push_weights())
+        trained = {k: v.clone() for k, v in policy.model.state_dict().items()}
+        state = policy.state_dict()
+        policy.load_state_dict(state)  # every rank takes the full state back into its shards
+        assert policy.state_dict()["optimizer"]["state"][0]["exp_avg"].equal(state["optimizer"]["state"][0]["exp_avg"])
+    finally:
+        policy.close()
+        asyncio.run(policy.engine.aclose())
+    assert not any(p.is_alive() for p in policy._processes)
+    assert stats["optimizer_steps"] == expected["optimizer_steps"] == 2
+    assert stats["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    assert stats["trained_tokens"] == expected["trained_tokens"]
+    for key, value in here.model.state_dict().items():
+        torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-5, msg=key)
+        assert torch.equal(policy.engine.model.state_dict()[key], trained[key]), key  # what the engine serves
+    assert policy.engine.get_version() == 1
+    # the train state is the single-process layout: the unsharded trainer loads it as it is
+    here.load_state_dict(state)
+    assert state["scheduler"]["last_epoch"] == 2
+
+
+def test_each_rank_gets_torchruns_environment():
+    envs = rank_environments(3, [])
+    assert [e["RANK"] for e in envs] == [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"3"} and len({e["MASTER_PORT"] for e in envs}) == 1
+    assert all(e["MASTER_ADDR"] == "127.0.0.1" for e in envs)
