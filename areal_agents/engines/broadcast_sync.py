@@ -41,7 +41,7 @@ _groups = itertools.count(1)  # group names unique in this process: a server nev
 class BroadcastSync:
     """A `WeightSync` over SGLang's broadcast protocol; see the module docstring. ``engines``: `RemoteEngine`
     clients (`SGLangEngine`); ``dtype``: what the servers receive (None: the trainer's); ``backend``: ``gloo``,
-    ``nccl`` or ``auto`` (NCCL for tensors on CUDA); ``restarts``: the launcher's `Supervisor.restarts`."""
+    ``nccl`` or ``auto`` (NCCL for tensors on CUDA); ``supervisor``: the launcher's `Supervisor`, if any."""
 
     def __init__(
         self,
@@ -52,7 +52,7 @@ class BroadcastSync:
         timeout_s: float = 120.0,
         backend: str = "auto",
         tp_size: int = 1,
-        restarts: list | None = None,
+        supervisor: Any = None,
     ) -> None:
         if backend not in ("auto", "gloo", "nccl"):
             raise EngineError(f"BroadcastSync backend: expects auto, gloo or nccl, got {backend!r}")
@@ -66,7 +66,7 @@ class BroadcastSync:
         self.groups: dict[int, tuple[list[int], WeightGroup]] = {}  # engine -> (its member servers, the group)
         self.last_push: dict[str, float] = {}
         for engine in self.engines:
-            engine.guard_restarts(restarts)
+            engine.guard_restarts(supervisor)
 
     async def push(self, source: WeightSource, version: int | None = None) -> int:
         start = time.perf_counter()
@@ -108,24 +108,35 @@ class BroadcastSync:
         version: int,
         backend: str,
     ) -> None:
-        """Every server of ``members`` gets the weights and takes requests; those that fail leave the rotation."""
+        """Every server of ``members`` gets the weights and takes requests; those that fail leave the rotation.
+        A group is kept from push to push unless a member was out of the rotation (it may have restarted
+        and left the group); a broadcast that fails while every server answers gets one new group."""
+        rejoining = {m for m in members if m in engine.out}
+        if i in self.groups and rejoining & set(self.groups[i][0]):
+            self._drop(i)
+        retried = False
         while members:
             group = await self._group(i, engine, members, backend)
             if group is None:
                 break
             members = self.groups[i][0]  # those that joined
-            lost = await self._send(engine, members, group, tensors, buckets, version)
-            if not lost:
+            lost, failure = await self._send(engine, members, group, tensors, buckets, version)
+            if not lost and failure is None:
                 for m in members:
                     engine.put_back(m)
                 return
             self._drop(i)
+            if not lost:
+                if retried:
+                    raise EngineError(f"weight broadcast failed twice and every server answers: {failure}")
+                retried = True  # a member restarted unseen since the group was made: a new group
             members = [m for m in members if m not in lost]
         raise EngineError(f"no server took the weights of version {version}: {engine.out}")
 
     async def _candidates(self, engine: Any) -> list[int]:
         """The servers whose /health answers: those in the rotation, and those out of it, which rejoin; one
         in the rotation that does not answer leaves it (a group waits for every rank it names)."""
+        engine.in_rotation()  # takes out the servers the supervisor restarted since the last look
         indices = range(len(engine.addresses))
         answers = await asyncio.gather(*(engine.healthy(i) for i in indices))
         for i, ok in zip(indices, answers):
@@ -187,9 +198,9 @@ class BroadcastSync:
         tensors: tuple[dict, dict],
         buckets: list[list[str]],
         version: int,
-    ) -> set[int]:
-        """Every bucket to ``members`` (``tensors``: the source's, and as sent on the meta device); the
-        servers lost on the way (empty: all hold the weights now)."""
+    ) -> tuple[set[int], BaseException | None]:
+        """Every bucket to ``members`` (``tensors``: the source's, and as sent on the meta device): the
+        servers lost on the way and the broadcast's failure (nothing lost, no failure: all hold the weights)."""
         source, wire = tensors
         for names in buckets:
             body = {
@@ -213,10 +224,8 @@ class BroadcastSync:
             replies = await _replies(posts, grace_s=None if failure is None else AFTER_FAILURE_S)
             lost = await self._lost(engine, members, replies, failure)
             if failure is not None or lost:
-                if not lost:
-                    raise EngineError(f"weight broadcast failed and every server is healthy: {failure}")
-                return lost
-        return set()
+                return lost, failure
+        return set(), None
 
     async def _lost(self, engine: Any, members: list[int], replies: list, failure: BaseException | None) -> set[int]:
         """The servers a bucket lost, taken out of the rotation: those whose call failed (after a failed

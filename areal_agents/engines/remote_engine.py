@@ -113,7 +113,7 @@ class RemoteEngine(abc.ABC):
         self.stats = collections.Counter()
         self.out: dict[int, str] = {}  # servers out of the rotation -> why
         self._guard = False  # `guard_restarts`: a server that stops answering leaves the rotation
-        self._restarts: list | None = None  # a `Supervisor`'s restarts, watched after `guard_restarts`
+        self._supervisor: Any = None  # a `Supervisor` whose restarts take servers out, after `guard_restarts`
         self._restarts_seen = 0
 
     # ---- what a subclass says about its servers' API -------------------------------------------
@@ -262,11 +262,11 @@ class RemoteEngine(abc.ABC):
         """Server ``index`` takes requests again (it serves the current weights)."""
         self.out.pop(index, None)
 
-    def guard_restarts(self, restarts: list | None = None) -> None:
+    def guard_restarts(self, supervisor: Any = None) -> None:
         """From now on a server that stops answering a generate leaves the rotation, and so does one that
-        ``restarts`` (a `Supervisor`'s list) records as restarted: it lost the weights pushed to it."""
-        self._guard, self._restarts = True, restarts
-        self._restarts_seen = len(restarts) if restarts is not None else 0
+        ``supervisor`` (the launcher's `Supervisor`) restarts: it lost the weights pushed to it."""
+        self._guard, self._supervisor = True, supervisor
+        self._restarts_seen = len(supervisor.restarts) if supervisor is not None else 0
 
     async def post_once(self, url: str, path: str, body: dict | None, timeout_s: float) -> Any:
         """One POST to ``url`` without retries, with its own timeout: the reply's JSON, or an error
@@ -310,11 +310,14 @@ class RemoteEngine(abc.ABC):
 
     def _note_restarts(self) -> None:
         """Take out the servers the supervisor restarted since the last look (after `guard_restarts`)."""
-        if self._restarts is None or len(self._restarts) == self._restarts_seen:
+        if self._supervisor is None or len(self._supervisor.restarts) == self._restarts_seen:
             return
-        for restart in self._restarts[self._restarts_seen :]:
-            self.take_out(restart.index, f"restarted ({restart.reason}): it lost the pushed weights")
-        self._restarts_seen = len(self._restarts)
+        restarts, addresses = list(self._supervisor.restarts), self._supervisor.group.addresses
+        for restart in restarts[self._restarts_seen :]:
+            url = addresses[restart.index].rstrip("/")
+            if url in self.addresses:
+                self.take_out(self.addresses.index(url), f"restarted ({restart.reason}): it lost the pushed weights")
+        self._restarts_seen = len(restarts)
 
     def _to_int(self, name: str | None, default: int) -> int:
         if name is None:

@@ -171,7 +171,7 @@ def open_weight_sync(cfg: EngineConfig, engine: Any, servers: Any, model_dir: st
             timeout_s=cfg.weight_sync_timeout,
             backend="gloo" if cfg.backend == "serve-model" else "auto",  # serve-model receives on its CPU
             tp_size=cfg.tp if cfg.backend == "sglang" else 1,
-            restarts=getattr(getattr(servers, "supervisor", None), "restarts", None),
+            supervisor=getattr(servers, "supervisor", None),
         )
     raise ConfigError(f"engine.weight_sync: expects auto, disk, broadcast or in_process, got {kind!r}")
 

@@ -21,6 +21,7 @@ from areal_agents.config import EngineConfig
 from areal_agents.engines.broadcast_sync import BroadcastSync
 from areal_agents.engines.local_servers import ServerGroup, launch_servers, server_command, wait_healthy
 from areal_agents.engines.sglang.client import SGLangEngine
+from areal_agents.engines.supervisor import Supervisor
 from areal_agents.engines.weight_sync import DiskSync, write_weights
 from areal_agents.models import load_model
 from areal_agents.net import free_port
@@ -134,36 +135,61 @@ def test_two_broadcast_pushes_leave_the_server_serving_the_trainers_weights(serv
         asyncio.run(engine.aclose())
 
 
-def test_a_server_joining_late_gets_the_weights_before_it_serves(server, tiny_dir, tmp_path):
+def test_a_server_joining_late_or_restarted_gets_the_weights_before_it_serves(server, tiny_dir, tmp_path):
+    """Added late (not up at the first push), then killed and restarted by the supervisor (which brings it
+    back with the checkpoint's weights: broadcast weights are not on disk): each time it takes no request
+    until a push has given it the trainer's weights."""
     trainer = Trainer(tiny_dir)
     port = free_port()
     late = f"http://127.0.0.1:{port}"
+    cfg = EngineConfig(backend="serve-model")
+    group = ServerGroup([late])
+    supervisor = Supervisor(
+        group, lambda i, path, tokenizer, version: server_command(
+            cfg, path, "float32", port, 1, tokenizer_path=tokenizer, weight_version=version
+        ), str(tiny_dir), check_every_s=0.5,
+    )  # fmt: skip
     engine = SGLangEngine([server, late], max_retries=0)
-    sync = BroadcastSync([engine], bucket_bytes=BUCKET_BYTES, timeout_s=30)
-    group = None
+    sync = BroadcastSync([engine], bucket_bytes=BUCKET_BYTES, timeout_s=30, supervisor=supervisor)
+
+    def generate_some() -> int:
+        """Requests through the engine; the tokens the late server generated since it started."""
+
+        async def run() -> None:
+            for k in range(4):
+                await engine.agenerate(GenRequest(f"ep{k}/t{time.monotonic()}", PROMPT, SamplingParams(4)))
+
+        asyncio.run(run())
+        return get(late, "/get_server_info")["engine"]["generated_tokens"]
+
     try:
         trainer.step()
         asyncio.run(sync.push(trainer))  # the late server is not up yet: it leaves the rotation
         assert engine.in_rotation() == [0] and 1 in engine.out
-        command = server_command(EngineConfig(backend="serve-model"), str(tiny_dir), "float32", port, 1)
-        group = start_server(command, late, tmp_path / "late.log")
-
-        async def generate_some() -> None:
-            for k in range(4):
-                await engine.agenerate(GenRequest(f"ep{k}/t0", PROMPT, SamplingParams(4)))
-
-        asyncio.run(generate_some())
-        assert get(late, "/get_server_info")["engine"]["generated_tokens"] == 0, "no request before its weights"
+        started = start_server(server_command(cfg, str(tiny_dir), "float32", port, 1), late, tmp_path / "late.log")
+        group.procs, group.logs = started.procs, started.logs
+        assert generate_some() == 0, "no request before its weights"
         trainer.step()
         assert asyncio.run(sync.push(trainer)) == 2  # it joins this push's group
         assert engine.in_rotation() == [0, 1]
         assert_serves(late, trainer.model, 2)
         assert_serves(server, trainer.model, 2)
+
+        group.supervisor = supervisor.start()
+        group.procs[0].kill()
+        deadline = time.monotonic() + 60
+        while not supervisor.restarts and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert engine.in_rotation() == [0], "out as soon as the supervisor restarts it"
+        assert wait_healthy(group, 60) is None
+        assert generate_some() == 0
+        trainer.step()
+        assert asyncio.run(sync.push(trainer)) == 3 and engine.in_rotation() == [0, 1]
+        assert_serves(late, trainer.model, 3)
     finally:
         sync.close()
         asyncio.run(engine.aclose())
-        if group is not None:
-            group.stop()
+        group.stop()
 
 
 def test_a_server_dying_mid_broadcast_leaves_the_rotation_and_the_run_goes_on_simulated_fault(

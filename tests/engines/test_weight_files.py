@@ -14,7 +14,7 @@ from areal_agents.engines.broadcast import join_group, plan_buckets, receive
 from areal_agents.engines.broadcast_sync import BroadcastSync
 from areal_agents.engines.local_servers import ServerGroup
 from areal_agents.engines.sglang.client import SGLangEngine
-from areal_agents.engines.supervisor import Restart, Served
+from areal_agents.engines.supervisor import Restart, Served, Supervisor
 from areal_agents.engines.vllm.client import check_reloadable
 from areal_agents.engines.weight_sync import DiskSync, InProcessSync, open_weight_sync, write_weights
 from areal_agents.errors import ConfigError, EngineError
@@ -106,12 +106,12 @@ def test_a_group_broadcasts_in_order_outside_the_default_group():
 
 def test_servers_out_of_the_rotation_get_no_requests_and_a_restart_takes_one_out():
     engine = SGLangEngine(["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"])
-    restarts: list[Restart] = []
-    engine.guard_restarts(restarts)
+    supervisor = Supervisor(ServerGroup(list(engine.addresses)), lambda *_: [], "m")  # not started: restarts by hand
+    engine.guard_restarts(supervisor)
     engine.take_out(1, "failed a weight push")
     assert {engine._server_for(f"ep{k}/t0") for k in range(6)} == {0, 2}
     sticky = engine._server_for("ep0/t1")
-    restarts.append(Restart(sticky, "its process exited", Served("m"), 1, "exited", 0.0))
+    supervisor.restarts.append(Restart(sticky, "its process exited", Served("m"), 1, "exited", 0.0))
     assert engine.in_rotation() == sorted({0, 2} - {sticky})
     assert engine._server_for("ep0/t2") not in (1, sticky), "its episode moves on"
     engine.put_back(1)
