@@ -7,12 +7,14 @@ Each opens what it measures the way a run opens it (`open_policy`, `open_policy_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import random
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +278,9 @@ def generate_rate(model, prompts: list[list[int]], new_tokens: int, tokenizer, c
 def part_c(ctx, cap) -> None:
     """examples/gpu: a quick SFT, then RL steps (colocated, in_process weights); held-out accuracy rises?"""
     r, s = ctx.report, ctx.sizes
+    if ctx.device.type == "cuda" and not device_keys(SFTConfig):  # fail in a second, not past the cap
+        r.add("c", "FAIL", "sft_on_gpu", error="SFTConfig has no device key: the SFT warm start would run on the CPU")
+        return
     base = ctx.work / "recipe"
     model = save_tiny_model(base / "model", preset=s.recipe_preset, overwrite=True)
     data = base / "sft_data.jsonl"
@@ -319,6 +324,18 @@ def part_c(ctx, cap) -> None:
         rl_seconds=rl["wall_seconds"],
         generated_tokens_per_s=rl["generated_tokens_per_s"],
     )
+
+
+def device_keys(cls: type, prefix: str = "") -> list[str]:
+    """The config keys named ``device`` in the dataclass ``cls`` and its sections."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        kind = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(kind):
+            keys += device_keys(kind, f"{prefix}{f.name}.")
+        elif f.name == "device":
+            keys.append(prefix + f.name)
+    return keys
 
 
 def timed_pushes(ctx, policy, repeats: int, cap, what: str) -> list[float]:
