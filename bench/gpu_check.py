@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu_rehearsal and not torch.cuda.is_available():
         print("FAIL meta. no GPU: torch.cuda.is_available() is False (use --cpu-rehearsal off a GPU)", flush=True)
         return 1
-    device = torch.device("cpu" if args.cpu_rehearsal else "cuda")
+    device = torch.device("cpu") if args.cpu_rehearsal else torch.device("cuda", 0)  # set_device wants an index
     report = Report(out / "gpu_check.json", environment(device, sizes))
     # models, run dirs and checkpoints (GBs) stay out of OUT: the device tool brings back 8 files of it at most
     work = Path(tempfile.mkdtemp(prefix="gpu_check-", dir=args.work))
