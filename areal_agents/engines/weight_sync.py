@@ -145,7 +145,7 @@ class DiskSync:
 def open_weight_sync(cfg: EngineConfig, engine: Any, servers: Any, model_dir: str, dtype: str) -> WeightSync:
     """The `WeightSync` ``engine.weight_sync`` names for ``engine`` (``servers``: the `ServerGroup` behind it,
     None for an engine in this process; ``model_dir``: the checkpoint whose config the servers load;
-    ``dtype``: the servers' dtype, what disk and broadcast send). ``auto``: in_process for an engine in this
+    ``dtype``: what disk and broadcast send, `wire_dtype`). ``auto``: in_process for an engine in this
     process, else disk."""
     kind = cfg.weight_sync
     if kind == "auto":
@@ -156,9 +156,9 @@ def open_weight_sync(cfg: EngineConfig, engine: Any, servers: Any, model_dir: st
         return InProcessSync([engine])
     if servers is None:
         raise ConfigError(f"engine.weight_sync={kind}: applies to model servers; this engine runs in this process")
-    wire_dtype = None if dtype in ("auto", "", None) else dtype
+    wire = wire_dtype(cfg, model_dir, dtype)
     if kind == "disk":
-        return DiskSync([engine], dtype=wire_dtype, model_dir=model_dir)
+        return DiskSync([engine], dtype=wire, model_dir=model_dir)
     if kind == "broadcast":
         if cfg.backend == "vllm":
             raise ConfigError("engine.weight_sync=broadcast: speaks SGLang's protocol (sglang, serve-model), not vllm")
@@ -166,7 +166,7 @@ def open_weight_sync(cfg: EngineConfig, engine: Any, servers: Any, model_dir: st
 
         return BroadcastSync(
             [engine],
-            dtype=wire_dtype,
+            dtype=wire,
             bucket_bytes=cfg.weight_sync_bucket_mb * 1024**2,
             timeout_s=cfg.weight_sync_timeout,
             backend="gloo" if cfg.backend == "serve-model" else "auto",  # serve-model receives on its CPU
@@ -174,6 +174,19 @@ def open_weight_sync(cfg: EngineConfig, engine: Any, servers: Any, model_dir: st
             supervisor=getattr(servers, "supervisor", None),
         )
     raise ConfigError(f"engine.weight_sync: expects auto, disk, broadcast or in_process, got {kind!r}")
+
+
+def wire_dtype(cfg: EngineConfig, model_dir: str, dtype: str | None) -> str | None:
+    """The dtype new weights travel in to the servers: ``dtype``; ``auto``: the launched servers' own
+    (`engine_dtype`: bfloat16 on a GPU, so a trainer's float32 master weights go as half the bytes), except
+    serve-model on the CPU, which gets them as the trainer holds them (None)."""
+    if dtype not in ("auto", "", None):
+        return dtype
+    from areal_agents.engines.local_servers import engine_dtype, server_device  # noqa: PLC0415
+
+    if cfg.backend == "serve-model" and server_device(cfg) == "cpu":
+        return None
+    return engine_dtype(cfg, model_dir, "float32")
 
 
 def write_weights(

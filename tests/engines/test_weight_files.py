@@ -67,7 +67,9 @@ def test_open_weight_sync_picks_the_transport_the_config_names(tmp_path):
     assert isinstance(disk, DiskSync) and disk.dtype == "bfloat16" and disk.model_dir == tmp_path
     cfg = EngineConfig(backend="serve-model", weight_sync="broadcast", weight_sync_bucket_mb=3, weight_sync_timeout=9)
     sync = open_weight_sync(cfg, engine, servers, str(tmp_path), "auto")
-    assert isinstance(sync, BroadcastSync) and sync.backend == "gloo" and sync.dtype is None
+    assert isinstance(sync, BroadcastSync) and sync.backend == "gloo" and sync.dtype is None  # as the trainer's
+    gpu = EngineConfig(backend="sglang", weight_sync="broadcast")
+    assert open_weight_sync(gpu, engine, servers, str(tmp_path), "auto").dtype == "bfloat16", "the servers' dtype"
     assert sync.bucket_bytes == 3 << 20 and sync.timeout_s == 9
     with pytest.raises(ConfigError, match="engine.weight_sync=broadcast: applies to model servers"):
         open_weight_sync(EngineConfig(backend="sglang", weight_sync="broadcast"), engine, None, str(tmp_path), "auto")
