@@ -76,7 +76,16 @@ class RayLauncher:
         engine = engine_client(e, servers.addresses, self.run_dir / "engine_weights")
         try:
             policy = DistributedPolicy(
-                name, spec, model_path, init_path, engine, DiskSync([engine]), servers, r.trainer_ranks, r.trainer_cpus
+                name,
+                spec,
+                model_path,
+                init_path,
+                engine,
+                DiskSync([engine]),
+                servers,
+                r.trainer_ranks,
+                r.trainer_cpus,
+                r.trainer_gpus,
             )
         except BaseException:
             servers.stop()

@@ -1,10 +1,12 @@
-"""A data-parallel trainer as a group of Ray actors (a torch.distributed gloo group; the trainer computes
-on CPU), and `DistributedPolicy`, the driver's handle: a `TrainablePolicy`
-(`areal_agents.trainers.policy_api`) like the local ones.
+"""An FSDP2 trainer as a group of Ray actors (a torch.distributed group: gloo on CPU, NCCL when each rank
+reserves a GPU, ``ray.trainer_gpus`` > 0), and `DistributedPolicy`, the driver's handle: a
+`TrainablePolicy` (`areal_agents.trainers.policy_api`) like the local ones.
 
-Every rank loads the same weights and receives the whole batch; `ppo_update` with a `DataParallel`
-gives each rank a token-balanced share of the micro-batches and sums gradients, so all ranks take the
-single-process trainer's step. Rank 0 writes the weights the model servers load and the checkpoints.
+Each rank is set up as a local rank process is (`load_trainable` with its `DataParallel`: the models
+sharded per layer, `fsdp.py`) and receives the whole batch; `ppo_update` gives each rank a token-balanced,
+padded share of the micro-batches and sums gradients, so all ranks take the single-process trainer's step.
+Full weights and train state are gathered by all ranks; rank 0 writes the weights the model servers load
+and answers for the checkpoints. NCCL between Ray actors has not run here (no GPUs): CI runs gloo.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from transformers import PreTrainedModel
 
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.weight_sync import WeightSync, write_weights
+from areal_agents.models.device import resolve_device
 from areal_agents.models.loading import load_model, quiet_transformers
 from areal_agents.net import free_port
 from areal_agents.trainers.distributed import DataParallel
@@ -41,22 +44,29 @@ class TrainerRank:
         return f"{host}:{free_port(host)}"
 
     def setup(self, spec: TrainSpec, name: str, model_path: str, init_path: str, master: str) -> None:
+        """Join the group (NCCL on the GPU Ray gave this actor, else gloo) and load this rank's shards."""
         quiet_transformers()
-        self.dp = DataParallel.init(self.rank, self.world_size, master, "gloo")  # the trainer computes on CPU
+        device = resolve_device(spec.ppo.device, local_rank=0)  # Ray shows an actor only its own GPUs
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.dp = DataParallel.init(self.rank, self.world_size, master, backend)
+        self.dp.device = device
         seed_everything(spec.seed)
-        self.policy = load_trainable(name, spec, model_path, init_path)
-        self.dp.broadcast_parameters(self.policy.model)
-        if self.policy.critic is not None:
-            self.dp.broadcast_parameters(self.policy.critic)
+        self.policy = load_trainable(name, spec, model_path, init_path, self.dp)
 
     def update(self, trajectories: list[Trajectory], generator_state: torch.Tensor) -> tuple[dict, Any]:
-        return self.policy.remote_train_step(trajectories, generator_state, self.dp)
+        return self.policy.remote_train_step(trajectories, generator_state)
 
-    def write_weights(self, path: str) -> None:
-        write_weights(self.policy.model.state_dict(), path)
+    def write_weights(self, path: str, dtype: str | None = None) -> None:
+        """Gather the full weights (every rank calls it); rank 0 writes them."""
+        weights = self.policy.weights()
+        if self.rank == 0:
+            write_weights(weights, path, dtype)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu() for k, v in self.policy.model.state_dict().items()}
+        """The full weights, gathered by every rank; rank 0's are the answer (``{}`` elsewhere)."""
+        return self.policy.weights()
 
     def train_state(self) -> dict[str, Any]:
         return self.policy.state_dict()
@@ -95,10 +105,11 @@ class DistributedPolicy:
         servers: Any,
         ranks: int = 1,
         cpus: float = 1.0,
+        gpus: float = 0.0,
     ) -> None:
         self.name, self.engine, self.weight_sync, self.servers = name, engine, weight_sync, servers
         self.model_path, self.dtype = model_path, spec.dtype
-        self.ranks = [TrainerRank.options(num_cpus=cpus).remote(rank, ranks) for rank in range(ranks)]
+        self.ranks = [TrainerRank.options(num_cpus=cpus, num_gpus=gpus).remote(rank, ranks) for rank in range(ranks)]
         master = ray.get(self.ranks[0].master_address.remote())
         ray.get([r.setup.remote(spec, name, model_path, init_path, master) for r in self.ranks])
         self._model: PreTrainedModel | None = None
@@ -115,12 +126,12 @@ class DistributedPolicy:
         await self.weight_sync.push(self)
 
     async def tensors(self) -> dict[str, torch.Tensor]:
-        """Rank 0's current weights, copied to this process (a `WeightSource`)."""
-        return await self.ranks[0].state_dict.remote()
+        """The full current weights, gathered by the ranks, copied to this process (a `WeightSource`)."""
+        return (await asyncio.gather(*(r.state_dict.remote() for r in self.ranks)))[0]
 
-    async def save_weights(self, path: Path) -> None:
-        """Rank 0 writes its weights as ``path/model.safetensors`` (a `WeightSource`)."""
-        await self.ranks[0].write_weights.remote(str(path))
+    async def save_weights(self, path: Path, dtype: str | None = None) -> None:
+        """The ranks gather the weights, rank 0 writes them under ``path`` (in ``dtype``; a `WeightSource`)."""
+        await asyncio.gather(*(r.write_weights.remote(str(path), dtype) for r in self.ranks))
 
     async def wait_idle(self) -> None:
         """Nothing to wait for: an update is one call, awaited by the recipe."""
@@ -130,11 +141,12 @@ class DistributedPolicy:
         """A copy of rank 0's current weights in the driver (for checkpoints)."""
         if self._model is None:
             self._model = load_model(self.model_path, self.dtype)
-        self._model.load_state_dict(ray.get(self.ranks[0].state_dict.remote()))
+        self._model.load_state_dict(ray.get([r.state_dict.remote() for r in self.ranks])[0])
         return self._model
 
     def state_dict(self) -> dict[str, Any]:
-        return ray.get(self.ranks[0].train_state.remote())
+        """The full train state, gathered by every rank (single-process layout: any world size resumes it)."""
+        return ray.get([r.train_state.remote() for r in self.ranks])[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         ray.get([r.load_train_state.remote(state) for r in self.ranks])

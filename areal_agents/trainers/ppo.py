@@ -104,8 +104,10 @@ class _Tally:
         return out | {"behav_weight_max": bmax, "optimizer_steps": float(self.steps)}
 
     def perf(self, model: torch.nn.Module, cfg: PPOConfig, dp: DataParallel | None) -> dict[str, float]:
-        """``trained_tokens``, ``model_flops`` (`model_flops`) and ``peak_flops`` over all ranks, and on
-        CUDA ``perf/gpu_memory_*`` (the largest rank's)."""
+        """``trained_tokens`` (the trajectories' tokens through the policy's forward and backward, padding
+        ranks' copies left out; a shared prompt counted with each of its completions), ``model_flops``
+        (`model_flops`) and ``peak_flops`` summed over ranks, and on CUDA ``perf/gpu_memory_*`` (the
+        largest rank's)."""
         device = module_device(model)
         peak = (peak_tflops(device, cfg.peak_tflops) or 0.0) * 1e12
         work = self.work | {"peak_flops": peak}
