@@ -163,3 +163,34 @@ def test_serve_model_takes_a_device():
     parser = build_parser()
     assert parser.parse_args(["serve-model", "--model-path", "m"]).device == "cpu"
     assert parser.parse_args(["serve-model", "--model-path", "m", "--device", "cuda"]).device == "cuda"
+
+
+def test_a_cancelled_request_left_in_the_batch_does_not_stop_a_sharing_engine(tiny_dir, tokenizer):
+    """A synchronous run's trainer may step before the engine has dropped a cancelled request's row: that
+    row is handed back without a decode step, and the engine serves the next push."""
+    trainer = load_model(tiny_dir)
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=1e-2)
+    engine = HFEngine(load_model(tiny_dir), eos_token_ids=[], share_weights=True)
+    asyncio.run(engine.update_weights(trainer.state_dict()))
+    ids = prompt(tokenizer)
+
+    async def run():
+        task = asyncio.ensure_future(engine.agenerate(GenRequest("long", ids, SamplingParams(max_new_tokens=400))))
+        while engine.stats.decode_steps < 3:
+            await asyncio.sleep(0.001)
+        await engine.pause()  # its row stays in the batch
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # cancelled: its row is marked to go
+        train_step(trainer, optimizer, ids)
+        await engine.resume()
+        while engine.stats.aborted == 0 and engine.health() is None:
+            await asyncio.sleep(0.001)
+
+    asyncio.run(run())
+    assert engine.health() is None and engine.num_running == 0
+    asyncio.run(engine.update_weights(trainer.state_dict()))
+    r = generate(engine, ids)
+    assert torch.allclose(
+        torch.tensor(r.output_logprobs), forward_logprobs(trainer, ids + r.output_tokens, 8), atol=1e-4
+    )
+    engine.close()

@@ -83,9 +83,20 @@ class BatchRunner:
     def step(self, batch: RunningBatch, incoming: list[Submission], stale: bool, version: int) -> None:
         """Admit (and re-prefill after a weight swap), then one decode step; retire finished rows."""
         if self.pushed is not None and weight_versions(self.model) != self.pushed[0]:
-            raise moved_weights_error(self.pushed[1])  # a trainer stepped under a sharing engine: stop it
+            self.step_on_moved_weights(batch, incoming)
+            return
         with self.placement.precision():
             self.run_step(batch, incoming, stale, version)
+
+    def step_on_moved_weights(self, batch: RunningBatch, incoming: list[Submission]) -> None:
+        """Shared weights changed since their push: a request left to decode stops the engine (its tokens
+        would come from weights of no version); requests all cancelled or aborted (a synchronous run's
+        leftovers, which the trainer may outrun) are handed back without touching the model."""
+        if any(not s.abort for s in incoming) or any(not (s.delivered or s.abort) for s in batch.rows):
+            raise moved_weights_error(self.pushed[1])
+        for seq in incoming:
+            self.finish(seq, "abort")
+        self.retire(batch)
 
     def run_step(self, batch: RunningBatch, incoming: list[Submission], stale: bool, version: int) -> None:
         """`step` in the engine's precision."""
