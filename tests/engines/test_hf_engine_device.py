@@ -58,11 +58,12 @@ def test_compute_and_weights_dtype_by_device_and_sharing(device):
     asked = Placement.of(torch.float32, device, "bfloat16", share_weights=True)
     assert (asked.dtype, asked.weights_dtype, asked.autocast) == (torch.bfloat16, torch.float32, True)
     assert Placement.of(torch.bfloat16, device).dtype == torch.bfloat16
+    assert Placement.of(torch.float32, device, "float16").weights_dtype == torch.float16
 
 
 def test_device_and_compute_dtype_are_checked(model):
-    with pytest.raises(ConfigError, match="compute_dtype: expects one of auto, float32, bfloat16, got 'float16'"):
-        HFEngine(model, compute_dtype="float16")
+    with pytest.raises(ConfigError, match="compute_dtype: expects one of auto, float32, bfloat16, float16, got 'fp8'"):
+        HFEngine(model, compute_dtype="fp8")
     with pytest.raises(ConfigError, match="device: expects 'auto', 'cpu' or 'cuda', got 'gpu'"):
         HFEngine(model, device="gpu")
 

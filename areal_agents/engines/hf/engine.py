@@ -64,8 +64,9 @@ class HFEngine:
     """In-process `InferenceEngine` over a transformers causal LM (the CPU default and test engine).
 
     ``device``: ``cpu``, ``cuda`` or ``auto``; ``compute_dtype``: ``auto`` (bfloat16 for a float32 model on
-    CUDA, else the model's dtype), ``float32`` or ``bfloat16``; ``share_weights``: ``update_weights`` points
-    the model at the given tensors instead of copying them (same device, same dtype; see `update_weights`).
+    CUDA, else the model's dtype), ``float32``, ``bfloat16`` or ``float16``; ``share_weights``:
+    ``update_weights`` points the model at the given tensors instead of copying them (same device, same
+    dtype; see `update_weights`).
     """
 
     stall_s: float = STALL_S  # `health`: busy this long without finishing a step is stuck

@@ -26,9 +26,10 @@ import torch
 from transformers import PreTrainedModel
 
 from areal_agents.errors import ConfigError, EngineError
-from areal_agents.models.device import autocast, compute_dtype, resolve_device
+from areal_agents.models.device import autocast, resolve_device
+from areal_agents.models.loading import DTYPES
 
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # HFEngine's compute_dtype
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # HFEngine's compute_dtype (engine.dtype)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class Placement:
         if dtype == "auto":
             compute = torch.bfloat16 if where.type == "cuda" and model_dtype == torch.float32 else model_dtype
         else:
-            compute = compute_dtype(where, dtype)
+            compute = DTYPES[dtype]
         return cls(where, compute, model_dtype if share_weights else compute)
 
     @property
