@@ -14,6 +14,7 @@ from test_hf_engine import forward_logprobs, prompt
 from areal_agents.cli import build_parser
 from areal_agents.engines import HFEngine
 from areal_agents.engines.hf.placement import Placement
+from areal_agents.engines.hf.process_engine import ProcessEngine
 from areal_agents.errors import ConfigError, EngineError
 from areal_agents.models import load_model
 from areal_agents.types import GenRequest, SamplingParams
@@ -158,6 +159,11 @@ def test_shared_float32_weights_decode_under_bfloat16_autocast(tiny_dir, tokeniz
             ref = forward_logprobs(trainer, start + r.output_tokens, 8)
             assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=3e-2)
     engine.close()
+
+
+def test_process_engine_refuses_to_share_weights_across_processes(tiny_dir):
+    with pytest.raises(ConfigError, match="set engine.own_process=false"):
+        ProcessEngine(str(tiny_dir), share_weights=True)  # refused before any process starts
 
 
 def test_serve_model_takes_a_device():

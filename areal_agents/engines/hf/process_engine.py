@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of tensors sent as weights)
 
-from areal_agents.errors import EngineError, RequestError
+from areal_agents.errors import ConfigError, EngineError, RequestError
 from areal_agents.types import GenRequest, GenResponse
 from areal_agents.workers import start_child, stop_child
 
@@ -137,7 +137,13 @@ class ProcessEngine:
         fast_decode: bool = True,
         device: str = "cpu",
         compute_dtype: str = "auto",
+        share_weights: bool = False,
     ) -> None:
+        if share_weights:  # taken so that one set of engine arguments fits both engines
+            raise ConfigError(
+                "share_weights: the engine shares the trainer's tensors only in the trainer's own process "
+                "(engine.weight_sync=in_process): set engine.own_process=false, or use another weight_sync"
+            )
         kwargs = dict(
             device=device,
             compute_dtype=compute_dtype,
