@@ -79,3 +79,15 @@ def test_example_configs_load_and_make_their_envs(path):
         return
     make_env(cfg.env.id, **cfg.env.kwargs).reset(seed=0)
     make_env(cfg.env.id, **{**cfg.env.kwargs, **cfg.eval.env_kwargs}).reset(seed=0)
+
+
+def test_in_process_weight_sharing_needs_a_synchronous_thread_trainer():
+    ok = load_config(TrainConfig, None, ["engine.weight_sync=in_process"])
+    assert ok.engine.weight_sync == "in_process"
+    for bad in ("rollout.max_staleness=1", "ppo.trainer=process", "ppo.nproc_per_node=2", "engine.own_process=true"):
+        with pytest.raises(ConfigError, match="engine.weight_sync: in_process .*max_staleness=0"):
+            load_config(TrainConfig, None, ["engine.weight_sync=in_process", bad])
+    with pytest.raises(ConfigError, match="weight_sync: disk applies to model servers"):
+        load_config(TrainConfig, None, ["engine.weight_sync=disk"])
+    with pytest.raises(ConfigError, match="ppo.nproc_per_node: for local runs"):
+        load_config(TrainConfig, None, ["ppo.nproc_per_node=2", "launcher=ray"])

@@ -363,6 +363,14 @@ class TrainConfig:
         budget, buffer = self.rollout.max_new_tokens, self.ppo.overlong_buffer
         if buffer > budget:
             raise ValueError(f"ppo.overlong_buffer: expects at most rollout.max_new_tokens ({budget}), got {buffer}")
+        if self.engine.weight_sync == "in_process":
+            shared = self.rollout.max_staleness == 0 and self.ppo.trainer == "thread" and self.ppo.nproc_per_node == 1
+            if not shared or self.engine.own_process or self.launcher == "ray":
+                raise ValueError(
+                    "engine.weight_sync: in_process shares the trainer's tensors with the engine, so it needs "
+                    "rollout.max_staleness=0, ppo.trainer=thread, ppo.nproc_per_node=1, engine.own_process=false "
+                    "and launcher=local (or use weight_sync=auto, which copies)"
+                )
         if self.ppo.nproc_per_node > 1 and self.launcher == "ray":
             raise ValueError("ppo.nproc_per_node: for local runs; with launcher=ray set ray.trainer_ranks")
         if self.ppo.trainer == "process" and self.launcher == "ray":

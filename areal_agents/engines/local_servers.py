@@ -261,10 +261,13 @@ def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path
             kv_dtype=cfg.kv_dtype,
             fast_decode=cfg.fast_decode,
             device=cfg.device,
+            compute_dtype=cfg.dtype,
         )
         if cfg.own_process:
             return ProcessEngine(model_path, dtype, **kwargs), None
-        return HFEngine(load_model(model_path, dtype), **kwargs), None
+        # weight_sync=in_process: the engine decodes with the trainer's own tensors (pushes copy nothing)
+        share = cfg.weight_sync == "in_process"
+        return HFEngine(load_model(model_path, dtype), share_weights=share, **kwargs), None
     if cfg.urls:
         servers = ServerGroup(list(cfg.urls))
     else:
