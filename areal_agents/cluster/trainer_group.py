@@ -55,8 +55,10 @@ class TrainerRank:
         seed_everything(spec.seed)
         self.policy = load_trainable(name, spec, model_path, init_path, self.dp)
 
-    def update(self, trajectories: list[Trajectory], generator_state: torch.Tensor) -> tuple[dict, Any]:
-        return self.policy.remote_train_step(trajectories, generator_state)
+    def update(
+        self, trajectories: list[Trajectory], generator_state: torch.Tensor, version: int | None = None
+    ) -> tuple[dict, Any]:
+        return self.policy.remote_train_step(trajectories, generator_state, None, version)
 
     def write_weights(self, path: str, dtype: str | None = None) -> None:
         """Gather the full weights (every rank calls it); rank 0 writes them."""
@@ -116,7 +118,8 @@ class DistributedPolicy:
 
     async def update(self, trajectories: list[Trajectory], generator: torch.Generator) -> dict[str, float]:
         batch = ray.put(trajectories)  # one copy in the object store, read by every rank
-        results = await asyncio.gather(*(r.update.remote(batch, generator.get_state()) for r in self.ranks))
+        state, version = generator.get_state(), self.engine.get_version()  # version: for the mismatch metrics
+        results = await asyncio.gather(*(r.update.remote(batch, state, version) for r in self.ranks))
         stats, state = results[0]
         generator.set_state(state)
         return stats

@@ -109,12 +109,13 @@ class Policy:
         Always the same thread, with ``spec.cpu_threads`` intra-op threads: torch's OpenMP workers belong
         to the thread that starts them, and every extra set competes for the same cores (updates hopping
         between pool threads, beside the engine's and the event loop's, ran slower)."""
-        return await self._in_trainer(functools.partial(self.train_step, trajectories, generator))
+        version = self.version()
+        return await self._in_trainer(functools.partial(self.train_step, trajectories, generator, version=version))
 
     async def update_part(self, trajectories: list[Trajectory]) -> None:
         """Forward and backward on part of a batch (whole groups) in the trainer thread; `finish_update`
         steps. The rollout loop feeds a batch's groups as they finish (``ppo.stream_updates``)."""
-        await self._in_trainer(functools.partial(self.train_part, trajectories))
+        await self._in_trainer(functools.partial(self.train_part, trajectories, self.version()))
 
     async def finish_update(self, generator: torch.Generator) -> dict[str, float]:
         """The optimizer step of the parts fed so far (none: a skipped step, as `update` of no data); its stats."""
@@ -133,8 +134,12 @@ class Policy:
             )
         return await asyncio.get_running_loop().run_in_executor(self.trainer, call)
 
-    def train_part(self, trajectories: list[Trajectory]) -> None:
-        """`StreamedUpdate.add` (the first part of a batch starts the update)."""
+    def version(self) -> int | None:
+        """The engine's version: that of the weights this trainer holds between pushes (None: no engine here)."""
+        return self.engine.get_version() if self.engine is not None else None
+
+    def train_part(self, trajectories: list[Trajectory], version: int | None = None) -> None:
+        """`StreamedUpdate.add` (the first part of a batch starts the update; ``version``: `version`)."""
         if self.streamed is None:
             s = self.spec
             self.streamed = StreamedUpdate(
@@ -146,6 +151,7 @@ class Policy:
                 pad_token_id=s.pad_token_id,
                 ref_model=self.reference,
                 max_new_tokens=s.max_new_tokens,
+                policy_version=version,
             )
         self.streamed.add(trajectories)
 
@@ -157,9 +163,13 @@ class Policy:
         return update.finish(generator)
 
     def train_step(
-        self, trajectories: list[Trajectory], generator: torch.Generator, dp: DataParallel | None = None
+        self,
+        trajectories: list[Trajectory],
+        generator: torch.Generator,
+        dp: DataParallel | None = None,
+        version: int | None = None,
     ) -> dict[str, float]:
-        """One PPO update (``dp``: as one rank of a data-parallel group)."""
+        """One PPO update (``dp``: as one rank of a data-parallel group; ``version``: the engine's, `version`)."""
         s = self.spec
         return ppo_update(
             self.trained if self.trained is not None else self.model,
@@ -175,13 +185,18 @@ class Policy:
             critic_optimizer=self.critic_optimizer,
             dp=dp if dp is not None else self.dp,
             max_new_tokens=s.max_new_tokens,
+            policy_version=version,
         )
 
     def remote_train_step(
-        self, trajectories: list[Trajectory], generator_state: torch.Tensor, dp: DataParallel | None = None
+        self,
+        trajectories: list[Trajectory],
+        generator_state: torch.Tensor,
+        dp: DataParallel | None = None,
+        version: int | None = None,
     ) -> tuple[dict[str, float], torch.Tensor]:
         """`train_step` where the caller's generator lives in another process: its state in, its state out."""
-        return _with_generator(generator_state, lambda g: self.train_step(trajectories, g, dp))
+        return _with_generator(generator_state, lambda g: self.train_step(trajectories, g, dp, version))
 
     def remote_finish_step(self, generator_state: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
         """`finish_step` where the caller's generator lives in another process: its state in, its state out."""

@@ -41,7 +41,7 @@ from areal_agents.trainers.ppo_batch import (
     prepare_batch,
     proximal_logprobs,
 )
-from areal_agents.trainers.ppo_loss import decoupled_ppo_loss, kl_to_reference
+from areal_agents.trainers.ppo_loss import decoupled_ppo_loss, kl_to_reference, mismatch_stats, sequence_ratio_mask
 from areal_agents.types import Trajectory
 
 __all__ = ["StreamedUpdate", "critic_values", "ppo_update", "proximal_logprobs", "streamable"]
@@ -58,6 +58,8 @@ _MB_STATS = (
     "kl_ref",
 )
 _CRITIC_STATS = ("value_loss", "value_clip_fraction")
+# train/inference mismatch sums (`ppo_loss.mismatch_stats`) and the sequence-level mask's count, over the update
+_MISMATCH_SUMS = ("mismatch_kl_sum", "mismatch_tokens", "seq_masked", "loss_tokens")
 # what `prepare_batch` counts with group advantages (a streamed batch sums them over its parts)
 _GROUP_COUNTS = ("groups", "flat_groups", "trained", "loss_tokens", "advantage_abs_sum", "advantage_count")
 
@@ -78,6 +80,8 @@ class _Tally:
         self.per_step: dict[str, float] = defaultdict(float)  # grad norms: the same on every rank
         self.behav_weight_max, self.steps = 0.0, 0
         self.work = {"trained_tokens": 0.0, "attended": 0.0}  # the policy's forward + backward, for MFU
+        self.mismatch = dict.fromkeys(_MISMATCH_SUMS, 0.0)
+        self.mismatch_max = 0.0
 
     def add(self, st: dict[str, float], loss_sum: float, value: tuple[float, float] | None = None) -> None:
         """One micro-batch's loss stats (and, with a critic, its value loss sum and clipped fraction)."""
@@ -86,6 +90,9 @@ class _Tally:
         for key in _MB_STATS[1:]:
             self.step[key] += st.get(key, 0.0) * tokens
         self.behav_weight_max = max(self.behav_weight_max, st["behav_weight_max"])
+        for key in _MISMATCH_SUMS:
+            self.mismatch[key] += st.get(key, 0.0)
+        self.mismatch_max = max(self.mismatch_max, st.get("mismatch_max_abs", 0.0))
         if value is not None:
             self.step["value_loss"] += value[0]
             self.step["value_clip_fraction"] += value[1] * tokens
@@ -101,7 +108,18 @@ class _Tally:
     def stats(self, dp: DataParallel | None) -> dict[str, float]:
         run, bmax = (dp.sum(self.run), dp.max(self.behav_weight_max)) if dp else (self.run, self.behav_weight_max)
         out = {key: value / max(self.steps, 1) for key, value in (run | self.per_step).items()}
-        return out | {"behav_weight_max": bmax, "optimizer_steps": float(self.steps)}
+        return out | {"behav_weight_max": bmax, "optimizer_steps": float(self.steps)} | self.mismatch_stats(dp)
+
+    def mismatch_stats(self, dp: DataParallel | None) -> dict[str, float]:
+        """``mismatch_kl`` (per token) and ``mismatch_max_abs`` over the tokens scored at the engine's weights,
+        how many there were, and the fraction of loss tokens the sequence-level mask left out."""
+        sums, top = (dp.sum(self.mismatch), dp.max(self.mismatch_max)) if dp else (self.mismatch, self.mismatch_max)
+        return {
+            "mismatch_kl": sums["mismatch_kl_sum"] / max(sums["mismatch_tokens"], 1.0),
+            "mismatch_max_abs": top,
+            "mismatch_tokens": sums["mismatch_tokens"],
+            "seq_masked_fraction": sums["seq_masked"] / max(sums["seq_masked"] + sums["loss_tokens"], 1.0),
+        }
 
     def perf(self, model: torch.nn.Module, cfg: PPOConfig, dp: DataParallel | None) -> dict[str, float]:
         """``trained_tokens`` (the trajectories' tokens through the policy's forward and backward, padding
@@ -133,16 +151,26 @@ def micro_batch_loss(
     temperature: float,
     num_tokens: float,
     ref_model: PreTrainedModel | None,
+    policy_version: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The decoupled PPO loss of one micro-batch (plus the KL penalty), summed over tokens / ``num_tokens``.
-    ``mb.prox_logprobs`` None: π_prox is this forward, detached (one optimizer step per batch)."""
+    ``mb.prox_logprobs`` None: π_prox is this forward, detached (one optimizer step per batch).
+
+    π_prox is the trainer at the engine's current weights, so on the tokens the engine sampled with them
+    (version ``policy_version``; None: every token) π_prox vs π_behav is the train/inference mismatch
+    (`ppo_loss.mismatch_stats`); ``ppo.behav_seq_ratio_min/max`` leave out whole trajectories by it."""
     logp = token_logprobs(model, mb, temperature)
+    prox = mb.prox_logprobs if mb.prox_logprobs is not None else logp.detach()
+    mask = mb.loss_mask
+    low, high = cfg.behav_seq_ratio_min, cfg.behav_seq_ratio_max
+    if low is not None or high is not None:
+        mask = sequence_ratio_mask(prox - mb.logprobs, mb.loss_mask, mb.slices or [], low, high)
     loss, st = decoupled_ppo_loss(
         logp,
-        mb.prox_logprobs if mb.prox_logprobs is not None else logp.detach(),
+        prox,
         mb.logprobs,
         mb.advantages,
-        mb.loss_mask,
+        mask,
         eps_clip=cfg.eps_clip,
         eps_clip_higher=cfg.eps_clip_higher,
         dual_clip=cfg.dual_clip,
@@ -153,8 +181,12 @@ def micro_batch_loss(
     if cfg.kl_coef > 0 and ref_model is not None:
         with torch.no_grad():
             logp_ref = token_logprobs(ref_model, mb, temperature)
-        penalty, st["kl_ref"] = kl_to_reference(logp, logp_ref, mb.loss_mask, num_tokens)
+        penalty, st["kl_ref"] = kl_to_reference(logp, logp_ref, mask, num_tokens)
         loss = loss + cfg.kl_coef * penalty
+    fresh = mb.loss_mask.bool()
+    if policy_version is not None and mb.versions is not None:
+        fresh = fresh & (mb.versions == policy_version)
+    st |= mismatch_stats(prox, mb.logprobs, fresh) | {"seq_masked": float((mb.loss_mask - mask).sum())}
     return loss, st
 
 
@@ -169,6 +201,7 @@ def accumulate(
     num_tokens: float,
     ref_model: PreTrainedModel | None = None,
     critic: ValueModel | None = None,
+    policy_version: int | None = None,
 ) -> None:
     """Forward and backward of each micro-batch of ``batch`` (its trajectories indexed like ``batch``'s):
     the policy's loss and, with ``critic``, the value loss, each summed over tokens / ``num_tokens``."""
@@ -177,7 +210,7 @@ def accumulate(
         mb.advantages = spread(mb, batch.advantages)
         mb = mb.to(device)
         with context():
-            loss, st = micro_batch_loss(model, mb, cfg, temperature, num_tokens, ref_model)
+            loss, st = micro_batch_loss(model, mb, cfg, temperature, num_tokens, ref_model, policy_version)
         loss.backward()
         value = None
         if critic is not None:
@@ -215,13 +248,15 @@ def ppo_update(
     critic_optimizer: torch.optim.Optimizer | None = None,
     dp: DataParallel | None = None,
     max_new_tokens: int | None = None,
+    policy_version: int | None = None,
 ) -> dict[str, float]:
     """Train on one batch; return namespaced-ready stats (loss, clip fraction, weights, grad norm).
 
     With ``cfg.kl_coef > 0``, ``ref_model`` (frozen, usually the initial policy) adds a KL penalty.
     ``cfg.advantage == "gae"`` needs ``critic`` and ``critic_optimizer``. With ``dp`` this rank trains
     on its share of every minibatch and gradients are summed across ranks (`distributed.py`).
-    ``max_new_tokens``: the rollout's, which ``cfg.overlong_buffer`` needs (`prepare_batch`)."""
+    ``max_new_tokens``: the rollout's, which ``cfg.overlong_buffer`` needs (`prepare_batch`).
+    ``policy_version``: the engine's version of these weights, whose tokens measure the mismatch."""
     use_gae = cfg.advantage == "gae"
     if use_gae and (critic is None or critic_optimizer is None):
         raise ValueError("ppo.advantage=gae needs a critic and its optimizer")
@@ -250,6 +285,7 @@ def ppo_update(
         accumulate(
             model, dp.share(mbs) if dp else mbs, minibatch, cfg, tally,
             temperature=temperature, num_tokens=total, ref_model=ref_model, critic=critic,
+            policy_version=policy_version,
         )  # fmt: skip
         norms = {"grad_norm": optimizer_step(model, optimizer, cfg.max_grad_norm, scheduler=scheduler)}
         if critic is not None:
@@ -283,6 +319,7 @@ class StreamedUpdate:
         pad_token_id: int,
         ref_model: PreTrainedModel | None = None,
         max_new_tokens: int | None = None,
+        policy_version: int | None = None,
     ) -> None:
         if not streamable(cfg):
             raise ValueError(
@@ -291,7 +328,7 @@ class StreamedUpdate:
             )
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, cfg
         self.temperature, self.pad_token_id, self.ref_model = temperature, pad_token_id, ref_model
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.policy_version = max_new_tokens, policy_version
         self.counts = dict.fromkeys(_GROUP_COUNTS, 0.0)
         self.tally = _Tally(critic=False)
         optimizer.zero_grad(set_to_none=True)
@@ -311,6 +348,7 @@ class StreamedUpdate:
         accumulate(
             self.model, mbs, part, self.cfg, self.tally,
             temperature=self.temperature, num_tokens=1.0, ref_model=self.ref_model,
+            policy_version=self.policy_version,
         )  # fmt: skip
 
     def finish(self, generator: torch.Generator | None = None) -> dict[str, float]:

@@ -204,13 +204,14 @@ class ProcessPolicy:
         return await asyncio.get_running_loop().run_in_executor(self._caller, self._call, method, *args)
 
     async def update(self, trajectories: list[Trajectory], generator: torch.Generator) -> dict[str, float]:
-        stats, state = await self._acall("update", trajectories, generator.get_state())
+        version = self.engine.get_version()  # the mismatch metrics' tokens (`Policy.version`)
+        stats, state = await self._acall("update", trajectories, generator.get_state(), None, version)
         generator.set_state(state)
         return stats
 
     async def update_part(self, trajectories: list[Trajectory]) -> None:
         """Forward and backward on part of a batch in the trainer process (`Policy.update_part`)."""
-        await self._acall("update_part", trajectories)
+        await self._acall("update_part", trajectories, self.engine.get_version())
 
     async def finish_update(self, generator: torch.Generator) -> dict[str, float]:
         stats, state = await self._acall("finish_update", generator.get_state())
