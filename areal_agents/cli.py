@@ -284,6 +284,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=["hf", "serve-model", "sglang", "vllm"], default=None, help="default: hf")
     p.add_argument("--engine-url", action="append", default=None, help="running servers of that engine")
     p.add_argument("--vllm-python", default=None, help="vllm: the Python of an environment with vLLM")
+    p.add_argument("--sglang-python", default=None, help="sglang: the Python of an environment with SGLang")
     p.add_argument("--n-samples", type=int, default=None, help="samples per problem (default: the preset's)")
     p.add_argument("--temperature", type=float, default=None, help="default: the preset's")
     p.add_argument("--top-p", type=float, default=None, help="default: the preset's")

@@ -26,7 +26,7 @@ from areal_agents.cluster.rollout_workers import RolloutWorkers
 from areal_agents.cluster.trainer_group import DistributedPolicy
 from areal_agents.config import TrainConfig
 from areal_agents.engines.local_servers import ServerGroup, engine_client
-from areal_agents.engines.weight_sync import DiskSync
+from areal_agents.engines.weight_sync import open_weight_sync
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ConfigError
 from areal_agents.rollout.episodes import EpisodeFn
@@ -81,7 +81,7 @@ class RayLauncher:
                 model_path,
                 init_path,
                 engine,
-                DiskSync([engine]),
+                open_weight_sync(e, engine, servers, model_path, e.dtype),
                 servers,
                 r.trainer_ranks,
                 r.trainer_cpus,

@@ -46,6 +46,7 @@ class EvalOptions:
     engine: Literal["hf", "serve-model", "sglang", "vllm"] = config_field("the inference engine", default="hf")
     engine_url: list[str] = config_field("running servers of that engine", default_factory=list)
     vllm_python: str = config_field("vllm: the Python of an environment with vLLM", default="")
+    sglang_python: str = config_field("sglang: the Python of an environment with SGLang", default="")
     n_samples: int | None = config_field("samples per problem (default: the preset's)", default=None)
     temperature: float | None = config_field("default: the preset's", default=None)
     top_p: float | None = config_field("default: the preset's", default=None)
@@ -98,7 +99,12 @@ class EvalOptions:
         )
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(backend=self.engine, urls=list(self.engine_url), vllm_python=self.vllm_python)
+        return EngineConfig(
+            backend=self.engine,
+            urls=list(self.engine_url),
+            vllm_python=self.vllm_python,
+            sglang_python=self.sglang_python,
+        )
 
     def out_dir(self) -> str:
         """``out``, or runs/eval/ named after the dataset or the env."""

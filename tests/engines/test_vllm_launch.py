@@ -42,7 +42,8 @@ RECORDED = {
 
 
 def vllm_config(**kw) -> EngineConfig:
-    return EngineConfig(backend="vllm", vllm_python=sys.executable, **kw)
+    """A CPU vLLM server's config (device cpu: a machine whose torch sees a GPU would pick bfloat16)."""
+    return EngineConfig(backend="vllm", vllm_python=sys.executable, device="cpu", **kw)
 
 
 def test_the_command_names_the_flags_the_client_needs_and_keeps_its_files_in_scratch(tiny_dir, tmp_path, monkeypatch):
@@ -69,7 +70,7 @@ def test_engine_dtype_auto_is_the_checkpoints_for_vllm_and_the_runs_for_serve_mo
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
     assert engine_dtype(vllm_config(), str(tmp_path), "float32") == "bfloat16"
     assert engine_dtype(EngineConfig(backend="sglang"), str(tmp_path), "float32") == "bfloat16"
-    assert engine_dtype(EngineConfig(backend="serve-model"), str(tmp_path), "float32") == "float32"
+    assert engine_dtype(EngineConfig(backend="serve-model", device="cpu"), str(tmp_path), "float32") == "float32"
     assert engine_dtype(vllm_config(dtype="float16"), str(tmp_path), "float32") == "float16"
 
 
