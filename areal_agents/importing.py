@@ -1,14 +1,19 @@
-"""Resolve ``module:attr`` strings from config (user envs, reward functions, dataset classes)."""
+"""Resolve ``module:attr`` strings from config (user envs, reward functions, dataset classes), and find an
+interpreter that can import a module (an engine's own environment)."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import importlib
+import os
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
-from areal_agents.errors import ArealAgentsError
+from areal_agents.errors import ArealAgentsError, EngineError
 
 # The modules a `module:Name` string (an env id, a kwarg naming an object) may name while `only_modules` is
 # active, i.e. while an env server makes a client's env; None: any.
@@ -53,3 +58,17 @@ def load_object(spec: str, what: str = "object") -> Any:
             raise ArealAgentsError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def python_with(module: str, configured: str, key: str, hint: str) -> str:
+    """The interpreter ``configured`` (a config ``key``'s value; empty: this one) after checking that it can
+    import ``module``: an engine (SGLang, vLLM) that lives in an environment of its own. `EngineError`
+    naming ``key`` and ending with ``hint`` (how to make such an environment) when it cannot."""
+    python = configured or sys.executable
+    if configured and not (Path(python).is_file() and os.access(python, os.X_OK)):
+        raise EngineError(f"{key}: {python} is not an executable file; {hint}")
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    if subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode != 0:
+        where = key if configured else f"this interpreter ({key} is unset)"
+        raise EngineError(f"{where} ({python}) has no {module} module; {hint}")
+    return python

@@ -7,13 +7,8 @@ with ours: docs/sglang.md): its command line and a clear error when that interpr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from areal_agents.config import EngineConfig
-from areal_agents.errors import EngineError
+from areal_agents.importing import python_with
 
 SETUP_HINT = (
     "make an environment with SGLang and name its interpreter (docs/sglang.md): bash scripts/setup.sh --with-sglang "
@@ -23,17 +18,11 @@ SETUP_HINT = (
 
 def sglang_python(cfg: EngineConfig) -> str:
     """The interpreter that runs SGLang: ``engine.sglang_python``, else this one; an error if it lacks SGLang."""
-    python = cfg.sglang_python or sys.executable
-    if cfg.sglang_python and not (Path(python).is_file() and os.access(python, os.X_OK)):
-        raise EngineError(f"engine.sglang_python: {python} is not an executable file; {SETUP_HINT}")
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
-    if subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode != 0:
-        where = "engine.sglang_python" if cfg.sglang_python else "this interpreter (engine.sglang_python is unset)"
-        raise EngineError(
-            f"engine.backend=sglang: {where} ({python}) has no sglang module; {SETUP_HINT}. Without a GPU, "
-            "engine.backend=serve-model speaks the same API on CPU; engine.urls=[...] connects to running servers"
-        )
-    return python
+    hint = (
+        f"{SETUP_HINT}. Without a GPU, engine.backend=serve-model speaks the same API on CPU; "
+        "engine.urls=[...] connects to running servers"
+    )
+    return python_with("sglang", cfg.sglang_python, "engine.sglang_python", hint)
 
 
 def sglang_command(

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 from areal_agents.config import EngineConfig
-from areal_agents.errors import EngineError
+from areal_agents.importing import python_with
 
 SETUP_HINT = "bash scripts/setup.sh --with-vllm builds one in .venv-vllm (engine.vllm_python=.venv-vllm/bin/python)"
 CPU_KV_CACHE_GIB = "1"  # vLLM's CPU backend: the KV cache's size unless VLLM_CPU_KVCACHE_SPACE says otherwise
@@ -25,14 +23,7 @@ CPU_KV_CACHE_GIB = "1"  # vLLM's CPU backend: the KV cache's size unless VLLM_CP
 
 def vllm_python(cfg: EngineConfig) -> str:
     """The interpreter that runs vLLM: ``engine.vllm_python``, else this one; an error if it lacks vLLM."""
-    python = cfg.vllm_python or sys.executable
-    if cfg.vllm_python and not (Path(python).is_file() and os.access(python, os.X_OK)):
-        raise EngineError(f"engine.vllm_python: {python} is not an executable file; {SETUP_HINT}")
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
-    if subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode != 0:
-        where = "engine.vllm_python" if cfg.vllm_python else "this interpreter (engine.vllm_python is unset)"
-        raise EngineError(f"engine.backend=vllm: {where} ({python}) has no vllm module; {SETUP_HINT}")
-    return python
+    return python_with("vllm", cfg.vllm_python, "engine.vllm_python", SETUP_HINT)
 
 
 def checkpoint_dtype(model_path: str) -> str:
