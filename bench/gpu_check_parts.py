@@ -421,9 +421,10 @@ def part_e(ctx, cap) -> None:
     r.check(
         "e",
         "mismatch_kl",
-        kl is not None and math.isfinite(kl) and kl < 0.05,
+        kl is not None and math.isfinite(kl) and kl < 0.05 and stats.get("mismatch_tokens", 0) > 0,
         mismatch_kl=kl,
         mismatch_max_abs=max_abs,
+        mismatch_tokens=stats.get("mismatch_tokens"),  # those sampled at the trainer's weights: all, here
         limit=0.05,
         engine_versions=versions,
         tokens=sum(len(resp.output_tokens) for resp in responses),
