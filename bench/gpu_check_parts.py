@@ -288,6 +288,7 @@ def part_c(ctx, cap) -> None:
     subprocess.run([sys.executable, str(maker), str(data), "--n", "20000"], check=True, stdout=subprocess.DEVNULL)
     evals = f"eval.num_problems={s.eval_problems}"
     sft_overrides = [f"run_dir={base / 'sft'}", f"data={data}", f"model.path={model}", f"steps={s.sft_steps}", evals]
+    sft_overrides.append(f"device={ctx.device.type}")  # the recipe's cuda; the rehearsal's cpu
     sft_cfg = load_config(SFTConfig, RECIPE / "sft.yaml", sft_overrides + list(s.sft_overrides))
     sft = run_sft(sft_cfg, progress=False)
     r.add(

