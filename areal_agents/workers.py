@@ -53,23 +53,34 @@ def start_child(
 ) -> tuple[Any, Connection, Any]:
     """Spawn ``target(conn, *args)`` and wait for its first message: ``("ok", value)``, returned with the
     process and this end of the pipe, or ``("error", traceback)``, raised as ``error("what: ...")``."""
+    process, conn = spawn_child(target, args, name)
+    status, value = first_answer(process, conn, timeout)
+    if status == "error":
+        stop_child(process, conn, None, timeout=0)
+        raise error(f"{what}:\n{value}")
+    return process, conn, value
+
+
+def spawn_child(target: Callable[..., Any], args: tuple, name: str) -> tuple[Any, Connection]:
+    """A spawned daemon process running ``target(conn, *args)``, and this end of its pipe."""
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     process = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
     process.start()
     child.close()
+    return process, conn
+
+
+def first_answer(process: Any, conn: Connection, timeout: float) -> tuple[str, Any]:
+    """A child's first message, ``(status, value)``; ``("error", why)`` if it sends none in ``timeout`` s
+    or exits first."""
     try:
         if not conn.poll(timeout):
-            status, value = "error", f"no answer in {timeout:.0f}s"
-        else:
-            status, value = conn.recv()
+            return "error", f"no answer in {timeout:.0f}s"
+        return conn.recv()
     except EOFError:
         process.join(5)
-        status, value = "error", f"the process exited (code {process.exitcode})"
-    if status == "error":
-        stop_child(process, conn, None, timeout=0)
-        raise error(f"{what}:\n{value}")
-    return process, conn, value
+        return "error", f"the process exited (code {process.exitcode})"
 
 
 def stop_child(process: Any, conn: Connection, close_message: Any, timeout: float = 30.0) -> None:

@@ -40,7 +40,7 @@ from areal_agents.trainers.policy import load_trainable
 from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.trainers.run_start import seed_everything
 from areal_agents.types import Trajectory
-from areal_agents.workers import start_child, stop_child
+from areal_agents.workers import first_answer, spawn_child, start_child, stop_child
 
 _START_TIMEOUT_S = 600.0
 
@@ -269,29 +269,15 @@ def _start_ranks(
 ) -> tuple[list[Any], list[Any], dict[str, torch.Tensor]]:
     """Spawn one `_serve` per environment, all before waiting (each joins the process group in its start);
     their processes, pipes and rank 0's shared weights. `TrainerProcessError` if any fails: all are stopped."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    processes, conns = [], []
-    for env in envs:
-        conn, child = ctx.Pipe()
-        process = ctx.Process(
-            target=_serve, args=(child, spec, name, model_path, init_path, env), name=f"trainer-{name}-{env['RANK']}"
-        )
-        process.daemon = True
-        process.start()
-        child.close()
-        processes.append(process)
-        conns.append(conn)
+    started = [
+        spawn_child(_serve, (spec, name, model_path, init_path, env), f"trainer-{name}-{env['RANK']}") for env in envs
+    ]
+    processes, conns = [p for p, _ in started], [c for _, c in started]
     answers, failure = [], None
-    for rank, (process, conn) in enumerate(zip(processes, conns)):
-        try:
-            status, value = (
-                conn.recv() if conn.poll(_START_TIMEOUT_S) else ("error", f"no answer in {_START_TIMEOUT_S}s")
-            )
-        except EOFError:
-            process.join(5)
-            status, value = "error", f"the process exited (code {process.exitcode})"
+    for rank, (process, conn) in enumerate(started):
+        status, value = first_answer(process, conn, _START_TIMEOUT_S)
         if status == "error":
-            failure = failure or f"trainer rank {rank} of {name!r} failed in start:\n{value}"
+            failure = f"trainer rank {rank} of {name!r} failed in start:\n{value}"
             break
         answers.append(value)
     if failure is not None:
