@@ -86,6 +86,9 @@ def parse_harmony(text: str) -> ToolSplit:
             continue
         name = m.recipient.removeprefix("functions.")
         raw = m.raw.strip()
+        if not name:
+            out.errors.append(ToolParseError(raw, f"the tool call's recipient {m.recipient!r} has no tool name"))
+            continue
         if m.body is None:
             msg = f"the tool call to {name} was cut off before {MESSAGE} and its arguments"
             out.errors.append(ToolParseError(raw, msg))

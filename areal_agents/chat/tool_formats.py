@@ -119,29 +119,41 @@ def _skip_ws(text: str, i: int) -> int:
     return i
 
 
-def _scan_list(text: str, start: int) -> tuple[int, list[tuple[int, int, Any]]] | str:
-    """Decode the JSON list at ``text[start:]`` element by element, so that each element's exact text is known.
+@dataclass
+class _ListScan:
+    """A JSON list decoded element by element: the elements that decoded, with their exact spans, and
+    where the list ends; or, when it is malformed, what is wrong and where the bad part starts."""
 
-    Returns (end of the list, [(element start, element end, value)]) or what is wrong, in words.
-    """
+    items: list[tuple[int, int, Any]]
+    end: int | None = None
+    problem: str = ""
+    bad_from: int | None = None  # None: the whole list is bad (no list, or never closed)
+
+
+def _scan_list(text: str, start: int) -> _ListScan:
+    """Decode the JSON list at ``text[start:]``; a malformed element spoils only itself and what follows."""
     i = _skip_ws(text, start)
     if i >= len(text) or text[i] != "[":
-        return "no JSON list follows it"
+        return _ListScan([], problem="no JSON list follows it")
     items: list[tuple[int, int, Any]] = []
     i = _skip_ws(text, i + 1)
     if i < len(text) and text[i] == "]":
-        return i + 1, items
+        return _ListScan(items, end=i + 1)
     while True:
         try:
             value, end = _DECODER.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            return f"the list is not valid JSON ({e.msg} at character {e.pos - start})"
+            return _ListScan(
+                items, problem=f"the tool call is not valid JSON ({e.msg} at character {e.pos - i})", bad_from=i
+            )
         items.append((i, end, value))
         i = _skip_ws(text, end)
-        if i < len(text) and text[i] == "]":
-            return i + 1, items
-        if i >= len(text) or text[i] != ",":
-            return f"the list is not valid JSON (expecting ',' or ']' at character {i - start})"
+        if i >= len(text):
+            return _ListScan([], problem="the list is not closed with ]")
+        if text[i] == "]":
+            return _ListScan(items, end=i + 1)
+        if text[i] != ",":
+            return _ListScan(items, problem="expected ',' or ']' after a call", bad_from=i)
         i = _skip_ws(text, i + 1)
 
 
@@ -152,20 +164,19 @@ def _parse_marked_lists(text: str, marker: str) -> ToolSplit:
     while (start := text.find(marker, pos)) != -1:
         nxt = text.find(marker, start + len(marker))
         limit = nxt if nxt != -1 else len(text)
-        scanned = _scan_list(text[:limit], start + len(marker))
-        if isinstance(scanned, str):
-            end = _cut(text, start, limit)
-            msg = f"{marker} must be followed by a JSON list of calls [{_CALL_SHAPE}]: {scanned}"
+        scan = _scan_list(text[:limit], start + len(marker))
+        end = scan.end if scan.end is not None else _cut(text, start, limit)
+        spans.append((start, end, None))
+        spans.extend((s, e, call_from_object(value, text[s:e])) for s, e, value in scan.items)
+        if scan.end is None and scan.bad_from is None:
+            msg = f"{marker} must be followed by a JSON list of calls [{_CALL_SHAPE}]: {scan.problem}"
             spans.append((start, end, ToolParseError(text[start:end], msg)))
-        elif not scanned[1]:
-            end = scanned[0]
+        elif scan.end is None:
+            spans.append((scan.bad_from, end, ToolParseError(text[scan.bad_from : end], scan.problem)))
+        elif not scan.items:
             msg = f"{marker} is followed by an empty list; write [{_CALL_SHAPE}]"
             spans.append((start, end, ToolParseError(text[start:end], msg)))
-        else:
-            end, items = scanned
-            spans.append((start, end, None))
-            spans.extend((s, e, call_from_object(value, text[s:e])) for s, e, value in items)
-        pos = limit if isinstance(scanned, str) else end
+        pos = end if scan.end is not None else limit
     return split_spans(text, spans)
 
 
