@@ -39,8 +39,10 @@ def cmd_tiny_model(args: argparse.Namespace) -> None:
 
     _quiet_transformers()
     context = {} if args.context is None else {"max_position_embeddings": args.context}
-    out = save_tiny_model(args.out_dir, seed=args.seed, overwrite=args.overwrite, preset=args.preset, **context)
-    print(f"{args.preset} model and tokenizer saved to {out}")
+    out = save_tiny_model(
+        args.out_dir, seed=args.seed, overwrite=args.overwrite, preset=args.preset, family=args.family, **context
+    )
+    print(f"{args.preset} model and {args.family} tokenizer saved to {out}")
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -185,10 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# models/families.py FAMILIES, named here so the parser builds without importing transformers (a test checks both).
+TINY_FAMILIES = ("qwen3", "qwq", "deepseek-r1", "mistral", "gpt-oss", "granite")
+
+
 def _add_tiny_model(sub: argparse._SubParsersAction) -> None:
     """``tiny-model``."""
     p = sub.add_parser(
-        "tiny-model", help="build a tiny Llama (or, --preset qwen3-0.4b, a GPU-sized Qwen3) + char tokenizer"
+        "tiny-model", help="build a tiny Llama (or, --preset qwen3-0.4b, a GPU-sized Qwen3) + its tokenizer (--family)"
     )
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)
@@ -204,6 +210,12 @@ def _add_tiny_model(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="max_position_embeddings: prompt + answer tokens (e.g. 32768); default: the preset's (512, 4096)",
+    )
+    p.add_argument(
+        "--family",
+        default="char",
+        help="tokenizer and chat template: char (default; one token per character, ChatML) or a real family's "
+        f"template over a byte-level BPE: {', '.join(TINY_FAMILIES)} (models/families.py)",
     )
     p.set_defaults(fn=cmd_tiny_model)
 

@@ -9,6 +9,10 @@ parameters, the size a single-GPU run trains with no hub download (examples/gpu/
 
     save_tiny_model("runs/tiny")            # or: areal-agents tiny-model runs/tiny
     save_tiny_model("runs/q", preset="qwen3-0.4b")   # or: areal-agents tiny-model runs/q --preset qwen3-0.4b
+    save_tiny_model("runs/q3", family="qwen3")       # or: areal-agents tiny-model runs/q3 --family qwen3
+
+``family`` swaps the character-level tokenizer for a family's byte-level BPE and real chat template
+(models/families.py); the model stays the tiny Llama, sized to that vocabulary.
     model = AutoModelForCausalLM.from_pretrained("runs/tiny")
 """
 
@@ -30,6 +34,7 @@ from transformers import (
 )
 
 from areal_agents.errors import ArealAgentsError, did_you_mean
+from areal_agents.models.families import FAMILIES, build_family_tokenizer, stop_token_ids
 
 # Named model shapes (`build_tiny_model` keywords). qwen3-0.4b: Qwen3-0.6B's config.json less its 151,936-token
 # embedding (ours has 100 tokens), so the decoder's FLOPs and memory are a real 0.6B's.
@@ -122,22 +127,36 @@ def build_tiny_model(
     return LlamaForCausalLM(LlamaConfig(**shape))
 
 
+FAMILY_CHOICES = ("char", *FAMILIES)  # char: the character-level tokenizer and ChatML above
+
+
 def save_tiny_model(
-    out_dir: str | Path, seed: int = 0, overwrite: bool = False, preset: str = "tiny", **model_kwargs: Any
+    out_dir: str | Path,
+    seed: int = 0,
+    overwrite: bool = False,
+    preset: str = "tiny",
+    family: str = "char",
+    **model_kwargs: Any,
 ) -> Path:
     """Build the tokenizer and model and ``save_pretrained`` both into ``out_dir``.
 
     ``preset`` names a shape of `PRESETS` (``tiny``, ``qwen3-0.4b``); ``model_kwargs`` override its values.
+    ``family`` is ``char`` or a name of `FAMILIES` (its tokenizer and template; the generation config's
+    ``eos_token_id`` lists the family's stop tokens, an int when there is one).
     ``out_dir`` must be new or an empty directory; with ``overwrite=True`` the model's files replace
     those of the same name in it (and a file at that path is removed).
 
     Raises:
-        ArealAgentsError: an unknown ``preset``, or ``out_dir`` is a file or a non-empty directory and
+        ArealAgentsError: an unknown ``preset`` or ``family``, or ``out_dir`` is a file or a non-empty directory and
             ``overwrite`` is False.
     """
     if preset not in PRESETS:
         raise ArealAgentsError(
             f"preset: expects one of {', '.join(PRESETS)}, got {preset!r}.{did_you_mean(preset, PRESETS)}"
+        )
+    if family not in FAMILY_CHOICES:
+        raise ArealAgentsError(
+            f"family: expects one of {', '.join(FAMILY_CHOICES)}, got {family!r}.{did_you_mean(family, FAMILY_CHOICES)}"
         )
     out = Path(out_dir)
     is_file = out.exists() and not out.is_dir()
@@ -149,7 +168,7 @@ def save_tiny_model(
         )
     if is_file:
         out.unlink()
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = build_tiny_tokenizer() if family == "char" else build_family_tokenizer(family)
     model = build_tiny_model(
         len(tokenizer),
         seed=seed,
@@ -157,9 +176,10 @@ def save_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         **(PRESETS[preset] | model_kwargs),
     )
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    stops = stop_token_ids(tokenizer)
+    model.generation_config.eos_token_id = stops[0] if len(stops) == 1 else stops
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = None
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -117,3 +117,17 @@ def test_cli_tiny_model_preset(tmp_path, capsys):
     assert "preset: expects one of" in capsys.readouterr().err
     assert main(["tiny-model", str(tmp_path / "m"), "--preset", "tiny", "--context", "64"]) == 0
     assert json.loads((tmp_path / "m" / "config.json").read_text())["max_position_embeddings"] == 64
+
+
+def test_default_family_is_char_with_its_eos_as_the_one_stop_token(tiny_dir):
+    from transformers import GenerationConfig
+
+    from areal_agents.models import family_of
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    assert family_of(tok) is None and len(tok) == 101  # 3 ChatML specials, <unk>, 97 characters
+    assert (
+        GenerationConfig.from_pretrained(tiny_dir).eos_token_id
+        == tok.eos_token_id
+        == tok.convert_tokens_to_ids("<|im_end|>")
+    )
