@@ -131,7 +131,8 @@ class _ListScan:
 
 
 def _scan_list(text: str, start: int) -> _ListScan:
-    """Decode the JSON list at ``text[start:]``; a malformed element spoils only itself and what follows."""
+    """Decode the JSON list at ``text[start:]``. A malformed element spoils only itself and what follows; a
+    list cut off before its ``]`` is bad as a whole."""
     i = _skip_ws(text, start)
     if i >= len(text) or text[i] != "[":
         return _ListScan([], problem="no JSON list follows it")
@@ -143,6 +144,8 @@ def _scan_list(text: str, start: int) -> _ListScan:
         try:
             value, end = _DECODER.raw_decode(text, i)
         except json.JSONDecodeError as e:
+            if e.pos >= len(text):  # cut off: no call of the list runs
+                return _ListScan([], problem="the list is not closed with ]")
             return _ListScan(
                 items, problem=f"the tool call is not valid JSON ({e.msg} at character {e.pos - i})", bad_from=i
             )

@@ -4,13 +4,22 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 from pathlib import Path
 
 import pytest
 
 import areal_agents.models
-from areal_agents.chat import ParsedReply, ReplyParser, ToolCall, ToolParseError, detect_parsers, parse_reply
+from areal_agents.chat import (
+    REASONING_PARSERS,
+    ParsedReply,
+    ReplyParser,
+    ToolCall,
+    ToolParseError,
+    detect_parsers,
+    parse_reply,
+)
 from areal_agents.chat.tool_formats import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP
 from areal_agents.errors import ArealAgentsError
 
@@ -273,3 +282,25 @@ def test_unknown_parser_names_are_refused_with_the_field_named():
         ReplyParser.for_template(None, tool_parser="hermez")
     with pytest.raises(ArealAgentsError, match=r"reasoning_parser 'thinking'.*think, harmony, none"):
         parse_reply("x", "hermes", "thinking")
+
+
+PIECES = [
+    "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|tool_call|>", DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN,
+    DS_CALL_END, DS_SEP, "<|start|>", "assistant", " to=functions.f", " to=", "<|channel|>", "analysis", "final",
+    "commentary", "<|constrain|>json", "<|message|>", "<|end|>", "<|call|>", "<think>", "</think>", "<response>",
+    '{"name": "f", "arguments": {"a": [1, "é"]}}', '{"a": 1}', "[", "]", "{", "}", ",", '"', "\n", "```json\n", "x",
+]  # fmt: skip
+
+
+def test_no_parser_raises_on_garbage_and_every_error_keeps_text_from_the_reply():
+    """Random runs of every format's markup and JSON fragments: parsing never raises and each error's raw
+    text is the model's own."""
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 14)))
+        for tool in ("hermes", "mistral", "deepseek", "harmony", "granite", "none"):
+            for reasoning in ("think", "harmony", "none"):
+                reply = parse_reply(text, tool, reasoning)
+                rest = REASONING_PARSERS[reasoning](text).rest  # calls are looked for in what reasoning leaves
+                assert all(e.raw and e.raw in rest for e in reply.errors), (text, tool, reasoning)
+                assert all(isinstance(c.arguments, dict) and c.name for c in reply.tool_calls)
