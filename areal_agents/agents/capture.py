@@ -7,33 +7,51 @@ Each call is recorded token-in/token-out. A call whose messages extend the previ
 generated tokens stay exactly as sampled and only the new messages are rendered. Any other call (the
 agent edited history, or the chat template rewrote it) starts a new trajectory segment.
 
+Replies have serve-model's ``/v1/chat/completions`` shapes (``openai_shapes``): ``reasoning_content`` and
+``tool_calls`` from the template's `ReplyParser` (a malformed call stays in ``content``, never dropped),
+``stop`` strings (the tokens up to the stop string are recorded, what the engine sampled after it is not),
+``logprobs``, and ``n``: each choice is its own branch, a segment of its own whose earlier turns are prompt
+(trained once, in the branch they came from), so the agent may continue from any of them.
+
 Sampling temperature and top-p come from the rollout config, whatever the call asks for, so that the
 behavior logprobs match what the trainer recomputes; ``max_tokens`` is honoured up to the config's.
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import itertools
-import json
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from openai.types import CompletionUsage
-from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionMessageToolCall
-from openai.types.chat.chat_completion import Choice
+from openai.types.chat import ChatCompletion
 from transformers import PreTrainedTokenizerBase
 
 from areal_agents.agents.chat_tokens import ChatTokens
+from areal_agents.chat import ReplyParser
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.envs.tools import find_tool_calls
-from areal_agents.types import GenRequest, SamplingParams, Trajectory
+from areal_agents.engines.model_server.openai_shapes import (
+    OpenAIRequestError,
+    chat_logprobs,
+    finish_reason,
+    generated,
+    plain_message,
+    reply_message,
+    same_message,
+    stop_strings,
+    usage,
+)
+from areal_agents.models.families import stop_token_ids
+from areal_agents.types import GenRequest, GenResponse, SamplingParams, Trajectory
 
 
 @dataclass
 class _Segment:
     chat: ChatTokens
+    sent: list[dict[str, Any]] = field(default_factory=list)  # the conversation as the client sees it
     completion_ids: list[str] = field(default_factory=list)
 
 
@@ -55,10 +73,12 @@ class ChatCapture:
         episode_id: str,
         agent_id: str = "agent",
         max_total_tokens: int = 4096,
+        parser: ReplyParser | None = None,
     ) -> None:
         self.engine, self.tokenizer = engine, tokenizer
-        stop = sorted({*sampling.stop_token_ids, tokenizer.eos_token_id})
-        self.sampling = replace(sampling, stop_token_ids=stop)
+        self.parser = parser or ReplyParser.for_template(tokenizer.chat_template)
+        self.stop_ids = set(stop_token_ids(tokenizer))
+        self.sampling = replace(sampling, stop_token_ids=sorted({*sampling.stop_token_ids, *self.stop_ids}))
         self.episode_id, self.agent_id = episode_id, agent_id
         self.max_total_tokens = max_total_tokens
         self.segments: list[_Segment] = []
@@ -84,7 +104,7 @@ class ChatCapture:
 
     def trajectories(self) -> list[Trajectory]:
         """One trajectory per segment that holds generated tokens, sharing the episode's reward."""
-        calls = [c for s in self.segments for c in s.completion_ids]
+        calls = list(dict.fromkeys(c for s in self.segments for c in s.completion_ids))  # n > 1: one id, n branches
         turn_rewards = [self.call_rewards.get(c, 0.0) for c in calls]
         return [
             Trajectory(
@@ -107,18 +127,33 @@ class ChatCapture:
             if sum(s.chat.loss_mask) > 0
         ]
 
-    def _prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> _Segment:
+    def _prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None
+    ) -> _Segment:
         """The segment this call continues (its prompt tokens appended), or a new one."""
-        messages = [_plain(m) for m in messages]
         for segment in reversed(self.segments):  # the newest conversation this call extends, if any
-            seen = segment.chat.messages
-            if segment.chat.tools == tools and len(messages) > len(seen) and messages[: len(seen)] == seen:
-                if segment.chat.append_messages(messages[len(seen) :]):
+            seen, chat = segment.sent, segment.chat
+            same_call = chat.tools == tools and (chat.template_kwargs or None) == (kwargs or None)
+            if same_call and len(messages) > len(seen) and all(map(same_message, messages, seen)):
+                if chat.append_messages(messages[len(seen) :]):
+                    segment.sent = list(messages)
                     return segment
                 break  # the template rewrote history: a new segment
-        chat = ChatTokens(self.tokenizer, tools=tools)
+        chat = ChatTokens(self.tokenizer, tools=tools, template_kwargs=kwargs, parser=self.parser)
         chat.start(messages)
-        self.segments.append(_Segment(chat))
+        self.segments.append(_Segment(chat, list(messages)))
+        return self.segments[-1]
+
+    def _branch(self, segment: _Segment) -> _Segment:
+        """A copy of ``segment`` before its generation, for another choice of the same call: its earlier
+        turns are prompt there (they are trained in ``segment``)."""
+        chat = copy.copy(segment.chat)
+        chat.messages = list(chat.messages)
+        chat.input_ids = list(chat.input_ids)
+        chat.loss_mask = [0] * len(chat.input_ids)
+        chat.logprobs = [0.0] * len(chat.input_ids)
+        chat.versions = [-1] * len(chat.input_ids)
+        self.segments.append(_Segment(chat, list(segment.sent)))
         return self.segments[-1]
 
     async def create(
@@ -129,46 +164,92 @@ class ChatCapture:
         max_tokens: int | None = None,
         max_completion_tokens: int | None = None,
         n: int | None = None,
+        stop: str | list[str] | None = None,
+        logprobs: bool | None = None,
+        top_logprobs: int | None = None,
+        tool_choice: Any = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        stream: bool | None = None,
         **ignored: Any,
     ) -> ChatCompletion:
-        """``chat.completions.create``: one choice, sampled with the rollout's temperature and top-p."""
-        if n not in (None, 1):
-            raise ValueError(f"n: the capturing client samples one choice per call, got n={n}")
+        """``chat.completions.create``: ``n`` choices sampled with the rollout's temperature and top-p.
+        `OpenAIRequestError` (a ValueError) names a field it cannot honour."""
+        n = 1 if n is None else n
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise OpenAIRequestError("n", f"expects an integer >= 1, got {n!r}")
+        if top_logprobs:
+            raise OpenAIRequestError("top_logprobs", "the engine gives the chosen tokens' logprobs only: use 0")
+        if stream:
+            raise OpenAIRequestError("stream", "the capturing client answers whole completions only (stream=false)")
+        if tool_choice not in (None, "auto", "none"):
+            raise OpenAIRequestError("tool_choice", f"calls are not forced: 'auto' or 'none', got {tool_choice!r}")
         if not messages:
-            raise ValueError("messages: expects at least one message")
-        segment = self._prompt(messages, tools)
-        chat = segment.chat
+            raise OpenAIRequestError("messages", "expects at least one message")
+        stops = stop_strings(stop)
+        sent = [plain_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+        segment = self._prompt(sent, tools or None, chat_template_kwargs)
+        prompt = list(segment.chat.input_ids)
         budget = min(
             self.sampling.max_new_tokens,
             max_completion_tokens or max_tokens or self.sampling.max_new_tokens,
-            self.max_total_tokens - len(chat.input_ids),
+            self.max_total_tokens - len(prompt),
         )
         if budget < 1:
-            raise ValueError(f"the conversation is {len(chat.input_ids)} tokens: no room under max_total_tokens")
-        prompt_tokens = len(chat.input_ids)
+            raise OpenAIRequestError(
+                "messages", f"the conversation is {len(prompt)} tokens: no room under max_total_tokens"
+            )
+        branches = [segment] + [self._branch(segment) for _ in range(n - 1)]
         k = next(self._calls)
-        request = GenRequest(
-            f"{self.episode_id}/c{k}", list(chat.input_ids), replace(self.sampling, max_new_tokens=budget)
+        sampling = replace(self.sampling, max_new_tokens=budget)
+        responses = await asyncio.gather(
+            *(self.engine.agenerate(GenRequest(f"{self.episode_id}/c{k}/{i}", prompt, sampling)) for i in range(n))
         )
-        response = await self.engine.agenerate(request)
-        self.stop_reasons.append(response.stop_reason)
-        text = chat.append_generation(response.output_tokens, response.output_logprobs, response.output_versions)
         completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        message = _reply(text, tools, completion_id)
-        chat.messages[-1] = _plain(message.model_dump(exclude_none=True))  # as the agent will send it back
-        segment.completion_ids.append(completion_id)
-        finish = "tool_calls" if message.tool_calls else ("length" if response.stop_reason == "length" else "stop")
-        n_out = len(response.output_tokens)
-        return ChatCompletion(
-            id=completion_id,
-            object="chat.completion",
-            created=int(time.time()),
-            model="areal-agents-policy",
-            choices=[Choice(index=0, message=message, finish_reason=finish)],
-            usage=CompletionUsage(
-                prompt_tokens=prompt_tokens, completion_tokens=n_out, total_tokens=prompt_tokens + n_out
-            ),
+        parse_tools = bool(tools) and tool_choice != "none"
+        choices = [
+            self._record(branch, response, i, completion_id, stops, parse_tools, bool(logprobs))
+            for i, (branch, response) in enumerate(zip(branches, responses))
+        ]
+        n_out = sum(len(c.pop("_tokens")) for c in choices)
+        return ChatCompletion.model_validate(
+            {
+                "id": completion_id,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": "areal-agents-policy",
+                "choices": choices,
+                "usage": usage(len(prompt), n_out),
+            }
         )
+
+    def _record(
+        self,
+        segment: _Segment,
+        response: GenResponse,
+        index: int,
+        completion_id: str,
+        stops: list[str],
+        parse_tools: bool,
+        with_logprobs: bool,
+    ) -> dict[str, Any]:
+        """Append one choice's tokens (up to a stop string) to ``segment``; its ``choices[index]`` object."""
+        self.stop_reasons.append(response.stop_reason)
+        tokens, lps = response.output_tokens, response.output_logprobs
+        gen = generated(self.tokenizer, tokens, lps, response.stop_reason, stops, self.stop_ids)
+        segment.chat.append_generation(gen.tokens, gen.logprobs, response.output_versions[: len(gen.tokens)])
+        message, errors = reply_message(self.parser, gen.text, parse_tools)
+        segment.sent.append(plain_message(message))  # as the agent will send it back
+        segment.completion_ids.append(completion_id)
+        choice: dict[str, Any] = {
+            "index": index,
+            "message": message,
+            "logprobs": chat_logprobs(self.tokenizer, gen.tokens, gen.logprobs) if with_logprobs else None,
+            "finish_reason": finish_reason(message, gen.finish),
+            "_tokens": gen.tokens,
+        }
+        if errors:
+            choice["tool_call_errors"] = errors  # non-standard: the malformed calls, which stay in content
+        return choice
 
 
 class CapturingAgent:
@@ -195,36 +276,6 @@ class CapturingAgent:
             agent_id=self.agent_id,
             max_total_tokens=self.max_total_tokens,
         )
-
-
-def _reply(text: str, tools: list[dict[str, Any]] | None, completion_id: str) -> ChatCompletionMessage:
-    """The assistant message; with ``tools``, ``<tool_call>`` blocks become OpenAI ``tool_calls``."""
-    calls = []
-    if tools:
-        for k, raw in enumerate(find_tool_calls(text)):
-            try:
-                call = json.loads(raw)
-                name, arguments = str(call["name"]), call.get("arguments", {})
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # not a well-formed call: it stays in the text, as the model wrote it
-            args = arguments if isinstance(arguments, str) else json.dumps(arguments)
-            calls.append(
-                ChatCompletionMessageToolCall(
-                    id=f"call_{completion_id[-8:]}_{k}", type="function", function={"name": name, "arguments": args}
-                )
-            )
-    return ChatCompletionMessage(role="assistant", content=text, tool_calls=calls or None)
-
-
-def _plain(message: Any) -> dict[str, Any]:
-    """A message as a plain dict with the keys that matter for comparing conversations."""
-    if hasattr(message, "model_dump"):
-        message = message.model_dump(exclude_none=True)
-    out = {"role": message["role"], "content": message.get("content") or ""}
-    for key in ("tool_calls", "tool_call_id", "name"):
-        if message.get(key):
-            out[key] = message[key]
-    return out
 
 
 class _Completions:

@@ -29,6 +29,8 @@ from transformers import PreTrainedTokenizerBase
 
 from areal_agents.agents.capture import CapturingAgent, ChatCapture
 from areal_agents.engines.base import InferenceEngine
+from areal_agents.engines.model_server.openai_routes import openai_error
+from areal_agents.engines.model_server.openai_shapes import OpenAIRequestError
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ArealAgentsError
 from areal_agents.net import free_port
@@ -97,19 +99,22 @@ class ChatProxy:
         app = FastAPI(title="areal-agents chat proxy")
 
         async def complete(session: str, request: Request) -> JSONResponse:
+            """serve-model's /v1/chat/completions shapes, errors included (``{"error": {..., "param"}}``)."""
             capture = self._capture(session)
             try:
                 body = await request.json()
             except json.JSONDecodeError as e:
-                raise HTTPException(400, f"the request body is not JSON: {e}") from e
+                return openai_error(400, f"the request body is not JSON: {e}")
             if not isinstance(body, dict) or "messages" not in body:
-                raise HTTPException(400, "the request body needs 'messages' (a list of chat messages)")
+                return openai_error(400, "messages: the body needs a list of chat messages", "messages")
             if body.get("stream"):
-                raise HTTPException(400, "stream: the proxy answers whole completions only (stream=false)")
+                return openai_error(400, "stream: the proxy answers whole completions only (stream=false)", "stream")
             try:
                 completion = await capture.create(**body)
+            except OpenAIRequestError as e:
+                return openai_error(400, str(e), e.param)
             except (ValueError, TypeError) as e:
-                raise HTTPException(400, str(e)) from e
+                return openai_error(400, str(e))
             return JSONResponse(completion.model_dump(exclude_none=True))
 
         @app.post("/s/{session}/v1/chat/completions")

@@ -9,6 +9,8 @@ from openai.types.chat import ChatCompletion
 from test_segments import THINK_DROPPING_TEMPLATE, ScriptedEngine
 
 from areal_agents.agents.capture import ChatCapture
+from areal_agents.chat import ReplyParser
+from areal_agents.engines.model_server.openai_shapes import OpenAIRequestError
 from areal_agents.types import SamplingParams
 
 
@@ -117,5 +119,63 @@ def test_bad_calls_are_clear_errors(tokenizer):
     _, capture = capture_for(tokenizer, ["8"])
     with pytest.raises(ValueError, match="messages"):
         asyncio.run(capture.client.chat.completions.create(model="m", messages=[]))
-    with pytest.raises(ValueError, match="n: "):
-        asyncio.run(capture.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}], n=4))
+    user = [{"role": "user", "content": "a"}]
+    for bad, field in [({"n": 0}, "n"), ({"top_logprobs": 2}, "top_logprobs"), ({"stop": [""]}, "stop")]:
+        with pytest.raises(OpenAIRequestError, match=f"^{field}: ") as info:
+            asyncio.run(capture.client.chat.completions.create(model="m", messages=user, **bad))
+        assert info.value.param == field
+    bad_call = {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{oops"}}]}
+    with pytest.raises(OpenAIRequestError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"):
+        asyncio.run(capture.client.chat.completions.create(model="m", messages=[*user, bad_call]))
+
+
+def test_n_choices_are_branches_each_trained_once(tokenizer):
+    engine, capture = capture_for(tokenizer, ["8", "9", "7"])
+
+    async def episode():
+        messages = [{"role": "user", "content": "3+4?"}]
+        first = await capture.client.chat.completions.create(model="m", messages=messages, n=2)
+        picked = first.choices[1].message  # the agent goes on from the second choice
+        messages += [picked, {"role": "user", "content": "Sure?"}]
+        await capture.client.chat.completions.create(model="m", messages=messages)
+        return first
+
+    first = asyncio.run(episode())
+    assert [c.message.content for c in first.choices] == ["8", "9"] and first.usage.completion_tokens == 4
+    assert engine.prompts[0] == engine.prompts[1]  # both choices sampled from the same prompt
+    main, branch = capture.trajectories()
+    assert loss_tokens(main) == engine.outputs[0]
+    # the continued branch: its own choice and the next turn, which extends it token for token
+    assert loss_tokens(branch) == engine.outputs[1] + engine.outputs[2]
+    assert engine.prompts[2][: len(engine.prompts[1]) + 2] == engine.prompts[1] + engine.outputs[1]
+    assert main.turn_rewards == [0.0, 0.0]  # one call id for both choices, then the second call
+
+
+def test_reasoning_stop_strings_and_logprobs(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["<think>hm</think>7 END then more"])
+    parser = ReplyParser("hermes", "think")
+    capture = ChatCapture(engine, tokenizer, SamplingParams(max_new_tokens=64), episode_id="ep", parser=parser)
+    messages = [{"role": "user", "content": "3+4?"}]
+    reply = asyncio.run(
+        capture.client.chat.completions.create(model="m", messages=messages, stop=[" END"], logprobs=True)
+    )
+    (choice,) = reply.choices
+    assert choice.message.content == "7" and choice.message.reasoning_content == "hm"
+    assert choice.finish_reason == "stop"
+    kept = tokenizer.encode("<think>hm</think>7 END", add_special_tokens=False)  # one token per character
+    (traj,) = capture.trajectories()
+    assert loss_tokens(traj) == kept and reply.usage.completion_tokens == len(kept)  # not what came after
+    assert [t.token for t in choice.logprobs.content] == list("<think>hm</think>7 END")
+    assert [t.logprob for t in choice.logprobs.content] == [-0.5] * len(kept)
+
+
+def test_a_malformed_call_stays_in_content_and_is_not_a_tool_call(tokenizer):
+    text = 'ok <tool_call>{"name": "add", "arguments": {"a": 3</tool_call>'
+    _, capture = capture_for(tokenizer, [text])
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "3+4?"}]
+    reply = asyncio.run(capture.client.chat.completions.create(model="m", messages=messages, tools=tools))
+    (choice,) = reply.choices
+    assert choice.message.content == text and not choice.message.tool_calls and choice.finish_reason == "stop"
+    (error,) = choice.tool_call_errors  # non-standard key: the parse error the agent may answer
+    assert error.startswith("error: ") and "JSON" in error

@@ -42,8 +42,9 @@ def test_proxy_sessions_by_path_api_key_and_header(tokenizer):
     assert [r.json()["choices"][0]["message"]["content"] for r in (by_path, by_key, by_header)] == ["8", "7", "6"]
     assert unknown.status_code == 404 and "unknown session 'nope'" in unknown.json()["detail"]
     assert no_session.status_code == 401
-    assert bad.status_code == 400 and "messages" in bad.json()["detail"]
-    assert stream.status_code == 400 and "stream" in stream.json()["detail"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"  # OpenAI's error shape
+    assert stream.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    assert "stream" in stream.json()["error"]["message"]
     assert reward.status_code == 200 and capture.reward == 0.5
     assert bad_reward.status_code == 400
     assert len(capture.trajectories()) == 3  # three independent conversations: three segments

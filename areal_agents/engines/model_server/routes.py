@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from areal_agents.engines.hf.engine import HFEngine
+from areal_agents.engines.model_server.openai_routes import add_openai_routes
 from areal_agents.engines.model_server.server import ModelServer, ModelServerConfig, error_response
 from areal_agents.engines.sglang.protocol import ProtocolError
 
@@ -36,6 +37,7 @@ def build_app(engine: HFEngine, tokenizer, cfg: ModelServerConfig) -> FastAPI:
     add_generation_routes(app, server)
     add_weight_routes(app, server)
     add_info_routes(app, server)
+    add_openai_routes(app, server)  # /v1/chat/completions, /v1/completions, /v1/models
     return app
 
 
