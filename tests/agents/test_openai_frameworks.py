@@ -202,3 +202,22 @@ def test_sdk_and_agents_tool_round_trip_against_the_proxy(tool_model):
         eos = tokenizer.eos_token
         assert loss_text(tokenizer, traj) == CALL + eos + ANSWER + eos
         assert RESULT in tokenizer.decode(traj.input_ids) and traj.metadata["num_turns"] == 2
+
+
+def test_stop_strings_and_logprobs_on_the_trained_reply(served):
+    async def run():
+        client = AsyncOpenAI(base_url=served, api_key="none")
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+        call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        messages += [
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": RESULT},
+        ]
+        return await client.chat.completions.create(
+            model="policy", messages=messages, temperature=0, stop=[" in Paris"], logprobs=True, n=2
+        )
+
+    reply = asyncio.run(run())
+    for choice in reply.choices:
+        assert choice.message.content == "It is sunny" and choice.finish_reason == "stop"
+        assert "".join(t.token for t in choice.logprobs.content) == "It is sunny in Paris"

@@ -1,0 +1,126 @@
+"""serve-model's OpenAI-compatible routes on the tiny model: the SDK's own types parse every reply; n, stop
+strings, logprobs, usage and chat_template_kwargs do what OpenAI's API says; bad requests are 400s in OpenAI's
+error shape naming the field. (The tool-calling round trip with a trained model: tests/agents/
+test_openai_frameworks.py.)"""
+
+import pytest
+from fastapi.testclient import TestClient
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from areal_agents.engines.hf.engine import HFEngine
+from areal_agents.engines.model_server import ModelServerConfig, build_app
+from areal_agents.models import load_model, load_tokenizer
+
+USER = [{"role": "user", "content": "3+4?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_dir):
+    tokenizer = load_tokenizer(tiny_dir)
+    engine = HFEngine(load_model(tiny_dir), max_batch_size=8)
+    with TestClient(build_app(engine, tokenizer, ModelServerConfig(model_path=str(tiny_dir)))) as c:
+        c.tokenizer = tokenizer
+        yield c
+
+
+def chat(client, **body):
+    reply = client.post("/v1/chat/completions", json={"model": "m", "messages": USER, **body})
+    assert reply.status_code == 200, reply.text
+    return ChatCompletion.model_validate(reply.json())
+
+
+def test_chat_completion_n_logprobs_and_usage(client):
+    reply = chat(client, n=3, max_tokens=6, logprobs=True, temperature=0)
+    prompt = client.tokenizer.apply_chat_template(USER, add_generation_prompt=True, tokenize=False)
+    assert reply.object == "chat.completion" and len(reply.choices) == 3
+    assert reply.usage.prompt_tokens == len(client.tokenizer.encode(prompt, add_special_tokens=False))
+    texts = {c.message.content for c in reply.choices}
+    assert len(texts) == 1  # greedy: the same text three times
+    for i, c in enumerate(reply.choices):
+        assert c.index == i and c.message.role == "assistant"
+        tokens = c.logprobs.content
+        assert 1 <= len(tokens) <= 6 and all(t.logprob <= 0 and t.top_logprobs == [] for t in tokens)
+        assert all(bytes(t.bytes).decode() == t.token for t in tokens)
+        assert c.finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens == sum(len(c.logprobs.content) for c in reply.choices)
+
+
+def test_stop_string_cuts_the_reply_and_its_tokens(client):
+    full = chat(client, max_tokens=12, temperature=0, logprobs=True).choices[0]
+    tokens = [t.token for t in full.logprobs.content]
+    assert full.finish_reason == "length" and len(tokens) == 12  # the untrained model writes 12 characters
+    stop = "".join(tokens[2:4])
+    cut = chat(client, max_tokens=12, temperature=0, logprobs=True, stop=["never there", stop]).choices[0]
+    at = "".join(tokens).index(stop)
+    assert cut.finish_reason == "stop" and cut.message.content == "".join(tokens[:at]).strip()
+    # the tokens up to the stop string are the reply's; what the engine sampled after it is not
+    assert [t.token for t in cut.logprobs.content] == tokens[: at + 2]
+    reply = client.post("/v1/completions", json={"prompt": "12+", "max_tokens": 8, "temperature": 0, "stop": stop})
+    text = client.post("/v1/completions", json={"prompt": "12+", "max_tokens": 8, "temperature": 0}).json()
+    full_text = text["choices"][0]["text"]
+    expected = full_text[: full_text.index(stop)] if stop in full_text else full_text
+    assert reply.json()["choices"][0]["text"] == expected
+
+
+def test_chat_template_kwargs_reach_the_template(client):
+    tokenizer = client.tokenizer
+    original = tokenizer.chat_template
+    tokenizer.chat_template = original.replace(
+        "{% if add_generation_prompt %}", "{% if hint %}HINT{% endif %}{% if add_generation_prompt %}"
+    )
+    try:
+        plain = chat(client, max_tokens=1).usage.prompt_tokens
+        hinted = chat(client, max_tokens=1, chat_template_kwargs={"hint": True}).usage.prompt_tokens
+    finally:
+        tokenizer.chat_template = original
+    assert hinted == plain + len("HINT")
+
+
+def test_text_completions_and_models(client):
+    reply = client.post("/v1/completions", json={"model": "m", "prompt": ["12+", "3*"], "n": 2, "logprobs": 0})
+    assert reply.status_code == 200, reply.text
+    completion = Completion.model_validate(reply.json())
+    assert completion.object == "text_completion" and [c.index for c in completion.choices] == [0, 1, 2, 3]
+    for c in completion.choices:
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) <= 16  # OpenAI's default max_tokens
+        assert c.logprobs.text_offset[0] == 0
+    assert completion.usage.prompt_tokens == 5
+    ids = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}).json()
+    assert ids["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"content": "no role"}]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+        ({"messages": USER, "n": 0}, "n"),
+        ({"messages": USER, "max_tokens": "many"}, "max_tokens"),
+        ({"messages": USER, "top_p": 0}, "top_p"),
+        ({"messages": USER, "stop": [3]}, "stop"),
+        ({"messages": USER, "stream": True}, "stream"),
+        ({"messages": USER, "top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+        ({"messages": USER, "seed": 7}, "seed"),
+        ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": USER, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        ({"messages": [{"role": "user", "content": "x" * 600}]}, "messages"),  # past the 512-token context
+    ],
+)
+def test_bad_chat_requests_name_the_field(client, body, param):
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["code"] == 400
+    assert error["message"].startswith(param)
+
+
+def test_bad_completion_requests_name_the_field(client):
+    for body, param in [({"prompt": None}, "prompt"), ({"prompt": "a", "logprobs": 2}, "logprobs")]:
+        error = client.post("/v1/completions", json=body).json()["error"]
+        assert error["param"] == param, error
+    assert client.post("/v1/chat/completions", content=b"{not json").status_code == 400
