@@ -1,10 +1,14 @@
 """`ChatTokens`: a conversation kept as token ids, grown by appending, never re-tokenizing generations.
 
 Prompts and env observations are rendered with the tokenizer's chat template; generated tokens are
-appended exactly as the engine produced them. To append an observation after a generated turn, the
-template is rendered with and without the new message and only the text *after the assistant's end
-of turn* is tokenized. When the template rewrites history (the new render does not extend the old
-one), `append_message` reports it and the caller starts a new trajectory segment.
+appended exactly as the engine produced them. Each generated turn is parsed (reasoning, tool calls) by the
+template's `ReplyParser` and recorded as the OpenAI assistant message the template expects back. To append
+messages after a generated turn, the whole conversation is rendered and tokenized again (as a server would for
+the next call), and must extend the tokens so far exactly: then only the new tokens are added. When it does not
+(the template rewrites history: Qwen3 drops earlier reasoning, Mistral moves the system prompt; or it renders
+the sampled turn otherwise than the model wrote it), `append_messages` reports it and the caller starts a new
+trajectory segment, never a silent drift; with ``keep_reasoning`` the sampled turns are kept as they are and
+only the new messages are rendered, so the episode stays one trajectory.
 """
 
 from __future__ import annotations
@@ -16,6 +20,13 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from areal_agents.agents.template_messages import template_message, template_reads
+from areal_agents.chat.parsers import ReplyParser
+from areal_agents.chat.replies import ParsedReply
+from areal_agents.models.families import stop_token_ids
+
+_MARK = "\x00areal-agents-turn\x00"  # stands in for a turn's content to find where the template ends it
+
 
 @functools.lru_cache(maxsize=4096)
 def _encode_cached(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[int, ...]:
@@ -26,9 +37,16 @@ def _encode_cached(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[int, 
 @functools.lru_cache(maxsize=4096)
 def _render_cached(tokenizer: PreTrainedTokenizerBase, key: str) -> str:
     """The episodes of a group start from the same messages: render the chat template once.
-    ``key`` is the JSON of ``[messages, tools, add_generation_prompt]`` (key order kept)."""
-    messages, tools, generation_prompt = json.loads(key)
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+    ``key`` is the JSON of ``[messages, tools, add_generation_prompt, template_kwargs]`` (key order kept)."""
+    messages, tools, generation_prompt, kwargs = json.loads(key)
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _parser_for(tokenizer: PreTrainedTokenizerBase) -> ReplyParser:
+    return ReplyParser.for_template(tokenizer.chat_template)
 
 
 @dataclass
@@ -40,14 +58,26 @@ class ChatTokens:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None  # OpenAI-style tool schemas, passed to the chat template
+    template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs, e.g. Qwen3's enable_thinking
+    parser: ReplyParser | None = None  # None: the one the tokenizer's template implies
+    keep_reasoning: bool = False  # on a history rewrite, keep the sampled turns and render only the new messages
+    last_reply: ParsedReply | None = None  # the last generated turn, parsed
+
+    def __post_init__(self) -> None:
+        if self.parser is None:
+            self.parser = _parser_for(self.tokenizer)
+        self.stop_ids = stop_token_ids(self.tokenizer)
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        template = self.tokenizer.chat_template
+        messages = [template_message(template, m) if m["role"] == "assistant" else m for m in messages]
         messages = [m if m.get("content") is not None else {**m, "content": ""} for m in messages]
+        kwargs = self.template_kwargs or {}
         try:
-            key = json.dumps([messages, self.tools, generation_prompt])
+            key = json.dumps([messages, self.tools, generation_prompt, kwargs])
         except TypeError:  # content that is not plain JSON: render it directly
             return self.tokenizer.apply_chat_template(
-                messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+                messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
             )
         return _render_cached(self.tokenizer, key)
 
@@ -60,43 +90,82 @@ class ChatTokens:
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
 
-    def start(self, messages: list[dict[str, str]]) -> None:
+    def start(self, messages: list[dict[str, Any]]) -> None:
         """Begin (or restart as a new segment) with the full render of ``messages`` + generation prompt."""
         self.messages = list(messages)
         self.input_ids, self.loss_mask, self.logprobs, self.versions = [], [], [], []
         self._extend_prompt(self._encode(self._render(self.messages, generation_prompt=True)))
 
     def append_generation(self, tokens: list[int], logprobs: list[float], versions: list[int]) -> str:
-        """Append the policy's tokens (loss tokens) and record the assistant message; return its text."""
+        """Append the policy's tokens (loss tokens), parse them into ``last_reply`` and record the assistant
+        message; return the turn's text (special tokens left out)."""
         self.input_ids += tokens
         self.loss_mask += [1] * len(tokens)
         self.logprobs += logprobs
         self.versions += versions
-        eos = self.tokenizer.eos_token_id
-        text_tokens = tokens[:-1] if tokens and tokens[-1] == eos else tokens
-        text = self.tokenizer.decode(text_tokens, skip_special_tokens=True)
-        self.messages.append({"role": "assistant", "content": text})
-        return text
+        body = tokens[:-1] if tokens and tokens[-1] in self.stop_ids else tokens
+        raw = self._opened_reasoning() + self.tokenizer.decode(body, skip_special_tokens=False)
+        self.last_reply = self.parser.parse(raw)
+        self.messages.append(self.assistant_message(self.last_reply, raw))
+        return self.tokenizer.decode(body, skip_special_tokens=True)
+
+    def _opened_reasoning(self) -> str:
+        """The ``<think>`` a generation prompt opens (QwQ's, DeepSeek-R1's): part of the turn as written."""
+        tail = self._render(self.messages, generation_prompt=True)[len(self._render(self.messages, False)) :]
+        at = tail.rfind("<think>")
+        return tail[at:] if at >= 0 and "</think>" not in tail[at:] else ""
+
+    def assistant_message(self, reply: ParsedReply, raw: str) -> dict[str, Any]:
+        """``reply`` as the message the template renders back: tool calls and reasoning as fields where the
+        template reads them, else left in the text as generated (``raw``)."""
+        reads = template_reads(self.tokenizer.chat_template)
+        reasoning_key = next((k for k in ("reasoning_content", "thinking") if k in reads), None)
+        calls = "tool_calls" in reads and bool(reply.tool_calls)
+        split = ReplyParser(
+            self.parser.tool_parser if calls else "none", self.parser.reasoning_parser if reasoning_key else "none"
+        )
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": split.parse(raw).content if calls or reasoning_key else raw,
+        }
+        if reasoning_key and reply.reasoning is not None:
+            message[reasoning_key] = reply.reasoning
+        if calls:
+            message["tool_calls"] = [c.to_message() for c in reply.tool_calls]
+        return message
 
     def append_message(self, role: str, content: str) -> bool:
         """Append an env message and the next generation prompt. False if the template rewrote history."""
         return self.append_messages([{"role": role, "content": content}])
 
     def append_messages(self, messages: list[dict[str, Any]]) -> bool:
-        """Append messages after the last generated turn, then the generation prompt; False (nothing
-        changed) if the template rewrote history, so the caller starts a new segment."""
-        old = self._render(self.messages, generation_prompt=False)
+        """Append messages after the last generated turn, then the generation prompt: the template's render of
+        the whole conversation, which must extend the tokens so far exactly (the sampled ones included).
+        False (nothing changed) if it does not (the template rewrote history, or renders the sampled turn
+        otherwise than it was generated), so the caller starts a new segment."""
+        closing = [] if self.input_ids and self.input_ids[-1] in self.stop_ids else [self.stop_ids[0]]
+        ids = self.input_ids + closing  # a turn that hit its length limit is closed as the template closes it
         new_messages = [*self.messages, *messages]
-        new = self._render(new_messages, generation_prompt=True)
-        if not new.startswith(old):
+        rendered = self._encode(self._render(new_messages, generation_prompt=True))
+        if rendered[: len(ids)] == ids and len(rendered) > len(ids):
+            added = rendered[len(ids) :]
+        elif self.keep_reasoning and (suffix := self._suffix_in_context(new_messages, ids[-1])) is not None:
+            added = self._encode(suffix)
+        else:
             return False
-        # The generated turn ends at the EOS token; what the template puts after it belongs to the prompt.
-        eos_text = self.tokenizer.eos_token
-        cut = old.rfind(eos_text)
-        if cut < 0:
-            return False
-        if not self.input_ids or self.input_ids[-1] != self.tokenizer.eos_token_id:
-            self._extend_prompt([self.tokenizer.eos_token_id])  # the turn hit its length limit
-        self._extend_prompt(self._encode(new[cut + len(eos_text) :]))
+        self._extend_prompt(closing + added)
         self.messages = new_messages
         return True
+
+    def _suffix_in_context(self, new_messages: list[dict[str, Any]], stop_id: int) -> str | None:
+        """What the template renders after the last assistant turn in the new conversation, the earlier turns
+        as it would rewrite them left aside (found by rendering that turn with a marker for its content)."""
+        last = max(i for i, m in enumerate(new_messages) if m["role"] == "assistant")
+        marked = [*new_messages]
+        marked[last] = {k: v for k, v in marked[last].items() if k not in ("reasoning_content", "thinking")}
+        marked[last]["content"] = _MARK
+        text = self._render(marked, generation_prompt=True)
+        stop_text = self.tokenizer.decode([stop_id], skip_special_tokens=False)
+        at = text.find(_MARK)
+        end = text.find(stop_text, at) if at >= 0 else -1
+        return None if end < 0 else text[end + len(stop_text) :]

@@ -24,7 +24,15 @@ def make_rollout_agent(
 ) -> Any:
     """The agent ``rollout.*`` configures, sampling as the rollout does unless ``sampling`` is given."""
     sampling = sampling or SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
-    return make_agent(r.agent, engine, tokenizer, sampling, system_prompt=r.system_prompt, kwargs=r.agent_kwargs)
+    chat = {
+        "tool_parser": r.tool_parser,
+        "reasoning_parser": r.reasoning_parser,
+        "chat_template_kwargs": r.chat_template_kwargs,
+        "keep_reasoning": r.keep_reasoning,
+    }
+    return make_agent(
+        r.agent, engine, tokenizer, sampling, system_prompt=r.system_prompt, kwargs=r.agent_kwargs, chat=chat
+    )
 
 
 def make_agent(
@@ -35,12 +43,16 @@ def make_agent(
     *,
     system_prompt: str = "",
     kwargs: dict[str, Any] | None = None,
+    chat: dict[str, Any] | None = None,
 ) -> Any:
     """``spec``: empty (a `ChatAgent`), ``module:Class`` (built as ``Class(engine, tokenizer, sampling,
-    **kwargs)``, with ``system_prompt`` when it takes one) or ``module:function`` (an async episode function)."""
+    **kwargs)``, with ``system_prompt`` when it takes one) or ``module:function`` (an async episode function).
+    ``chat``: how replies are parsed and rendered (``tool_parser``, ...), given to agents that take them."""
     kwargs = dict(kwargs or {})
     target: Any = ChatAgent if not spec else load_object(spec, "rollout.agent")
     if inspect.iscoroutinefunction(target):
+        if _takes(EpisodeFunctionAgent, "tool_parser"):
+            kwargs = {**(chat or {}), **kwargs}
         return EpisodeFunctionAgent(target, engine, tokenizer, sampling, **kwargs)
     if not inspect.isclass(target):
         raise ConfigError(
@@ -49,6 +61,8 @@ def make_agent(
         )
     if "system_prompt" in inspect.signature(target).parameters or issubclass(target, ChatAgent):
         kwargs.setdefault("system_prompt", system_prompt)
+    if issubclass(target, ChatAgent) or _takes(target, "tool_parser"):
+        kwargs = {**(chat or {}), **kwargs}
     try:
         inspect.signature(target).bind(engine, tokenizer, sampling, **kwargs)
     except TypeError as e:
@@ -57,3 +71,8 @@ def make_agent(
     if not callable(getattr(agent, "run_episode", None)):
         raise ConfigError(f"rollout.agent {spec!r}: an agent needs `async def run_episode(env, *, seed, episode_id)`")
     return agent
+
+
+def _takes(cls: Any, name: str) -> bool:
+    """Whether ``cls(...)`` accepts the keyword ``name``."""
+    return name in inspect.signature(cls).parameters

@@ -63,6 +63,24 @@ class RolloutConfig:
         default="",
     )
     agent_kwargs: dict[str, Any] = config_field("keyword arguments of the agent class", default_factory=dict)
+    tool_parser: str = config_field(
+        "how replies' tool calls are parsed: hermes, mistral, deepseek, harmony, granite, none; auto: from the "
+        "tokenizer's chat template",
+        default="auto",
+    )
+    reasoning_parser: str = config_field(
+        "how replies' reasoning is split off: think (<think>...</think>), harmony (the analysis channel), none; "
+        "auto: from the chat template",
+        default="auto",
+    )
+    chat_template_kwargs: dict[str, Any] = config_field(
+        "extra variables of the chat template (e.g. {enable_thinking = false} for Qwen3)", default_factory=dict
+    )
+    keep_reasoning: bool = config_field(
+        "when the template rewrites earlier turns (drops their reasoning): keep the turns as sampled and render "
+        "only the new messages, one trajectory per episode; false: start a new segment, as the template renders it",
+        default=False,
+    )
     dump_trajectories: bool = config_field(
         "write each step's trajectories to run_dir/trajectories/step_N.jsonl (to inspect what trains)", default=False
     )

@@ -1,10 +1,11 @@
 """`ToolEnv`: give any `TextEnv` tools, plain Python functions called by the model.
 
 A function's signature and Google-style docstring become a JSON schema, listed after the first
-observation. Calls are parsed from the Qwen/Hermes format ``<tool_call>{"name": ..., "arguments": {...}}
-</tool_call>``; results come back as the next observation (chat role ``tool``) inside
-``<tool_response>...</tool_response>``, and the wrapped env does not step. A bad call (malformed JSON, an
-unknown tool, wrong arguments, an exception inside the tool) is reported to the model; the episode goes on.
+observation. Calls are parsed in the model family's format (``tool_parser``: Qwen/Hermes ``<tool_call>{"name":
+..., "arguments": {...}}</tool_call>`` by default, or mistral, deepseek, harmony, granite); results come back
+as the next observation (chat role ``tool``) inside ``<tool_response>...</tool_response>``, and the wrapped env
+does not step. A bad call (malformed JSON, an unknown tool, wrong arguments, an exception inside the tool) is
+reported to the model, never dropped; the episode goes on.
 An action without a tool call goes to the wrapped env.
 
     def add(a: int, b: int) -> int:
@@ -31,7 +32,10 @@ from typing import Any
 
 import gymnasium as gym
 
+from areal_agents.chat.parsers import TOOL_PARSERS, parse_reply
+from areal_agents.chat.replies import ToolCall
 from areal_agents.envs.base import text_space
+from areal_agents.errors import ArealAgentsError
 from areal_agents.sandbox import LocalSandbox, Sandbox
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -100,31 +104,23 @@ def tools_prompt(schemas: list[dict[str, Any]]) -> str:
     )
 
 
-def call_tool(tools: dict[str, Callable[..., Any]], raw: str, max_result_chars: int = 4000) -> str:
-    """Run one call (its raw JSON) and return the result as text; every mistake becomes an error message."""
-    try:
-        call = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return f"error: the tool call is not valid JSON ({e.msg} at character {e.pos})"
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return 'error: a tool call needs {"name": ..., "arguments": {...}}'
-    fn = tools.get(call["name"])
+def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall | str, max_result_chars: int = 4000) -> str:
+    """Run one call (parsed, or its raw Hermes JSON) and return the result as text; every mistake becomes an
+    error message."""
+    if isinstance(call, str):
+        reply = parse_reply(f"<tool_call>{call}</tool_call>", "hermes", "none")
+        if reply.errors:
+            return str(reply.errors[0])
+        call = reply.tool_calls[0]
+    fn = tools.get(call.name)
     if fn is None:
-        return f"error: unknown tool {call['name']!r}; tools: {', '.join(tools)}"
-    arguments = call.get("arguments", {})
-    if isinstance(arguments, str):  # some models send the arguments JSON-encoded
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return "error: arguments is a string that is not valid JSON"
-    if not isinstance(arguments, dict):
-        return "error: arguments must be a JSON object"
+        return f"error: unknown tool {call.name!r}; tools: {', '.join(tools)}"
     try:
-        inspect.signature(fn).bind(**arguments)
+        inspect.signature(fn).bind(**call.arguments)
     except TypeError as e:
         return f"error: bad arguments for {fn.__name__}: {e}"
     try:
-        result = fn(**arguments)
+        result = fn(**call.arguments)
     except Exception as e:
         return f"error: {fn.__name__} raised {type(e).__name__}: {e}"
     text = result if isinstance(result, str) else json.dumps(result, default=repr)
@@ -135,12 +131,22 @@ class ToolEnv(gym.Wrapper, gym.utils.RecordConstructorArgs):
     """Wraps a text env; tool calls are answered here, other actions step the wrapped env."""
 
     def __init__(
-        self, env: gym.Env, tools: list[Callable[..., Any]], *, max_tool_calls: int = 8, max_result_chars: int = 4000
+        self,
+        env: gym.Env,
+        tools: list[Callable[..., Any]],
+        *,
+        max_tool_calls: int = 8,
+        max_result_chars: int = 4000,
+        tool_parser: str = "hermes",
     ) -> None:
         gym.utils.RecordConstructorArgs.__init__(
-            self, tools=tools, max_tool_calls=max_tool_calls, max_result_chars=max_result_chars
+            self, tools=tools, max_tool_calls=max_tool_calls, max_result_chars=max_result_chars, tool_parser=tool_parser
         )
         gym.Wrapper.__init__(self, env)
+        if tool_parser not in TOOL_PARSERS or tool_parser == "none":
+            choices = ", ".join(p for p in TOOL_PARSERS if p != "none")
+            raise ArealAgentsError(f"tool_parser: expects one of {choices}, got {tool_parser!r}")
+        self.tool_parser = tool_parser
         self.tools = {fn.__name__: fn for fn in tools}
         self.schemas = [tool_schema(fn) for fn in tools]
         self.max_tool_calls, self.max_result_chars = max_tool_calls, max_result_chars
@@ -159,18 +165,20 @@ class ToolEnv(gym.Wrapper, gym.utils.RecordConstructorArgs):
         return f"{observation}\n\n{self.tools_prompt()}", info
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        calls = find_tool_calls(action)
-        if not calls:
+        reply = parse_reply(action, self.tool_parser, "none")
+        if not reply.tool_calls and not reply.errors:
             return self.env.step(action)
         responses = []
-        for raw in calls:
+        for call in reply.tool_calls:
             if self.tool_calls >= self.max_tool_calls:
                 responses.append(f"error: no tool calls left (limit {self.max_tool_calls}); give your answer")
                 break
             self.tool_calls += 1
-            responses.append(call_tool(self.tools, raw, self.max_result_chars))
+            responses.append(call_tool(self.tools, call, self.max_result_chars))
+        responses += [str(error) for error in reply.errors]  # a malformed call is answered, never dropped
         observation = "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in responses)
-        return observation, 0.0, False, False, {"role": "tool", "tool_calls": self.tool_calls}
+        info = {"role": "tool", "tool_calls": self.tool_calls, "tool_parse_failures": len(reply.errors)}
+        return observation, 0.0, False, False, info
 
 
 def python_runner(sandbox: Sandbox | None = None, timeout_s: float = 5.0) -> Callable[..., str]:

@@ -179,7 +179,24 @@ def rollout_stats(
         "running_groups": float(controller.running_groups),
         "staleness_mean": float(np.mean(staleness)),
         "staleness_max": float(max(staleness)),
+        **episode_shape(trajectories),
         **reward_breakdown(trajectories, env_id),
+    }
+
+
+def episode_shape(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Per episode (of each agent): the trajectory segments its template rewrites made, the tool
+    calls its replies made and the malformed ones (a run whose tools never fire shows 0 calls at once)."""
+    episodes: dict[tuple[str, str], dict[str, Any]] = {}
+    for t in trajectories:  # the segments of an episode carry the same counts
+        episodes.setdefault((t.episode_id, t.agent_id), t.metadata)
+    if not episodes:
+        return {}
+    n = len(episodes)
+    return {
+        "segments_per_episode": sum(m.get("num_segments", 1) for m in episodes.values()) / n,
+        "tool_calls_per_episode": sum(m.get("tool_calls", 0) for m in episodes.values()) / n,
+        "tool_parse_failures": float(sum(m.get("tool_parse_failures", 0) for m in episodes.values())),
     }
 
 
