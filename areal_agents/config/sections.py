@@ -403,7 +403,13 @@ class SFTConfig:
 
     run_dir: str = config_field("where the fine-tuned model, logs and summary go", default="runs/sft")
     seed: int = config_field("seed for torch and data order", default=1)
-    data: str = config_field("JSONL file, one {'messages': [{'role', 'content'}, ...]} per line", default="")
+    data: str = config_field(
+        "JSONL file, one {'messages': [{'role', 'content'}, ...], 'tools': optional OpenAI schemas} per line",
+        default="",
+    )
+    chat_template_kwargs: dict[str, Any] = config_field(
+        "extra variables of the chat template (e.g. {enable_thinking = false} for Qwen3)", default_factory=dict
+    )
     steps: int = config_field("optimizer steps", default=200)
     batch_size: int = config_field("conversations per step", default=64)
     lr: float = config_field("AdamW learning rate", default=1e-3)
