@@ -17,7 +17,7 @@ DOC = ROOT / "docs" / "architecture.md"
 # (lazy imports included). docs/architecture.md ("Layers") says the same; change both together.
 LAYERS = [
     {"types", "errors"},
-    {"config", "importing", "workers", "net", "progress", "_moved"},
+    {"config", "importing", "workers", "net", "progress", "_moved", "chat"},
     {"models", "data", "sandbox"},
     {"rewards", "engines"},
     {"envs"},
