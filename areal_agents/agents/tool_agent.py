@@ -5,7 +5,7 @@ The env poses the task; the tool calls the reply's parser finds (Hermes/Qwen ``<
 as ``tool`` messages without stepping the env, and a reply without a call is the action. A malformed call is
 answered with its parse error, so the model can correct it. Tool results are prompt tokens: never in the loss
 mask. A template that lists tools itself (``tools`` in the template) gets their schemas; otherwise the system
-prompt lists them in the Hermes format.
+prompt lists them with the call syntax of the reply parser's format.
 
     agent = ToolAgent(engine, tokenizer, SamplingParams(max_new_tokens=64), tools=[add, python_runner()])
 """
@@ -46,7 +46,7 @@ class ToolAgent(ChatAgent):
         if "tools" in (self.tokenizer.chat_template or ""):
             self.tool_schemas = schemas  # the template lists them in its own format
         else:
-            listing = tools_prompt(schemas)
+            listing = tools_prompt(schemas, self.parser.tool_parser)
             self.system_prompt = f"{self.system_prompt}\n\n{listing}" if self.system_prompt else listing
 
     async def answer(self, reply: ParsedReply, text: str) -> list[dict[str, Any]] | None:

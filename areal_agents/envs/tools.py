@@ -95,13 +95,22 @@ def find_tool_calls(text: str) -> list[str]:
     return _CALL.findall(text)
 
 
-def tools_prompt(schemas: list[dict[str, Any]]) -> str:
-    """The tool list and calling convention, as the model reads it."""
+# How a call is written in each format, for templates that do not list tools themselves (the model reads it).
+CALL_SYNTAX = {
+    "hermes": '<tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call>',
+    "mistral": '[TOOL_CALLS][{"name": <tool name>, "arguments": <arguments object>}]',
+    "granite": '<|tool_call|>[{"name": <tool name>, "arguments": <arguments object>}]',
+    "deepseek": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜><tool name>\n```json\n"
+    "<arguments object>\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "harmony": "<|start|>assistant to=functions.<tool name><|channel|>commentary json<|message|><arguments object>",
+}
+
+
+def tools_prompt(schemas: list[dict[str, Any]], tool_parser: str = "hermes") -> str:
+    """The tool list and calling convention (in ``tool_parser``'s format), as the model reads it."""
     listed = "\n".join(json.dumps(s) for s in schemas)
-    return (
-        "You may call these tools:\n<tools>\n" + listed + "\n</tools>\n"
-        'To call one, write <tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call>.'
-    )
+    syntax = CALL_SYNTAX.get(tool_parser, CALL_SYNTAX["hermes"])
+    return f"You may call these tools:\n<tools>\n{listed}\n</tools>\nTo call one, write {syntax}."
 
 
 def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall | str, max_result_chars: int = 4000) -> str:
