@@ -121,12 +121,14 @@ class ChatTokens:
         reads = template_reads(self.tokenizer.chat_template)
         reasoning_key = next((k for k in ("reasoning_content", "thinking") if k in reads), None)
         calls = "tool_calls" in reads and bool(reply.tool_calls)
+        channels = self.parser.tool_parser == "harmony"  # harmony's channels frame every reply, calls or not
         split = ReplyParser(
-            self.parser.tool_parser if calls else "none", self.parser.reasoning_parser if reasoning_key else "none"
+            self.parser.tool_parser if calls or channels else "none",
+            self.parser.reasoning_parser if reasoning_key else "none",
         )
         message: dict[str, Any] = {
             "role": "assistant",
-            "content": split.parse(raw).content if calls or reasoning_key else raw,
+            "content": split.parse(raw).content if calls or channels or reasoning_key else raw,
         }
         if reasoning_key and reply.reasoning is not None:
             message[reasoning_key] = reply.reasoning

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from areal_agents.chat.parsers import ReplyParser
 from areal_agents.errors import ArealAgentsError
+
+_MARK = "\x00areal-agents-turn\x00"  # stands in for a turn's content to find where the template starts it
 
 
 @functools.lru_cache(maxsize=64)
@@ -61,6 +64,23 @@ def assistant_turn_text(
             msgs, tools=tools, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
         )
 
+    try:
+        return _turn_in_context(render, history, message)
+    except ArealAgentsError:
+        # The template renders this turn in context otherwise than it renders a turn it prompts for
+        # (DeepSeek-R1 writes `<｜tool▁calls▁begin｜>` for the conversation's first call only, and after tool
+        # outputs opens no turn): the model writes it as it would right after the user's message.
+        users = [i for i, m in enumerate(history) if m["role"] == "user"]
+        fresh = [m for m in history[:1] if m["role"] == "system"] + history[users[-1] : users[-1] + 1] if users else []
+        if not fresh or fresh == history:
+            raise
+        return _turn_in_context(render, fresh, message)
+
+
+def _turn_in_context(
+    render: Callable[[list[dict[str, Any]], bool], str], history: list[dict[str, Any]], message: dict[str, Any]
+) -> str:
+    """The text a model writes for ``message`` after ``history`` (see `assistant_turn_text`)."""
     prompt, rendered = render(history, True), render([*history, message], False)
     if rendered.startswith(prompt):
         return rendered[len(prompt) :]
@@ -70,9 +90,13 @@ def assistant_turn_text(
         turn = rendered[len(before) :]
     else:  # earlier turns rewritten: the turn follows the render of the last message before it
         anchor = before[-64:]
-        at = rendered.rfind(anchor)
-        if not anchor or at < 0:
-            raise ArealAgentsError("the chat template renders the conversation before this assistant turn anew")
+        at = rendered.rfind(anchor) if anchor else -1
+        if at < 0:  # that message rewritten too (Mistral's system prompt): the turn follows the text before a
+            marked = render([*history, {"role": "assistant", "content": _MARK}], False)  # stand-in turn
+            at = marked.find(_MARK)
+            if at < 0 or not rendered.startswith(marked[:at]):
+                raise ArealAgentsError("the chat template renders the conversation before this assistant turn anew")
+            anchor = ""
         turn = rendered[at + len(anchor) :]
     if turn.startswith(opened):
         return turn[len(opened) :]
