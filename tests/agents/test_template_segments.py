@@ -6,17 +6,26 @@ covers exactly the sampled tokens; and the number of segments is the one each te
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import torch
 
+from areal_agents.agents import ChatAgent, ToolAgent
+from areal_agents.agents.capture import ChatCapture
 from areal_agents.agents.chat_tokens import ChatTokens
 from areal_agents.agents.template_messages import assistant_turn_text, template_message, through_first_stop
-from areal_agents.data.tool_use import TOOL_SCHEMAS
+from areal_agents.data.tool_use import TOOL_SCHEMAS, add, multiply
+from areal_agents.engines.hf.engine import HFEngine
+from areal_agents.envs.runtime.pool import LocalEnvPool
+from areal_agents.models import load_model, load_tokenizer, save_tiny_model
 from areal_agents.models.families import build_family_tokenizer
+from areal_agents.trainers.batching import make_micro_batches, token_logprobs
+from areal_agents.types import SamplingParams
 
 FAMILIES = ("qwen3", "qwq", "deepseek-r1", "mistral", "gpt-oss", "granite")
 REASONING = {"qwen3", "qwq", "deepseek-r1", "gpt-oss"}  # families whose replies carry reasoning
@@ -269,3 +278,66 @@ def test_keep_reasoning_keeps_one_segment(family):
     rng = random.Random(f"segments-{family}")
     for _ in range(CONVERSATIONS):
         assert len(play(family, random_conversation(family, rng), keep_reasoning=True)) == 1
+
+
+class Recording:
+    """An engine that records the tokens it sampled, in order (the loss mask must cover exactly these)."""
+
+    def __init__(self, engine):
+        self.engine, self.sampled = engine, []
+
+    async def agenerate(self, request):
+        response = await self.engine.agenerate(request)
+        self.sampled.append(list(response.output_tokens))
+        return response
+
+    async def aclose(self):
+        await self.engine.aclose()
+
+
+def assert_token_exact(model, trajectories, sampled):
+    """The loss runs are the sampled turns, in order; behavior logprobs equal a fresh forward pass."""
+    assert [run for t in trajectories for run in loss_runs(t.input_ids, t.loss_mask)] == [s for s in sampled if s]
+    for traj in trajectories:
+        (mb,) = make_micro_batches([traj], 8192)
+        with torch.no_grad():
+            ref = token_logprobs(model, mb, temperature=1.0)[0]
+        mask = mb.loss_mask[0].bool()
+        assert torch.allclose(mb.logprobs[0][mask], ref[mask], atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_agents_and_capture_on_a_real_engine_are_token_exact(family, tmp_path):
+    """ChatAgent, ToolAgent and ChatCapture on each family's tiny model (random weights, temperature 1)."""
+    save_tiny_model(tmp_path, hidden_size=32, num_layers=1, intermediate_size=64, family=family)
+    tok, sampling = load_tokenizer(tmp_path), SamplingParams(max_new_tokens=12, temperature=1.0)
+    fresh = load_model(tmp_path)
+
+    async def episodes():
+        out = []
+        for seed, agent_class in enumerate((ChatAgent, ChatAgent, ToolAgent, ToolAgent)):
+            engine = Recording(HFEngine(load_model(tmp_path), seed=seed))
+            kwargs = {"tools": [add, multiply]} if agent_class is ToolAgent else {}
+            agent = agent_class(engine, tok, sampling, system_prompt="Be brief.", **kwargs)
+            env = LocalEnvPool("inline").make("areal_agents/Arithmetic-v0", digits=1, max_turns=3)
+            trajectories = await agent.run_episode(env, seed=seed, episode_id=f"ep{seed}")
+            out.append((trajectories, engine.sampled))
+            await engine.aclose()
+        engine = Recording(HFEngine(load_model(tmp_path), seed=9))
+        capture = ChatCapture(engine, tok, sampling, episode_id="cap")
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2="}]
+        for question in ("3*4=", "5+6="):
+            reply = await capture.client.chat.completions.create(model="policy", messages=messages, tools=TOOL_SCHEMAS)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""}]
+            messages += [{"role": "user", "content": question}]
+        capture.set_reward(1.0)
+        out.append((capture.trajectories(), engine.sampled))
+        await engine.aclose()
+        return out
+
+    for trajectories, sampled in asyncio.run(episodes()):
+        assert trajectories
+        assert_token_exact(fresh, trajectories, sampled)
+        for traj in trajectories:
+            if "num_segments" in traj.metadata:
+                assert traj.metadata["num_segments"] == len(trajectories)
