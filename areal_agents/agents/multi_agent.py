@@ -23,6 +23,7 @@ from areal_agents.agents.chat_tokens import ChatTokens
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ArealAgentsError
+from areal_agents.models.families import stop_token_ids
 from areal_agents.types import GenRequest, SamplingParams, StopReason, Trajectory
 
 
@@ -43,7 +44,7 @@ class MultiAgentChatAgent:
         self.engines = engine if isinstance(engine, Mapping) else None
         self.engine = None if isinstance(engine, Mapping) else engine
         self.tokenizer = tokenizer
-        stop = sorted({*sampling.stop_token_ids, tokenizer.eos_token_id})
+        stop = sorted({*sampling.stop_token_ids, *stop_token_ids(tokenizer)})
         self.sampling = replace(sampling, stop_token_ids=stop)
         self.system_prompt, self.system_prompts = system_prompt, dict(system_prompts or {})
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
