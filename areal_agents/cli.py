@@ -174,6 +174,8 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
             fast_decode=args.fast_decode,
             cpu_threads=args.cpu_threads,
             seed=args.seed,
+            tool_parser=args.tool_parser,
+            reasoning_parser=args.reasoning_parser,
         ),
         device=args.device,
     )
@@ -400,6 +402,17 @@ def _add_serve_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], default="cpu", help="where the engine runs (cuda: in bfloat16)"
+    )
+    p.add_argument(
+        "--tool-parser",
+        default="auto",
+        help="how /v1/chat/completions reads tool calls: hermes, mistral, deepseek, harmony, granite, none "
+        "(auto: from the chat template)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        help="how /v1/chat/completions reads reasoning: think, harmony, none (auto: from the chat template)",
     )
     p.set_defaults(fn=cmd_serve_model)
 

@@ -1,6 +1,7 @@
 """serve-model's OpenAI-compatible routes on the tiny model: the SDK's own types parse every reply; n, stop
-strings, logprobs, usage and chat_template_kwargs do what OpenAI's API says; bad requests are 400s in OpenAI's
-error shape naming the field. (The tool-calling round trip with a trained model: tests/agents/
+strings, logprobs, usage and chat_template_kwargs (Qwen3's ``enable_thinking`` on a qwen3-family model) do what
+OpenAI's API says; bad requests are 400s in OpenAI's error shape naming the field; a bad --tool-parser or
+--reasoning-parser stops serve-model at startup. (The tool-calling round trip with trained models: tests/agents/
 test_openai_frameworks.py.)"""
 
 import pytest
@@ -8,9 +9,13 @@ from fastapi.testclient import TestClient
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from areal_agents.chat import ReplyParser
+from areal_agents.cli import main
 from areal_agents.engines.hf.engine import HFEngine
-from areal_agents.engines.model_server import ModelServerConfig, build_app
-from areal_agents.models import load_model, load_tokenizer
+from areal_agents.engines.model_server import ModelServer, ModelServerConfig, build_app
+from areal_agents.engines.model_server.openai_routes import chat_parser
+from areal_agents.errors import ArealAgentsError
+from areal_agents.models import load_model, load_tokenizer, save_tiny_model
 
 USER = [{"role": "user", "content": "3+4?"}]
 
@@ -124,3 +129,56 @@ def test_bad_completion_requests_name_the_field(client):
         error = client.post("/v1/completions", json=body).json()["error"]
         assert error["param"] == param, error
     assert client.post("/v1/chat/completions", content=b"{not json").status_code == 400
+
+
+@pytest.fixture(scope="module")
+def qwen3_client(tmp_path_factory):
+    """serve-model's app over an (untrained) qwen3-family tiny model: Qwen3's real template, BPE tokens."""
+    path = save_tiny_model(
+        tmp_path_factory.mktemp("qwen3"), hidden_size=32, num_layers=1, intermediate_size=64, family="qwen3"
+    )
+    tokenizer = load_tokenizer(path)
+    engine = HFEngine(load_model(path), max_batch_size=4)
+    with TestClient(build_app(engine, tokenizer, ModelServerConfig(model_path=str(path)))) as c:
+        c.tokenizer = tokenizer
+        yield c
+
+
+def test_enable_thinking_false_renders_qwen3s_empty_think_block(qwen3_client):
+    """Qwen3's template, told ``enable_thinking: false``, ends the prompt with an empty think block: the reply
+    is generated after exactly those tokens (the same logprobs as /v1/completions on them)."""
+    tokenizer = qwen3_client.tokenizer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    endings = [
+        ({}, "2+2?<|im_end|>\n<|im_start|>assistant\n"),
+        ({"enable_thinking": False}, "2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+    ]
+    for kwargs, ending in endings:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        assert text.endswith(ending)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        body = {"messages": messages, "max_tokens": 6, "temperature": 0, "logprobs": True}
+        reply = qwen3_client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": kwargs or None})
+        assert reply.status_code == 200, reply.text
+        chat = ChatCompletion.model_validate(reply.json())
+        assert chat.usage.prompt_tokens == len(prompt)
+        same = qwen3_client.post(
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 0}
+        )
+        expected = same.json()["choices"][0]["logprobs"]
+        got = chat.choices[0].logprobs.content
+        assert [t.token for t in got] == expected["tokens"]
+        assert [t.logprob for t in got] == pytest.approx(expected["token_logprobs"], abs=1e-5)
+
+
+def test_parser_flags_override_the_template_and_bad_names_stop_startup(tiny_dir, qwen3_client, capsys):
+    server = qwen3_client.app.state.server
+    assert chat_parser(server) == ReplyParser("hermes", "think")  # detected from Qwen3's template
+    cfg = ModelServerConfig(model_path="m", tool_parser="none", reasoning_parser="none")
+    assert chat_parser(ModelServer(server.engine, server.tokenizer, cfg)) == ReplyParser("none", "none")
+    with pytest.raises(ArealAgentsError, match=r"tool_parser \(--tool-parser\).*hermes.*Did you mean 'hermes'"):
+        ModelServerConfig(model_path="m", tool_parser="hermse")
+    # the command fails before it loads the model (there is none at this path), naming the flag
+    assert main(["serve-model", "--model-path", str(tiny_dir / "absent"), "--reasoning-parser", "deepthink"]) == 2
+    err = capsys.readouterr().err
+    assert "serve-model: error: reasoning_parser (--reasoning-parser)" in err and "think, harmony, none" in err

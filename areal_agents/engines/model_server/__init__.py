@@ -6,7 +6,10 @@ Endpoints (SGLang 0.5.x shapes, see docs/serve-model.md): /generate, /pause_gene
 /continue_generation, /abort_request, /update_weights_from_disk, /init_weights_update_group,
 /update_weights_from_distributed, /destroy_weights_update_group (over gloo), /update_weight_version,
 /get_model_info (and /model_info), /get_weight_version (and /weight_version), /health,
-/health_generate, /flush_cache, /get_server_info.
+/health_generate, /flush_cache, /get_server_info; and OpenAI's /v1/chat/completions, /v1/completions and
+/v1/models as vLLM and SGLang serve them: messages and tools through the tokenizer's chat template
+(``chat_template_kwargs`` per request), ``reasoning_content`` and ``tool_calls`` in replies from the template's
+parsers (``--tool-parser`` / ``--reasoning-parser`` override them), logprobs, n and stop strings.
 
 A request the model cannot take (a token id outside the vocabulary, a prompt past its context) is a 400
 naming the field, and ``max_new_tokens`` is capped at the context left; an error inside one request fails
@@ -16,7 +19,9 @@ that request (500) and the others go on. If the engine's decode loop itself fail
 
 Modules: ``server`` (the config and the app's state: engine, tokenizer, weight version names),
 ``broadcast`` (the broadcast weight update's receiving side),
-``routes`` (the FastAPI app, route group by route group), ``process`` (load the model and run uvicorn).
+``routes`` (the FastAPI app, route group by route group), ``openai_routes`` (the /v1 routes),
+``openai_shapes`` (the OpenAI message and reply shapes, shared with the capture proxy),
+``process`` (load the model and run uvicorn).
 """
 
 from areal_agents.engines.model_server.process import EXIT_DEADLINE_S, SHUTDOWN_GRACE_S, serve_model

@@ -113,14 +113,10 @@ def _number(body: dict[str, Any], key: str, kind: type, default: Any, low: float
 
 
 def chat_parser(server: ModelServer) -> ReplyParser:
-    """The reply parser of the served tokenizer's template (the config's ``tool_parser`` / ``reasoning_parser``
-    override the detected ones)."""
-    cfg = server.cfg
-    return ReplyParser.for_template(
-        getattr(server.tokenizer, "chat_template", None),
-        getattr(cfg, "tool_parser", "auto"),
-        getattr(cfg, "reasoning_parser", "auto"),
-    )
+    """The reply parser of the served tokenizer's template (``--tool-parser`` / ``--reasoning-parser``, the
+    config's ``tool_parser`` / ``reasoning_parser``, override the detected ones)."""
+    template = getattr(server.tokenizer, "chat_template", None)
+    return ReplyParser.for_template(template, server.cfg.tool_parser, server.cfg.reasoning_parser)
 
 
 @dataclass

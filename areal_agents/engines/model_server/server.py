@@ -1,6 +1,6 @@
 """`ModelServer`: serve-model's state (the engine, the tokenizer, the weight_version names of engine versions)
 and the work behind /generate and /update_weights_from_disk (the broadcast routes: ``broadcast.py``);
-`ModelServerConfig`: its command line."""
+`ModelServerConfig`: its command line (checked when made: a bad parser name fails before the model loads)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
+from areal_agents.chat import REASONING_PARSERS, TOOL_PARSERS
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.hf.request_checks import RequestError, check_request
 from areal_agents.engines.model_server.broadcast import BroadcastReceiver
 from areal_agents.engines.sglang.protocol import ProtocolError, generate_response, parse_generate
-from areal_agents.errors import EngineError
+from areal_agents.errors import ArealAgentsError, EngineError, did_you_mean
 from areal_agents.types import GenRequest
 
 
@@ -33,6 +34,16 @@ class ModelServerConfig:
     fast_decode: bool = True  # Llama-family models decode with the engine's own step (`LlamaDecodeStep`)
     cpu_threads: int = 0  # the decode thread's intra-op threads (0: torch's default, all cores)
     seed: int = 0
+    tool_parser: str = "auto"  # how /v1/chat/completions reads tool calls (auto: from the chat template)
+    reasoning_parser: str = "auto"  # how it reads reasoning (auto: from the chat template)
+
+    def __post_init__(self) -> None:
+        for key, known in (("tool_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+            value, choices = getattr(self, key), ["auto", *known]
+            if value not in choices:
+                hint = did_you_mean(str(value), choices)
+                flag = "--" + key.replace("_", "-")
+                raise ArealAgentsError(f"{key} ({flag}): expects one of {', '.join(choices)}, got {value!r}.{hint}")
 
 
 def error_response(status: int, message: str) -> JSONResponse:
