@@ -11,6 +11,7 @@ from test_segments import THINK_DROPPING_TEMPLATE, ScriptedEngine
 from areal_agents.agents.capture import ChatCapture
 from areal_agents.chat import ReplyParser
 from areal_agents.engines.model_server.openai_shapes import OpenAIRequestError
+from areal_agents.models.families import build_family_tokenizer
 from areal_agents.types import SamplingParams
 
 
@@ -179,3 +180,27 @@ def test_a_malformed_call_stays_in_content_and_is_not_a_tool_call(tokenizer):
     assert choice.message.content == text and not choice.message.tool_calls and choice.finish_reason == "stop"
     (error,) = choice.tool_call_errors  # non-standard key: the parse error the agent may answer
     assert error.startswith("error: ") and "JSON" in error
+
+
+def test_chat_template_kwargs_per_call_on_qwen3():
+    """``chat_template_kwargs`` reach Qwen3's real template (``enable_thinking: false`` opens an empty think
+    block); a call that changes them renders anew, a segment of its own."""
+    tokenizer = build_family_tokenizer("qwen3")
+    engine, capture = capture_for(tokenizer, ["4", "5"])
+    messages = [{"role": "user", "content": "2+2?"}]
+    off = {"enable_thinking": False}
+
+    async def episode():
+        first = await capture.client.chat.completions.create(model="m", messages=messages, chat_template_kwargs=off)
+        more = [*messages, first.choices[0].message, {"role": "user", "content": "2+3?"}]
+        await capture.client.chat.completions.create(model="m", messages=more)
+        return first
+
+    first = asyncio.run(episode())
+    assert first.choices[0].message.content == "4" and first.choices[0].message.model_extra == {}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert engine.prompts[0] == tokenizer.encode(text, add_special_tokens=False)
+    first_traj, second_traj = capture.trajectories()  # other kwargs: the second call is a new segment
+    assert loss_tokens(first_traj) == engine.outputs[0] and loss_tokens(second_traj) == engine.outputs[1]
+    assert tokenizer.decode(engine.prompts[1]).endswith("2+3?<|im_end|>\n<|im_start|>assistant\n")
