@@ -139,6 +139,22 @@ def train_tool_model(out, family: str) -> ToolModel:
     else:
         trajectories = family_trajectories(family, tokenizer)
         segments = [loss_tokens(t) for t in trajectories[: len(trajectories) - (family in REASONING)]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small trains as fast on one thread, and never spins against others
+    try:
+        learn(model, tokenizer, trajectories, family)
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(out)
+    return ToolModel(family, Path(out), REASONING.get(family, (None, None)), segments)
+
+
+def loss_tokens(traj: Trajectory) -> list[int]:
+    return [t for t, m in zip(traj.input_ids, traj.loss_mask) if m]
+
+
+def learn(model, tokenizer, trajectories: list[Trajectory], family: str) -> None:
+    """SFT steps until greedy decoding writes every loss token of ``trajectories``."""
     torch.manual_seed(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.05, 1 - step / STEPS))
@@ -156,12 +172,6 @@ def train_tool_model(out, family: str) -> ToolModel:
             break
     else:
         raise AssertionError(f"{family}: the tool replies were not learned in {STEPS} steps (loss {stats['loss']:.3f})")
-    model.save_pretrained(out)
-    return ToolModel(family, Path(out), REASONING.get(family, (None, None)), segments)
-
-
-def loss_tokens(traj: Trajectory) -> list[int]:
-    return [t for t, m in zip(traj.input_ids, traj.loss_mask) if m]
 
 
 def greedy_writes(model, trajectories: list[Trajectory]) -> bool:
@@ -228,12 +238,13 @@ async def agents_round_trip(base_url: str, api_key: str = "none"):
     return result.final_output, calls
 
 
-def capture_proxy_session(path: Path):
-    """A proxy with one session over an in-process engine on the trained model (greedy, as the rollout sets)."""
+def proxy_captures(path: Path) -> tuple[HFEngine, list[ChatCapture]]:
+    """An in-process engine on the trained model and two sessions' captures over it (greedy, as the
+    rollout sets)."""
     tokenizer = load_tokenizer(path)
-    engine = HFEngine(load_model(path), max_batch_size=4)
-    capture = ChatCapture(engine, tokenizer, SamplingParams(max_new_tokens=96, temperature=0), episode_id="ep")
-    return engine, capture
+    engine = HFEngine(load_model(path), max_batch_size=4, num_threads=1)
+    sampling = SamplingParams(max_new_tokens=96, temperature=0)
+    return engine, [ChatCapture(engine, tokenizer, sampling, episode_id=f"ep{i}") for i in range(2)]
 
 
 def reasoning_of(choice) -> str | None:
@@ -264,9 +275,7 @@ def test_openai_agents_tool_round_trip_against_serve_model(served):
 
 
 def test_sdk_and_agents_tool_round_trip_against_the_proxy(tool_model):
-    engine, sdk_capture = capture_proxy_session(tool_model.path)
-    _, agents_capture = capture_proxy_session(tool_model.path)
-    agents_capture.engine = engine  # one engine for both sessions
+    engine, (sdk_capture, agents_capture) = proxy_captures(tool_model.path)
 
     async def run():
         proxy = ChatProxy()
