@@ -20,9 +20,9 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from areal_agents.agents.template_messages import template_message, template_reads
 from areal_agents.chat.parsers import ReplyParser
 from areal_agents.chat.replies import ParsedReply
+from areal_agents.chat.template_messages import template_message, template_reads
 from areal_agents.models.families import stop_token_ids
 
 _MARK = "\x00areal-agents-turn\x00"  # stands in for a turn's content to find where the template ends it

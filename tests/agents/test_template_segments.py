@@ -18,7 +18,8 @@ import torch
 from areal_agents.agents import ChatAgent, ToolAgent
 from areal_agents.agents.capture import ChatCapture
 from areal_agents.agents.chat_tokens import ChatTokens
-from areal_agents.agents.template_messages import assistant_turn_text, template_message, through_first_stop
+from areal_agents.agents.template_messages import assistant_turn_text, through_first_stop
+from areal_agents.chat.template_messages import template_message
 from areal_agents.data.tool_use import TOOL_SCHEMAS, add, multiply
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.envs.runtime.pool import LocalEnvPool

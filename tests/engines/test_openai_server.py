@@ -10,6 +10,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from areal_agents.chat import ReplyParser
+from areal_agents.chat.template_messages import template_message
 from areal_agents.cli import main
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.model_server import ModelServer, ModelServerConfig, build_app
@@ -182,3 +183,28 @@ def test_parser_flags_override_the_template_and_bad_names_stop_startup(tiny_dir,
     assert main(["serve-model", "--model-path", str(tiny_dir / "absent"), "--reasoning-parser", "deepthink"]) == 2
     err = capsys.readouterr().err
     assert "serve-model: error: reasoning_parser (--reasoning-parser)" in err and "think, harmony, none" in err
+
+
+@pytest.mark.parametrize("family", ["deepseek-r1", "granite"])
+def test_a_tool_loops_history_renders_as_the_template_reads_it(tmp_path, family):
+    """A client sends back the OpenAI assistant message it got (``tool_calls`` with JSON-text arguments):
+    DeepSeek-R1's template joins the arguments as text, Granite's renders no ``tool_calls`` and reads the call
+    from the content. The prompt holds the call as the model would have written it, not a 400 or a lost call."""
+    path = save_tiny_model(tmp_path, hidden_size=32, num_layers=1, intermediate_size=64, family=family)
+    tokenizer = load_tokenizer(path)
+    call = {"id": "c0ffee123", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    messages = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c0ffee123", "name": "add", "content": "5"},
+    ]
+    engine = HFEngine(load_model(path), max_batch_size=2)
+    with TestClient(build_app(engine, tokenizer, ModelServerConfig(model_path=str(path)))) as c:
+        reply = c.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
+        prompt_tokens = reply.json()["usage"]["prompt_tokens"]
+    written = {"deepseek-r1": '<｜tool▁sep｜>add\n```json\n{"a": 2, "b": 3}\n```', "granite": '"name": "add"'}
+    as_read = [messages[0], template_message(tokenizer.chat_template, messages[1]), messages[2]]
+    text = tokenizer.apply_chat_template(as_read, tokenize=False, add_generation_prompt=True)
+    assert written[family] in text
+    assert prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from areal_agents.chat import ReplyParser
+from areal_agents.chat.template_messages import template_message
 from areal_agents.engines.model_server.openai_shapes import (
     Generated,
     OpenAIRequestError,
@@ -158,7 +159,10 @@ async def run_engine(
 
 def render_chat(server: ModelServer, body: dict[str, Any]) -> tuple[list[int], list[dict] | None]:
     """The prompt tokens of a chat request (its messages and tools through the chat template) and its tools."""
-    messages = plain_messages(body.get("messages"))
+    template = server.tokenizer.chat_template
+    messages = [
+        m if m["role"] != "assistant" else template_message(template, m) for m in plain_messages(body.get("messages"))
+    ]
     tools = body.get("tools") or None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise OpenAIRequestError("tools", "expects a list of tool objects ({'type': 'function', 'function': ...})")
