@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from areal_agents.agents.chat_agent import ChatAgent
-from areal_agents.chat.replies import ParsedReply
+from areal_agents.chat.replies import ParsedReply, new_call_id
 from areal_agents.envs.tools import call_tool, tool_schema, tools_prompt
 from areal_agents.errors import ConfigError
 from areal_agents.importing import load_object
@@ -43,6 +43,7 @@ class ToolAgent(ChatAgent):
         self.tools = {fn.__name__: fn for fn in functions}
         self.max_tool_calls, self.max_result_chars = max_tool_calls, max_result_chars
         schemas = [tool_schema(fn) for fn in functions]
+        self._tool_without_call = _renders_tool_without_call(self.tokenizer)
         if "tools" in (self.tokenizer.chat_template or ""):
             self.tool_schemas = schemas  # the template lists them in its own format
         else:
@@ -56,7 +57,10 @@ class ToolAgent(ChatAgent):
         for call in reply.tool_calls[: self.max_tool_calls]:
             result = await asyncio.to_thread(call_tool, self.tools, call, self.max_result_chars)
             messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result})
-        messages += [{"role": "tool", "content": str(error)} for error in reply.errors]
+        if reply.tool_calls or self._tool_without_call:  # a fresh id: Mistral's template wants one on every result
+            messages += [{"role": "tool", "tool_call_id": new_call_id(), "content": str(e)} for e in reply.errors]
+        else:
+            messages += [{"role": "user", "content": str(e)} for e in reply.errors]
         if len(reply.tool_calls) > self.max_tool_calls:
             limit = f"error: at most {self.max_tool_calls} tool calls a turn; the rest were not run"
             messages.append({"role": "tool", "content": limit})
@@ -68,3 +72,18 @@ class ToolAgent(ChatAgent):
                 }
             ]
         return messages
+
+
+def _renders_tool_without_call(tokenizer: Any) -> bool:
+    """Whether the chat template takes a tool message after a reply without a call (gpt-oss's refuses it: a
+    malformed call's error then comes back as a user message)."""
+    probe = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "tool", "tool_call_id": new_call_id(), "content": "error"},
+    ]
+    try:
+        tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001  (the template's raise_exception: TemplateError, or a TypeError of its own)
+        return False
+    return True
