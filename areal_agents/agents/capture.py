@@ -83,6 +83,7 @@ class ChatCapture:
         self.max_total_tokens = max_total_tokens
         self.segments: list[_Segment] = []
         self.stop_reasons: list[str] = []  # the engine's stop_reason of each call, in order
+        self.tool_calls, self.tool_parse_failures = 0, 0  # over the episode's replies
         self.call_rewards: dict[str, float] = {}  # completion id -> reward
         self.episode_reward: float | None = None
         self._calls = itertools.count()
@@ -121,6 +122,9 @@ class ChatCapture:
                     "num_turns": len(calls),
                     "messages": s.chat.messages,
                     "stop_reasons": list(self.stop_reasons),
+                    "num_segments": len(self.segments),
+                    "tool_calls": self.tool_calls,  # well-formed calls in the replies (with tools given)
+                    "tool_parse_failures": self.tool_parse_failures,  # malformed ones
                 },
             )
             for i, s in enumerate(self.segments)
@@ -238,6 +242,8 @@ class ChatCapture:
         gen = generated(self.tokenizer, tokens, lps, response.stop_reason, stops, self.stop_ids)
         segment.chat.append_generation(gen.tokens, gen.logprobs, response.output_versions[: len(gen.tokens)])
         message, errors = reply_message(self.parser, gen.text, parse_tools)
+        self.tool_calls += len(message.get("tool_calls") or [])
+        self.tool_parse_failures += len(errors)
         segment.sent.append(plain_message(message))  # as the agent will send it back
         segment.completion_ids.append(completion_id)
         choice: dict[str, Any] = {

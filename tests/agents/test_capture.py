@@ -95,6 +95,8 @@ def test_tool_calls_become_openai_tool_calls_and_results_are_not_trained(tokeniz
     assert tool_call.function.name == "add" and json.loads(tool_call.function.arguments) == {"a": 3, "b": 4}
     (traj,) = capture.trajectories()
     assert loss_tokens(traj) == engine.outputs[0] + engine.outputs[1]  # the tool result "7" is prompt
+    counts = {k: traj.metadata[k] for k in ("tool_calls", "tool_parse_failures", "num_segments")}
+    assert counts == {"tool_calls": 1, "tool_parse_failures": 0, "num_segments": 1}  # rollout/ metrics sum them
 
 
 def test_rewards_per_call_and_per_episode(tokenizer):
@@ -180,6 +182,8 @@ def test_a_malformed_call_stays_in_content_and_is_not_a_tool_call(tokenizer):
     assert choice.message.content == text and not choice.message.tool_calls and choice.finish_reason == "stop"
     (error,) = choice.tool_call_errors  # non-standard key: the parse error the agent may answer
     assert error.startswith("error: ") and "JSON" in error
+    (traj,) = capture.trajectories()  # what rollout/tool_parse_failures sums
+    assert (traj.metadata["tool_calls"], traj.metadata["tool_parse_failures"]) == (0, 1)
 
 
 def test_chat_template_kwargs_per_call_on_qwen3():
