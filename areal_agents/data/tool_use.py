@@ -52,9 +52,35 @@ def _schema(fn: Callable[..., Any], description: str) -> dict[str, Any]:
 # What `areal_agents.envs.tools.tool_schema` makes of the two functions (tests/test_family_tool_use.py checks).
 TOOL_SCHEMAS: list[dict[str, Any]] = [_schema(add, "Add two integers."), _schema(multiply, "Multiply two integers.")]
 
+# Families whose tool-use turns carry reasoning: Mistral Nemo's format has none, and Granite 3.3's system prompt
+# with tools asks for the call alone (its thinking prompt is only for turns without tools); the others write a
+# think block (gpt-oss: the analysis channel) before the call.
+REASONING: dict[str, bool] = {
+    "qwen3": True,
+    "qwq": True,
+    "deepseek-r1": True,
+    "mistral": False,
+    "gpt-oss": True,
+    "granite": False,
+}
 
-def tool_use_conversation(a: int, op: str, b: int, *, reasoning: bool, call_id: str | None = None) -> list[dict]:
-    """One conversation for ``a op b``: call the operator's tool, read its result, answer with it."""
+
+def tools_for(operators: str) -> list[dict[str, Any]]:
+    """The schemas of the tools ``operators`` needs, in `TOOL_SCHEMAS` order (what ``ToolAgent`` lists for the
+    same functions); ``module:function`` names for ``rollout.agent_kwargs.tools`` are `tool_names`."""
+    return [s for op, s in zip(TOOLS, TOOL_SCHEMAS) if op in operators]
+
+
+def tool_names(operators: str) -> list[str]:
+    """``rollout.agent_kwargs.tools`` for ``operators``: the same tools as `tools_for`."""
+    return [f"{__name__}:{fn.__name__}" for op, fn in TOOLS.items() if op in operators]
+
+
+def tool_use_conversation(
+    a: int, op: str, b: int, *, reasoning: bool, call_id: str | None = None, system: str | None = None
+) -> list[dict]:
+    """One conversation for ``a op b``: call the operator's tool, read its result, answer with it; ``system``
+    opens it with that system message (the prompt the agent will pose, e.g. its tool listing)."""
     if op not in TOOLS:
         raise ValueError(f"Expects op to be one of {sorted(TOOLS)}, got {op!r}")
     fn = TOOLS[op]
@@ -66,7 +92,9 @@ def tool_use_conversation(a: int, op: str, b: int, *, reasoning: bool, call_id: 
     if reasoning:
         calling["reasoning_content"] = f"I call {fn.__name__}."
         answering["reasoning_content"] = "The tool gave the answer."
+    opening = [{"role": "system", "content": system}] if system else []
     return [
+        *opening,
         {"role": "user", "content": f"{a}{op}{b}="},
         calling,
         {"role": "tool", "tool_call_id": call_id, "name": fn.__name__, "content": result},
@@ -82,9 +110,10 @@ def tool_use_conversations(
     digits: int = 1,
     operators: str = "+*",
     keep: Callable[[str], bool] | None = None,
+    system: str | None = None,
 ) -> Iterator[list[dict]]:
     """``n`` conversations on uniform ``digits``-digit operands; ``keep(problem_text)`` filters problems
-    (e.g. to the env's train split)."""
+    (e.g. to the env's train split); ``system`` as in `tool_use_conversation`."""
     if not operators or set(operators) - set(TOOLS):
         raise ValueError(f"Expects operators to be a non-empty string of {''.join(TOOLS)!r}, got {operators!r}")
     rng = random.Random(seed)
@@ -94,5 +123,5 @@ def tool_use_conversations(
         if keep is not None and not keep(f"{a}{op}{b}="):
             continue
         ids = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(9))
-        yield tool_use_conversation(a, op, b, reasoning=reasoning, call_id=ids)
+        yield tool_use_conversation(a, op, b, reasoning=reasoning, call_id=ids, system=system)
         made += 1

@@ -1,7 +1,9 @@
 """`areal-agents sft`: supervised fine-tuning on chat JSONL, the warm start before RL.
 
 Writes the fine-tuned model to ``run_dir/model`` (use it as ``model.path`` for ``train``) and reports
-held-out greedy accuracy on the configured env before and after.
+held-out greedy accuracy on the configured env before and after. Rows may carry tool calls, tool results and
+the ``tools`` the template lists: each conversation is rendered through the model's own chat template (with
+``chat_template_kwargs``), split into segments where the template rewrites history, as RL would see it.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import torch
 
 from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.config import SFTConfig
-from areal_agents.data.jsonl import read_chat_jsonl
+from areal_agents.data.jsonl import SFTExample, read_sft_jsonl
 from areal_agents.engines.hf.engine import HFEngine
+from areal_agents.errors import ArealAgentsError
 from areal_agents.models.device import compute_dtype, resolve_device
 from areal_agents.models.loading import check_max_new_tokens, load_model, load_tokenizer, pad_token_id
 from areal_agents.progress import plural, progress_bar
@@ -25,8 +28,8 @@ from areal_agents.trainers.checkpoint import save_model
 from areal_agents.trainers.metrics_writer import MetricsWriter, prefixed
 from areal_agents.trainers.optim import make_optimizer
 from areal_agents.trainers.run_start import held_out_seeds, open_checked_backend, prepare_run_dir, seed_everything
-from areal_agents.trainers.sft import conversation_to_trajectory, sft_update
-from areal_agents.types import SamplingParams
+from areal_agents.trainers.sft import conversation_to_segments, sft_update
+from areal_agents.types import SamplingParams, Trajectory
 
 
 def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, Any]:
@@ -35,7 +38,7 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, Any]:
         from areal_agents.errors import ConfigError
 
         raise ConfigError("config key 'data' is empty: set it to a chat JSONL file")
-    conversations = read_chat_jsonl(cfg.data)
+    conversations = read_sft_jsonl(cfg.data)
     evaluating = cfg.eval.num_problems > 0
     if evaluating:  # the held-out episodes generate up to max_new_tokens a turn
         check_max_new_tokens(cfg.max_new_tokens, cfg.model.path, "max_new_tokens")
@@ -56,13 +59,14 @@ def _sft(cfg, conversations, backend, loop, progress):
     model = load_model(cfg.model.path, cfg.model.dtype).to(device)
     run_dir = prepare_run_dir(cfg.run_dir, cfg)
     seed_everything(cfg.seed)
-    data = [conversation_to_trajectory(m, tokenizer) for m in conversations]
+    data = [s for example in conversations for s in _segments(example, tokenizer, cfg.chat_template_kwargs)]
     pad = pad_token_id(tokenizer)
 
     engine = None
     if evaluating:  # its own copy on the same device, refreshed from the trained weights before each eval
         engine = HFEngine(load_model(cfg.model.path, cfg.model.dtype), seed=cfg.seed, device=str(device.type))
-    greedy = ChatAgent(engine, tokenizer, SamplingParams(cfg.max_new_tokens, temperature=0.0)) if engine else None
+    sampling = SamplingParams(cfg.max_new_tokens, temperature=0.0)
+    greedy = ChatAgent(engine, tokenizer, sampling, chat_template_kwargs=cfg.chat_template_kwargs) if engine else None
     seeds = loop.run_until_complete(held_out_seeds(backend, cfg.eval)) if evaluating else []
     metrics = MetricsWriter(run_dir / "tensorboard")
 
@@ -117,7 +121,8 @@ def _sft(cfg, conversations, backend, loop, progress):
         "accuracy_after": after["accuracy"] if after else None,
         "eval_problems": len(seeds),
         "steps": cfg.steps,
-        "conversations": len(data),
+        "conversations": len(conversations),
+        "segments": len(data),
         "wall_seconds": time.perf_counter() - start,
         "model": str(model_dir),
     }
@@ -126,3 +131,13 @@ def _sft(cfg, conversations, backend, loop, progress):
         print(f"held-out greedy accuracy after SFT: {after['accuracy']:.1%} ({plural(len(seeds), 'problem')})")
     print(f"fine-tuned model: {model_dir}")
     return summary
+
+
+def _segments(example: SFTExample, tokenizer: Any, template_kwargs: dict[str, Any]) -> list[Trajectory]:
+    """The example's trajectories; a conversation the template cannot render names its row."""
+    try:
+        return conversation_to_segments(example.messages, tokenizer, example.tools, template_kwargs)
+    except ArealAgentsError as e:
+        raise ArealAgentsError(f"{example.source}: {e}") from None
+    except Exception as e:  # the chat template's own error (jinja2 raise_exception, a missing key)
+        raise ArealAgentsError(f"{example.source}: the chat template cannot render this conversation: {e}") from None
