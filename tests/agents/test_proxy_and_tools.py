@@ -88,3 +88,28 @@ def test_make_agent_errors_name_the_field(tokenizer):
         make_agent("areal_agents.agents:ToolAgent", None, tokenizer, SamplingParams())  # no tools=
     with pytest.raises(ArealAgentsError, match="rollout.agent 'json:dumps': expects an agent class"):
         make_agent("json:dumps", None, tokenizer, SamplingParams())
+
+
+def test_a_malformed_call_is_counted_and_answered_by_the_agent_and_by_tool_env(tokenizer):
+    """Tools on the agent's side (ToolAgent) or the env's (ToolEnv): a call whose JSON is broken reaches the model
+    as an error it can answer, and the episode's trajectories count it (rollout/tool_parse_failures)."""
+
+    from areal_agents.agents import ChatAgent
+    from areal_agents.envs.tools import ToolEnv
+
+    broken = '<tool_call>{"name": "add", "arguments": {"a": 3,}}</tool_call>'
+    call = '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
+    for make in (
+        lambda engine: (ToolAgent(engine, tokenizer, SamplingParams(max_new_tokens=64), tools=[add]), TwoTurns()),
+        lambda engine: (
+            ChatAgent(engine, tokenizer, SamplingParams(max_new_tokens=64)),
+            ToolEnv(TwoTurns(), tools=[add]),
+        ),
+    ):
+        engine = ScriptedEngine(tokenizer, [broken, call, "7", "7"])
+        agent, env = make(engine)
+        (traj,) = asyncio.run(agent.run_episode(InlineEnv(env), seed=0, episode_id="ep"))
+        assert (traj.metadata["tool_parse_failures"], traj.metadata["tool_calls"]) == (1, 1)
+        second_prompt = tokenizer.decode(engine.prompts[1])
+        assert "error: the tool call is not valid JSON" in second_prompt  # what the model reads next
+        assert "<tool_response>\n7\n</tool_response>" in tokenizer.decode(engine.prompts[2])
