@@ -66,7 +66,7 @@ class ChatAgent:
         return observation
 
     def parse_action(self, text: str) -> str:
-        """The action sent to the env for the model's reply ``text``."""
+        """The action sent to the env for the model's reply ``text`` (its reasoning taken out)."""
         return text
 
     def should_stop(self, turn: int, reward: float, info: dict[str, Any]) -> bool:
@@ -111,7 +111,7 @@ class ChatAgent:
                 episode_id=episode_id,
                 metadata={
                     "segment": i,
-                    "num_segments": len(play.segments),
+                    "num_segments": sum(1 for s in play.segments if sum(s.loss_mask) > 0),  # the trajectories
                     "num_turns": len(play.turn_rewards),
                     "truncated_by_agent": play.cut is not None,  # out of context or of turns
                     "context_exhausted": play.cut == "context",  # no room left for another turn
@@ -152,7 +152,7 @@ class ChatAgent:
             play.tool_parse_failures += len(reply.errors)
             answered = await self.answer(reply, text)
             if answered is None:
-                observation, reward, terminated, truncated, info = await env.astep(self.parse_action(text))
+                observation, reward, terminated, truncated, info = await env.astep(self.parse_action(chat.last_answer))
                 play.turn_rewards.append(float(reward))
                 play.last_info = info
                 if terminated or truncated or self.should_stop(turn, float(reward), info):

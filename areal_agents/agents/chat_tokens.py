@@ -62,6 +62,7 @@ class ChatTokens:
     parser: ReplyParser | None = None  # None: the one the tokenizer's template implies
     keep_reasoning: bool = False  # on a history rewrite, keep the sampled turns and render only the new messages
     last_reply: ParsedReply | None = None  # the last generated turn, parsed
+    last_answer: str = ""  # the last generated turn's text without its reasoning
 
     def __post_init__(self) -> None:
         if self.parser is None:
@@ -97,8 +98,8 @@ class ChatTokens:
         self._extend_prompt(self._encode(self._render(self.messages, generation_prompt=True)))
 
     def append_generation(self, tokens: list[int], logprobs: list[float], versions: list[int]) -> str:
-        """Append the policy's tokens (loss tokens), parse them into ``last_reply`` and record the assistant
-        message; return the turn's text (special tokens left out)."""
+        """Append the policy's tokens (loss tokens), parse them into ``last_reply`` (and ``last_answer``) and
+        record the assistant message; return the turn's text (special tokens left out)."""
         self.input_ids += tokens
         self.loss_mask += [1] * len(tokens)
         self.logprobs += logprobs
@@ -107,7 +108,12 @@ class ChatTokens:
         raw = self._opened_reasoning() + self.tokenizer.decode(body, skip_special_tokens=False)
         self.last_reply = self.parser.parse(raw)
         self.messages.append(self.assistant_message(self.last_reply, raw))
-        return self.tokenizer.decode(body, skip_special_tokens=True)
+        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        if self.last_reply.reasoning is None:
+            self.last_answer = text
+        else:  # the reply without its reasoning: what an env should read (calls left in, for a ToolEnv)
+            self.last_answer = ReplyParser("none", self.parser.reasoning_parser).parse(raw).content
+        return text
 
     def _opened_reasoning(self) -> str:
         """The ``<think>`` a generation prompt opens (QwQ's, DeepSeek-R1's): part of the turn as written."""

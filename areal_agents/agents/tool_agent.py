@@ -44,6 +44,8 @@ class ToolAgent(ChatAgent):
         self.max_tool_calls, self.max_result_chars = max_tool_calls, max_result_chars
         schemas = [tool_schema(fn) for fn in functions]
         self._tool_without_call = _renders_tool_without_call(self.tokenizer)
+        template = self.tokenizer.chat_template or ""
+        self._template_knows_tools = any(k in template for k in ("tools", "'tool'", '"tool"'))
         if "tools" in (self.tokenizer.chat_template or ""):
             self.tool_schemas = schemas  # the template lists them in its own format
         else:
@@ -64,7 +66,7 @@ class ToolAgent(ChatAgent):
         if len(reply.tool_calls) > self.max_tool_calls:
             limit = f"error: at most {self.max_tool_calls} tool calls a turn; the rest were not run"
             messages.append({"role": "tool", "content": limit})
-        if "tool_calls" not in (self.tokenizer.chat_template or ""):  # a template without tool messages of its own
+        if not self._template_knows_tools:  # ChatML and the like: results in Hermes's tags, as one message
             return [
                 {
                     "role": "tool",
