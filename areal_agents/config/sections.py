@@ -411,7 +411,7 @@ class SFTConfig:
         "extra variables of the chat template (e.g. {enable_thinking = false} for Qwen3)", default_factory=dict
     )
     steps: int = config_field("optimizer steps", default=200)
-    batch_size: int = config_field("conversations per step", default=64)
+    batch_size: int = config_field("sequences per step (a conversation a template splits gives several)", default=64)
     lr: float = config_field("AdamW learning rate", default=1e-3)
     weight_decay: float = config_field("AdamW weight decay", default=0.0)
     warmup_steps: int = config_field("linear learning-rate warm-up", default=10)
