@@ -69,18 +69,21 @@ class ChatTokens:
             self.parser = _parser_for(self.tokenizer)
         self.stop_ids = stop_token_ids(self.tokenizer)
 
-    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool, cache: bool = False) -> str:
+        """The template's render; ``cache`` for texts that repeat (a group's shared first prompt), not for a
+        whole conversation, which one episode renders once."""
         template = self.tokenizer.chat_template
         messages = [template_message(template, m) if m["role"] == "assistant" else m for m in messages]
         messages = [m if m.get("content") is not None else {**m, "content": ""} for m in messages]
         kwargs = self.template_kwargs or {}
-        try:
-            key = json.dumps([messages, self.tools, generation_prompt, kwargs])
-        except TypeError:  # content that is not plain JSON: render it directly
-            return self.tokenizer.apply_chat_template(
-                messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
-            )
-        return _render_cached(self.tokenizer, key)
+        if cache:
+            try:
+                return _render_cached(self.tokenizer, json.dumps([messages, self.tools, generation_prompt, kwargs]))
+            except TypeError:  # content that is not plain JSON: render it directly
+                pass
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
+        )
 
     def _encode(self, text: str) -> list[int]:
         return list(_encode_cached(self.tokenizer, text))
@@ -95,17 +98,18 @@ class ChatTokens:
         """Begin (or restart as a new segment) with the full render of ``messages`` + generation prompt."""
         self.messages = list(messages)
         self.input_ids, self.loss_mask, self.logprobs, self.versions = [], [], [], []
-        self._extend_prompt(self._encode(self._render(self.messages, generation_prompt=True)))
+        self._extend_prompt(self._encode(self._render(self.messages, generation_prompt=True, cache=True)))
 
     def append_generation(self, tokens: list[int], logprobs: list[float], versions: list[int]) -> str:
         """Append the policy's tokens (loss tokens), parse them into ``last_reply`` (and ``last_answer``) and
         record the assistant message; return the turn's text (special tokens left out)."""
+        opened = self._opened_reasoning()
         self.input_ids += tokens
         self.loss_mask += [1] * len(tokens)
         self.logprobs += logprobs
         self.versions += versions
         body = tokens[:-1] if tokens and tokens[-1] in self.stop_ids else tokens
-        raw = self._opened_reasoning() + self.tokenizer.decode(body, skip_special_tokens=False)
+        raw = opened + self.tokenizer.decode(body, skip_special_tokens=False)
         self.last_reply = self.parser.parse(raw)
         self.messages.append(self.assistant_message(self.last_reply, raw))
         text = self.tokenizer.decode(body, skip_special_tokens=True)
@@ -116,8 +120,9 @@ class ChatTokens:
         return text
 
     def _opened_reasoning(self) -> str:
-        """The ``<think>`` a generation prompt opens (QwQ's, DeepSeek-R1's): part of the turn as written."""
-        tail = self._render(self.messages, generation_prompt=True)[len(self._render(self.messages, False)) :]
+        """The ``<think>`` a generation prompt opens (QwQ's, DeepSeek-R1's): part of the turn as written. The
+        prompt's last tokens are the generation prompt's end (read before the turn is appended)."""
+        tail = self.tokenizer.decode(self.input_ids[-8:], skip_special_tokens=False)
         at = tail.rfind("<think>")
         return tail[at:] if at >= 0 and "</think>" not in tail[at:] else ""
 
@@ -154,7 +159,8 @@ class ChatTokens:
         closing = [] if self.input_ids and self.input_ids[-1] in self.stop_ids else [self.stop_ids[0]]
         ids = self.input_ids + closing  # a turn that hit its length limit is closed as the template closes it
         new_messages = [*self.messages, *messages]
-        rendered = self._encode(self._render(new_messages, generation_prompt=True))
+        text = self._render(new_messages, generation_prompt=True)
+        rendered = self.tokenizer.encode(text, add_special_tokens=False)  # not cached: one episode's, used once
         if rendered[: len(ids)] == ids and len(rendered) > len(ids):
             added = rendered[len(ids) :]
         elif self.keep_reasoning and (suffix := self._suffix_in_context(new_messages, ids[-1])) is not None:
