@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_custom_agents import masked_runs
 
 from areal_agents.agents import ChatAgent, ToolAgent
 from areal_agents.agents.capture import ChatCapture
@@ -144,17 +145,6 @@ def chatml_new_messages(family: str, messages: list[dict[str, Any]], tools) -> s
     return full[at - 1 :]
 
 
-def loss_runs(input_ids: list[int], loss_mask: list[int]) -> list[list[int]]:
-    runs, current = [], []
-    for token, m in zip(input_ids, loss_mask):
-        if m:
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    return runs + ([current] if current else [])
-
-
 def play(family: str, conversation: Conversation, *, keep_reasoning: bool = False) -> list[ChatTokens]:
     """Play ``conversation`` as `ChatAgent` does, each assistant turn sampled as the tokens a model writes for
     it; check every step; return the segments."""
@@ -188,7 +178,7 @@ def play(family: str, conversation: Conversation, *, keep_reasoning: bool = Fals
         sampled.append([])
     segments.append(chat)
     for segment, turns in zip(segments, sampled):
-        assert loss_runs(segment.input_ids, segment.loss_mask) == turns  # loss on exactly the sampled tokens
+        assert masked_runs(segment) == turns  # loss on exactly the sampled tokens
     return segments
 
 
@@ -298,7 +288,7 @@ class Recording:
 
 def assert_token_exact(model, trajectories, sampled):
     """The loss runs are the sampled turns, in order; behavior logprobs equal a fresh forward pass."""
-    assert [run for t in trajectories for run in loss_runs(t.input_ids, t.loss_mask)] == [s for s in sampled if s]
+    assert [run for t in trajectories for run in masked_runs(t)] == [s for s in sampled if s]
     for traj in trajectories:
         (mb,) = make_micro_batches([traj], 8192)
         with torch.no_grad():
