@@ -1,5 +1,6 @@
 """The CLI as a user runs it: a 2-step SFT and RL smoke run, and one-line errors with exit code 2."""
 
+import collections
 import json
 import signal
 import subprocess
@@ -351,18 +352,26 @@ def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, staleness, m
     tokenizer = load_tokenizer(tiny_dir)
     for step in (1, 2):
         rows = [json.loads(line) for line in (run / "trajectories" / f"step_{step}.jsonl").read_text().splitlines()]
-        assert sorted(row["agent_id"] for row in rows) == ["debater_0"] * 8 + ["debater_1"] * 8
+        episodes = {(row["episode_id"], row["agent_id"]): row["metadata"]["num_segments"] for row in rows}
+        assert sorted(a for _, a in episodes) == ["debater_0"] * 8 + ["debater_1"] * 8
+        assert len(rows) == sum(episodes.values())  # a segment where a re-render would not give the sampled tokens
+        runs_of = collections.Counter()
         for row in rows:  # the loss mask is exactly this debater's own replies, one run per round
             runs = "".join("1" if m else " " for m in row["loss_mask"]).split()
             replies = [m["content"] for m in row["metadata"]["messages"] if m["role"] == "assistant"]
-            assert len(runs) == len(replies) == 2
-            masked = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
-            assert tokenizer.decode(masked, skip_special_tokens=True) == "".join(replies)
+            runs_of[row["episode_id"], row["agent_id"]] += len(runs)
+            masked = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m and t != tokenizer.eos_token_id]
+            assert tokenizer.decode(masked, skip_special_tokens=False) == "".join(replies[-len(runs) :])
             other = "debater_1" if row["agent_id"] == "debater_0" else "debater_0"
             unmasked = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if not m])
-            assert f"{other}: " in unmasked and f"{row['agent_id']}: " not in unmasked
+            assert f"{row['agent_id']}: " not in unmasked
+            if len(runs) == 2 or row["metadata"]["segment"] > 0:  # it holds a round after the other's answer
+                assert f"{other}: " in unmasked
+        assert set(runs_of.values()) == {2}  # two rounds of each debater in each episode, each trained once
+        if step == 1:
+            trained_first = len(rows)
     if recipe == "rl.yaml":
-        assert scalars.Scalars("train/trained_trajectories")[0].value == 16  # both debaters' turns, one model
+        assert scalars.Scalars("train/trained_trajectories")[0].value == trained_first  # both debaters', one model
         return
     from areal_agents.models import load_model
 

@@ -87,6 +87,7 @@ class MultiAgentChatAgent:
                         episode_id=f"{episode_id}/{agent_id}",
                         metadata={
                             "segment": i,
+                            "num_segments": sum(1 for c in chats if sum(c.loss_mask) > 0),  # this agent's
                             "num_turns": len(turn_rewards[agent_id]),
                             "messages": chat.messages,
                             "episode": episode_id,

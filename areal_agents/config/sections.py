@@ -74,7 +74,7 @@ class RolloutConfig:
         default="auto",
     )
     chat_template_kwargs: dict[str, Any] = config_field(
-        "extra variables of the chat template (e.g. {enable_thinking = false} for Qwen3)", default_factory=dict
+        "extra variables of the chat template (e.g. {enable_thinking: false} for Qwen3)", default_factory=dict
     )
     keep_reasoning: bool = config_field(
         "when the template rewrites earlier turns (drops their reasoning): keep the turns as sampled and render "
@@ -408,7 +408,7 @@ class SFTConfig:
         default="",
     )
     chat_template_kwargs: dict[str, Any] = config_field(
-        "extra variables of the chat template (e.g. {enable_thinking = false} for Qwen3)", default_factory=dict
+        "extra variables of the chat template (e.g. {enable_thinking: false} for Qwen3)", default_factory=dict
     )
     steps: int = config_field("optimizer steps", default=200)
     batch_size: int = config_field("sequences per step (a conversation a template splits gives several)", default=64)
