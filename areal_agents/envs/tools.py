@@ -38,7 +38,6 @@ from areal_agents.envs.base import text_space
 from areal_agents.errors import ArealAgentsError
 from areal_agents.sandbox import LocalSandbox, Sandbox
 
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 
 
@@ -88,11 +87,6 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
             "parameters": {"type": "object", "properties": params, "required": required},
         },
     }
-
-
-def find_tool_calls(text: str) -> list[str]:
-    """The raw JSON of each ``<tool_call>...</tool_call>`` in a model reply, in order."""
-    return _CALL.findall(text)
 
 
 # How a call is written in each format, for templates that do not list tools themselves (the model reads it).
