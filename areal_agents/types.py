@@ -33,6 +33,7 @@ class SamplingParams:
     top_k: int = 0  # 0 disables top-k
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # stop only at stop_token_ids or max_new_tokens
+    seed: int | None = None  # this request's own sampler seed (SGLang's ``sampling_seed``); None: the engine's
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -47,11 +48,13 @@ class SamplingParams:
 
 @dataclass
 class GenRequest:
-    """Generate a continuation of ``input_ids``; ``rid`` identifies the request (and its episode)."""
+    """Generate a continuation of ``input_ids``; ``rid`` identifies the request (and its episode);
+    ``lora_name`` names the LoRA adapter loaded on the engine that generates it (None: the base model)."""
 
     rid: str
     input_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    lora_name: str | None = None
 
 
 @dataclass

@@ -30,6 +30,23 @@ class InferenceEngine(Protocol):
     def set_version(self, version: int) -> None: ...
 
 
+@runtime_checkable
+class LoraEngine(InferenceEngine, Protocol):
+    """An engine that serves LoRA adapters beside its base model; a request names one by
+    ``GenRequest.lora_name`` (None: the base model). Adapters are PEFT's format: a directory with
+    ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``, ``use_rslora``) and
+    ``adapter_model.safetensors`` (keys as `peft.get_peft_model_state_dict` names them)."""
+
+    async def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> None:
+        """Serve the adapter in directory ``path`` as ``name``, replacing one of that name: generation paused,
+        the adapter loaded, the engine's version set to ``version`` (None: unchanged), generation resumed."""
+        ...
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``; requests naming it are refused afterwards."""
+        ...
+
+
 async def engine_counters(engine: InferenceEngine) -> dict[str, float]:
     """An engine's counters since its start, by name (e.g. ``prefill_tokens``, ``busy_seconds``), from its
     optional ``async counters()`` method; ``{}`` for an engine without one. The RL recipe logs their
