@@ -295,12 +295,20 @@ class EngineConfig:
         "those weights held twice) instead of transformers' forward",
         default=True,
     )
+    max_lora_rank: int = config_field(
+        "launched vllm / sglang servers: serve LoRA adapters up to this rank (0: none; train sets it from model.lora)",
+        default=0,
+    )
+    max_loras: int = config_field(
+        "launched vllm / sglang servers: adapters held at once (train sets it to its LoRA policies)", default=1
+    )
     startup_timeout_s: float = config_field("seconds to wait for a launched server's /health", default=600.0)
     request_timeout_s: float = config_field("seconds before a /generate call is retried", default=3600.0)
     max_retries: int = config_field("retries (exponential backoff) of a call on connection errors and 5xx", default=5)
 
     def __post_init__(self) -> None:
-        check_positive(self, "num_servers", "tp", "max_running_requests")
+        check_positive(self, "num_servers", "tp", "max_running_requests", "max_loras")
+        check_positive(self, "max_lora_rank", or_zero=True)
         if self.own_process and (self.backend != "hf" or self.urls):
             raise ValueError("own_process: applies to the in-process hf engine (backend hf, no urls)")
         if self.pause_mode != "abort" and self.backend == "hf" and not self.urls:
