@@ -3,11 +3,13 @@
 A step admits arrivals (a prefill, from the longest cached prefix of each context), decodes one token for
 every row over all KV cache segments, samples, and retires finished rows into the prefix cache. An error in
 one request's prefill, decode step or sampling fails that request alone: a failed batch prefill is redone
-row by row, a failed decode step row by row (prefill, then one step alone).
+row by row, a failed decode step row by row (prefill, then one step alone). Rows may carry LoRA adapters
+(`LoraTable`): each forward adds their deltas grouped by adapter, and the prefix cache keys on the adapter.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -15,6 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from areal_agents.engines.hf.decode_step import LlamaDecodeStep
 from areal_agents.engines.hf.kv_buffer import GrowingLayer, kv_dtype_of
+from areal_agents.engines.hf.lora import LoraTable
 from areal_agents.engines.hf.placement import Placement, moved_weights_error, weight_versions
 from areal_agents.engines.hf.prefix_cache import PrefixCache
 from areal_agents.engines.hf.running_batch import (
@@ -25,7 +28,7 @@ from areal_agents.engines.hf.running_batch import (
     compact,
     consolidate,
 )
-from areal_agents.engines.hf.sampling import sample_tokens
+from areal_agents.engines.hf.sampling import sample_tokens, seeded_uniform
 from areal_agents.engines.hf.stats import EngineStats
 from areal_agents.errors import EngineError
 from areal_agents.models.logprobs import tempered_log_softmax
@@ -55,6 +58,7 @@ class BatchRunner:
         kv_dtype: str | torch.dtype | None,
         fast_decode: bool,
         placement: Placement | None = None,
+        recompute_adapters: bool = True,
     ) -> None:
         self.model, self.stats = model, stats
         self.placement = placement or Placement(model.device, model.dtype, model.dtype)
@@ -71,6 +75,8 @@ class BatchRunner:
         self.outbox: list[Outcome] = []  # finished this step
         # weights shared with a trainer: their in-place versions at the last push, and that push's version
         self.pushed: tuple[tuple[int, ...], int] | None = None
+        self.lora = LoraTable(model)  # the LoRA adapters served beside the base model
+        self.recompute_adapters = recompute_adapters  # a changed adapter re-prefills the running rows (stale_kv)
 
     def new_weights(self, version: int, shared: bool) -> None:
         """The model has new weights (at a step boundary): the decode step derives its fused ones again;
@@ -80,13 +86,21 @@ class BatchRunner:
         self.pushed = (weight_versions(self.model), version) if shared else None
 
     @torch.inference_mode()
-    def step(self, batch: RunningBatch, incoming: list[Submission], stale: bool, version: int) -> None:
-        """Admit (and re-prefill after a weight swap), then one decode step; retire finished rows."""
+    def step(
+        self,
+        batch: RunningBatch,
+        incoming: list[Submission],
+        stale: bool,
+        version: int,
+        adapters: frozenset = frozenset(),
+    ) -> None:
+        """Admit (and re-prefill after a weight swap), then one decode step; retire finished rows. ``adapters``:
+        the LoRA adapters loaded, replaced or unloaded since the last step."""
         if self.pushed is not None and weight_versions(self.model) != self.pushed[0]:
             self.step_on_moved_weights(batch, incoming)
             return
         with self.placement.precision():
-            self.run_step(batch, incoming, stale, version)
+            self.run_step(batch, incoming, stale, version, adapters)
 
     def step_on_moved_weights(self, batch: RunningBatch, incoming: list[Submission]) -> None:
         """Shared weights changed since their push: a request left to decode stops the engine (its tokens
@@ -98,7 +112,9 @@ class BatchRunner:
             self.finish(seq, "abort")
         self.retire(batch)
 
-    def run_step(self, batch: RunningBatch, incoming: list[Submission], stale: bool, version: int) -> None:
+    def run_step(
+        self, batch: RunningBatch, incoming: list[Submission], stale: bool, version: int, adapters: frozenset
+    ) -> None:
         """`step` in the engine's precision."""
         start = time.perf_counter()
         live = [s for s in incoming if not s.abort]
@@ -107,7 +123,9 @@ class BatchRunner:
                 self.finish(seq, "abort")
         if stale:
             self.prefixes.clear()
-        if stale and batch.segments:  # the cache holds the old weights' keys and values
+        replay = self.adapters_changed(batch, adapters) if adapters else False
+        live = [s for s in live if self.has_adapter(s)]
+        if (stale or replay) and batch.segments:  # the cache holds the old weights' keys and values
             live = [s for s in batch.rows if not s.delivered] + live
             batch.segments = []
         if live:
@@ -120,6 +138,24 @@ class BatchRunner:
             self.retire(batch)
         self.stats.max_running = max(self.stats.max_running, sum(not s.delivered for s in batch.rows))
         self.stats.busy_seconds += time.perf_counter() - start
+
+    def adapters_changed(self, batch: RunningBatch, adapters: frozenset) -> bool:
+        """LoRA ``adapters`` changed: forget their cached prefixes, fail running rows whose adapter is gone;
+        True when running rows use one and their KV must be recomputed (every running row is, then)."""
+        for name in adapters:
+            self.prefixes.drop(name)
+        running = [s for s in batch.rows if not s.delivered]
+        for seq in running:
+            self.has_adapter(seq)
+        return self.recompute_adapters and any(s.lora_name in adapters and not s.delivered for s in running)
+
+    def has_adapter(self, seq: Submission) -> bool:
+        """Whether ``seq``'s LoRA adapter is loaded; if not (unloaded after the request was checked), fail it."""
+        if seq.lora_name is None or seq.lora_name in self.lora:
+            return True
+        loaded = ", ".join(sorted(self.lora.adapters)) or "none"
+        self.fail(seq, EngineError(f"LoRA adapter {seq.lora_name!r} was unloaded (loaded: {loaded})"))
+        return False
 
     def admit(self, batch: RunningBatch, rows: list[Submission], version: int) -> None:
         """Prefill ``rows`` into the running batch (a segment of their own, or merged by `retire`); if that
@@ -156,14 +192,15 @@ class BatchRunner:
         their cache rows are copied, so a group of G costs one prompt's compute, not G. A context that
         extends a finished request's (the next turn of an episode) runs only its new tokens, and so do
         resumed rows of one group after a weight swap (their prompt runs once)."""
-        distinct: dict[tuple[int, ...], int] = {}
+        distinct: dict[tuple[str | None, tuple[int, ...]], int] = {}  # (adapter, context)
         owner = torch.tensor(
-            [distinct.setdefault(tuple(s.input_ids + s.tokens), len(distinct)) for s in rows], device=self.device
+            [distinct.setdefault((s.lora_name, tuple(s.input_ids + s.tokens)), len(distinct)) for s in rows],
+            device=self.device,
         )
-        contexts = list(distinct)
+        adapters, contexts = [a for a, _ in distinct], [c for _, c in distinct]
         if self.prefixes.max_tokens > 0:
             self.cache_shared_prompts(rows)
-        cache, attention, positions, logits = self.forward(contexts)
+        cache, attention, positions, logits = self.forward(contexts, adapters)
         if len(contexts) < len(rows):
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys[owner], layer.values[owner]
@@ -174,25 +211,31 @@ class BatchRunner:
     def cache_shared_prompts(self, rows: list[Submission]) -> None:
         """Rows that run their own tokens again (resumed after a weight swap) but share a prompt (a GRPO
         group): run each such prompt once into the prefix cache, so that every row runs only its tokens."""
-        tails: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
+        tails: dict[tuple[str | None, tuple[int, ...]], set[tuple[int, ...]]] = {}  # (adapter, prompt)
         for seq in rows:
             if seq.tokens:
-                tails.setdefault(tuple(seq.input_ids), set()).add(tuple(seq.tokens))
-        prompts = []
-        for prompt, ends in tails.items():
-            hit = self.prefixes.find(prompt + next(iter(ends))) if len(self.prefixes) else None
+                tails.setdefault((seq.lora_name, tuple(seq.input_ids)), set()).add(tuple(seq.tokens))
+        by_adapter: dict[str | None, list[tuple[int, ...]]] = {}
+        for (adapter, prompt), ends in tails.items():
+            hit = self.prefixes.find(prompt + next(iter(ends)), adapter) if len(self.prefixes) else None
             if len(ends) > 1 and (hit is None or hit.length < len(prompt)):
-                prompts.append(prompt)
-        if prompts:
-            cache, attention, _, _ = self.forward(prompts)
+                by_adapter.setdefault(adapter, []).append(prompt)
+        for adapter, prompts in by_adapter.items():
+            cache, attention, _, _ = self.forward(prompts, [adapter] * len(prompts))
             self.prefixes.add(
-                [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], attention, prompts
+                [layer.keys for layer in cache.layers],
+                [layer.values for layer in cache.layers],
+                attention,
+                prompts,
+                adapter,
             )
 
-    def forward(self, contexts: list[tuple[int, ...]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Prefill distinct contexts (each from its longest cached prefix): the cache, its attention mask,
-        each row's last position and last logits."""
-        hits = [self.prefixes.find(c) for c in contexts] if len(self.prefixes) else [None] * len(contexts)
+    def forward(
+        self, contexts: list[tuple[int, ...]], adapters: list[str | None]
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prefill distinct contexts (each from its longest cached prefix of its LoRA adapter's): the cache,
+        its attention mask, each row's last position and last logits."""
+        hits = [self.prefixes.find(c, a) if len(self.prefixes) else None for c, a in zip(contexts, adapters)]
         start = [h.length if h is not None else 0 for h in hits]
         news = [c[s:] for c, s in zip(contexts, start)]
         width = max(len(c) for c in news)
@@ -212,17 +255,18 @@ class BatchRunner:
             past = DynamicCache(ddp_cache_data=[(k.to(dtype), v.to(dtype)) for k, v in zip(keys, values)])
             attention = torch.cat([past_mask, attention], dim=1)
         context = attention.shape[1] - width  # cached prefix columns before the new ones
-        for c0 in range(0, width, PREFILL_CHUNK_TOKENS):
-            c1 = min(width, c0 + PREFILL_CHUNK_TOKENS)
-            out = self.model(
-                input_ids=input_ids[:, c0:c1],
-                attention_mask=attention[:, : context + c1],
-                position_ids=positions[:, c0:c1],
-                cache=past,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            past = out.cache
+        with self.lora.serving(self.lora.rows_of(adapters, self.device)):
+            for c0 in range(0, width, PREFILL_CHUNK_TOKENS):
+                c1 = min(width, c0 + PREFILL_CHUNK_TOKENS)
+                out = self.model(
+                    input_ids=input_ids[:, c0:c1],
+                    attention_mask=attention[:, : context + c1],
+                    position_ids=positions[:, c0:c1],
+                    cache=past,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                past = out.cache
         self.stats.prefills += 1
         self.stats.prefill_tokens += sum(len(c) for c in news)
         self.stats.prefix_hit_tokens += sum(start)
@@ -249,17 +293,19 @@ class BatchRunner:
         input_ids = torch.cat([s.pending for s in batch.segments])
         positions = torch.cat([s.positions for s in batch.segments])
         cache = SegmentedCache(batch.segments, rows, masks)
-        if self.decode_step is not None:
-            logits = self.decode_step(input_ids, positions, cache)
-        else:
-            logits = self.model(
-                input_ids=input_ids[:, None],
-                # 4D: used as it is (unused)
-                attention_mask=torch.zeros((start, 1, 1, 1), dtype=self.model.dtype, device=self.device),
-                position_ids=positions[:, None],
-                cache=cache,
-                use_cache=True,
-            ).logits[:, -1]
+        lora = self.lora.rows_of([s.lora_name for s in batch.rows], self.device)
+        with self.lora.serving(lora):
+            if self.decode_step is not None:
+                logits = self.decode_step(input_ids, positions, cache, lora)
+            else:
+                logits = self.model(
+                    input_ids=input_ids[:, None],
+                    # 4D: used as it is (unused)
+                    attention_mask=torch.zeros((start, 1, 1, 1), dtype=self.model.dtype, device=self.device),
+                    position_ids=positions[:, None],
+                    cache=cache,
+                    use_cache=True,
+                ).logits[:, -1]
         tokens = self.sample(batch.rows, logits, version)
         for segment, r in zip(batch.segments, rows):
             segment.positions = segment.positions + 1
@@ -283,8 +329,9 @@ class BatchRunner:
         temperature = torch.tensor([s.sampling.temperature for s in rows], dtype=torch.float, device=self.device)
         top_p = torch.tensor([s.sampling.top_p for s in rows], dtype=torch.float, device=self.device)
         top_k = torch.tensor([s.sampling.top_k for s in rows], dtype=torch.long, device=self.device)
+        draws = _seeded_draws(rows)
         try:
-            tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, self.generator)
+            tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, self.generator, draws)
         except ValueError:  # rows whose logits are not finite (NaN, inf): those requests fail, the others go on
             bad = _unsampleable(logits, temperature)
             if not bool(bad.any()):
@@ -293,7 +340,7 @@ class BatchRunner:
                 if not rows[i].delivered:
                     self.fail(rows[i], ValueError("its next-token logits are not finite (NaN or inf)"))
             logits = logits.masked_fill(bad[:, None], 0.0)
-            tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, self.generator)
+            tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, self.generator, draws)
         for seq, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
             if seq.delivered:  # a finished row still in the batch: its tokens go nowhere
                 continue
@@ -322,14 +369,19 @@ class BatchRunner:
             if not seq.delivered and (seq.stop_reason is not None or seq.abort):
                 self.finish(seq, seq.stop_reason or "abort")
                 finished.append(i)
-        if finished and self.prefixes.max_tokens > 0:
-            # their rows hold context + tokens[:-1]: kept for a next turn
-            index = torch.tensor(finished, device=self.device)
+        by_adapter: dict[str | None, list[int]] = {}
+        for i in finished if self.prefixes.max_tokens > 0 else []:
+            if segment.rows[i].lora_name is None or segment.rows[i].lora_name in self.lora:
+                by_adapter.setdefault(segment.rows[i].lora_name, []).append(i)
+        for adapter, kept in by_adapter.items():
+            # their rows hold context + tokens[:-1]: kept for a next turn (of the same adapter)
+            index = torch.tensor(kept, device=self.device)
             self.prefixes.add(
                 [layer.keys[index] for layer in segment.cache.layers],
                 [layer.values[index] for layer in segment.cache.layers],
                 segment.attention[index],
-                [tuple(segment.rows[i].input_ids + segment.rows[i].tokens[:-1]) for i in finished],
+                [tuple(segment.rows[i].input_ids + segment.rows[i].tokens[:-1]) for i in kept],
+                adapter,
             )
         compact(segment)
 
@@ -357,6 +409,20 @@ def _sliding_window(model: PreTrainedModel) -> int | None:
     if not window or (layer_types is not None and "sliding_attention" not in layer_types):
         return None
     return int(window)
+
+
+def _seeded_draws(rows: list[Submission]) -> torch.Tensor | None:
+    """[B] float64: each seeded row's uniform for the token it samples now (`seeded_uniform`), NaN for the others;
+    None when no row has a seed."""
+    if all(s.sampling.seed is None for s in rows):
+        return None
+    return torch.tensor(
+        [
+            math.nan if s.sampling.seed is None else seeded_uniform(s.sampling.seed, len(s.input_ids) + len(s.tokens))
+            for s in rows
+        ],
+        dtype=torch.float64,
+    )
 
 
 def _unsampleable(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

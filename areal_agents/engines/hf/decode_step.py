@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import rotate_half
 
+from areal_agents.engines.hf.lora import LoraRows
 from areal_agents.engines.hf.segmented_attention import attend_segments
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # the same decoder layer; qwen3 adds per-head q/k norms
@@ -61,9 +62,12 @@ class LlamaDecodeStep:
             return None
         return cls(model, dtype)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:  # noqa: ANN001
+    def __call__(  # noqa: ANN001
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache, lora: LoraRows | None = None
+    ) -> torch.Tensor:
         """Next-token logits ``[B, V]`` of one token a row; ``cache.update(k, v, layer)`` stores this
-        step's keys and values ``[B, kv_heads, 1, D]`` and returns every segment's (`SegmentedKV`)."""
+        step's keys and values ``[B, kv_heads, 1, D]`` and returns every segment's (`SegmentedKV`). ``lora``:
+        the rows' LoRA adapters, whose deltas are added to each part of the fused products."""
         body = self.model.model
         b, heads, d = input_ids.shape[0], self.heads, self.head_dim
         hidden = body.embed_tokens(input_ids)  # [B, hidden]
@@ -71,7 +75,12 @@ class LlamaDecodeStep:
         cos, sin = cos[:, :, None], sin[:, :, None]  # against [B, 1, heads, D]
         for index, layer in enumerate(body.layers):
             attn, fused = layer.self_attn, self._weights(index, layer)
-            qkv = F.linear(_rms_norm(hidden, layer.input_layernorm), fused.qkv, fused.qkv_bias)
+            x = _rms_norm(hidden, layer.input_layernorm)
+            qkv = F.linear(x, fused.qkv, fused.qkv_bias)
+            if lora is not None:
+                lora.add(qkv, x, attn.q_proj)
+                lora.add(qkv, x, attn.k_proj, self.q_size)
+                lora.add(qkv, x, attn.v_proj, self.q_size + self.kv_size)
             qk = qkv[:, : self.q_size + self.kv_size].view(b, 1, heads + self.kv_heads, d)
             if self.qk_norm:
                 qk = torch.cat([_rms_norm(qk[:, :, :heads], attn.q_norm), _rms_norm(qk[:, :, heads:], attn.k_norm)], 2)
@@ -79,13 +88,20 @@ class LlamaDecodeStep:
             v = qkv[:, self.q_size + self.kv_size :].view(b, self.kv_heads, 1, d)
             keys, values = cache.update(qk[:, heads:], v, index)
             out = attend_segments(qk[:, :heads], keys, values, attn.scaling)  # [B, heads, 1, D]
-            hidden = hidden + F.linear(out.reshape(b, self.q_size), attn.o_proj.weight, attn.o_proj.bias)
+            out = out.reshape(b, self.q_size)
+            o = F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+            hidden = hidden + (o if lora is None else lora.add(o, out, attn.o_proj))
             mlp = layer.mlp
-            gate, up = F.linear(
-                _rms_norm(hidden, layer.post_attention_layernorm), fused.gate_up, fused.gate_up_bias
-            ).chunk(2, -1)
-            hidden = hidden + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        return self.model.lm_head(_rms_norm(hidden, body.norm))
+            x = _rms_norm(hidden, layer.post_attention_layernorm)
+            gate_up = F.linear(x, fused.gate_up, fused.gate_up_bias)
+            if lora is not None:
+                lora.add(gate_up, x, mlp.gate_proj)
+                lora.add(gate_up, x, mlp.up_proj, mlp.gate_proj.out_features)
+            gate, up = gate_up.chunk(2, -1)
+            act = mlp.act_fn(gate) * up
+            down = F.linear(act, mlp.down_proj.weight, mlp.down_proj.bias)
+            hidden = hidden + (down if lora is None else lora.add(down, act, mlp.down_proj))
+        return self.model.lm_head(_rms_norm(hidden, body.norm))  # a LoRA on lm_head: its hook (`LoraTable`)
 
     def _weights(self, index: int, layer: torch.nn.Module) -> _Fused:
         """The layer's fused weights, made again if a source parameter was replaced or changed in place."""

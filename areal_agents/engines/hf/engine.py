@@ -21,6 +21,9 @@ step or sampling fails that request alone. ``health()`` says whether the decode 
 ``device`` puts the model, the KV cache, masks and sampling on a GPU (bfloat16 there by default;
 placement.py); ``share_weights`` makes ``update_weights`` take the trainer's tensors themselves, no copy
 (``engine.weight_sync=in_process`` on one GPU: a synchronous run only, which the engine enforces).
+LoRA adapters (lora.py) are served beside the base model, several in one batch: a request names its
+adapter (``GenRequest.lora_name``); loading or replacing one is a weight update for the rows that use it.
+A request with ``SamplingParams.seed`` samples from its own seed, whatever else shares the batch.
 
 This module is the engine's API; `Scheduler` (scheduler.py) runs the queue and the decode thread,
 `BatchRunner` (batch_runner.py) each step on the model, over the `RunningBatch` (running_batch.py).
@@ -31,6 +34,9 @@ This module is the engine's API; `Scheduler` (scheduler.py) runs the queue and t
 
     engine = HFEngine(load_model("runs/tiny"), device="cuda", share_weights=True)   # one GPU, colocated
     await engine.update_weights(trainer_model.state_dict())      # the trainer's tensors: no copy
+
+    await engine.load_lora_adapter("debater_0", "runs/x/adapter", version=3)     # PEFT's directory
+    await engine.agenerate(GenRequest("r2", prompt_ids, SamplingParams(seed=7), lora_name="debater_0"))
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import torch
 from transformers import PreTrainedModel
 
 from areal_agents.engines.hf.batch_runner import BatchRunner
+from areal_agents.engines.hf.lora import LoraAdapter, read_adapter_dir
 from areal_agents.engines.hf.placement import Placement, share_tensors
 from areal_agents.engines.hf.request_checks import RequestLimits, check_request
 from areal_agents.engines.hf.running_batch import MAX_SEGMENTS, Submission
@@ -116,6 +123,7 @@ class HFEngine:
             kv_dtype=kv_dtype,
             fast_decode=fast_decode,
             placement=self.placement,
+            recompute_adapters=stale_kv == "recompute",
         )
         if share_weights:  # its own weights until the first push; they must not move either
             self._runner.new_weights(version, shared=True)
@@ -140,11 +148,13 @@ class HFEngine:
     async def generate_once(self, request: GenRequest, *, checked: bool = False) -> GenResponse:
         """One submission; ends ``abort`` with the tokens so far if `abort` hits it. ``checked``: the caller
         already passed it through `check_request` (a token loop over the prompt, not done twice)."""
-        if not checked:
-            request = check_request(request, self.limits)  # nothing the model cannot take reaches the decode thread
+        if not checked:  # nothing the model cannot take reaches the decode thread
+            request = check_request(request, self.limits, adapters=self._runner.lora.adapters)
         stops = (set() if request.sampling.ignore_eos else self.eos_token_ids) | set(request.sampling.stop_token_ids)
         future = asyncio.get_running_loop().create_future()
-        seq = Submission(request.rid, list(request.input_ids), request.sampling, stops, future)
+        seq = Submission(
+            request.rid, list(request.input_ids), request.sampling, stops, future, lora_name=request.lora_name
+        )
         self._scheduler.submit(seq)
         try:
             return await asyncio.shield(seq.future)
@@ -156,14 +166,16 @@ class HFEngine:
     async def agenerate(self, request: GenRequest) -> GenResponse:
         """Generate to the end (resubmitting after aborts); `RequestError` names a field the model cannot take."""
         start = time.perf_counter()
-        request = check_request(request, self.limits)  # max_new_tokens capped at the context left
+        # max_new_tokens capped at the context left
+        request = check_request(request, self.limits, adapters=self._runner.lora.adapters)
         sp = request.sampling
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
         while True:  # resubmit prompt + tokens so far after every abort
             remaining = SamplingParams(**{**sp.__dict__, "max_new_tokens": sp.max_new_tokens - len(tokens)})
-            resubmit = GenRequest(request.rid, request.input_ids + tokens, remaining)  # checked tokens, fewer to go
+            # checked tokens, fewer to go
+            resubmit = GenRequest(request.rid, request.input_ids + tokens, remaining, request.lora_name)
             part = await self.generate_once(resubmit, checked=True)
             tokens += part.output_tokens
             logprobs += part.output_logprobs
@@ -208,6 +220,43 @@ class HFEngine:
             )
         await self._swap_weights(lambda: _load_checkpoint(self.model, model_path), version)
 
+    # ---- LoRA adapters ------------------------------------------------------------------------
+
+    async def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> None:
+        """Serve the PEFT adapter directory ``path`` (``save_pretrained``) as ``name``, replacing one of that
+        name; ``version``: the engine's version from then on (None: unchanged). See `set_lora_adapter`."""
+        weights, config = await asyncio.to_thread(read_adapter_dir, path)
+        await self.set_lora_adapter(name, weights, config, version)
+
+    async def set_lora_adapter(
+        self, name: str, weights: dict[str, torch.Tensor], config: dict[str, Any], version: int | None = None
+    ) -> None:
+        """Serve an adapter given in process: ``weights`` keyed as ``peft.get_peft_model_state_dict`` gives them,
+        ``config`` the adapter config (``LoraConfig.to_dict()``, or adapter_config.json's content); the tensors
+        are copied. Like `update_weights` for the rows that use it: at a step boundary, with ``stale_kv``
+        honoured (``recompute``: running rows are re-prefilled, all of them when any uses this adapter), its
+        cached prefixes forgotten. `EngineError` names the adapter and the module that does not fit the model."""
+        if not isinstance(name, str) or not name:
+            raise EngineError(f"set_lora_adapter: name expects a non-empty string, got {name!r}")
+        table = self._runner.lora
+        dtype = self.placement.dtype  # the adapters' products run in the compute dtype
+        adapter = await asyncio.to_thread(
+            LoraAdapter.build, name, weights, config, table.linears, self.placement.device, dtype
+        )
+        await self._swap_adapter(name, lambda: table.put(adapter), version)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``: its running requests fail, later ones naming it are refused."""
+        table = self._runner.lora
+        if name not in table:
+            loaded = ", ".join(sorted(table.adapters)) or "none"
+            raise EngineError(f"unload_lora_adapter: LoRA adapter {name!r} is not loaded (loaded: {loaded})")
+        await self._swap_adapter(name, lambda: table.drop(name), None)
+
+    def lora_adapters(self) -> list[str]:
+        """The names of the LoRA adapters served now."""
+        return sorted(self._runner.lora.adapters)
+
     async def aclose(self) -> None:
         self.close()
 
@@ -246,6 +295,16 @@ class HFEngine:
                 load()
             version = self._scheduler.new_weights(version, recompute=self.stale_kv == "recompute")
             self._runner.new_weights(version, shared=self.share_weights)  # the decode thread waits at a boundary
+        finally:
+            if not was_paused:
+                await self.resume()
+
+    async def _swap_adapter(self, name: str, change: Callable[[], None], version: int | None) -> None:
+        was_paused = self._scheduler.paused
+        await self.pause()
+        try:
+            change()
+            self._scheduler.new_adapter(name, version)  # the decode thread waits at a boundary
         finally:
             if not was_paused:
                 await self.resume()

@@ -10,6 +10,7 @@ back as one, and new weights travel as shared-memory tensors.
     engine = ProcessEngine("runs/arith/sft/model", max_batch_size=256)
     resp = await engine.agenerate(GenRequest("r1", prompt_ids, SamplingParams(max_new_tokens=8)))
     await engine.update_weights(trainer_model.state_dict())      # pause, load, version += 1, resume
+    await engine.load_lora_adapter("a1", "runs/x/adapter")      # requests with lora_name="a1" use it
     engine.close()
 """
 
@@ -165,6 +166,7 @@ class ProcessEngine:
         self._outbox: list[tuple[int, GenRequest]] = []
         self._error: str | None = None
         self._version = 0
+        self._adapters: set[str] = set()  # the LoRA adapters the child serves
         self._reader = threading.Thread(target=self._read, name="engine-pipe", daemon=True)
         self._reader.start()
 
@@ -211,6 +213,31 @@ class ProcessEngine:
         version = self._version + 1 if version is None else version
         await self._call("update_weights_from_disk", model_path, version)
         self._version = version
+
+    async def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> None:
+        """`HFEngine.load_lora_adapter` in the engine process (``version`` None: unchanged)."""
+        await self._call("load_lora_adapter", name, path, version)
+        self._adapter_loaded(name, version)
+
+    async def set_lora_adapter(
+        self, name: str, weights: dict[str, torch.Tensor], config: dict[str, Any], version: int | None = None
+    ) -> None:
+        """`HFEngine.set_lora_adapter` in the engine process (the tensors travel in shared memory)."""
+        await self._call("set_lora_adapter", name, weights, config, version)
+        self._adapter_loaded(name, version)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._call("unload_lora_adapter", name)
+        self._adapters.discard(name)
+
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters the engine process serves."""
+        return sorted(self._adapters)
+
+    def _adapter_loaded(self, name: str, version: int | None) -> None:
+        self._adapters.add(name)
+        if version is not None:
+            self._version = version
 
     def flush_cache(self) -> None:
         self._post("flush_cache", ())

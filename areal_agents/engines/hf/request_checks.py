@@ -2,7 +2,8 @@
 
 One bad request must not take the engine down: a token id outside the vocabulary fails the embedding
 lookup of the whole batch, and a context past the model's positions decodes garbage. `check_request`
-refuses such requests with `RequestError` (serve-model: a 400) naming the field, and caps
+refuses such requests with `RequestError` (serve-model: a 400) naming the field (and a LoRA adapter the
+engine does not hold, naming it), and caps
 ``max_new_tokens`` at the context left, so a long request ends with stop reason ``length`` (as SGLang
 caps it at its context length).
 
@@ -15,10 +16,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from areal_agents.errors import RequestError  # re-exported: the checks raise it
+from areal_agents.errors import RequestError, did_you_mean  # RequestError re-exported: the checks raise it
 from areal_agents.types import GenRequest
 
 
@@ -39,16 +41,24 @@ class RequestLimits:
 
 
 def check_request(
-    request: GenRequest, limits: RequestLimits, *, ids_field: str = "input_ids", params_field: str = "sampling"
+    request: GenRequest,
+    limits: RequestLimits,
+    *,
+    ids_field: str = "input_ids",
+    params_field: str = "sampling",
+    adapters: Collection[str] = (),
+    lora_field: str = "lora_name",
 ) -> GenRequest:
     """``request`` with ``max_new_tokens`` capped at the context left, or `RequestError` naming the field.
 
-    ``ids_field`` / ``params_field`` are the names the caller knows the prompt and the sampling parameters
-    by (serve-model: ``input_ids[2]``, ``sampling_params``).
+    ``ids_field`` / ``params_field`` / ``lora_field`` are the names the caller knows the prompt, the sampling
+    parameters and the adapter by (serve-model: ``input_ids[2]``, ``sampling_params``, ``lora_path``);
+    ``adapters``: the LoRA adapters the engine holds (a request's ``lora_name`` must be one).
     """
     check_token_ids(request.input_ids, limits, ids_field)
     sp = request.sampling
     _check_sampling(sp, params_field)
+    check_adapter(request.lora_name, adapters, lora_field)
     n = len(request.input_ids)
     if limits.context is None:
         return request
@@ -79,6 +89,17 @@ def check_token_ids(ids: Any, limits: RequestLimits, field: str) -> None:
         )
 
 
+def check_adapter(name: Any, adapters: Collection[str], field: str = "lora_name") -> None:
+    """``name`` is None (the base model) or a LoRA adapter in ``adapters``, else `RequestError` names it."""
+    if name is None or (isinstance(name, str) and name in adapters):
+        return
+    loaded = ", ".join(sorted(adapters)) or "none"
+    raise RequestError(
+        f"{field}: LoRA adapter {_short(name)} is not loaded (loaded: {loaded}); load it first "
+        f"(load_lora_adapter).{did_you_mean(str(name), adapters)}"
+    )
+
+
 def _check_sampling(sp: Any, field: str) -> None:
     """Numbers the sampler would choke on (NaN, negative) fail here rather than in a shared decode step."""
     if not _is_int(sp.max_new_tokens) or sp.max_new_tokens < 1:
@@ -89,6 +110,8 @@ def _check_sampling(sp: Any, field: str) -> None:
         raise RequestError(f"{field}.top_p: expects a number in (0, 1], got {_short(sp.top_p)}")
     if not _is_int(sp.top_k) or sp.top_k < 0:
         raise RequestError(f"{field}.top_k: expects an int >= 0 (0: off), got {_short(sp.top_k)}")
+    if sp.seed is not None and not _is_int(sp.seed):
+        raise RequestError(f"{field}.seed: expects an int or None, got {_short(sp.seed)}")
     if not all(_is_int(t) for t in sp.stop_token_ids):
         raise RequestError(f"{field}.stop_token_ids: expects a list of token ids, got {_short(sp.stop_token_ids)}")
 

@@ -39,6 +39,7 @@ class Submission:
     abort: bool = False
     delivered: bool = False  # handed back; its row may stay in the batch until the next compaction
     start: float = field(default_factory=time.perf_counter)
+    lora_name: str | None = None  # the LoRA adapter it is served with (None: the base model)
 
 
 @dataclass

@@ -3,7 +3,9 @@
 The behavior logprob is ``log softmax(logits / T)`` at the sampled token (``T = 1`` for greedy rows),
 over the full vocabulary (`tempered_log_softmax`, which the trainer's recompute calls too), so the
 importance ratio is exact.
-Top-k / top-p only restrict which tokens may be drawn.
+Top-k / top-p only restrict which tokens may be drawn. A row with its own seed (``SamplingParams.seed``,
+SGLang's ``sampling_seed``) draws from `seeded_uniform` of its seed and the token's position instead of the
+engine-wide generator, so its tokens do not depend on which other rows share the batch, nor on a resubmission.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ def sample_tokens(
     top_p: torch.Tensor,
     top_k: torch.Tensor,
     generator: torch.Generator | None = None,
+    draws: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits [B, V]``; return ``(tokens [B], logprobs [B])``.
 
     ``temperature``, ``top_p`` (floats) and ``top_k`` (ints, 0 = off) are ``[B]`` tensors; a row with
-    temperature 0 is greedy.
+    temperature 0 is greedy. ``draws``: ``[B]`` float64 uniforms in (0, 1] for rows with their own seed
+    (`seeded_uniform`), NaN for rows that draw from ``generator``.
     """
     greedy = temperature <= 0
     logprobs_all = tempered_log_softmax(logits, temperature)
@@ -41,12 +45,25 @@ def sample_tokens(
         drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
         filtered = filtered.scatter(1, order, sorted_lp.masked_fill(drop, float("-inf")))
 
-    sampled = _inverse_cdf(filtered.exp(), generator)
+    sampled = _inverse_cdf(filtered.exp(), generator, draws)
     tokens = torch.where(greedy, logprobs_all.argmax(-1), sampled)
     return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
 
 
-def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform in (0, 1] from a request's seed and the position of the token it samples (splitmix64 of
+    both): the same token of the same request draws the same number in any batch, on any device."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & mask
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        z = ((z ^ (z >> shift)) * mult) & mask
+    z ^= z >> 31
+    return ((z >> 11) + 1) / float(1 << 53)
+
+
+def _inverse_cdf(
+    weights: torch.Tensor, generator: torch.Generator | None, draws: torch.Tensor | None = None
+) -> torch.Tensor:
     """One index a row drawn in proportion to ``weights [B, V]`` (unnormalised, >= 0): the first whose
     cumulative weight reaches a uniform share of the row's total (never a zero-weight token).
     ``torch.multinomial`` does the same with an exponential draw per token: on the engine's decode step it
@@ -58,4 +75,7 @@ def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> to
         bad = (~ok).squeeze(1).nonzero().squeeze(1).tolist()
         raise ValueError(f"sample_tokens: next-token logits of rows {bad[:8]} are not finite (NaN or inf)")
     u = 1.0 - torch.rand(weights.shape[0], 1, dtype=torch.float64, generator=generator, device=weights.device)  # (0, 1]
+    if draws is not None:  # rows with their own seed
+        draws = draws.to(u.device)[:, None]
+        u = torch.where(torch.isnan(draws), u, draws)
     return torch.searchsorted(cdf, u * total).squeeze(1).clamp(max=weights.shape[-1] - 1)

@@ -31,6 +31,7 @@ class _Work(NamedTuple):
     stale: bool  # new weights since the last step: re-prefill every running row
     version: int
     flush: bool  # forget the prefix cache first
+    adapters: frozenset  # LoRA adapters loaded, replaced or unloaded since the last step
 
 
 class Scheduler:
@@ -64,6 +65,7 @@ class Scheduler:
         self.idle = True  # ... and waiting for work: a submission must wake it
         self.stale_cache = False
         self.flush_prefixes = False
+        self.changed_adapters: set[str] = set()
         self.aborts = False  # abort() marked something: hand it back even while paused
         self.closed = False
         self.thread: threading.Thread | None = None
@@ -104,6 +106,16 @@ class Scheduler:
             self.version = self.version + 1 if version is None else version
             self.stale_cache = recompute
             self.runner.stats.weight_updates += 1
+            return self.version
+
+    def new_adapter(self, name: str, version: int | None) -> int:
+        """LoRA adapter ``name`` was loaded, replaced or unloaded (at a boundary): set the version if given
+        and return it; the next step forgets the adapter's cached prefixes (and recomputes running rows)."""
+        with self.cv:
+            if version is not None:
+                self.version = version
+            self.changed_adapters.add(name)
+            self.runner.stats.adapter_updates += 1
             return self.version
 
     def abort(self, rid: str | None) -> int:
@@ -168,7 +180,7 @@ class Scheduler:
                         runner.finish(seq, "abort")
                     runner.retire(batch)
                 else:
-                    runner.step(batch, work.incoming, work.stale, work.version)
+                    runner.step(batch, work.incoming, work.stale, work.version, work.adapters)
                 deliver(runner.outbox)
                 runner.outbox = []
                 with self.cv:
@@ -201,7 +213,10 @@ class Scheduler:
             stale, self.stale_cache = (False, self.stale_cache) if self.paused else (self.stale_cache, False)
             self.admitting = incoming
             flush, self.flush_prefixes = self.flush_prefixes, False
-            return _Work(incoming, self.paused, stale, self.version, flush)
+            adapters = frozenset()
+            if not self.paused:
+                adapters, self.changed_adapters = frozenset(self.changed_adapters), set()
+            return _Work(incoming, self.paused, stale, self.version, flush, adapters)
 
     def _stop(self, batch: RunningBatch) -> None:
         """The loop ended (closed, or an error): every request this engine took is answered."""

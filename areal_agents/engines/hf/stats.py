@@ -25,6 +25,7 @@ class EngineStats:
     aborted: int = 0  # submissions ended early by abort() (agenerate resubmits them)
     failed: int = 0  # requests failed by an error in their own prefill, decode or sampling (the others go on)
     weight_updates: int = 0
+    adapter_updates: int = 0  # LoRA adapters loaded, replaced or unloaded
     max_running: int = 0
     busy_seconds: float = 0.0
 
