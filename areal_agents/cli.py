@@ -181,6 +181,13 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_export_lora(args: argparse.Namespace) -> None:
+    from areal_agents.trainers.lora import export_lora
+
+    out = args.merge or args.adapter
+    print(export_lora(args.run_dir, out, merge=bool(args.merge), policy=args.policy, base=args.base))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="areal-agents", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -320,7 +327,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_tools(sub: argparse._SubParsersAction) -> None:
-    """``eval-report``, ``plot``, ``datasets``, ``envs``."""
+    """``eval-report``, ``plot``, ``export-lora``, ``datasets``, ``envs``."""
     p = sub.add_parser("eval-report", help="compare eval runs side by side")
     p.add_argument("runs", nargs="+", help="eval output directories (or their summary.json)")
     p.set_defaults(fn=cmd_eval_report)
@@ -328,6 +335,15 @@ def _add_tools(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plot", help="PNG curves of a run (reward, accuracy, staleness, throughput)")
     p.add_argument("run_dir", help="a train run directory (with tensorboard/)")
     p.set_defaults(fn=cmd_plot)
+
+    p = sub.add_parser("export-lora", help="a LoRA run's adapter, merged into its base (--merge) or alone (--adapter)")
+    p.add_argument("run_dir", help="a train run directory (its newest checkpoint) or one checkpoint")
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument("--merge", metavar="OUT", help="write base + adapter as one transformers checkpoint here")
+    out.add_argument("--adapter", metavar="OUT", help="write PEFT's adapter directory here")
+    p.add_argument("--policy", help="the agent whose adapter (a run with separate policies)")
+    p.add_argument("--base", help="the base model's directory (default: the adapter config's)")
+    p.set_defaults(fn=cmd_export_lora)
 
     p = sub.add_parser("datasets", help="list the bundled datasets (names for --dataset and env kwargs)")
     p.set_defaults(fn=cmd_datasets)

@@ -81,14 +81,27 @@ def _check_keys(cls: type, data: dict[str, Any], prefix: str, where: str) -> Non
         if key not in fields:
             choices = [f"{prefix}{name}" for name in fields]
             raise ConfigError(f"unknown config key {full!r} {where}.{did_you_mean(full, choices)}")
-        if dataclasses.is_dataclass(hints[key]):
+        section = _dataclass_of(hints[key])
+        if section is not None:
             if isinstance(value, dict):
-                _check_keys(hints[key], value, f"{full}.", where)
+                _check_keys(section, value, f"{full}.", where)
             elif value is not None:
                 raise ConfigError(f"config key {full!r} {where}: expects a mapping, got {value!r}")
 
 
+def _dataclass_of(tp: Any) -> type | None:
+    """The section class of a field typed ``Section`` or ``Section | None`` (None for any other type)."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return None
+
+
 def _build(cls: type[T], data: dict[str, Any], prefix: str, where: str) -> T:
+    _check_keys(cls, data, prefix, where)  # also below dict fields (``policies.AGENT``), which the root's check skips
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
@@ -113,8 +126,14 @@ def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(value, inner, key, where)
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) > 1:  # e.g. ``str | Section``: a mapping is the section, anything else the scalar
+            section = [a for a in inner if dataclasses.is_dataclass(a)]
+            scalar = [a for a in inner if not dataclasses.is_dataclass(a)]
+            if section and (isinstance(value, dict) or not scalar):
+                return _convert(value, section[0], key, where)
+            return _convert(value, scalar[0], key, where)
+        return _convert(value, inner[0], key, where)
     if origin is Literal:
         if value not in args:
             raise bad("one of " + ", ".join(repr(a) for a in args))
@@ -126,6 +145,8 @@ def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise bad("a mapping")
+        if args and args[1] is not Any:
+            return {k: _convert(v, args[1], f"{key}.{k}", where) for k, v in value.items()}
         return dict(value)
     if tp is bool:
         if not isinstance(value, bool):

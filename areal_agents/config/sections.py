@@ -9,11 +9,42 @@ from areal_agents.config.fields import check_positive, config_field
 
 
 @dataclass
+class LoraConfig:
+    """A LoRA adapter trained over a frozen base model (PEFT's ``LoraConfig``, the keys users know)."""
+
+    r: int = config_field("rank of the adapter's matrices", default=16)
+    alpha: float = config_field("scaling numerator: the update is (alpha / r) B A", default=32.0)
+    dropout: float = config_field("dropout on the adapter's input while training", default=0.0)
+    target_modules: list[str] = config_field(
+        "module names to adapt (q_proj, v_proj, ...), or [all-linear]: every linear layer but the LM head",
+        default_factory=lambda: ["all-linear"],
+    )
+
+    def __post_init__(self) -> None:
+        check_positive(self, "r", "alpha")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout: expects 0 <= dropout < 1, got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("target_modules: expects at least one module name (or all-linear)")
+
+
+@dataclass
 class ModelConfig:
     path: str = config_field("directory of a transformers checkpoint (config, weights, tokenizer)", default="")
     dtype: Literal["float32", "bfloat16", "float16"] = config_field(
         "parameter dtype; float32 on CPU (bf16 is much slower there)", default="float32"
     )
+    lora: LoraConfig | None = config_field(
+        "train a LoRA adapter over the frozen model (docs/lora.md); unset: train every weight", default=None
+    )
+
+
+@dataclass
+class PolicyConfig:
+    """One agent's own policy (``policies.AGENT``): its starting model, and its adapter when it trains one."""
+
+    path: str = config_field("its starting model; empty: model.path", default="")
+    lora: LoraConfig | None = config_field("train an adapter of its own over the shared base model", default=None)
 
 
 @dataclass
@@ -368,9 +399,9 @@ class TrainConfig:
     )
     keep_checkpoints: int = config_field("keep the newest K checkpoints (resume uses the newest); 0 = all", default=3)
     model: ModelConfig = field(default_factory=ModelConfig)
-    policies: dict[str, str] = config_field(
-        "separate policies: agent id -> starting model path, each agent trains its own copy and engine "
-        "(multi-agent envs); empty = one policy (model.path) shared by every agent",
+    policies: dict[str, str | PolicyConfig] = config_field(
+        "separate policies: agent id -> starting model path (its own copy and engine), or {path, lora} (lora: its "
+        "own adapter over one base model and one engine); empty = one policy (model.path) shared by every agent",
         default_factory=dict,
     )
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -403,6 +434,26 @@ class TrainConfig:
             raise ValueError(
                 "ppo.trainer: 'process' is for local runs; with launcher=ray the trainer ranks are Ray actors"
             )
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """LoRA policies train in a thread of a local run and share one base model, whose engine gets adapters."""
+        loras = {name: p for name, p in self.policies.items() if not isinstance(p, str) and p.lora is not None}
+        if self.model.lora is None and not loras:
+            return
+        if self.model.lora is not None and self.policies:
+            raise ValueError("model.lora: with separate policies, give each its own (policies.AGENT.lora)")
+        where = "model.lora" if self.model.lora is not None else f"policies.{next(iter(loras))}.lora"
+        if self.launcher != "local" or self.ppo.trainer != "thread" or self.ppo.nproc_per_node != 1:
+            raise ValueError(
+                f"{where}: LoRA trains in a thread of a local run for now (launcher=local, "
+                "ppo.trainer=thread, ppo.nproc_per_node=1)"
+            )
+        if self.engine.weight_sync not in ("auto", "disk"):
+            raise ValueError(f"{where}: adapters reach the engine by their own sync; engine.weight_sync must be auto")
+        bases = {p.path or self.model.path for p in loras.values()}
+        if len(bases) > 1:
+            raise ValueError(f"policies: LoRA policies share one base model, got {sorted(bases)}")
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Checkpoints: a loadable model directory plus the trainer state needed to continue.
 
 Layout of ``run_dir/checkpoints/step_N/``: ``model/`` (``save_pretrained`` weights, config and
-tokenizer, loadable by any transformers code or as ``model.path``; with separate policies one
+tokenizer, loadable by any transformers code or as ``model.path``; a LoRA policy's is PEFT's adapter
+directory, for ``PeftModel.from_pretrained`` over the base; with separate policies one
 ``policies/AGENT/model/`` each), ``trainer_state.pt`` (optimizer, scheduler, step, policy version, rollout
 ledger, data position, RNG states). A checkpoint is written
 under ``step_N.tmp`` and renamed when complete, so a run killed while saving leaves no half checkpoint.
@@ -20,7 +21,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
-def save_model(out_dir: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Path:
+def save_model(out_dir: str | Path, model: PreTrainedModel | Any, tokenizer: PreTrainedTokenizerBase) -> Path:
+    """``model.save_pretrained`` (a `PeftModel` writes its adapter alone) and the tokenizer under ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

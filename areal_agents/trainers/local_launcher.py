@@ -19,12 +19,13 @@ from typing import Any
 from areal_agents.config import TrainConfig
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.local_servers import open_engine
+from areal_agents.engines.lora_sync import LoraGroup
 from areal_agents.engines.weight_sync import open_weight_sync
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.models.loading import load_tokenizer, pad_token_id
 from areal_agents.rollout.episodes import EpisodeFn
 from areal_agents.trainers.policy import DEFAULT_CPU_THREADS, SHARED, Policy, load_trainable
-from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec
+from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec, policy_starts
 from areal_agents.trainers.trainer_process import ProcessPolicy
 
 
@@ -35,12 +36,15 @@ class LocalLauncher:
     def __init__(self, cfg: TrainConfig, run_dir: str | Path | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
+        self.lora_group: LoraGroup | None = None  # the one engine of the base model that serves every adapter
 
     def start(self) -> None:
         """Nothing to acquire: engines start with their policies."""
 
     def open_policy(self, name: str, model_path: str, init_path: str, spec: TrainSpec) -> TrainablePolicy:
         spec = replace(spec, cpu_threads=spec.cpu_threads or trainer_threads(self.cfg))
+        if spec.lora is not None:
+            return self._open_lora_policy(name, model_path, init_path, spec)
         engine, servers = open_policy_engine(name, self.cfg, model_path, self.run_dir)
         try:
             sync = open_weight_sync(self.cfg.engine, engine, servers, model_path, self.cfg.engine.dtype)
@@ -58,6 +62,23 @@ class LocalLauncher:
                 servers.stop()
             raise
         policy.engine, policy.weight_sync, policy.servers = engine, sync, servers
+        return policy
+
+    def _open_lora_policy(self, name: str, model_path: str, init_path: str, spec: TrainSpec) -> Policy:
+        """A LoRA policy (a trainer thread) over the base model ``init_path``, served by the one engine of that
+        base that serves every adapter of the run (opened with the first): its adapter goes by `LoraSync`."""
+        servers = None
+        if self.lora_group is None:
+            engine, servers = open_policy_engine(SHARED, lora_serving(self.cfg), init_path, self.run_dir)
+            self.lora_group = LoraGroup(engine)
+        try:
+            policy = load_trainable(name, spec, model_path, init_path)
+        except BaseException:
+            if servers is not None:
+                servers.stop()
+            raise
+        policy.engine, policy.weight_sync = self.lora_group.view(name), self.lora_group.sync(name)
+        policy.servers = servers  # the first policy's: it stops them
         return policy
 
     def env_backend(self) -> EnvBackend | None:
@@ -86,6 +107,15 @@ def open_policy_engine(name: str, cfg: TrainConfig, model_path: str, run_dir: Pa
     if engine.backend in ("hf", "serve-model") and cfg.rollout.max_staleness == 0:
         engine = replace(engine, cpu_threads=0)  # a synchronous run never decodes beside an update: all cores
     return open_engine(engine, model_path, cfg.model.dtype, run_dir=engine_dir, seed=cfg.seed)
+
+
+def lora_serving(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with ``engine.max_lora_rank`` and ``engine.max_loras`` taken from its LoRA policies (what
+    launched vLLM and SGLang servers are started with), unless set larger."""
+    loras = [start.lora for start in policy_starts(cfg).values() if start.lora is not None]
+    e = cfg.engine
+    rank = max([e.max_lora_rank, *(lora.r for lora in loras)])
+    return replace(cfg, engine=replace(e, max_lora_rank=rank, max_loras=max(e.max_loras, len(loras))))
 
 
 def trainer_threads(cfg: TrainConfig) -> int:

@@ -21,7 +21,8 @@ def make_optimizer(
     (``linear`` or ``cosine``; optimizer steps)."""
     if schedule not in ("constant", "linear", "cosine"):
         raise ValueError(f"lr_schedule: expects 'constant', 'linear' or 'cosine', got {schedule!r}")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    trained = [p for p in model.parameters() if p.requires_grad]  # a LoRA policy: the adapter's alone
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(
         optimizer, functools.partial(lr_factor, warmup_steps=warmup_steps, schedule=schedule, total_steps=total_steps)
     )

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from peft import PeftModel
 from transformers import PreTrainedModel
 
 from areal_agents.engines.base import InferenceEngine
@@ -30,12 +31,19 @@ from areal_agents.models.loading import load_model
 from areal_agents.trainers import fsdp
 from areal_agents.trainers.critic import ValueModel
 from areal_agents.trainers.distributed import DataParallel
+from areal_agents.trainers.lora import (
+    AdapterOffLM,
+    adapter_config,
+    adapter_tensors,
+    attach_lora,
+    is_adapter_dir,
+    resume_lora,
+)
 from areal_agents.trainers.optim import make_optimizer
+from areal_agents.trainers.policy_api import SHARED as SHARED  # the one shared policy's name, re-exported
 from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.trainers.ppo import StreamedUpdate, ppo_update
 from areal_agents.types import Trajectory
-
-SHARED = "policy"  # the name of the one policy of a run without separate policies
 
 DEFAULT_CPU_THREADS = torch.get_num_threads()  # torch's intra-op default in this process (all cores)
 
@@ -57,6 +65,7 @@ class Policy:
     streamed: StreamedUpdate | None = None  # the update being fed in parts (`update_part`), if any
     dp: DataParallel | None = None  # this rank's group when FSDP2-sharded (`load_trainable`)
     trained: torch.nn.Module | None = None  # what `ppo_update` trains: ``model``, or its sharded `ScoredLM` root
+    peft: PeftModel | None = None  # a LoRA policy's adapter wrapper (``model`` is its base, the adapter inside)
     streams: ClassVar[bool] = True
 
     def close(self) -> None:
@@ -206,12 +215,20 @@ class Policy:
         await self.weight_sync.push(self)  # pause, swap, version + 1, resume
 
     async def tensors(self) -> dict[str, torch.Tensor]:
-        """The trainer's weights (a `WeightSource`)."""
-        return self.model.state_dict()
+        """The trainer's weights (a `WeightSource`): a LoRA policy's adapter alone, keyed as PEFT saves it."""
+        return adapter_tensors(self.peft) if self.peft is not None else self.model.state_dict()
 
     async def save_weights(self, path: Path, dtype: str | None = None) -> None:
-        """The trainer's weights under ``path`` by `write_weights` (in ``dtype``; None: as held; a `WeightSource`)."""
+        """The trainer's weights under ``path`` by `write_weights` (in ``dtype``; None: as held; a `WeightSource`);
+        a LoRA policy's adapter as PEFT's directory (``save_pretrained``), as it is held."""
+        if self.peft is not None:
+            await asyncio.to_thread(self.peft.save_pretrained, str(path))
+            return
         await asyncio.to_thread(write_weights, self.model.state_dict(), path, dtype)
+
+    def adapter_config(self) -> dict[str, Any] | None:
+        """A LoRA policy's ``adapter_config.json`` content (None: a full-weight policy)."""
+        return adapter_config(self.peft) if self.peft is not None else None
 
 
 def _with_generator(state: torch.Tensor, call: Any) -> tuple[dict[str, float], torch.Tensor]:
@@ -230,14 +247,17 @@ def load_trainable(
     from rank 0's weights."""
     p = spec.ppo
     device = dp.device if dp is not None else resolve_device(p.device)
-    model = load_model(model_path, spec.dtype)
+    peft = _lora_model(spec, model_path, init_path) if spec.lora is not None else None
+    model = peft.get_base_model() if peft is not None else load_model(model_path, spec.dtype)
     if p.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     reference = critic = None
-    if p.kl_coef > 0:
-        reference = load_model(init_path, spec.dtype).eval().requires_grad_(False)
-    if p.advantage == "gae":  # a value model initialised from the starting checkpoint
+    if p.kl_coef > 0:  # LoRA: the same model with its adapter off
+        reference = AdapterOffLM(peft) if peft else load_model(init_path, spec.dtype).eval().requires_grad_(False)
+    if p.advantage == "gae":  # a value model initialised from the starting checkpoint (LoRA: its own adapter)
         critic_lm = load_model(init_path, spec.dtype)
+        if spec.lora is not None:
+            critic_lm = attach_lora(critic_lm, spec.lora).get_base_model()
         if p.activation_checkpointing:
             critic_lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         critic = ValueModel(critic_lm)
@@ -255,11 +275,20 @@ def load_trainable(
         trained, reference, critic = fsdp.shard_policy(model, reference, critic, device, dtype)
     total = spec.total_steps * p.ppo_epochs * p.num_minibatches
     optimizer, scheduler = make_optimizer(trained, p.lr, p.weight_decay, p.warmup_steps, p.lr_schedule, total)
-    policy = Policy(name, model, spec, optimizer, scheduler, reference, dp=dp, trained=trained)
+    policy = Policy(name, model, spec, optimizer, scheduler, reference, dp=dp, trained=trained, peft=peft)
     if critic is not None:
         policy.critic = critic
         policy.critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=p.critic_lr, weight_decay=p.weight_decay)
     return policy
+
+
+def _lora_model(spec: TrainSpec, model_path: str, init_path: str) -> PeftModel:
+    """A LoRA policy's model: the starting model (``init_path``, frozen) with a fresh adapter, or with the one
+    saved at ``model_path`` (a checkpoint's adapter directory, on ``--resume``)."""
+    if spec.ppo.nproc_per_node > 1:
+        raise ConfigError("model.lora: one trainer rank for now (ppo.nproc_per_node=1); FSDP2 ranks train full weights")
+    base = load_model(init_path, spec.dtype)
+    return resume_lora(base, model_path) if is_adapter_dir(model_path) else attach_lora(base, spec.lora, init_path)
 
 
 def __getattr__(name: str) -> Any:

@@ -34,12 +34,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from transformers import PreTrainedModel
 
-from areal_agents.config import PPOConfig, TrainConfig
+from areal_agents.config import LoraConfig, PolicyConfig, PPOConfig, TrainConfig
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.weight_sync import WeightSync
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.rollout.episodes import EpisodeFn
 from areal_agents.types import Trajectory
+
+SHARED = "policy"  # the name of the one policy of a run without separate policies
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class TrainSpec:
     seed: int = 0  # seeds a trainer in another process
     cpu_threads: int = 0  # the trainer's intra-op threads; 0: torch's default
     max_new_tokens: int | None = None  # the rollouts' budget per turn: Lmax of ppo.overlong_buffer's penalty
+    lora: LoraConfig | None = None  # train this adapter over the frozen starting model (``model.lora``)
 
     @classmethod
     def of(cls, cfg: TrainConfig, pad_token_id: int) -> TrainSpec:
@@ -67,7 +70,19 @@ class TrainSpec:
             cfg.seed,
             cfg.ppo.cpu_threads,
             cfg.rollout.max_new_tokens,
+            cfg.model.lora,
         )
+
+
+def policy_starts(cfg: TrainConfig) -> dict[str, PolicyConfig]:
+    """Each policy of the run by name: its starting model and its adapter (None: full weights). One shared
+    policy (`SHARED`) of ``model.path`` and ``model.lora`` unless ``policies`` names one per agent."""
+    if not cfg.policies:
+        return {SHARED: PolicyConfig(cfg.model.path, cfg.model.lora)}
+    return {
+        name: PolicyConfig(p, None) if isinstance(p, str) else PolicyConfig(p.path or cfg.model.path, p.lora)
+        for name, p in cfg.policies.items()
+    }
 
 
 @runtime_checkable

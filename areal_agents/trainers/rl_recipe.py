@@ -21,7 +21,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from areal_agents.agents.factory import make_rollout_agent
 from areal_agents.config import TrainConfig
+from areal_agents.engines.lora_sync import LoraSync
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ConfigError
 from areal_agents.models.loading import check_max_new_tokens, load_tokenizer, pad_token_id
@@ -43,7 +44,7 @@ from areal_agents.trainers.interrupt import Interrupt
 from areal_agents.trainers.local_launcher import LocalLauncher
 from areal_agents.trainers.metrics_writer import MetricsWriter, prefixed
 from areal_agents.trainers.policy import SHARED
-from areal_agents.trainers.policy_api import Launcher, TrainablePolicy, TrainSpec
+from areal_agents.trainers.policy_api import Launcher, TrainablePolicy, TrainSpec, policy_starts
 from areal_agents.trainers.ppo import streamable
 from areal_agents.trainers.resume import check_resume_config, forget_after
 from areal_agents.trainers.run_start import held_out_seeds, open_checked_backend, prepare_run_dir, seed_everything
@@ -70,9 +71,9 @@ def run_train(
         )
     found, changes = _checkpoint_to_resume(cfg, resume, allow_config_change)
     tokenizer = load_tokenizer(cfg.model.path)
-    starts = dict(cfg.policies) if cfg.policies else {SHARED: cfg.model.path}  # policy name -> starting model
+    starts = policy_starts(cfg)  # policy name -> its starting model and adapter
     for start in starts.values():  # before any rollout: a budget past the model's context is a config error
-        check_max_new_tokens(cfg.rollout.max_new_tokens, start, "rollout.max_new_tokens")
+        check_max_new_tokens(cfg.rollout.max_new_tokens, start.path, "rollout.max_new_tokens")
     run_dir = prepare_run_dir(cfg.run_dir, cfg)
     seed_everything(cfg.seed)
     state = None
@@ -93,8 +94,8 @@ def run_train(
         try:
             launcher.start()
             for name, start in starts.items():
-                path = str(found / model_dir(name)) if found else start
-                policies[name] = launcher.open_policy(name, path, start, spec)
+                path = str(found / model_dir(name)) if found else start.path
+                policies[name] = launcher.open_policy(name, path, start.path, replace(spec, lora=start.lora))
             return interrupt.run(_train(cfg, tokenizer, policies, launcher, run_dir, progress, state, interrupt))
         finally:
             for policy in policies.values():
@@ -123,8 +124,12 @@ async def _train(cfg, tokenizer, policies, launcher, run_dir, progress, state, i
     try:
         if state is not None:
             restore_policies(policies, state, cfg.ppo)
-            for policy in policies.values():  # the engines serve the checkpoint's weights under its version
-                await policy.weight_sync.announce(state["version"])
+        version = state["version"] if state is not None else 0
+        for policy in policies.values():  # the engines serve the checkpoint's weights under its version
+            if isinstance(policy.weight_sync, LoraSync):
+                await policy.weight_sync.push(policy, version)  # the base model's engine gets the adapter
+            elif state is not None:
+                await policy.weight_sync.announce(version)
         for sampling in (
             None,
             SamplingParams(r.max_new_tokens, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p),

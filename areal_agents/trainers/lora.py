@@ -1,0 +1,147 @@
+"""LoRA: a policy that trains an adapter over a frozen base model, with PEFT (the format users already know).
+
+The trained module stays the transformers model: PEFT injects its LoRA layers into that model's own linear
+layers, so packing, micro-batches and the critic run unchanged on it; `get_peft_model`'s wrapper is kept
+beside it to save the adapter (``save_pretrained``: PEFT's directory, ``PeftModel.from_pretrained`` reads it)
+and to switch the adapter off. Only the adapter's parameters require gradients, so the optimizer holds state
+for them alone; the KL reference is the same model with the adapter off (`AdapterOffLM`), no second copy.
+
+    peft_model = attach_lora(load_model(base), cfg.model.lora)     # or resume_lora(base, ckpt/model)
+    lm = peft_model.get_base_model()                                # what the trainer trains
+    weights = adapter_tensors(peft_model)                           # what an engine loads (PEFT's names)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from transformers import AutoTokenizer, PreTrainedModel
+
+from areal_agents.config import LoraConfig
+from areal_agents.errors import ConfigError
+from areal_agents.models.loading import load_model
+from areal_agents.trainers.batching import ScoredLM
+
+ADAPTER_CONFIG = "adapter_config.json"  # what makes a directory a PEFT adapter
+
+
+def peft_config(cfg: LoraConfig) -> PeftLoraConfig:
+    """PEFT's config of ``cfg`` (``[all-linear]`` stays PEFT's own shorthand: every linear layer but the head)."""
+    targets: str | list[str] = "all-linear" if cfg.target_modules == ["all-linear"] else list(cfg.target_modules)
+    return PeftLoraConfig(
+        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, task_type="CAUSAL_LM"
+    )
+
+
+def attach_lora(model: PreTrainedModel, cfg: LoraConfig, base_path: str | Path | None = None) -> PeftModel:
+    """A fresh adapter over ``model`` (frozen: only the adapter requires gradients); B starts at zero, so the
+    adapted model starts equal to the base. ``base_path``: the base's directory, recorded (absolute) in the
+    adapter's config as ``base_model_name_or_path``."""
+    try:
+        with warnings.catch_warnings():  # PEFT asks transformers 5 a deprecated question (is_gradient_checkpointing)
+            warnings.simplefilter("ignore", FutureWarning)
+            peft_model = get_peft_model(model, peft_config(cfg))
+    except ValueError as e:  # PEFT names the target modules it did not find
+        raise ConfigError(f"model.lora.target_modules {cfg.target_modules}: {e}") from None
+    if base_path is not None:
+        local = Path(base_path)
+        peft_model.peft_config["default"].base_model_name_or_path = (
+            str(local.resolve()) if local.is_dir() else str(base_path)
+        )
+    return peft_model
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def resume_lora(model: PreTrainedModel, adapter_dir: str | Path) -> PeftModel:
+    """The adapter saved in ``adapter_dir`` (a checkpoint's ``model/``) over ``model``, trainable again."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+
+
+def adapter_tensors(peft_model: PeftModel) -> dict[str, torch.Tensor]:
+    """The adapter's weights, keyed as PEFT saves them (``...q_proj.lora_A.weight``), detached copies."""
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
+
+
+def adapter_config(peft_model: PeftModel) -> dict[str, Any]:
+    """The adapter's ``adapter_config.json`` content (what an engine needs besides the tensors)."""
+    return json.loads(json.dumps(peft_model.peft_config["default"].to_dict(), default=sorted))
+
+
+def load_adapter_tensors(peft_model: PeftModel, tensors: dict[str, torch.Tensor]) -> None:
+    """Put adapter weights (PEFT's names, as `adapter_tensors` gives them) into ``peft_model``."""
+    result = set_peft_model_state_dict(peft_model, tensors)
+    missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+    if missing:
+        raise ConfigError(f"adapter weights do not fit the model: unexpected {missing[:3]}")
+
+
+def trainable_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters that require gradients (what the optimizer keeps state for)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+class AdapterOffLM(ScoredLM):
+    """The KL reference of a LoRA policy: the trained model with its adapter switched off (the frozen base),
+    scored by `token_logprobs` under no gradient. It holds no weights of its own."""
+
+    def __init__(self, peft_model: PeftModel) -> None:
+        super().__init__(peft_model.get_base_model())
+        object.__setattr__(self, "peft_model", peft_model)  # not a submodule: its parameters are the policy's
+
+    def forward(self, mb: Any, temperature: float = 1.0) -> torch.Tensor:
+        with self.peft_model.disable_adapter(), torch.no_grad():
+            return super().forward(mb, temperature)
+
+
+def export_lora(
+    run_dir: str | Path, out: str | Path, *, merge: bool, policy: str | None = None, base: str | None = None
+) -> Path:
+    """Write the newest checkpoint's adapter of ``run_dir`` (a run directory, or one checkpoint) to ``out``:
+    merged into its base as a transformers checkpoint (``merge``), or PEFT's adapter directory alone.
+    ``policy``: which agent's adapter, for a run with separate policies; ``base``: the base model's
+    directory (default: the one the adapter's config names)."""
+    adapter = _checkpoint_adapter(Path(run_dir), policy)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"export-lora: {out} exists and is not empty")
+    tokenizer = AutoTokenizer.from_pretrained(str(adapter))
+    if not merge:
+        shutil.copytree(adapter, out, dirs_exist_ok=True)
+        return out
+    base_path = base or json.loads((adapter / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
+    if not Path(base_path).is_dir():
+        raise ConfigError(
+            f"export-lora: base model {base_path!r} (from {adapter / ADAPTER_CONFIG}) not found; pass --base"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        merged = PeftModel.from_pretrained(load_model(base_path), str(adapter)).merge_and_unload()
+    merged.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def _checkpoint_adapter(run_dir: Path, policy: str | None) -> Path:
+    """The adapter directory of ``policy`` in ``run_dir``'s newest checkpoint (or in ``run_dir``, a checkpoint)."""
+    ckpts = sorted((run_dir / "checkpoints").glob("step_[0-9]*"), key=lambda p: int(p.name.split("_")[1]))
+    ckpt = run_dir if (run_dir / "trainer_state.pt").is_file() else (ckpts[-1] if ckpts else None)
+    if ckpt is None:
+        raise ConfigError(f"export-lora: no checkpoint under {run_dir / 'checkpoints'}")
+    adapter = ckpt / ("model" if policy is None else f"policies/{policy}/model")
+    if not is_adapter_dir(adapter):
+        others = sorted(p.parent.name for p in ckpt.glob(f"policies/*/model/{ADAPTER_CONFIG}"))
+        hint = f"; its adapters: --policy {' | '.join(others)}" if others else " (a run without model.lora?)"
+        raise ConfigError(f"export-lora: {adapter} holds no LoRA adapter{hint}")
+    return adapter
