@@ -110,7 +110,7 @@ def test_text_completions_and_models(client):
         ({"messages": USER, "stop": [3]}, "stop"),
         ({"messages": USER, "stream": True}, "stream"),
         ({"messages": USER, "top_logprobs": 3, "logprobs": True}, "top_logprobs"),
-        ({"messages": USER, "seed": 7}, "seed"),
+        ({"messages": USER, "seed": 1.5}, "seed"),  # an integer: the samples' sampling_seed
         ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
         ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
         ({"messages": USER, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),

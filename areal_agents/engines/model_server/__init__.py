@@ -4,8 +4,9 @@
 
 Endpoints (SGLang 0.5.x shapes, see docs/serve-model.md): /generate, /pause_generation,
 /continue_generation, /abort_request, /update_weights_from_disk, /init_weights_update_group,
-/update_weights_from_distributed, /destroy_weights_update_group (over gloo), /update_weight_version,
-/get_model_info (and /model_info), /get_weight_version (and /weight_version), /health,
+/update_weights_from_distributed, /destroy_weights_update_group (over gloo), /load_lora_adapter and
+/unload_lora_adapter (LoRA adapters beside the model; /generate's ``lora_path`` names one),
+/update_weight_version, /get_model_info (and /model_info), /get_weight_version (and /weight_version), /health,
 /health_generate, /flush_cache, /get_server_info; and OpenAI's /v1/chat/completions, /v1/completions and
 /v1/models as vLLM and SGLang serve them: messages and tools through the tokenizer's chat template
 (``chat_template_kwargs`` per request), ``reasoning_content`` and ``tool_calls`` in replies from the template's

@@ -6,7 +6,8 @@ body, e.g. Qwen3's ``enable_thinking``), generated through `ModelServer.generate
 SGLang's ``/generate``: request checks, pausing, aborts), and the reply parsed by the `ReplyParser` of the
 template (``reasoning_content``, ``tool_calls``; ``tool_parser`` / ``reasoning_parser`` of the server's
 config override the choice). A request serve-model cannot honour is a 400 in OpenAI's error shape with
-the field named in ``param``.
+the field named in ``param``. A ``model`` naming a loaded LoRA adapter is served with it (vLLM's convention;
+any other ``model`` is the base model), and /v1/models lists the adapters; ``seed`` seeds each sample.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ NO_OP_FIELDS: dict[str, Any] = {
     "presence_penalty": 0,
     "frequency_penalty": 0,
     "logit_bias": None,
-    "seed": None,
     "best_of": None,
     "suffix": None,
     "echo": False,
@@ -77,6 +77,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = -1
     stop: list[str] = field(default_factory=list)
+    seed: int | None = None  # vLLM's: the i-th sample of a prompt samples from seed + i (SGLang's sampling_seed)
 
 
 def read_sampling(body: dict[str, Any], max_tokens_default: int | None) -> Sampling:
@@ -96,6 +97,7 @@ def read_sampling(body: dict[str, Any], max_tokens_default: int | None) -> Sampl
         top_p=_number(body, "top_p", float, 1.0, low=0.0),
         top_k=_number(body, "top_k", int, -1),
         stop=stop_strings(body.get("stop")),
+        seed=_number(body, "seed", int, None),
     )
     if not 0 < s.top_p <= 1:
         raise OpenAIRequestError("top_p", f"expects a number in (0, 1], got {s.top_p}")
@@ -129,11 +131,18 @@ class OpenAIServing:
     stop_ids: set[int]
 
 
+def adapter_of(server: ModelServer, body: dict[str, Any]) -> str | None:
+    """The LoRA adapter a /v1 request names as its ``model`` (vLLM's convention); None: the base model."""
+    model = body.get("model")
+    return model if isinstance(model, str) and model in server.engine.lora_adapters() else None
+
+
 async def run_engine(
-    server: ModelServer, prompts: list[list[int]], s: Sampling, stop_ids: set[int]
+    server: ModelServer, prompts: list[list[int]], s: Sampling, stop_ids: set[int], lora: str | None = None
 ) -> list[tuple[list[int], list[float], str]]:
-    """Generate ``s.n`` samples of each prompt through `ModelServer.generate` (SGLang's /generate path):
-    (tokens, logprobs, finish) per sample, the samples of a prompt together. `ServerFailure` if it failed."""
+    """Generate ``s.n`` samples of each prompt through `ModelServer.generate` (SGLang's /generate path), with
+    LoRA adapter ``lora`` (None: the base model): (tokens, logprobs, finish) per sample, the samples of a
+    prompt together. `ServerFailure` if it failed."""
     params = {
         "max_new_tokens": s.max_tokens or server.engine.limits.context or 4096,
         "temperature": s.temperature,
@@ -143,6 +152,10 @@ async def run_engine(
     }
     ids = [p for p in prompts for _ in range(s.n)]
     body = {"input_ids": ids, "sampling_params": params, "return_logprob": True, "rid": [uuid.uuid4().hex for _ in ids]}
+    if s.seed is not None:
+        body["sampling_params"] = [{**params, "sampling_seed": s.seed + k} for _ in prompts for k in range(s.n)]
+    if lora is not None:
+        body["lora_path"] = lora
     reply = await server.generate(body)
     out = json.loads(reply.body)
     if reply.status_code != 200:
@@ -199,7 +212,8 @@ async def chat_completion(serving: OpenAIServing, body: dict[str, Any]) -> dict[
     parse_tools = tool_choice_on(body, tools)
     parser, stop_ids = serving.parser, serving.stop_ids
     choices, n_out = [], 0
-    for i, (tokens, logprobs, reason) in enumerate(await run_engine(server, [prompt], s, stop_ids)):
+    samples = await run_engine(server, [prompt], s, stop_ids, adapter_of(server, body))
+    for i, (tokens, logprobs, reason) in enumerate(samples):
         gen = generated(server.tokenizer, tokens, logprobs, reason, s.stop, stop_ids)
         message, errors = reply_message(parser, gen.text, parse_tools)
         choice: dict[str, Any] = {
@@ -248,7 +262,7 @@ async def text_completion(serving: OpenAIServing, body: dict[str, Any]) -> dict[
         raise OpenAIRequestError("logprobs", "the engine gives the chosen tokens' logprobs only: use 0")
     prompts = completion_prompts(server, body.get("prompt"))
     stop_ids = serving.stop_ids
-    samples = await run_engine(server, prompts, s, stop_ids)
+    samples = await run_engine(server, prompts, s, stop_ids, adapter_of(server, body))
     choices, n_out = [], 0
     for i, (tokens, logprobs, reason) in enumerate(samples):
         gen = generated(server.tokenizer, tokens, logprobs, reason, s.stop, stop_ids)
@@ -320,4 +334,8 @@ def add_openai_routes(app: FastAPI, server: ModelServer) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
         model = {"id": server.model_path, "object": "model", "created": 0, "owned_by": "areal-agents"}
-        return JSONResponse({"object": "list", "data": [model]})
+        adapters = [  # as vLLM lists LoRA adapters: by name, with the base model as their parent
+            {**model, "id": name, "root": server.lora_paths.get(name, name), "parent": server.model_path}
+            for name in server.engine.lora_adapters()
+        ]
+        return JSONResponse({"object": "list", "data": [model, *adapters]})

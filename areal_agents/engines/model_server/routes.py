@@ -1,5 +1,5 @@
 """serve-model's FastAPI app (`build_app`): SGLang's native routes, added group by group onto one
-`ModelServer` (generation, pause and abort; weights and versions; info, health and cache)."""
+`ModelServer` (generation, pause and abort; weights, LoRA adapters and versions; info, health and cache)."""
 
 from __future__ import annotations
 
@@ -91,13 +91,22 @@ def add_generation_routes(app: FastAPI, server: ModelServer) -> None:
 
 def add_weight_routes(app: FastAPI, server: ModelServer) -> None:
     """/update_weights_from_disk, the broadcast's /init_weights_update_group, /update_weights_from_distributed
-    and /destroy_weights_update_group, /update_weight_version, /get_weight_version (and /weight_version)."""
+    and /destroy_weights_update_group, /load_lora_adapter, /unload_lora_adapter, /update_weight_version,
+    /get_weight_version (and /weight_version)."""
     engine = server.engine
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:
         body = await json_body(request, required=True)
         return await server.update_from_disk(body)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        return await server.load_lora(await json_body(request, required=True))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await server.unload_lora(await json_body(request, required=True))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> Response:

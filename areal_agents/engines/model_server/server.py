@@ -1,5 +1,6 @@
 """`ModelServer`: serve-model's state (the engine, the tokenizer, the weight_version names of engine versions)
-and the work behind /generate and /update_weights_from_disk (the broadcast routes: ``broadcast.py``);
+and the work behind /generate, /update_weights_from_disk and SGLang's /load_lora_adapter and
+/unload_lora_adapter (the broadcast routes: ``broadcast.py``);
 `ModelServerConfig`: its command line (checked when made: a bad parser name fails before the model loads)."""
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class ModelServer:
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
         self.names: dict[int, str] = {engine.get_version(): cfg.weight_version}
         self.model_path = cfg.model_path
+        self.lora_paths: dict[str, str] = {}  # the LoRA adapters loaded over HTTP: name -> path
         self.update_lock = asyncio.Lock()
         self.broadcast = BroadcastReceiver(self)  # /init_weights_update_group, /update_weights_from_distributed
         # the most characters one token stands for: a text longer than context x this cannot fit, and is
@@ -116,13 +118,53 @@ class ModelServer:
         batch = requests[0][1]["batch"]
         key = "input_ids" if body.get("input_ids") is not None else "text"
         params_list = isinstance(body.get("sampling_params"), list)
+        lora_list = isinstance(body.get("lora_path"), list)
+        adapters = self.engine.lora_adapters()
         out = []
         for i, (request, options) in enumerate(requests):
             fields = {"ids_field": f"{key}[{i}]" if batch else key, "params_field": "sampling_params"}
             if params_list:
                 fields["params_field"] = f"sampling_params[{i}]"
-            out.append((check_request(request, self.engine.limits, **fields), options))
+            fields["lora_field"] = f"lora_path[{i}]" if lora_list else "lora_path"
+            out.append((check_request(request, self.engine.limits, adapters=adapters, **fields), options))
         return out
+
+    async def load_lora(self, body: Any) -> JSONResponse:
+        """SGLang's /load_lora_adapter: ``{"lora_name", "lora_path"}`` (``pinned``, ``lora_id`` ignored). An
+        adapter of the same name is replaced (SGLang refuses that: unload first), so a trainer's adapter-only
+        weight sync is one call: the engine's version moves on, named as the previous one until
+        /update_weight_version names it. Replies ``{"success", "error_message", "loaded_adapters"}``, 400 on failure."""
+        name, path = (body.get(k) if isinstance(body, dict) else None for k in ("lora_name", "lora_path"))
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            return self.lora_result(False, "load_lora_adapter: lora_name and lora_path (a directory) are required")
+        async with self.update_lock:
+            version = self.engine.get_version() + 1
+            try:
+                await self.engine.load_lora_adapter(name, path, version=version)
+            except Exception as e:  # noqa: BLE001  (SGLang replies success=false, 400)
+                return self.lora_result(False, f"Failed to load LoRA adapter {name!r}: {e}")
+            self.name_new_version(version, None)
+            self.lora_paths[name] = path
+        return self.lora_result(True)
+
+    async def unload_lora(self, body: Any) -> JSONResponse:
+        """SGLang's /unload_lora_adapter: ``{"lora_name"}``; requests running with it fail."""
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(name, str) or name not in self.engine.lora_adapters():
+            loaded = ", ".join(self.engine.lora_adapters()) or "none"
+            return self.lora_result(
+                False, f"unload_lora_adapter: LoRA adapter {name!r} is not loaded (loaded: {loaded})"
+            )
+        async with self.update_lock:
+            await self.engine.unload_lora_adapter(name)
+            self.lora_paths.pop(name, None)
+        return self.lora_result(True)
+
+    def lora_result(self, success: bool, message: str = "") -> JSONResponse:
+        """SGLang's LoRAUpdateOutput: success, error_message and the loaded adapters (name -> path)."""
+        loaded = {name: self.lora_paths.get(name, name) for name in self.engine.lora_adapters()}
+        reply = {"success": success, "error_message": message, "loaded_adapters": loaded}
+        return JSONResponse(reply, status_code=200 if success else 400)
 
     async def update_from_disk(self, body: dict) -> JSONResponse:
         path = body.get("model_path")

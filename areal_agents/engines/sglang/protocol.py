@@ -2,7 +2,9 @@
 
 One place for both sides: parsing a /generate body into a `GenRequest`, and turning a `GenResponse`
 into SGLang's ``{"text", "output_ids", "meta_info"}`` and back. ``tests/engines/fixtures/sglang_0.5.json``
-records the shapes as SGLang 0.5.x emits them.
+records the shapes as SGLang 0.5.x emits them. A /generate body's ``lora_path`` names the loaded LoRA adapter
+each prompt is served with (one name for all, or a list with one per prompt, None for the base model), and
+``sampling_params.sampling_seed`` a prompt's own sampler seed, as SGLang takes them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "spaces_between_special_tokens": True,
     "no_stop_trim": False,
     "n": 1,
+    "sampling_seed": None,  # the request's own sampler seed (None: the engine's generator)
 }
 # SGLang sampling params serve-model accepts only at their no-op value (they change sampling otherwise).
 SAMPLING_NO_OP: dict[str, Any] = {
@@ -42,7 +45,6 @@ SAMPLING_NO_OP: dict[str, Any] = {
     "logit_bias": None,
     "custom_params": None,
     "stream_interval": None,
-    "sampling_seed": None,
 }
 # Top-level /generate fields of SGLang's that serve-model cannot honour: refused unless unset. It reads
 # text, input_ids, sampling_params, rid, return_logprob, return_text_in_logprobs, stream, top_logprobs_num.
@@ -51,7 +53,7 @@ GENERATE_UNSET = {
     "image_data": None,
     "audio_data": None,
     "video_data": None,
-    "lora_path": None,
+    "lora_id": None,
     "session_params": None,
     "custom_logit_processor": None,
     "return_hidden_states": False,
@@ -91,6 +93,7 @@ def parse_sampling(params: dict[str, Any] | None) -> SamplingParams:
             top_k=max(int(p["top_k"]), 0),
             stop_token_ids=[int(t) for t in (p["stop_token_ids"] or [])],
             ignore_eos=bool(p["ignore_eos"]),
+            seed=_seed(p["sampling_seed"]),
         )
     except (TypeError, ValueError, OverflowError) as e:
         raise ProtocolError(f"sampling_params: {e}") from e
@@ -131,16 +134,38 @@ def parse_generate(body: dict[str, Any], tokenize) -> list[tuple[GenRequest, dic
         rids = [rids] if not batch else [f"{rids}-{i}" for i in range(len(prompts))]
     if not isinstance(rids, list) or len(rids) != len(prompts):
         raise ProtocolError("rid: a string, or a list with one entry per prompt")
+    loras = _lora_names(body.get("lora_path"), len(prompts))
     options = {
         "return_logprob": bool(body.get("return_logprob", False)),
         "return_text_in_logprobs": bool(body.get("return_text_in_logprobs", False)),
         "batch": batch,
     }
     out = []
-    for rid, prompt, sp in zip(rids, prompts, per_prompt):
+    for rid, prompt, sp, lora in zip(rids, prompts, per_prompt, loras):
         sampling = parse_sampling(sp)
-        out.append((GenRequest(str(rid), list(prompt), sampling), {**options, "sampling_params": sp or {}}))
+        request = GenRequest(str(rid), list(prompt), sampling, lora_name=lora)
+        out.append((request, {**options, "sampling_params": sp or {}}))
     return out
+
+
+def _lora_names(lora_path: Any, n: int) -> list[str | None]:
+    """``lora_path`` -> the adapter of each of ``n`` prompts: a name for all, or a list of one per prompt
+    (None or absent: the base model)."""
+    names = lora_path if isinstance(lora_path, list) else [lora_path] * n
+    if len(names) != n:
+        raise ProtocolError(f"lora_path: a list must have one entry per prompt ({n}), got {len(names)}")
+    for name in names:
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ProtocolError(f"lora_path: expects a loaded adapter's name (or None: the base model), got {name!r}")
+    return names
+
+
+def _seed(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"sampling_params.sampling_seed: expects an integer, got {value!r}")
+    return value
 
 
 def _prompt_ids(ids: Any) -> tuple[bool, list[list[int]]]:
