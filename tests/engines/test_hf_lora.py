@@ -8,6 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
 from areal_agents.engines import HFEngine
+from areal_agents.engines.base import LoraEngine
 from areal_agents.engines.hf.process_engine import ProcessEngine
 from areal_agents.errors import EngineError, RequestError
 from areal_agents.models import load_model
@@ -79,7 +80,7 @@ def test_mixed_batch_equals_each_adapter_alone_and_peft(model, tiny_dir, adapter
 
     async def run():
         engine = await loaded_engine(model, adapters, fast_decode=fast_decode, seed=0)
-        assert engine.lora_adapters() == ["a1", "a2"]
+        assert engine.lora_adapters() == ["a1", "a2"] and isinstance(engine, LoraEngine)
         batched = await together(engine, reqs)
         alone = [await engine.agenerate(r) for r in reqs]
         engine.close()
@@ -207,7 +208,7 @@ def test_process_engine_passes_adapters_through(tiny_dir, adapters):
         engine = ProcessEngine(str(tiny_dir), num_threads=1)
         try:
             await engine.load_lora_adapter("a2", adapters["a2"][0], version=4)
-            assert engine.lora_adapters() == ["a2"] and engine.get_version() == 4
+            assert engine.lora_adapters() == ["a2"] and engine.get_version() == 4 and isinstance(engine, LoraEngine)
             resp = await engine.agenerate(reqs[0])
             await engine.unload_lora_adapter("a2")
             with pytest.raises(RequestError, match="'a2' is not loaded"):

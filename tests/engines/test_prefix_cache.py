@@ -55,3 +55,14 @@ def test_oldest_blocks_are_evicted_past_max_tokens_and_clear_empties():
     disabled = PrefixCache(max_tokens=0)
     disabled.add(*block([(1,)], 1), [(1,)])
     assert len(disabled) == 0
+
+
+def test_entries_are_keyed_by_adapter_and_dropped_with_it():
+    cache = PrefixCache(max_tokens=20)
+    cache.add(*block([(1, 2)], 2), [(1, 2)], adapter="a1")
+    cache.add(*block([(1, 2, 3)], 3), [(1, 2, 3)])  # the base model's
+    assert cache.find((1, 2, 3, 4), "a1").length == 2  # a1 finds its own row, not the base model's longer one
+    assert cache.find((1, 2, 3, 4)).length == 3 and cache.find((1, 2, 9)) is None  # the base never sees a1's
+    assert cache.find((1, 2, 9), "a2") is None
+    cache.drop("a1")
+    assert len(cache) == 3 and cache.find((1, 2, 3), "a1") is None and cache.find((1, 2, 3, 4)).length == 3

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from areal_agents.engines.hf.sampling import sample_tokens
+from areal_agents.engines.hf.sampling import sample_tokens, seeded_uniform
 
 
 def draw(logits, temperature=1.0, top_p=1.0, top_k=0, n=40000, seed=0):
@@ -68,3 +68,23 @@ def test_the_behavior_logprob_is_the_trainers_tempered_log_softmax():
     for row, t in enumerate(temperature.tolist()):
         expected = tempered_token_logprobs(logits[row], tokens[row], t)
         assert torch.equal(logprobs[row], expected)
+
+
+def test_seeded_rows_draw_their_own_uniform_and_the_others_the_generator():
+    # probabilities [0.25, 0.25, 0.5]: cumulative [0.25, 0.5, 1]; a draw u picks the first token whose
+    # cumulative probability reaches u: 0.3 -> token 1, 0.8 -> token 2, 0.1 -> token 0
+    logits = torch.log(torch.tensor([[0.25, 0.25, 0.5]])).expand(4, -1)
+    ones, off = torch.ones(4), torch.zeros(4, dtype=torch.long)
+    draws = torch.tensor([0.3, 0.8, 0.1, float("nan")], dtype=torch.float64)
+    tokens, _ = sample_tokens(logits, ones, ones, off, torch.Generator().manual_seed(0), draws)
+    assert tokens[:3].tolist() == [1, 2, 0]
+    generators = [torch.Generator().manual_seed(s) for s in range(40)]
+    unseeded = {int(sample_tokens(logits, ones, ones, off, g, draws)[0][3]) for g in generators}
+    assert unseeded == {0, 1, 2}  # the NaN row draws from the generator
+
+
+def test_seeded_uniform_is_a_fixed_function_of_seed_and_position():
+    values = [seeded_uniform(seed, pos) for seed in range(50) for pos in range(50)]
+    assert all(0 < v <= 1 for v in values) and len(set(values)) == len(values)
+    assert seeded_uniform(7, 3) == seeded_uniform(7, 3) != seeded_uniform(7, 4)
+    assert abs(sum(values) / len(values) - 0.5) < 0.02  # spread over (0, 1]

@@ -6,7 +6,8 @@ for decoding: q, k and v in one matrix product (gate and up in another), rotary 
 once, fused RMSNorm, no module hooks or output records. It saves a fixed cost a step, so it pays most on
 small batches, less where one-token attention, bound by reading the KV cache from memory, is most of the
 step (figures: `bench/engine_decode.py`, docs/benchmarks.md). Prefill and training keep
-transformers' forward; tests check this step's tokens and logprobs against it.
+transformers' forward; tests check this step's tokens and logprobs against it. Rows served with LoRA
+adapters (lora.py) get their adapters' deltas on each part of the fused products (`LoraRows.add`).
 
 The fused weights are copies (attention and MLP weights held twice), made again when any of their
 sources changes: the step compares each parameter's identity and in-place version counter every call,
