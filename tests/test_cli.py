@@ -317,14 +317,23 @@ class EvenSum(TextEnv):
 """
 
 
-@pytest.mark.parametrize("recipe, staleness", [("rl.yaml", 0), ("rl_separate.yaml", 0), ("rl_separate.yaml", 1)])
-def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, staleness, monkeypatch):
+@pytest.mark.parametrize(
+    "recipe, staleness, lora",
+    [
+        ("rl.yaml", 0, False),
+        ("rl_separate.yaml", 0, False),
+        ("rl_separate.yaml", 1, False),
+        ("rl_separate.yaml", 1, True),
+    ],
+)
+def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, staleness, lora, monkeypatch):
     """2 RL steps of each debate recipe: per-agent rewards logged; separate policies each change, each
     trained on exactly its own agent's trajectories (at max_staleness 1, each policy's update streamed).
     The task rewards answers whose character codes sum to an even number: a coin flip per answer for an
     untrained model (not the length, which max_new_tokens caps, so often the same), and with 4 groups of
     4 per debater the chance that no group of a debater differs in reward, leaving its policy without a
-    gradient, is 2^-12."""
+    gradient, is 2^-12. With ``lora`` each debater trains an adapter of its own on one base model in memory
+    (one trained copy, one engine)."""
     (tmp_path / "even_task.py").write_text(EVEN_TASK)
     monkeypatch.syspath_prepend(str(tmp_path))
     run = tmp_path / "debate"
@@ -332,8 +341,20 @@ def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, staleness, m
     small += ["env.kwargs.task_env=even_task:EvenSum", "env.kwargs.task_kwargs={}", "eval.env_kwargs={}"]
     small += ["ppo.filter_zero_variance_groups=false", f"model.path={tiny_dir}", f"run_dir={run}"]
     small += ["rollout.dump_trajectories=true"]
-    if recipe == "rl_separate.yaml":
+    if recipe == "rl_separate.yaml" and not lora:
         small += [f"policies.debater_0={tiny_dir}", f"policies.debater_1={tiny_dir}"]
+    bases = []
+    if lora:
+        small += ["policies.debater_0.lora.r=8", "policies.debater_1.lora.r=8", "ppo.lr=1e-3"]
+        from areal_agents.trainers.lora import LoraBase
+
+        opened = LoraBase.__init__
+
+        def spy(self, *args, **kwargs):
+            opened(self, *args, **kwargs)
+            bases.append(self)
+
+        monkeypatch.setattr(LoraBase, "__init__", spy)
     small += [f"rollout.max_staleness={staleness}"]
     assert main(["train", str(DEBATE / recipe), *small, "--no-progress"]) == 0
     summary = json.loads((run / "summary.json").read_text())
@@ -375,6 +396,9 @@ def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, staleness, m
         return
     from areal_agents.models import load_model
 
+    if lora:
+        _assert_each_adapter_trained_on_one_base(run, bases, scalars)
+        return
     start = load_model(tiny_dir).state_dict()
     for agent in ("debater_0", "debater_1"):
         # each policy trained on its own debater's 8 trajectories (2 prompts x 4 episodes) per step
@@ -384,6 +408,24 @@ def test_debate_recipes_train_per_agent(tmp_path, tiny_dir, recipe, staleness, m
     a = load_model(run / "checkpoints" / "step_2" / "policies" / "debater_0" / "model").state_dict()
     b = load_model(run / "checkpoints" / "step_2" / "policies" / "debater_1" / "model").state_dict()
     assert any(not torch.equal(a[k], b[k]) for k in a)  # different data, different models
+
+
+def _assert_each_adapter_trained_on_one_base(run, bases, scalars):
+    from safetensors.torch import load_file
+
+    assert len(bases) == 1 and sorted(bases[0].peft.peft_config) == ["debater_0", "debater_1"]
+    adapters = {}
+    for agent in ("debater_0", "debater_1"):
+        dumps = [run / "trajectories" / f"step_{step}.jsonl" for step in (1, 2)]
+        own = [sum(json.loads(line)["agent_id"] == agent for line in d.read_text().splitlines()) for d in dumps]
+        assert [e.value for e in scalars.Scalars(f"train/{agent}/trained_trajectories")] == own  # its own alone
+        adapters[agent] = load_file(
+            run / "checkpoints" / "step_2" / "policies" / agent / "model" / "adapter_model.safetensors"
+        )
+        b = [v for k, v in adapters[agent].items() if "lora_B" in k]
+        assert b and any(v.abs().max() > 0 for v in b), f"{agent}'s adapter did not change (B starts at zero)"
+    a, b = adapters["debater_0"], adapters["debater_1"]
+    assert any(not torch.equal(a[k], b[k]) for k in a if "lora_B" in k)  # different data, different adapters
 
 
 def test_train_evaluates_with_sampling_when_asked(tmp_path, tiny_dir):

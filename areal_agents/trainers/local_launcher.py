@@ -24,6 +24,7 @@ from areal_agents.engines.weight_sync import open_weight_sync
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.models.loading import load_tokenizer, pad_token_id
 from areal_agents.rollout.episodes import EpisodeFn
+from areal_agents.trainers.lora import LoraBase
 from areal_agents.trainers.policy import DEFAULT_CPU_THREADS, SHARED, Policy, load_trainable
 from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec, policy_starts
 from areal_agents.trainers.trainer_process import ProcessPolicy
@@ -37,6 +38,7 @@ class LocalLauncher:
         self.cfg = cfg
         self.run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
         self.lora_group: LoraGroup | None = None  # the one engine of the base model that serves every adapter
+        self.lora_base: LoraBase | None = None  # the one trained copy of that base, every LoRA policy's adapter on it
 
     def start(self) -> None:
         """Nothing to acquire: engines start with their policies."""
@@ -72,7 +74,9 @@ class LocalLauncher:
             engine, servers = open_policy_engine(SHARED, lora_serving(self.cfg), init_path, self.run_dir)
             self.lora_group = LoraGroup(engine)
         try:
-            policy = load_trainable(name, spec, model_path, init_path)
+            if self.lora_base is None:
+                self.lora_base = LoraBase(init_path, spec.dtype)
+            policy = load_trainable(name, spec, model_path, init_path, lora_base=self.lora_base)
         except BaseException:
             if servers is not None:
                 servers.stop()

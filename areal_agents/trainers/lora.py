@@ -13,15 +13,20 @@ for them alone; the KL reference is the same model with the adapter off (`Adapte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import threading
 import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import save_file
 from transformers import AutoTokenizer, PreTrainedModel
 
 from areal_agents.config import LoraConfig
@@ -40,68 +45,120 @@ def peft_config(cfg: LoraConfig) -> PeftLoraConfig:
     )
 
 
-def attach_lora(model: PreTrainedModel, cfg: LoraConfig, base_path: str | Path | None = None) -> PeftModel:
-    """A fresh adapter over ``model`` (frozen: only the adapter requires gradients); B starts at zero, so the
-    adapted model starts equal to the base. ``base_path``: the base's directory, recorded (absolute) in the
-    adapter's config as ``base_model_name_or_path``."""
+def attach_lora(
+    model: PreTrainedModel, cfg: LoraConfig, base_path: str | Path | None = None, name: str = "default"
+) -> PeftModel:
+    """A fresh adapter ``name`` over ``model`` (frozen: only the adapter requires gradients); B starts at zero,
+    so the adapted model starts equal to the base. ``base_path``: the base's directory, recorded (absolute) in
+    the adapter's config as ``base_model_name_or_path``."""
     try:
         with warnings.catch_warnings():  # PEFT asks transformers 5 a deprecated question (is_gradient_checkpointing)
             warnings.simplefilter("ignore", FutureWarning)
-            peft_model = get_peft_model(model, peft_config(cfg))
+            peft_model = get_peft_model(model, peft_config(cfg), adapter_name=name)
     except ValueError as e:  # PEFT names the target modules it did not find
         raise ConfigError(f"model.lora.target_modules {cfg.target_modules}: {e}") from None
+    _record_base(peft_model, name, base_path)
+    return peft_model
+
+
+def _record_base(peft_model: PeftModel, name: str, base_path: str | Path | None) -> None:
     if base_path is not None:
         local = Path(base_path)
-        peft_model.peft_config["default"].base_model_name_or_path = (
-            str(local.resolve()) if local.is_dir() else str(base_path)
-        )
-    return peft_model
+        where = str(local.resolve()) if local.is_dir() else str(base_path)
+        peft_model.peft_config[name].base_model_name_or_path = where
 
 
 def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def resume_lora(model: PreTrainedModel, adapter_dir: str | Path) -> PeftModel:
-    """The adapter saved in ``adapter_dir`` (a checkpoint's ``model/``) over ``model``, trainable again."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+class LoraBase:
+    """One frozen base model and the adapters of every LoRA policy over it, one per policy name, in one
+    `PeftModel`: the base is in memory once however many agents train. Each policy trains inside
+    `Adapter.active`, which takes the base's lock and makes its adapter the one that runs and gets gradients."""
+
+    def __init__(self, path: str, dtype: str) -> None:
+        self.path, self.dtype = path, dtype
+        self.peft: PeftModel | None = None
+        self.lock = threading.RLock()
+
+    def add(self, name: str, cfg: LoraConfig, adapter_dir: str | Path | None = None) -> Adapter:
+        """Adapter ``name``: fresh, or the one saved in ``adapter_dir`` (a checkpoint's, on ``--resume``)."""
+        with self.lock, warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            if self.peft is not None and name in self.peft.peft_config:
+                raise ConfigError(f"LoRA adapter {name!r} is already on this base model")
+            if self.peft is None and adapter_dir is None:
+                self.peft = attach_lora(load_model(self.path, self.dtype), cfg, self.path, name)
+            elif self.peft is None:
+                base = load_model(self.path, self.dtype)
+                self.peft = PeftModel.from_pretrained(base, str(adapter_dir), adapter_name=name, is_trainable=True)
+            elif adapter_dir is None:
+                self.peft.add_adapter(name, peft_config(cfg))
+                _record_base(self.peft, name, self.path)
+            else:
+                self.peft.load_adapter(str(adapter_dir), adapter_name=name, is_trainable=True)
+        return Adapter(self, name)
 
 
-def adapter_tensors(peft_model: PeftModel) -> dict[str, torch.Tensor]:
-    """The adapter's weights, keyed as PEFT saves them (``...q_proj.lora_A.weight``), detached copies."""
-    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
+@dataclass
+class Adapter:
+    """One policy's adapter on a `LoraBase`: what it trains, pushes to engines and saves."""
+
+    base: LoraBase
+    name: str
+
+    @property
+    def peft(self) -> PeftModel:
+        return self.base.peft
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """This adapter alone runs and requires gradients (other policies on the base wait)."""
+        with self.base.lock:
+            self.peft.set_adapter(self.name)
+            yield
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The adapter's own parameters (what its optimizer holds)."""
+        marker = f".{self.name}."
+        return [p for n, p in self.peft.named_parameters() if "lora_" in n and marker in n]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Its weights keyed as PEFT saves them (``...q_proj.lora_A.weight``), detached copies."""
+        with self.base.lock:
+            state = get_peft_model_state_dict(self.peft, adapter_name=self.name)
+            return {k: v.detach().clone() for k, v in state.items()}
+
+    def config(self) -> dict[str, Any]:
+        """Its ``adapter_config.json`` content (what an engine needs besides the tensors)."""
+        return json.loads(json.dumps(self.peft.peft_config[self.name].to_dict(), default=sorted))
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """PEFT's adapter directory (``adapter_config.json``, ``adapter_model.safetensors``), as
+        ``PeftModel.from_pretrained`` reads it, for this adapter alone."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.contiguous() for k, v in self.tensors().items()}
+        save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        self.peft.peft_config[self.name].save_pretrained(str(path))
 
 
-def adapter_config(peft_model: PeftModel) -> dict[str, Any]:
-    """The adapter's ``adapter_config.json`` content (what an engine needs besides the tensors)."""
-    return json.loads(json.dumps(peft_model.peft_config["default"].to_dict(), default=sorted))
-
-
-def load_adapter_tensors(peft_model: PeftModel, tensors: dict[str, torch.Tensor]) -> None:
-    """Put adapter weights (PEFT's names, as `adapter_tensors` gives them) into ``peft_model``."""
-    result = set_peft_model_state_dict(peft_model, tensors)
-    missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
-    if missing:
-        raise ConfigError(f"adapter weights do not fit the model: unexpected {missing[:3]}")
-
-
-def trainable_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters that require gradients (what the optimizer keeps state for)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+def trainable_bytes(params: Iterable[torch.nn.Parameter]) -> int:
+    """Bytes of ``params`` (e.g. an optimizer's: what it keeps state for)."""
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 class AdapterOffLM(ScoredLM):
     """The KL reference of a LoRA policy: the trained model with its adapter switched off (the frozen base),
     scored by `token_logprobs` under no gradient. It holds no weights of its own."""
 
-    def __init__(self, peft_model: PeftModel) -> None:
-        super().__init__(peft_model.get_base_model())
-        object.__setattr__(self, "peft_model", peft_model)  # not a submodule: its parameters are the policy's
+    def __init__(self, adapter: Adapter) -> None:
+        super().__init__(adapter.peft.get_base_model())
+        object.__setattr__(self, "adapter", adapter)  # not a submodule: its parameters are the policy's
 
     def forward(self, mb: Any, temperature: float = 1.0) -> torch.Tensor:
-        with self.peft_model.disable_adapter(), torch.no_grad():
+        with self.adapter.base.lock, self.adapter.peft.disable_adapter(), torch.no_grad():
             return super().forward(mb, temperature)
 
 

@@ -16,12 +16,13 @@ def make_optimizer(
     warmup_steps: int,
     schedule: str = "constant",
     total_steps: int = 0,
+    params: list[torch.nn.Parameter] | None = None,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW with a linear warm-up, then a constant rate or a decay to 0 at ``total_steps``
-    (``linear`` or ``cosine``; optimizer steps)."""
+    """AdamW over ``params`` (default: ``model``'s parameters that require gradients) with a linear warm-up,
+    then a constant rate or a decay to 0 at ``total_steps`` (``linear`` or ``cosine``; optimizer steps)."""
     if schedule not in ("constant", "linear", "cosine"):
         raise ValueError(f"lr_schedule: expects 'constant', 'linear' or 'cosine', got {schedule!r}")
-    trained = [p for p in model.parameters() if p.requires_grad]  # a LoRA policy: the adapter's alone
+    trained = params if params is not None else [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(
         optimizer, functools.partial(lr_factor, warmup_steps=warmup_steps, schedule=schedule, total_steps=total_steps)
@@ -46,13 +47,15 @@ def optimizer_step(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     grad_divisor: float = 1.0,
 ) -> float:
-    """Divide ``module``'s gradients (summed over ranks already, when sharded) by ``grad_divisor``, clip
-    to ``max_grad_norm`` and step (the schedule too, if any); the gradient norm before clipping."""
+    """Divide the gradients of ``optimizer``'s parameters (``module``'s trained ones; summed over ranks already,
+    when sharded) by ``grad_divisor``, clip to ``max_grad_norm`` and step (the schedule too, if any); the
+    gradient norm before clipping. Parameters of another policy sharing ``module`` (a LoRA base) are not touched."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]  # a LoRA policy: its adapter's
     if grad_divisor != 1.0:
-        for p in module.parameters():
+        for p in params:
             if p.grad is not None:
                 p.grad.div_(grad_divisor)
-    grad_norm = clip_grad_norm(list(module.parameters()), max_grad_norm)
+    grad_norm = clip_grad_norm(params, max_grad_norm)
     optimizer.step()
     if scheduler is not None:
         scheduler.step()

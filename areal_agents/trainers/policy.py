@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from peft import PeftModel
 from transformers import PreTrainedModel
 
 from areal_agents.engines.base import InferenceEngine
@@ -31,14 +30,7 @@ from areal_agents.models.loading import load_model
 from areal_agents.trainers import fsdp
 from areal_agents.trainers.critic import ValueModel
 from areal_agents.trainers.distributed import DataParallel
-from areal_agents.trainers.lora import (
-    AdapterOffLM,
-    adapter_config,
-    adapter_tensors,
-    attach_lora,
-    is_adapter_dir,
-    resume_lora,
-)
+from areal_agents.trainers.lora import Adapter, AdapterOffLM, LoraBase, attach_lora, is_adapter_dir
 from areal_agents.trainers.optim import make_optimizer
 from areal_agents.trainers.policy_api import SHARED as SHARED  # the one shared policy's name, re-exported
 from areal_agents.trainers.policy_api import TrainSpec
@@ -65,7 +57,7 @@ class Policy:
     streamed: StreamedUpdate | None = None  # the update being fed in parts (`update_part`), if any
     dp: DataParallel | None = None  # this rank's group when FSDP2-sharded (`load_trainable`)
     trained: torch.nn.Module | None = None  # what `ppo_update` trains: ``model``, or its sharded `ScoredLM` root
-    peft: PeftModel | None = None  # a LoRA policy's adapter wrapper (``model`` is its base, the adapter inside)
+    adapter: Adapter | None = None  # a LoRA policy's adapter (``model`` is its base, shared by every LoRA policy)
     streams: ClassVar[bool] = True
 
     def close(self) -> None:
@@ -141,7 +133,14 @@ class Policy:
             self.trainer = ThreadPoolExecutor(
                 1, f"trainer-{self.name}", initializer=torch.set_num_threads, initargs=(threads,)
             )
-        return await asyncio.get_running_loop().run_in_executor(self.trainer, call)
+        return await asyncio.get_running_loop().run_in_executor(self.trainer, self._with_adapter, call)
+
+    def _with_adapter(self, call: functools.partial) -> Any:
+        """``call()``; a LoRA policy's with its adapter the active one on the shared base (`Adapter.active`)."""
+        if self.adapter is None:
+            return call()
+        with self.adapter.active():
+            return call()
 
     def version(self) -> int | None:
         """The engine's version: that of the weights this trainer holds between pushes (None: no engine here)."""
@@ -216,19 +215,19 @@ class Policy:
 
     async def tensors(self) -> dict[str, torch.Tensor]:
         """The trainer's weights (a `WeightSource`): a LoRA policy's adapter alone, keyed as PEFT saves it."""
-        return adapter_tensors(self.peft) if self.peft is not None else self.model.state_dict()
+        return self.adapter.tensors() if self.adapter is not None else self.model.state_dict()
 
     async def save_weights(self, path: Path, dtype: str | None = None) -> None:
         """The trainer's weights under ``path`` by `write_weights` (in ``dtype``; None: as held; a `WeightSource`);
         a LoRA policy's adapter as PEFT's directory (``save_pretrained``), as it is held."""
-        if self.peft is not None:
-            await asyncio.to_thread(self.peft.save_pretrained, str(path))
+        if self.adapter is not None:
+            await asyncio.to_thread(self.adapter.save_pretrained, path)
             return
         await asyncio.to_thread(write_weights, self.model.state_dict(), path, dtype)
 
     def adapter_config(self) -> dict[str, Any] | None:
         """A LoRA policy's ``adapter_config.json`` content (None: a full-weight policy)."""
-        return adapter_config(self.peft) if self.peft is not None else None
+        return self.adapter.config() if self.adapter is not None else None
 
 
 def _with_generator(state: torch.Tensor, call: Any) -> tuple[dict[str, float], torch.Tensor]:
@@ -239,21 +238,27 @@ def _with_generator(state: torch.Tensor, call: Any) -> tuple[dict[str, float], t
 
 
 def load_trainable(
-    name: str, spec: TrainSpec, model_path: str, init_path: str, dp: DataParallel | None = None
+    name: str,
+    spec: TrainSpec,
+    model_path: str,
+    init_path: str,
+    dp: DataParallel | None = None,
+    lora_base: LoraBase | None = None,
 ) -> Policy:
     """The training side of a policy (model, optimizer, schedule, reference, critic), without an engine;
+    with ``spec.lora``, an adapter named ``name`` on ``lora_base`` (the base model other LoRA policies share);
     the reference and the critic start from ``init_path`` (the run's starting model). On ``ppo.device``;
     with ``dp`` (a rank of several) every model is FSDP2-sharded over the ranks (`fsdp.shard_policy`),
     from rank 0's weights."""
     p = spec.ppo
     device = dp.device if dp is not None else resolve_device(p.device)
-    peft = _lora_model(spec, model_path, init_path) if spec.lora is not None else None
-    model = peft.get_base_model() if peft is not None else load_model(model_path, spec.dtype)
+    adapter = _adapter(name, spec, model_path, init_path, lora_base) if spec.lora is not None else None
+    model = adapter.peft.get_base_model() if adapter is not None else load_model(model_path, spec.dtype)
     if p.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     reference = critic = None
     if p.kl_coef > 0:  # LoRA: the same model with its adapter off
-        reference = AdapterOffLM(peft) if peft else load_model(init_path, spec.dtype).eval().requires_grad_(False)
+        reference = AdapterOffLM(adapter) if adapter else load_model(init_path, spec.dtype).eval().requires_grad_(False)
     if p.advantage == "gae":  # a value model initialised from the starting checkpoint (LoRA: its own adapter)
         critic_lm = load_model(init_path, spec.dtype)
         if spec.lora is not None:
@@ -274,21 +279,24 @@ def load_trainable(
         dtype = compute_dtype(device, p.compute_dtype)
         trained, reference, critic = fsdp.shard_policy(model, reference, critic, device, dtype)
     total = spec.total_steps * p.ppo_epochs * p.num_minibatches
-    optimizer, scheduler = make_optimizer(trained, p.lr, p.weight_decay, p.warmup_steps, p.lr_schedule, total)
-    policy = Policy(name, model, spec, optimizer, scheduler, reference, dp=dp, trained=trained, peft=peft)
+    params = adapter.parameters() if adapter is not None else None
+    optimizer, scheduler = make_optimizer(trained, p.lr, p.weight_decay, p.warmup_steps, p.lr_schedule, total, params)
+    policy = Policy(name, model, spec, optimizer, scheduler, reference, dp=dp, trained=trained, adapter=adapter)
     if critic is not None:
         policy.critic = critic
         policy.critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=p.critic_lr, weight_decay=p.weight_decay)
     return policy
 
 
-def _lora_model(spec: TrainSpec, model_path: str, init_path: str) -> PeftModel:
-    """A LoRA policy's model: the starting model (``init_path``, frozen) with a fresh adapter, or with the one
-    saved at ``model_path`` (a checkpoint's adapter directory, on ``--resume``)."""
+def _adapter(name: str, spec: TrainSpec, model_path: str, init_path: str, base: LoraBase | None) -> Adapter:
+    """A LoRA policy's adapter ``name`` on ``base`` (None: a base of its own) over the starting model
+    ``init_path`` (frozen): fresh, or the one saved at ``model_path`` (a checkpoint's, on ``--resume``)."""
     if spec.ppo.nproc_per_node > 1:
         raise ConfigError("model.lora: one trainer rank for now (ppo.nproc_per_node=1); FSDP2 ranks train full weights")
-    base = load_model(init_path, spec.dtype)
-    return resume_lora(base, model_path) if is_adapter_dir(model_path) else attach_lora(base, spec.lora, init_path)
+    base = base if base is not None else LoraBase(init_path, spec.dtype)
+    if base.path != init_path:
+        raise ConfigError(f"policy {name!r}: LoRA policies share one base model ({base.path}), not {init_path}")
+    return base.add(name, spec.lora, model_path if is_adapter_dir(model_path) else None)
 
 
 def __getattr__(name: str) -> Any:

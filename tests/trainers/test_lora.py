@@ -74,7 +74,7 @@ def test_only_the_adapter_trains_and_holds_optimizer_state(tiny_dir):
     held = sum(
         t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t) and t.dim()
     )
-    assert held == 2 * trainable_bytes(policy.model) < 0.5 * sum(t.numel() * 4 for t in after.values())
+    assert held == 2 * trainable_bytes(policy.adapter.parameters()) < 0.5 * sum(t.numel() * 4 for t in after.values())
 
 
 def test_the_kl_reference_is_the_base_with_the_adapter_off(tiny_dir):
@@ -130,20 +130,20 @@ def test_two_adapters_on_one_engine_version_it_as_the_older(tiny_dir):
     engine = HFEngine(load_model(tiny_dir))
     group = LoraGroup(engine)
     spec = lora_spec()
-    a, b = (load_trainable(n, spec, str(tiny_dir), str(tiny_dir)) for n in ("a", "b"))
+    a, b = (load_trainable(n, spec, str(tiny_dir), str(tiny_dir)) for n in ("alice", "bob"))
 
     async def run():
-        for name, policy in (("a", a), ("b", b)):
+        for name, policy in (("alice", a), ("bob", b)):
             await group.sync(name).push(policy, 0)
         with torch.no_grad():
             for name, p in a.model.named_parameters():
                 if "lora_B" in name:
                     p.normal_(std=0.5)
-        await group.sync("a").push(a)
+        await group.sync("alice").push(a)
         version_after_a = engine.get_version()
-        await group.sync("b").push(b)
+        await group.sync("bob").push(b)
         params = SamplingParams(6, temperature=0.0, ignore_eos=True)
-        outs = [await group.view(n).agenerate(GenRequest(f"{n}/t0", [5, 6, 7], params)) for n in ("a", "b")]
+        outs = [await group.view(n).agenerate(GenRequest(f"{n}/t0", [5, 6, 7], params)) for n in ("alice", "bob")]
         await engine.aclose()
         return version_after_a, outs
 
