@@ -17,8 +17,8 @@ version, so every token generated afterwards carries it. ``engine.weight_sync`` 
 =================  =========================================================================================
 
 Every sync times its last push: ``sync.last_push`` holds ``weight_sync_seconds`` and ``weight_sync_bytes``
-(the payload written or sent once), which the recipe logs as ``perf/...``. LoRA would be one more class: the
-source holds one adapter's tensors and the sync loads them under the adapter's name (``/load_lora_adapter``).
+(the payload written or sent once), which the recipe logs as ``perf/...``. A LoRA policy's sync is `LoraSync`
+(`areal_agents.engines.lora_sync`): its source holds one adapter, loaded under the policy's name.
 
 Example::
 

@@ -9,10 +9,10 @@ Implementations of `TrainablePolicy`:
 `areal_agents.cluster.trainer_group.DistributedPolicy`     updates on data-parallel Ray actors
 =========================================================  ==================================================
 
-A GPU (FSDP2) trainer is one more class with these methods, and LoRA one more too: its `model` is the base
-with the adapter attached, and its weight sync (`areal_agents.engines.weight_sync`) pushes the adapter
-only, under the policy's name. Several such policies, one per agent (``policies:`` in the config), can
-share one base model and one engine: each pushes its own adapter, the engine serves them side by side.
+A LoRA policy is a `Policy` whose `model` is the base with its adapter attached (`areal_agents.trainers.lora`)
+and whose weight sync (`areal_agents.engines.lora_sync.LoraSync`) pushes the adapter only, under the policy's
+name. Several, one per agent (``policies.AGENT.lora``), share one base model and one engine: each pushes its
+own adapter, the engine serves them side by side.
 
 Implementations of `Launcher`: `areal_agents.trainers.local_launcher.LocalLauncher` (this machine) and
 `areal_agents.cluster.ray_launcher.RayLauncher` (``launcher: ray``); ``areal_agents.cluster.open_launcher``
