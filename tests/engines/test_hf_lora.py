@@ -220,3 +220,25 @@ def test_process_engine_passes_adapters_through(tiny_dir, adapters):
     resp = asyncio.run(run())
     ref = logprobs(adapters["a2"][1], reqs[0].input_ids + resp.output_tokens, 5)
     assert torch.allclose(torch.tensor(resp.output_logprobs), ref, atol=1e-4)
+
+
+def test_unloading_an_adapter_fails_its_running_requests_alone(model, tiny_dir, adapters):
+    reqs = [
+        GenRequest(str(i), [5, 6, 7 + i], SamplingParams(40), lora_name=lora) for i, lora in enumerate((None, "a1"))
+    ]
+
+    async def run():
+        engine = await loaded_engine(model, adapters)
+        tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in reqs]
+        while engine.stats.decode_steps < 10:
+            await asyncio.sleep(0.001)
+        await engine.unload_lora_adapter("a1")
+        out = await asyncio.gather(*tasks, return_exceptions=True)
+        engine.close()
+        return out
+
+    base_reply, failure = asyncio.run(run())
+    assert isinstance(failure, EngineError) and "LoRA adapter 'a1' was unloaded (loaded: a2)" in str(failure)
+    ref = logprobs(load_model(tiny_dir).eval(), reqs[0].input_ids + base_reply.output_tokens, 40)
+    assert len(base_reply.output_tokens) == 40
+    assert torch.allclose(torch.tensor(base_reply.output_logprobs), ref, atol=1e-4)

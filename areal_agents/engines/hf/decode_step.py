@@ -44,6 +44,7 @@ class LlamaDecodeStep:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qkv_v = self.q_size + self.kv_size  # the first column of v in the fused q/k/v product
         self.qk_norm = config.model_type == "qwen3"
         self.refresh()
 
@@ -79,9 +80,7 @@ class LlamaDecodeStep:
             x = _rms_norm(hidden, layer.input_layernorm)
             qkv = F.linear(x, fused.qkv, fused.qkv_bias)
             if lora is not None:
-                lora.add(qkv, x, attn.q_proj)
-                lora.add(qkv, x, attn.k_proj, self.q_size)
-                lora.add(qkv, x, attn.v_proj, self.q_size + self.kv_size)
+                lora.add_parts(qkv, x, ((attn.q_proj, 0), (attn.k_proj, self.q_size), (attn.v_proj, self.qkv_v)))
             qk = qkv[:, : self.q_size + self.kv_size].view(b, 1, heads + self.kv_heads, d)
             if self.qk_norm:
                 qk = torch.cat([_rms_norm(qk[:, :, :heads], attn.q_norm), _rms_norm(qk[:, :, heads:], attn.k_norm)], 2)
@@ -96,8 +95,7 @@ class LlamaDecodeStep:
             x = _rms_norm(hidden, layer.post_attention_layernorm)
             gate_up = F.linear(x, fused.gate_up, fused.gate_up_bias)
             if lora is not None:
-                lora.add(gate_up, x, mlp.gate_proj)
-                lora.add(gate_up, x, mlp.up_proj, mlp.gate_proj.out_features)
+                lora.add_parts(gate_up, x, ((mlp.gate_proj, 0), (mlp.up_proj, mlp.gate_proj.out_features)))
             gate, up = gate_up.chunk(2, -1)
             act = mlp.act_fn(gate) * up
             down = F.linear(act, mlp.down_proj.weight, mlp.down_proj.bias)

@@ -3,7 +3,8 @@
 Each row of a forward carries its adapter (``GenRequest.lora_name``; None: the base model). The adapters'
 low-rank deltas are added to the base model's linear outputs, grouped by adapter: for each adapter present
 in the batch, its rows' ``x @ A.T @ B.T * scaling`` is computed on those rows alone and added back with
-``index_add``, so a row's output is the one its adapter alone gives. A forward hook on every targeted
+``index_add`` (modules of one input, q/k/v or gate/up, share one ``x @ A.T``), so a row's output is the one
+its adapter alone gives. A forward hook on every targeted
 ``nn.Linear`` adds them in transformers' forward (prefill; decode with ``fast_decode`` off); the fused
 decode step (`LlamaDecodeStep`) calls `LoraRows.add` on its stacked q/k/v and gate/up outputs itself.
 Scaling is PEFT's: ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``).
@@ -22,7 +23,7 @@ import json
 import math
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +55,33 @@ class LoraModule:
 
 
 @dataclass(frozen=True)
+class LoraStack:
+    """An adapter's A matrices of modules that share an input (q/k/v; gate/up) stacked into one ``[sum r, in]``,
+    so that their ``x @ A.T`` is one product; ``parts``: (which module, its B, scaling, its columns of it)."""
+
+    a: torch.Tensor
+    parts: tuple[tuple[int, torch.Tensor, float, int, int], ...]
+
+
+@dataclass(frozen=True)
 class LoraAdapter:
     """A named adapter: its matrices by the model's module name (``model.layers.0.self_attn.q_proj``)."""
 
     name: str
     modules: dict[str, LoraModule]
+    _stacks: dict[tuple, LoraStack | None] = field(default_factory=dict, repr=False, compare=False)
+
+    def stack(self, names: tuple[str | None, ...]) -> LoraStack | None:
+        """The `LoraStack` of the modules ``names`` (made once); None when the adapter targets none of them."""
+        if names not in self._stacks:
+            held = [(i, self.modules[n]) for i, n in enumerate(names) if n in self.modules]
+            parts, start = [], 0
+            for i, lora in held:
+                parts.append((i, lora.b, lora.scaling, start, start + lora.a.shape[0]))
+                start += lora.a.shape[0]
+            a = torch.cat([lora.a for _, lora in held]) if held else None
+            self._stacks[names] = LoraStack(a, tuple(parts)) if held else None
+        return self._stacks[names]
 
     @classmethod
     def build(
@@ -163,24 +186,34 @@ def _check_module(
 
 @dataclass(frozen=True)
 class LoraRows:
-    """Which rows of one forward use which adapter: ``groups`` of (adapter, row indices on the device)."""
+    """Which rows of one forward use which adapter: ``groups`` of (adapter, row indices on the device, or
+    None when the adapter's rows are all the rows)."""
 
-    groups: tuple[tuple[LoraAdapter, torch.Tensor], ...]
+    groups: tuple[tuple[LoraAdapter, torch.Tensor | None], ...]
     names: Mapping[nn.Module, str]  # the table's module -> name
 
     def add(self, out: torch.Tensor, x: torch.Tensor, module: nn.Module, offset: int = 0) -> torch.Tensor:
         """``out`` (rows first: ``[B, ..., N]``) plus each row's adapter delta of ``module`` on input ``x``,
-        in place; ``offset``: the module's outputs start at this column of ``out`` (a fused q/k/v product)."""
-        name = self.names.get(module)
+        in place; ``offset``: the module's outputs start at this column of ``out``."""
+        return self.add_parts(out, x, ((module, offset),))
+
+    def add_parts(self, out: torch.Tensor, x: torch.Tensor, parts: tuple[tuple[nn.Module, int], ...]) -> torch.Tensor:
+        """`add` for modules of one input whose outputs sit side by side in ``out`` (a fused q/k/v product):
+        ``parts`` gives each module and its first column. Per adapter: one ``x @ A.T`` for them all."""
+        names = tuple(self.names.get(module) for module, _ in parts)
         for adapter, rows in self.groups:
-            lora = adapter.modules.get(name) if name is not None else None
-            if lora is None:
+            stack = adapter.stack(names)
+            if stack is None:
                 continue
-            xs = x.index_select(0, rows).to(lora.a.dtype)
-            delta = (xs @ lora.a.T) @ lora.b.T * lora.scaling
-            width = delta.shape[-1]
-            target = out if offset == 0 and width == out.shape[-1] else out.narrow(-1, offset, width)
-            target.index_add_(0, rows, delta.to(out.dtype))
+            xa = (x if rows is None else x.index_select(0, rows)).to(stack.a.dtype) @ stack.a.T
+            for i, b, scaling, lo, hi in stack.parts:
+                delta = (xa[..., lo:hi] @ b.T * scaling).to(out.dtype)
+                offset, width = parts[i][1], delta.shape[-1]
+                target = out if offset == 0 and width == out.shape[-1] else out.narrow(-1, offset, width)
+                if rows is None:
+                    target.add_(delta)
+                else:
+                    target.index_add_(0, rows, delta)
         return out
 
 
@@ -221,7 +254,8 @@ class LoraTable:
         if not by_name:
             return None
         groups = tuple(
-            (self.adapters[name], torch.tensor(rows, dtype=torch.long, device=device)) for name, rows in by_name.items()
+            (self.adapters[name], None if len(rows) == len(adapters) else torch.tensor(rows, device=device))
+            for name, rows in by_name.items()
         )
         return LoraRows(groups, self.names)
 
