@@ -16,14 +16,14 @@ from areal_agents.engines.model_server import ModelServerConfig, serve_model
 real_step = BatchRunner.step
 
 
-def faulty_step(self, batch, incoming, stale, version):  # noqa: ANN001, ANN201
+def faulty_step(self, batch, incoming, stale, version, adapters=frozenset()):  # noqa: ANN001, ANN201
     rids = {seq.rid for seq in incoming}
     if "kill-the-loop" in rids:
         raise RuntimeError("simulated decode-loop fault")
     if "hang" in rids:
         while True:  # a step that never ends (holds no lock; sleeps, as a stuck kernel would wait)
             time.sleep(1)
-    return real_step(self, batch, incoming, stale, version)
+    return real_step(self, batch, incoming, stale, version, adapters)
 
 
 BatchRunner.step = faulty_step
