@@ -167,3 +167,23 @@ def test_two_adapters_on_one_engine_version_it_as_the_older(tiny_dir):
 def test_lora_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(TrainConfig, None, ["model.path=m", *overrides])
+
+
+@pytest.mark.slow
+def test_a_run_on_serve_model_pushes_the_adapter_alone(tiny_dir, tmp_path):
+    """Through disk to a real serve-model: each push writes PEFT's directory and the server loads it by name
+    (SGLang's /load_lora_adapter); the bytes logged are the adapter's, a fraction of the model's."""
+    from safetensors.torch import load_file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rl = write_rl_config(tmp_path, tiny_dir)
+    env = ["env.id=tests.trainers.test_lora:DigitShare", "env.kwargs={}", "eval.env_kwargs={}", "eval.num_problems=1"]
+    assert main(["train", str(rl), "--no-progress", "model.lora.r=8", "engine.backend=serve-model", *env]) == 0
+    run = tmp_path / "rl"
+    adapter = run / "engine_weights" / "lora" / "policy" / "v2" / "adapter_model.safetensors"
+    pushed = EventAccumulator(str(run / "tensorboard")).Reload().Scalars("perf/weight_sync_bytes")
+    assert [e.value for e in pushed] == [float(adapter.stat().st_size)] * 2
+    model_bytes = (tiny_dir / "model.safetensors").stat().st_size
+    assert adapter.stat().st_size < 0.5 * model_bytes
+    assert all("lora_" in k for k in load_file(adapter))
+    assert json.loads((run / "summary.json").read_text())["engine_version"] == 2
