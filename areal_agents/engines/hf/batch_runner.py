@@ -144,7 +144,7 @@ class BatchRunner:
         True when running rows use one and their KV must be recomputed (every running row is, then)."""
         for name in adapters:
             self.prefixes.drop(name)
-        running = [s for s in batch.rows if not s.delivered]
+        running = [s for s in batch.rows if not (s.delivered or s.abort)]  # aborted ones end as "abort"
         for seq in running:
             self.has_adapter(seq)
         return self.recompute_adapters and any(s.lora_name in adapters and not s.delivered for s in running)
