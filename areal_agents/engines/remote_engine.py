@@ -18,7 +18,8 @@ fresh server-side request id (the ``rid`` plus ``#`` and a random suffix), and a
 generating beside its retry.
 
 A subclass says how its servers' API spells these things: the generate route, its body and reply, the
-request-id key, abort, pause and resume, loading weights from a directory, and naming a version.
+request-id key, abort, pause and resume, loading weights from a directory, and naming a version; and, for
+LoRA adapters (`RemoteLora`: loaded as a weight update, requests naming theirs), loading and unloading one.
 
 Rotation: a server taken out (`take_out`, e.g. by `BroadcastSync` when it failed a push) gets no new
 requests, nor pauses and weight loads, until `put_back`; its episodes move to the others. Weights a
@@ -39,15 +40,14 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import aiohttp
 
+from areal_agents.engines.remote_lora import PauseMode, RemoteLora
 from areal_agents.engines.weight_sync import write_weights
 from areal_agents.errors import EngineError, RequestError
 from areal_agents.types import GenRequest, GenResponse
-
-PauseMode = Literal["abort", "keep"]
 
 
 class ServerError(EngineError):
@@ -74,7 +74,7 @@ class GenerateReply:
     message: str = ""
 
 
-class RemoteEngine(abc.ABC):
+class RemoteEngine(RemoteLora, abc.ABC):
     """An `InferenceEngine` over HTTP servers; see the module docstring. Subclasses fill in the API."""
 
     GENERATE_PATH: ClassVar[str]
@@ -100,6 +100,7 @@ class RemoteEngine(abc.ABC):
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.request_timeout_s, self.max_retries, self.backoff_s = request_timeout_s, max_retries, backoff_s
         self.pause_mode: PauseMode = pause_mode
+        self.pausing: PauseMode = pause_mode  # the mode of the pause in progress (`pause`)
         self._version = version
         self._names: dict[str, int] = {}  # weight_version strings the servers report -> our int versions
         self._round_robin = itertools.cycle(range(len(self.addresses)))
@@ -115,6 +116,7 @@ class RemoteEngine(abc.ABC):
         self._guard = False  # `guard_restarts`: a server that stops answering leaves the rotation
         self._supervisor: Any = None  # a `Supervisor` whose restarts take servers out, after `guard_restarts`
         self._restarts_seen = 0
+        self.adapters: dict[str, str] = {}  # LoRA adapters this client loaded: name -> directory
 
     # ---- what a subclass says about its servers' API -------------------------------------------
 
@@ -190,11 +192,13 @@ class RemoteEngine(abc.ABC):
             if len(tokens) >= sp.max_new_tokens:
                 return GenResponse(tokens, logprobs, versions, "length", time.perf_counter() - start)
 
-    async def pause(self) -> None:
-        """Pause every server; new requests wait here for `resume` (in-flight ones: see ``pause_mode``)."""
+    async def pause(self, mode: PauseMode | None = None) -> None:
+        """Pause every server; new requests wait here for `resume` (in-flight ones: ``mode``, by default
+        ``pause_mode``; `pause_servers` reads it as ``self.pausing``)."""
         self._paused = True
         self._ensure_primitives()
         self._resumed.clear()
+        self.pausing = mode or self.pause_mode
         await self.pause_servers()
 
     async def resume(self) -> None:
@@ -229,14 +233,17 @@ class RemoteEngine(abc.ABC):
         """Pause all servers, load ``model_path`` on each, name the new version, resume."""
         await self.swap_weights(lambda v: self.load_on_servers(model_path, v), version)
 
-    async def swap_weights(self, load: Callable[[int], Awaitable[None]], version: int | None = None) -> None:
-        """One weight update, however the weights travel: under the update lock, pause the servers (unless
-        already paused), ``await load(version)``, take ``version`` (default: the current + 1), resume."""
+    async def swap_weights(
+        self, load: Callable[[int], Awaitable[None]], version: int | None = None, pause_mode: PauseMode | None = None
+    ) -> None:
+        """One weight update, however the weights travel: under the update lock, pause the servers
+        (``pause_mode``: this pause's, default ``self.pause_mode``), ``await load(version)``, take ``version``
+        (default: the current + 1), resume (unless they were paused before)."""
         self._ensure_primitives()
         version = self._version + 1 if version is None else version
         async with self._update_lock:
             was_paused = self._paused
-            await self.pause()
+            await self.pause(pause_mode)
             try:
                 await load(version)
                 self._names[str(version)] = version
@@ -350,13 +357,20 @@ class RemoteEngine(abc.ABC):
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         return self._session
 
-    async def _all(self, path: str, body: dict | None, params: dict | None = None) -> list[Any]:
-        """POST to every server in the rotation; their replies in that order."""
+    async def _all(self, path: str, body: dict | None, params: dict | None = None, *, text: bool = False) -> list[Any]:
+        """POST to every server in the rotation; their replies in that order (``text``: the replies are
+        plain text, e.g. vLLM's adapter routes)."""
         urls = [self.addresses[i] for i in self.in_rotation()]
-        return list(await asyncio.gather(*(self._post(url, path, body, params=params) for url in urls)))
+        return list(await asyncio.gather(*(self._post(url, path, body, params=params, text=text) for url in urls)))
 
     async def _post(
-        self, url: str, path: str, body: dict | None, rid: str | None = None, params: dict | None = None
+        self,
+        url: str,
+        path: str,
+        body: dict | None,
+        rid: str | None = None,
+        params: dict | None = None,
+        text: bool = False,
     ) -> Any:
         """POST with retries on connection errors, timeouts and transient 5xx; errors the server would
         repeat raise at once (see the module docstring). With ``rid``, each attempt sends a fresh
@@ -367,7 +381,7 @@ class RemoteEngine(abc.ABC):
             if rid is not None:
                 body = {**body, self.RID_KEY: f"{rid}#{secrets.token_hex(4)}"}
             try:
-                return await self._post_once(url, path, body, params)
+                return await self._post_once(url, path, body, params, text=text)
             except ServerError as e:
                 last = e
             except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
@@ -388,23 +402,31 @@ class RemoteEngine(abc.ABC):
         raise EngineError(f"{url}{path} failed after {self.max_retries + 1} attempts: {last}")
 
     async def _post_once(
-        self, url: str, path: str, body: dict | None, params: dict | None, timeout_s: float | None = None
+        self,
+        url: str,
+        path: str,
+        body: dict | None,
+        params: dict | None,
+        timeout_s: float | None = None,
+        text: bool = False,
     ) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.request_timeout_s)
         async with self._client().post(f"{url}{path}", json=body, params=params, timeout=timeout) as r:
-            text = await r.text()
+            reply = await r.text()
             if r.status >= 400:
-                message = _message(text)
+                message = _message(reply)
                 if not await self._transient(url, r.status):
                     refused = RequestError if 400 <= r.status < 500 else EngineError  # the request itself
                     raise refused(f"{url}{path}: HTTP {r.status}: {message}{_NOT_RETRIED.get(r.status, '')}")
                 raise ServerError(url, r.status, message)
-            if not text.strip():
+            if text:
+                return reply
+            if not reply.strip():
                 return {}
             try:
-                return json.loads(text)
+                return json.loads(reply)
             except ValueError as e:
-                raise ServerError(url, r.status, f"reply is not JSON: {text[:200]}") from e
+                raise ServerError(url, r.status, f"reply is not JSON: {reply[:200]}") from e
 
     async def _transient(self, url: str, status: int) -> bool:
         """Whether an error reply may go away on a retry: not a 4xx (but 408, 429), not a 501, and not a
@@ -453,6 +475,7 @@ def _message(text: str) -> str:
             return str(error["message"])
         if isinstance(error, str):
             return error
-        if "message" in body:
-            return str(body["message"])
+        for key in ("message", "error_message"):  # the second: SGLang's LoRA routes (LoRAUpdateOutput)
+            if body.get(key):
+                return str(body[key])
     return text[:300]

@@ -120,6 +120,45 @@ def test_vllm_gets_tp_memory_dtype_extra_args_and_its_gpus(tiny_dir, tmp_path, m
     assert args[-1] == "--enforce-eager"
 
 
+def test_fake_sglang_serves_adapters_up_to_max_lora_rank_when_it_is_set(tiny_dir, tmp_path):
+    """engine.max_lora_rank 24, max_loras 2: --enable-lora, rank 24 (SGLang takes any), every module it can
+    adapt (adapters come at run time: nothing to infer them from), 3 adapters a batch (SGLang counts the base
+    model's requests as one); extra_args still last. max_lora_rank 0 (the default): no LoRA flag at all."""
+    python = str(fake_python(tmp_path))
+    cfg = EngineConfig(backend="sglang", sglang_python=python, max_lora_rank=24, max_loras=2, extra_args=["--x", "1"])
+    with launch_servers(cfg, str(tiny_dir), "float32", log_dir=tmp_path / "logs", supervise=False) as group:
+        flags, args, _ = recorded(tmp_path, group.addresses[0])
+    assert "--enable-lora" in args and flags["--max-lora-rank"] == "24" and flags["--max-loras-per-batch"] == "3"
+    assert flags["--lora-target-modules"] == "all" and args[-2:] == ["--x", "1"]
+    plain = server_command(EngineConfig(backend="sglang", sglang_python=python), str(tiny_dir), "float32", 8000, 0)
+    assert not any("lora" in a for a in plain)
+
+
+@pytest.mark.parametrize("rank, flag", [(1, "1"), (8, "8"), (12, "16"), (64, "64"), (300, "320")])
+def test_vllm_serves_adapters_at_the_next_rank_it_takes_with_runtime_updates_allowed(tiny_dir, tmp_path, monkeypatch,
+                                                                                   rank, flag):  # fmt: skip
+    """vLLM 0.32 takes --max-lora-rank from 1, 8, 16, 32, 64, 128, 256, 320, 512: a rank between goes up to the next;
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING opens /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    monkeypatch.setattr("areal_agents.engines.local_servers.vllm_python", lambda cfg: "/venv-vllm/bin/python")
+    cfg = EngineConfig(backend="vllm", max_lora_rank=rank, max_loras=3)
+    command = server_command(cfg, str(tiny_dir), "float32", 8000, 0, scratch=tmp_path)
+    python = command.index("/venv-vllm/bin/python")
+    env = dict(arg.split("=", 1) for arg in command[1:python])
+    args = command[python:]
+    flags = {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--") and i + 1 < len(args)}
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and "--enable-lora" in args
+    assert flags["--max-lora-rank"] == flag and flags["--max-loras"] == "3"
+    plain = server_command(EngineConfig(backend="vllm"), str(tiny_dir), "float32", 8000, 0, scratch=tmp_path)
+    assert not any("LORA" in a.upper() for a in plain)
+
+
+def test_a_lora_rank_above_vllms_largest_is_refused_naming_the_key(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("areal_agents.engines.local_servers.vllm_python", lambda cfg: "/venv-vllm/bin/python")
+    cfg = EngineConfig(backend="vllm", max_lora_rank=1024)
+    with pytest.raises(ConfigError, match="engine.max_lora_rank: the server serves LoRA ranks up to 512, got 1024"):
+        server_command(cfg, str(tiny_dir), "float32", 8000, 0, scratch=tmp_path)
+
+
 @pytest.mark.parametrize(
     "backend, device, gpus, expected",
     [

@@ -6,7 +6,9 @@
 
 SGLang's native API: ``/generate`` with ``input_ids`` (token ids in, ``output_token_logprobs`` out),
 ``/pause_generation`` (``abort``; ``pause_mode="keep"`` sends ``in_place``) and ``/continue_generation``,
-``/update_weights_from_disk``, ``/update_weight_version``, ``/abort_request``. Routing, retries,
+``/update_weights_from_disk``, ``/update_weight_version``, ``/abort_request``; LoRA adapters (`LoraEngine`):
+``/load_lora_adapter`` and ``/unload_lora_adapter``, a request naming its adapter as ``lora_path``, its own
+sampler seed as ``sampling_params.sampling_seed``. Routing, retries,
 resubmission and versions: `RemoteEngine`. The broadcast weight update (``/init_weights_update_group``,
 ``/update_weights_from_distributed``) is `BroadcastSync`'s, over this client.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_agents.engines.remote_engine import GenerateReply, RemoteEngine
+from areal_agents.engines.remote_engine import GenerateReply, PauseMode, RemoteEngine
 from areal_agents.engines.sglang.protocol import read_generate_response
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest
@@ -29,7 +31,7 @@ class SGLangEngine(RemoteEngine):
 
     def generate_body(self, request: GenRequest, tokens_so_far: list[int]) -> dict[str, Any]:
         sp = request.sampling
-        return {
+        body: dict[str, Any] = {
             "input_ids": request.input_ids + tokens_so_far,
             "sampling_params": {
                 "max_new_tokens": sp.max_new_tokens - len(tokens_so_far),
@@ -43,12 +45,17 @@ class SGLangEngine(RemoteEngine):
             },
             "return_logprob": True,
         }
+        if sp.seed is not None:
+            body["sampling_params"]["sampling_seed"] = sp.seed
+        if request.lora_name is not None:
+            body["lora_path"] = request.lora_name  # SGLang names a loaded adapter by its lora_name here
+        return body
 
     def read_reply(self, reply: Any) -> GenerateReply:
         return read_generate_response(reply)
 
     async def pause_servers(self) -> None:
-        await self._all("/pause_generation", {"mode": "abort" if self.pause_mode == "abort" else "in_place"})
+        await self._all("/pause_generation", {"mode": "abort" if self.pausing == "abort" else "in_place"})
 
     async def resume_servers(self) -> None:
         await self._all("/continue_generation", {})
@@ -57,7 +64,7 @@ class SGLangEngine(RemoteEngine):
         body = {
             "model_path": model_path,
             "weight_version": str(version),
-            "abort_all_requests": self.pause_mode == "abort",
+            "abort_all_requests": self.pausing == "abort",
         }
         replies = await self._all("/update_weights_from_disk", body)
         failed = [(url, r) for url, r in zip(self.addresses, replies) if not r.get("success", False)]
@@ -66,6 +73,21 @@ class SGLangEngine(RemoteEngine):
 
     async def name_version_on_servers(self, version: int) -> None:
         await self._all("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+
+    async def load_lora_on_servers(self, name: str, path: str, replace: bool) -> None:
+        """``/load_lora_adapter`` on every (paused) server. SGLang refuses a name it serves, so a replacement
+        unloads it first; the new load gets a new adapter id, which keys its radix cache (no stale KV)."""
+        if replace:
+            await self.unload_lora_on_servers(name)
+        await self._all("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def unload_lora_on_servers(self, name: str) -> None:
+        await self._all("/unload_lora_adapter", {"lora_name": name})
+
+    def lora_pause_mode(self, replace: bool) -> PauseMode:
+        """``abort`` for a replacement: SGLang unloads an adapter only once no request uses it, which a request
+        kept through the pause (``in_place``) never stops doing; its requests are resubmitted instead."""
+        return "abort" if replace else self.pause_mode
 
     async def abort_on_server(self, url: str, rid: str) -> None:
         await self._post_quick(url, "/abort_request", {"rid": rid})

@@ -38,8 +38,8 @@ def sglang_command(
 ) -> list[str]:
     """``python -m sglang.launch_server ...`` for one server: ``engine.tp`` as ``--tp-size``,
     ``engine.mem_fraction`` as ``--mem-fraction-static``, ``dtype`` (`engine_dtype`'s), the first of its
-    GPUs among those it sees (``base_gpu_id``), a restart's tokenizer and weight_version, ``engine.extra_args``
-    last (so they win)."""
+    GPUs among those it sees (``base_gpu_id``), a restart's tokenizer and weight_version, the LoRA flags
+    (`lora_args`), ``engine.extra_args`` last (so they win)."""
     command = [
         python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", cfg.host, "--port", str(port),
         "--tp-size", str(cfg.tp), "--mem-fraction-static", str(cfg.mem_fraction), "--dtype", dtype,
@@ -49,4 +49,16 @@ def sglang_command(
         command += ["--tokenizer-path", tokenizer_path]
     if weight_version is not None:
         command += ["--weight-version", weight_version]
-    return [*command, *cfg.extra_args]
+    return [*command, *lora_args(cfg), *cfg.extra_args]
+
+
+def lora_args(cfg: EngineConfig) -> list[str]:
+    """SGLang's flags for serving adapters when ``engine.max_lora_rank > 0``: ``--enable-lora``, the rank, every
+    module SGLang can adapt (adapters are loaded at run time, so none can be inferred at start), and
+    ``engine.max_loras`` + 1 adapters per batch (SGLang counts the base model's requests as one)."""
+    if cfg.max_lora_rank <= 0:
+        return []
+    return [
+        "--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras-per-batch", str(cfg.max_loras + 1),
+        "--lora-target-modules", "all",
+    ]  # fmt: skip

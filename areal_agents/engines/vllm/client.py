@@ -7,8 +7,10 @@
 Routes (the server needs ``--enable-scale-out`` and ``VLLM_SERVER_DEV_MODE=1``; `vllm_command` sets both):
 ``/inference/v1/generate`` (token ids in, token ids with their logprobs and ``weight_versions`` spans out),
 ``/pause?mode=abort|keep`` and ``/resume``, ``/collective_rpc`` with ``reload_weights`` (the weight-sync seam's
-disk transport), ``/update_weight_version``, ``/inference/v1/abort_requests``. Routing, retries,
-resubmission and versions: `RemoteEngine`.
+disk transport), ``/update_weight_version``, ``/inference/v1/abort_requests``; LoRA adapters (`LoraEngine`;
+the server runs with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter``, a request naming its adapter as ``model``, its own sampler ``seed``. Routing,
+retries, resubmission and versions: `RemoteEngine`.
 
 Logprobs: the server runs with ``--logprobs-mode processed_logprobs``, so a token's logprob is
 ``log softmax(logits / T)``, what `HFEngine` and the trainer compute, as long as top-k / top-p are off;
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_agents.engines.remote_engine import GenerateReply, RemoteEngine
-from areal_agents.errors import EngineError
+from areal_agents.errors import EngineError, RequestError
 from areal_agents.types import GenRequest
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -38,7 +40,7 @@ class VLLMEngine(RemoteEngine):
 
     def generate_body(self, request: GenRequest, tokens_so_far: list[int]) -> dict[str, Any]:
         sp = request.sampling
-        return {
+        body: dict[str, Any] = {
             "token_ids": request.input_ids + tokens_so_far,
             "sampling_params": {
                 "max_tokens": sp.max_new_tokens - len(tokens_so_far),
@@ -52,12 +54,17 @@ class VLLMEngine(RemoteEngine):
                 "detokenize": False,
             },
         }
+        if sp.seed is not None:
+            body["sampling_params"]["seed"] = sp.seed
+        if request.lora_name is not None:
+            body["model"] = request.lora_name  # a loaded adapter is served as a model of its name
+        return body
 
     def read_reply(self, reply: Any) -> GenerateReply:
         return read_generate_reply(reply)
 
     async def pause_servers(self) -> None:
-        await self._all("/pause", None, params={"mode": self.pause_mode})
+        await self._all("/pause", None, params={"mode": self.pausing})
 
     async def resume_servers(self) -> None:
         await self._all("/resume", None)
@@ -66,7 +73,7 @@ class VLLMEngine(RemoteEngine):
         check_reloadable(Path(model_path))
         body = {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
         await self._all("/collective_rpc", body)
-        if self.pause_mode == "abort":  # nothing runs: no KV of the old weights may be found again
+        if self.pausing == "abort":  # nothing runs: no KV of the old weights may be found again
             replies = await self._all("/reset_prefix_cache", None)
             if not all(r.get("success") for r in replies):
                 raise EngineError(f"reset_prefix_cache after reload_weights failed: {replies}")
@@ -75,8 +82,39 @@ class VLLMEngine(RemoteEngine):
     async def name_version_on_servers(self, version: int) -> None:
         await self._all("/update_weight_version", {"new_version": str(version)})
 
+    async def load_lora_on_servers(self, name: str, path: str, replace: bool) -> None:
+        """``/v1/load_lora_adapter`` on every (paused) server. vLLM 0.32 reloads an adapter registered with
+        ``load_inplace`` from its path at every step a request carries it (and a kept request carries the
+        entry it started with), so no such entry is left behind: a replacement loads in place only to give
+        requests kept through the pause (``pause_mode="keep"``) the new weights under their adapter id, then
+        unloads the name and loads it afresh (a new id) for later requests. vLLM keys its prefix cache by
+        adapter name and path, not weights, so with ``"abort"`` (nothing runs) the cache is reset, as
+        after `load_on_servers`."""
+        if not replace:
+            try:
+                await self._all("/v1/load_lora_adapter", _lora_body(name, path, inplace=False), text=True)
+                return
+            except RequestError as e:  # loaded there before (another client, an earlier run): replace it
+                if "already been loaded" not in str(e):
+                    raise
+        if self.pausing == "keep":
+            await self._all("/v1/load_lora_adapter", _lora_body(name, path, inplace=True), text=True)
+        await self.unload_lora_on_servers(name)
+        await self._all("/v1/load_lora_adapter", _lora_body(name, path, inplace=False), text=True)
+        if self.pausing == "abort":
+            replies = await self._all("/reset_prefix_cache", None)
+            if not all(r.get("success") for r in replies):
+                raise EngineError(f"reset_prefix_cache after load_lora_adapter failed: {replies}")
+
+    async def unload_lora_on_servers(self, name: str) -> None:
+        await self._all("/v1/unload_lora_adapter", {"lora_name": name}, text=True)
+
     async def abort_on_server(self, url: str, rid: str) -> None:
         await self._post_quick(url, "/inference/v1/abort_requests", {"request_ids": [REQUEST_ID_PREFIX + rid]})
+
+
+def _lora_body(name: str, path: str, *, inplace: bool) -> dict[str, Any]:
+    return {"lora_name": name, "lora_path": path, "load_inplace": inplace}
 
 
 def check_reloadable(path: Path) -> None:

@@ -15,15 +15,37 @@ import os
 from pathlib import Path
 
 from areal_agents.config import EngineConfig
+from areal_agents.errors import ConfigError
 from areal_agents.importing import python_with
 
 SETUP_HINT = "bash scripts/setup.sh --with-vllm builds one in .venv-vllm (engine.vllm_python=.venv-vllm/bin/python)"
 CPU_KV_CACHE_GIB = "1"  # vLLM's CPU backend: the KV cache's size unless VLLM_CPU_KVCACHE_SPACE says otherwise
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32 accepts (MaxLoRARanks)
 
 
 def vllm_python(cfg: EngineConfig) -> str:
     """The interpreter that runs vLLM: ``engine.vllm_python``, else this one; an error if it lacks vLLM."""
     return python_with("vllm", cfg.vllm_python, "engine.vllm_python", SETUP_HINT)
+
+
+def lora_rank_flag(rank: int, ranks: tuple[int, ...] = LORA_RANKS) -> int:
+    """The smallest rank the server accepts that holds adapters of ``rank`` (engine.max_lora_rank); an
+    error naming the field when ``rank`` is above them all."""
+    for accepted in ranks:
+        if accepted >= rank:
+            return accepted
+    raise ConfigError(f"engine.max_lora_rank: the server serves LoRA ranks up to {ranks[-1]}, got {rank}")
+
+
+def lora_args(cfg: EngineConfig) -> list[str]:
+    """vLLM's flags for serving adapters when ``engine.max_lora_rank > 0``: ``--enable-lora``, the rank
+    rounded up to one vLLM takes, ``engine.max_loras`` adapters in a batch (and as many kept loaded)."""
+    if cfg.max_lora_rank <= 0:
+        return []
+    return [
+        "--enable-lora", "--max-lora-rank", str(lora_rank_flag(cfg.max_lora_rank)),
+        "--max-loras", str(cfg.max_loras),
+    ]  # fmt: skip
 
 
 def checkpoint_dtype(model_path: str) -> str:
@@ -50,7 +72,8 @@ def vllm_command(
     """``env VARS python -m vllm.entrypoints.openai.api_server ...`` for one server (the variables ride on
     the command line so that a restart by the `Supervisor` gets them too; ``placement``: its
     ``CUDA_VISIBLE_DEVICES`` when ``engine.gpus`` names them). ``--gpu-memory-utilization`` goes to the CPU
-    build too, which accepts it and sizes its KV cache by ``VLLM_CPU_KVCACHE_SPACE`` instead."""
+    build too, which accepts it and sizes its KV cache by ``VLLM_CPU_KVCACHE_SPACE`` instead. With
+    ``engine.max_lora_rank`` it serves LoRA adapters loaded at run time (`lora_args`)."""
     variables = {
         **(placement or {}),
         "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, /update_weight_version
@@ -62,6 +85,8 @@ def vllm_command(
     }
     if cfg.host in ("127.0.0.1", "localhost"):
         variables["VLLM_HOST_IP"] = "127.0.0.1"
+    if cfg.max_lora_rank > 0:
+        variables["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     command = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", cfg.host,
         "--port", str(port), "--dtype", dtype, "--tensor-parallel-size", str(cfg.tp),
@@ -70,6 +95,7 @@ def vllm_command(
     ]  # fmt: skip
     if cfg.max_model_len:
         command += ["--max-model-len", str(cfg.max_model_len)]
+    command += lora_args(cfg)
     if tokenizer_path:
         command += ["--tokenizer", tokenizer_path]
     return ["env", *(f"{k}={v}" for k, v in variables.items()), *command, *cfg.extra_args]

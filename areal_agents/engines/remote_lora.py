@@ -1,0 +1,77 @@
+"""`RemoteLora`: the `LoraEngine` half of `RemoteEngine`, LoRA adapters on model servers.
+
+An adapter load is a weight update (`RemoteEngine.swap_weights`): every server in the rotation pauses, loads
+the PEFT directory under the adapter's name, names the version, and resumes, so requests in flight are
+resubmitted or kept as ``pause_mode`` says. A subclass says how its servers' API loads and unloads one
+(`load_lora_on_servers`, `unload_lora_on_servers`) and how they must pause for a replacement.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Literal
+
+from areal_agents.errors import EngineError
+
+PauseMode = Literal["abort", "keep"]
+
+
+class RemoteLora:
+    """Adapters on a `RemoteEngine`'s servers (a mixin: it uses the engine's ``swap_weights``, ``stats``,
+    ``pause_mode`` and ``name_version_on_servers``); ``adapters`` holds those this client loaded."""
+
+    adapters: dict[str, str]  # LoRA adapters this client loaded: name -> directory
+
+    async def load_lora_on_servers(self, name: str, path: str, replace: bool) -> None:
+        """Have every (paused) server serve the PEFT adapter in ``path`` as ``name`` (``replace``: this
+        client loaded one of that name before). Servers without adapters: an error."""
+        raise EngineError(f"{type(self).__name__} does not serve LoRA adapters")
+
+    async def unload_lora_on_servers(self, name: str) -> None:
+        """Have every server stop serving adapter ``name``."""
+        raise EngineError(f"{type(self).__name__} does not serve LoRA adapters")
+
+    def lora_pause_mode(self, replace: bool) -> PauseMode:
+        """How the servers pause for an adapter load (``replace``: one of that name is served): ``pause_mode``."""
+        return self.pause_mode
+
+    async def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> None:
+        """Serve the PEFT adapter in directory ``path`` as ``name`` on every server, replacing one of that
+        name: as a weight update (`swap_weights`: paused, loaded, ``version`` named, resumed), so requests in
+        flight are resubmitted (``pause_mode="abort"``) or go on with the new adapter (``"keep"``);
+        ``version`` None keeps the current version. Bytes and seconds of each load are counted in ``stats``
+        (``lora_loads``, ``lora_load_bytes``, ``lora_load_seconds``)."""
+        size = adapter_bytes(path)
+        start = time.perf_counter()
+        replace = name in self.adapters
+
+        async def load(v: int) -> None:
+            await self.load_lora_on_servers(name, str(path), replace)
+            await self.name_version_on_servers(v)
+
+        mode = self.lora_pause_mode(replace)
+        await self.swap_weights(load, self.get_version() if version is None else version, mode)
+        self.adapters[name] = str(path)
+        self.stats["lora_loads"] += 1
+        self.stats["lora_load_bytes"] += size
+        self.stats["lora_load_seconds"] += time.perf_counter() - start
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name`` on every server; requests naming it are refused afterwards."""
+        await self.unload_lora_on_servers(name)
+        self.adapters.pop(name, None)
+
+
+def adapter_bytes(path: str | Path) -> int:
+    """The bytes of a PEFT adapter directory's weights (what a sync moves); an error naming the file
+    when the directory is not an adapter (no ``adapter_config.json``, or no ``adapter_model.*``)."""
+    path = Path(path)
+    if not (path / "adapter_config.json").is_file():
+        raise EngineError(f"LoRA adapter {path}: no adapter_config.json (expects a PEFT save_pretrained directory)")
+    weights = [f for f in path.glob("adapter_model.*") if f.suffix in (".safetensors", ".bin")]
+    if not weights:
+        raise EngineError(
+            f"LoRA adapter {path}: no adapter_model.safetensors (expects a PEFT save_pretrained directory)"
+        )
+    return sum(f.stat().st_size for f in weights)
