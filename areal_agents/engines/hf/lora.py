@@ -3,11 +3,12 @@
 Each row of a forward carries its adapter (``GenRequest.lora_name``; None: the base model). The adapters'
 low-rank deltas are added to the base model's linear outputs, grouped by adapter: for each adapter present
 in the batch, its rows' ``x @ A.T @ B.T * scaling`` is computed on those rows alone and added back with
-``index_add`` (modules of one input, q/k/v or gate/up, share one ``x @ A.T``), so a row's output is the one
-its adapter alone gives. A forward hook on every targeted
+``index_add``, so a row's output is the one its adapter alone gives. A forward hook on every targeted
 ``nn.Linear`` adds them in transformers' forward (prefill; decode with ``fast_decode`` off); the fused
-decode step (`LlamaDecodeStep`) calls `LoraRows.add` on its stacked q/k/v and gate/up outputs itself.
-Scaling is PEFT's: ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``).
+decode step (`LlamaDecodeStep`) calls `LoraRows.add_parts` on its stacked q/k/v and gate/up outputs itself
+(modules of one input share one ``x @ A.T``). Scaling is PEFT's: ``lora_alpha / r`` (``lora_alpha /
+sqrt(r)`` with ``use_rslora``; a module's r is its A's rows, so ``rank_pattern`` holds). DoRA, LoRA biases,
+``alpha_pattern``, ``modules_to_save`` and non-linear targets (embeddings) are refused, naming the option.
 
     table = LoraTable(model)
     weights, config = read_adapter_dir("runs/x/adapter")          # PEFT's save_pretrained directory
@@ -42,6 +43,7 @@ _UNSUPPORTED = {
     "alpha_pattern": {},
     "modules_to_save": None,
     "lora_bias": False,
+    "layer_replication": None,
 }
 
 
