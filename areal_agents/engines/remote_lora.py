@@ -1,9 +1,9 @@
 """`RemoteLora`: the `LoraEngine` half of `RemoteEngine`, LoRA adapters on model servers.
 
 An adapter load is a weight update (`RemoteEngine.swap_weights`): every server in the rotation pauses, loads
-the PEFT directory under the adapter's name, names the version, and resumes, so requests in flight are
-resubmitted or kept as ``pause_mode`` says. A subclass says how its servers' API loads and unloads one
-(`load_lora_on_servers`, `unload_lora_on_servers`) and how they must pause for a replacement.
+the PEFT directory under the adapter's name, names the version, and resumes; requests in flight when an
+adapter is replaced are aborted and resubmitted with the new one (`lora_pause_mode`). A subclass says how its
+servers' API loads and unloads one (`load_lora_on_servers`, `unload_lora_on_servers`).
 """
 
 from __future__ import annotations
@@ -33,14 +33,17 @@ class RemoteLora:
         raise EngineError(f"{type(self).__name__} does not serve LoRA adapters")
 
     def lora_pause_mode(self, replace: bool) -> PauseMode:
-        """How the servers pause for an adapter load (``replace``: one of that name is served): ``pause_mode``."""
-        return self.pause_mode
+        """How the servers pause for an adapter load: ``pause_mode``, but ``abort`` to replace one (``replace``),
+        whatever ``pause_mode`` says: SGLang unloads a name only once no request uses it, which a request kept
+        through the pause never stops doing, and vLLM can serve a kept request its old adapter (see
+        `VLLMEngine.load_lora_on_servers`). The requests in flight are resubmitted with the new adapter."""
+        return "abort" if replace else self.pause_mode
 
     async def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> None:
         """Serve the PEFT adapter in directory ``path`` as ``name`` on every server, replacing one of that
         name: as a weight update (`swap_weights`: paused, loaded, ``version`` named, resumed), so requests in
-        flight are resubmitted (``pause_mode="abort"``) or go on with the new adapter (``"keep"``);
-        ``version`` None keeps the current version. Bytes and seconds of each load are counted in ``stats``
+        flight are resubmitted with the new adapter (`lora_pause_mode`); ``version`` None keeps the current one.
+        Bytes and seconds of each load are counted in ``stats``
         (``lora_loads``, ``lora_load_bytes``, ``lora_load_seconds``)."""
         size = adapter_bytes(path)
         start = time.perf_counter()

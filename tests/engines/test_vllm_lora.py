@@ -134,9 +134,11 @@ def test_a_requests_seed_makes_its_sample_repeatable(server, tiny_dir, adapters)
 @pytest.mark.parametrize("pause_mode", ["abort", "keep"])
 def test_replacing_an_adapter_under_a_version_mid_generation(server, tiny_dir, adapters, tmp_path, pause_mode):
     """Long generations with adapter 1 in flight; adapter 2 replaces it (same name) under version 1. Each response
-    is complete, its versions switch once, its logprobs are adapter 1's before the switch and adapter 2's after
-    (abort: resubmitted; keep: kept through the pause, on the new weights). Adapter 1's directory is deleted
-    after the swap: nothing reads it again. Later requests get adapter 2's greedy tokens, tagged 1. Where the
+    is complete, its versions switch once, its logprobs are adapter 1's before the switch and adapter 2's after.
+    A replacement pauses with abort whatever ``pause_mode`` says (`RemoteLora.lora_pause_mode`): each sequence is
+    resubmitted. Adapter 1's directory is deleted after the swap: nothing reads it again (vLLM re-reads an
+    adapter loaded with ``load_inplace`` at every step, and died when its directory was gone).
+    Later requests get adapter 2's greedy tokens, tagged 1. Where the
     swap lands depends on the cores' load (vLLM decodes the tiny model fast), so a try where some sequence did
     not switch mid-way is run again, up to ``ATTEMPTS`` times, as in test_remote_engines."""
     (_, peft_1), (_, peft_2) = adapters
@@ -175,9 +177,8 @@ def test_replacing_an_adapter_under_a_version_mid_generation(server, tiny_dir, a
         assert after.output_tokens == greedy(peft_2, prompts[0]) and set(after.output_versions) == {1}
         assert engine.get_version() == 1 and engine.stats["lora_loads"] == 2
         switches = [check_versions(peft_1, peft_2, p, r, N_TOKENS) for p, r in zip(prompts, responses)]
-        assert pause_mode == "abort" or engine.stats["resubmitted"] == 0, "keep: nothing resubmitted"
         if all(0 < s < N_TOKENS for s in switches):
-            assert pause_mode == "keep" or engine.stats["resubmitted"] == len(prompts), "abort: each resubmitted"
+            assert engine.stats["resubmitted"] == len(prompts), "each sequence resubmitted once"
             return
     pytest.fail(f"the swap never landed mid-way in every sequence in {ATTEMPTS} tries (the last: {switches})")
 

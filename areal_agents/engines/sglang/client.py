@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_agents.engines.remote_engine import GenerateReply, PauseMode, RemoteEngine
+from areal_agents.engines.remote_engine import GenerateReply, RemoteEngine
 from areal_agents.engines.sglang.protocol import read_generate_response
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest
@@ -83,11 +83,6 @@ class SGLangEngine(RemoteEngine):
 
     async def unload_lora_on_servers(self, name: str) -> None:
         await self._all("/unload_lora_adapter", {"lora_name": name})
-
-    def lora_pause_mode(self, replace: bool) -> PauseMode:
-        """``abort`` for a replacement: SGLang unloads an adapter only once no request uses it, which a request
-        kept through the pause (``in_place``) never stops doing; its requests are resubmitted instead."""
-        return "abort" if replace else self.pause_mode
 
     async def abort_on_server(self, url: str, rid: str) -> None:
         await self._post_quick(url, "/abort_request", {"rid": rid})

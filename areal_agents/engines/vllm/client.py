@@ -83,28 +83,26 @@ class VLLMEngine(RemoteEngine):
         await self._all("/update_weight_version", {"new_version": str(version)})
 
     async def load_lora_on_servers(self, name: str, path: str, replace: bool) -> None:
-        """``/v1/load_lora_adapter`` on every (paused) server. vLLM 0.32 reloads an adapter registered with
-        ``load_inplace`` from its path at every step a request carries it (and a kept request carries the
-        entry it started with), so no such entry is left behind: a replacement loads in place only to give
-        requests kept through the pause (``pause_mode="keep"``) the new weights under their adapter id, then
-        unloads the name and loads it afresh (a new id) for later requests. vLLM keys its prefix cache by
-        adapter name and path, not weights, so with ``"abort"`` (nothing runs) the cache is reset, as
-        after `load_on_servers`."""
+        """``/v1/load_lora_adapter`` on every (paused) server; a replacement unloads the name and loads it
+        afresh (a new adapter id) with nothing running (`lora_pause_mode`: abort), then resets the prefix
+        cache, which vLLM keys by adapter name and path, not weights. Never ``load_inplace``: vLLM 0.32 keeps
+        such an adapter's request entry and re-reads its directory at every step a request carries it (the
+        server died when that directory was gone, measured), and a request kept through the pause would hold
+        an adapter id that can be evicted and reloaded from its old path."""
         if not replace:
             try:
-                await self._all("/v1/load_lora_adapter", _lora_body(name, path, inplace=False), text=True)
+                await self._all("/v1/load_lora_adapter", _lora_body(name, path), text=True)
                 return
             except RequestError as e:  # loaded there before (another client, an earlier run): replace it
                 if "already been loaded" not in str(e):
                     raise
-        if self.pausing == "keep":
-            await self._all("/v1/load_lora_adapter", _lora_body(name, path, inplace=True), text=True)
         await self.unload_lora_on_servers(name)
-        await self._all("/v1/load_lora_adapter", _lora_body(name, path, inplace=False), text=True)
-        if self.pausing == "abort":
-            replies = await self._all("/reset_prefix_cache", None)
-            if not all(r.get("success") for r in replies):
-                raise EngineError(f"reset_prefix_cache after load_lora_adapter failed: {replies}")
+        await self._all("/v1/load_lora_adapter", _lora_body(name, path), text=True)
+        if self.pausing != "abort":  # a name another client loaded, replaced under a keep pause: the cache is in use
+            return
+        replies = await self._all("/reset_prefix_cache", None)
+        if not all(r.get("success") for r in replies):
+            raise EngineError(f"reset_prefix_cache after load_lora_adapter failed: {replies}")
 
     async def unload_lora_on_servers(self, name: str) -> None:
         await self._all("/v1/unload_lora_adapter", {"lora_name": name}, text=True)
@@ -113,8 +111,8 @@ class VLLMEngine(RemoteEngine):
         await self._post_quick(url, "/inference/v1/abort_requests", {"request_ids": [REQUEST_ID_PREFIX + rid]})
 
 
-def _lora_body(name: str, path: str, *, inplace: bool) -> dict[str, Any]:
-    return {"lora_name": name, "lora_path": path, "load_inplace": inplace}
+def _lora_body(name: str, path: str) -> dict[str, Any]:
+    return {"lora_name": name, "lora_path": path, "load_inplace": False}
 
 
 def check_reloadable(path: Path) -> None:
