@@ -168,6 +168,7 @@ class RemoteEngine(RemoteLora, abc.ABC):
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        restored = False
         while True:
             await self._wait_resumed()
             url = self.addresses[self._server_for(request.rid)]
@@ -178,6 +179,11 @@ class RemoteEngine(RemoteLora, abc.ABC):
             except ServerLost:
                 self.stats["rerouted"] += 1
                 continue  # prompt + tokens so far, to another server
+            except RequestError as e:  # a restarted server lost its adapters: load this one again, once
+                if restored or not await self.restore_adapter(url, request.lora_name, e):
+                    raise
+                restored = True
+                continue
             try:
                 part = self.read_reply(reply)
             except ValueError as e:

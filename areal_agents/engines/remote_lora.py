@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from areal_agents.errors import EngineError
 
 PauseMode = Literal["abort", "keep"]
+# how servers refuse a request naming an adapter they do not serve: vLLM (404), serve-model and SGLang (400)
+ADAPTER_MISSING = ("does not exist", "is not loaded", "are not loaded")
 
 
 class RemoteLora:
@@ -22,6 +24,7 @@ class RemoteLora:
     ``pause_mode`` and ``name_version_on_servers``); ``adapters`` holds those this client loaded."""
 
     adapters: dict[str, str]  # LoRA adapters this client loaded: name -> directory
+    LORA_LOAD_PATH: ClassVar[str] = "/load_lora_adapter"  # the route that loads one (``lora_name``, ``lora_path``)
 
     async def load_lora_on_servers(self, name: str, path: str, replace: bool) -> None:
         """Have every (paused) server serve the PEFT adapter in ``path`` as ``name`` (``replace``: this
@@ -59,6 +62,18 @@ class RemoteLora:
         self.stats["lora_loads"] += 1
         self.stats["lora_load_bytes"] += size
         self.stats["lora_load_seconds"] += time.perf_counter() - start
+
+    async def restore_adapter(self, url: str, name: str | None, error: Exception) -> bool:
+        """After server ``url`` refused a request naming adapter ``name`` (``error``) because it does not serve
+        it, though this client loaded it (a server restarted since, by the launcher's `Supervisor`, lost the
+        adapters loaded at run time): load it there again from its latest directory. Whether it did (the
+        request is then sent again)."""
+        if name is None or name not in self.adapters or not any(m in str(error) for m in ADAPTER_MISSING):
+            return False
+        body = {"lora_name": name, "lora_path": self.adapters[name]}
+        await self._post(url, self.LORA_LOAD_PATH, body, text=True)
+        self.stats["lora_restored"] += 1
+        return True
 
     async def unload_lora_adapter(self, name: str) -> None:
         """Stop serving adapter ``name`` on every server; requests naming it are refused afterwards."""

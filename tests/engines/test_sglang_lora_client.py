@@ -134,5 +134,34 @@ def test_an_unloaded_adapter_is_refused_and_a_sync_counts_the_adapters_bytes(ser
         == adapter_bytes(path)
         < sum(f.stat().st_size for f in Path(tiny_dir).glob("*.safetensors"))
     )
+
+    async def unload_again():
+        try:
+            await engine.unload_lora_adapter("gone")
+        finally:
+            await engine.aclose()
+
     with pytest.raises(RequestError, match="HTTP 400: unload_lora_adapter: LoRA adapter 'gone' is not loaded"):
-        asyncio.run(engine.unload_lora_adapter("gone"))
+        asyncio.run(unload_again())
+
+
+def test_a_server_that_lost_an_adapter_gets_it_again_from_the_client(server, adapters):
+    """A server restarted by the launcher's Supervisor serves no adapter loaded at run time; the client, which
+    loaded it, loads it there again from its latest directory and sends the request again (here the adapter is
+    unloaded behind the client's back, as a restart would lose it)."""
+    (path, peft_model), _ = adapters
+    url, engine = server[1].addresses[0], client(server)
+
+    async def run():
+        try:
+            await engine.load_lora_adapter("lost", str(path))
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/unload_lora_adapter", json={"lora_name": "lost"}) as r:
+                    assert r.status == 200
+            return await engine.agenerate(GenRequest("l/t0", PROMPTS[1], SamplingParams(12, temperature=0.0), "lost"))
+        finally:
+            await engine.unload_lora_adapter("lost")
+            await engine.aclose()
+
+    response = asyncio.run(run())
+    assert response.output_tokens == greedy(peft_model, PROMPTS[1], 12) and engine.stats["lora_restored"] == 1

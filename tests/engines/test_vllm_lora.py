@@ -256,3 +256,25 @@ def test_a_sync_moves_the_adapters_bytes_not_the_models(server, tiny_dir, adapte
     assert moved == adapter_bytes(path) and 0 <= moved - 4 * lora_floats < 16_384, "float32 tensors + header"
     assert moved < model_bytes / 4
     assert engine.stats["lora_load_seconds"] > 0
+
+
+def test_a_server_that_lost_an_adapter_gets_it_again_from_the_client(server, tiny_dir, adapters):
+    """A vLLM server restarted by the launcher's Supervisor serves no adapter loaded at run time (a 404 naming the
+    model); the client, which loaded it, loads it there again from its latest directory and sends the request
+    again. Here it is unloaded behind the client's back, as a restart would lose it."""
+    _, (path, peft_model) = adapters
+    ids, url, engine = prompt(load_tokenizer(tiny_dir)), server[1].addresses[0], client(server)
+
+    async def run():
+        try:
+            await engine.load_lora_adapter("lost", str(path))
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/unload_lora_adapter", json={"lora_name": "lost"}) as r:
+                    assert r.status == 200
+            return await engine.agenerate(GenRequest("l/t0", ids, SamplingParams(24, temperature=0.0), "lost"))
+        finally:
+            await engine.unload_lora_adapter("lost")
+            await engine.aclose()
+
+    response = asyncio.run(run())
+    assert response.output_tokens == greedy(peft_model, ids) and engine.stats["lora_restored"] == 1

@@ -79,7 +79,7 @@ class SGLangEngine(RemoteEngine):
         unloads it first; the new load gets a new adapter id, which keys its radix cache (no stale KV)."""
         if replace:
             await self.unload_lora_on_servers(name)
-        await self._all("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        await self._all(self.LORA_LOAD_PATH, {"lora_name": name, "lora_path": path})
 
     async def unload_lora_on_servers(self, name: str) -> None:
         await self._all("/unload_lora_adapter", {"lora_name": name})

@@ -36,6 +36,7 @@ class VLLMEngine(RemoteEngine):
     """An `InferenceEngine` over vLLM servers; see the module docstring."""
 
     GENERATE_PATH = "/inference/v1/generate"
+    LORA_LOAD_PATH = "/v1/load_lora_adapter"
     RID_KEY = "request_id"
 
     def generate_body(self, request: GenRequest, tokens_so_far: list[int]) -> dict[str, Any]:
@@ -91,13 +92,13 @@ class VLLMEngine(RemoteEngine):
         an adapter id that can be evicted and reloaded from its old path."""
         if not replace:
             try:
-                await self._all("/v1/load_lora_adapter", _lora_body(name, path), text=True)
+                await self._all(self.LORA_LOAD_PATH, _lora_body(name, path), text=True)
                 return
             except RequestError as e:  # loaded there before (another client, an earlier run): replace it
                 if "already been loaded" not in str(e):
                     raise
         await self.unload_lora_on_servers(name)
-        await self._all("/v1/load_lora_adapter", _lora_body(name, path), text=True)
+        await self._all(self.LORA_LOAD_PATH, _lora_body(name, path), text=True)
         if self.pausing != "abort":  # a name another client loaded, replaced under a keep pause: the cache is in use
             return
         replies = await self._all("/reset_prefix_cache", None)
