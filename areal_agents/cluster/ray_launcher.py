@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -24,13 +25,15 @@ from areal_agents.cluster.engine_servers import EngineServers
 from areal_agents.cluster.env_servers import EnvServers
 from areal_agents.cluster.rollout_workers import RolloutWorkers
 from areal_agents.cluster.trainer_group import DistributedPolicy
-from areal_agents.config import TrainConfig
+from areal_agents.config import EngineConfig, TrainConfig
 from areal_agents.engines.local_servers import ServerGroup, engine_client
+from areal_agents.engines.lora_sync import LoraGroup
 from areal_agents.engines.weight_sync import open_weight_sync
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ConfigError
 from areal_agents.rollout.episodes import EpisodeFn
-from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec
+from areal_agents.trainers.local_launcher import lora_serving
+from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec, policy_starts
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +43,20 @@ class RayLauncher:
     rollout workers' agents) of the config."""
 
     def __init__(self, cfg: TrainConfig) -> None:
-        if cfg.policies:
-            raise ConfigError("launcher=ray: separate `policies` are not supported on Ray yet; use one shared policy")
+        full = [name for name, start in policy_starts(cfg).items() if start.lora is None]
+        if cfg.policies and full:
+            raise ConfigError(
+                f"launcher=ray: separate full-weight `policies` ({', '.join(full)}) are not supported on Ray yet; "
+                "use one shared policy, or give each agent an adapter (policies.AGENT.lora)"
+            )
+        if not full and cfg.ray.trainer_ranks != 1:
+            raise ConfigError("launcher=ray: a LoRA policy trains on one rank (ray.trainer_ranks=1)")
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.started = False
         self.env_servers: EnvServers | None = None
         self.workers: RolloutWorkers | None = None
+        self.lora_group: LoraGroup | None = None  # the base model's servers, serving every policy's adapter
 
     def start(self) -> None:
         """Join or start the cluster, check the resource requests, start the env servers."""
@@ -63,34 +73,41 @@ class RayLauncher:
             raise
 
     def open_policy(self, name: str, model_path: str, init_path: str, spec: TrainSpec) -> TrainablePolicy:
-        """Model servers (actors, or ``engine.urls``) and the trainer ranks of one policy."""
-        e, r = self.cfg.engine, self.cfg.ray
-        if e.urls:
-            servers = ServerGroup(list(e.urls))
+        """Model servers (actors, or ``engine.urls``) and the trainer ranks of one policy. LoRA policies share
+        the base model's servers (started with the first), each pushing its adapter under its name."""
+        r = self.cfg.ray
+        if spec.lora is not None and self.lora_group is not None:
+            engine, sync, servers = self.lora_group.view(name), self.lora_group.sync(name), None
         else:
-            if e.backend == "hf":  # the same HF engine, behind the SGLang protocol, so workers can reach it
-                e = dataclasses.replace(e, backend="serve-model")
-            servers = EngineServers(
-                e, model_path, spec.dtype, self.run_dir / "servers", r.engine_server_cpus, r.engine_server_gpus
-            )
-        engine = engine_client(e, servers.addresses, self.run_dir / "engine_weights")
+            e, servers = self._servers(init_path if spec.lora is not None else model_path, spec.dtype)
+            engine = engine_client(e, servers.addresses, self.run_dir / "engine_weights")
+            if spec.lora is not None:
+                self.lora_group = LoraGroup(engine)
+                engine, sync = self.lora_group.view(name), self.lora_group.sync(name)
+            else:
+                sync = open_weight_sync(e, engine, servers, model_path, e.dtype)
         try:
-            policy = DistributedPolicy(
-                name,
-                spec,
-                model_path,
-                init_path,
-                engine,
-                open_weight_sync(e, engine, servers, model_path, e.dtype),
-                servers,
-                r.trainer_ranks,
-                r.trainer_cpus,
-                r.trainer_gpus,
-            )
+            cpus, gpus = r.trainer_cpus, r.trainer_gpus
+            return DistributedPolicy(
+                name, spec, model_path, init_path, engine, sync, servers, r.trainer_ranks, cpus, gpus
+            )  # the recipe closes it
         except BaseException:
-            servers.stop()
+            if servers is not None:
+                servers.stop()
             raise
-        return policy  # the recipe closes it
+
+    def _servers(self, model_path: str, dtype: str) -> tuple[EngineConfig, Any]:
+        """The engine config the servers run with (LoRA-enabled when the run trains adapters) and the servers:
+        model-server actors, or ``engine.urls``."""
+        e, r = lora_serving(self.cfg).engine, self.cfg.ray
+        if e.urls:
+            return e, ServerGroup(list(e.urls))
+        if e.backend == "hf":  # the same HF engine, behind the SGLang protocol, so workers can reach it
+            e = dataclasses.replace(e, backend="serve-model")
+        servers = EngineServers(
+            e, model_path, dtype, self.run_dir / "servers", r.engine_server_cpus, r.engine_server_gpus
+        )
+        return e, servers
 
     def env_backend(self) -> EnvBackend:
         return EnvBackend(self.cfg.env, self.env_servers.pool())

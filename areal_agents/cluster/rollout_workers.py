@@ -21,11 +21,14 @@ import ray
 from areal_agents.agents.factory import make_rollout_agent
 from areal_agents.cluster.env_servers import EnvServers
 from areal_agents.config import TrainConfig
+from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.local_servers import engine_client
+from areal_agents.engines.lora_sync import LoraGroup
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ClusterError, EngineError, EnvError, RequestError, WorkerLostError
 from areal_agents.models.loading import load_tokenizer, quiet_transformers
 from areal_agents.rollout.episodes import failure_kind, local_episode
+from areal_agents.trainers.policy_api import SHARED, policy_starts
 from areal_agents.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -38,7 +41,7 @@ class RolloutWorker:
     def __init__(self, cfg: TrainConfig, engine_urls: list[str], env_servers: EnvServers) -> None:
         quiet_transformers()
         self.engine = engine_client(cfg.engine, engine_urls)
-        self.agent = make_rollout_agent(cfg.rollout, self.engine, load_tokenizer(cfg.model.path))
+        self.agent = make_rollout_agent(cfg.rollout, adapter_views(cfg, self.engine), load_tokenizer(cfg.model.path))
         self.envs = EnvBackend(cfg.env, env_servers.pool())
         self.episode = local_episode(self.agent, self.envs.make)
 
@@ -62,6 +65,17 @@ class RolloutWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def adapter_views(cfg: TrainConfig, engine: InferenceEngine) -> InferenceEngine | dict[str, InferenceEngine]:
+    """What the worker's agent generates with: the engine; with LoRA policies, a view per policy that names
+    its adapter on every request (one for the shared policy, else one per agent id, as the driver has)."""
+    starts = policy_starts(cfg)
+    if all(start.lora is None for start in starts.values()):
+        return engine
+    group = LoraGroup(engine)
+    views = {name: group.view(name) for name in starts}
+    return views[SHARED] if SHARED in views else views
 
 
 class RolloutWorkers:

@@ -26,6 +26,7 @@ from areal_agents.models.device import resolve_device
 from areal_agents.models.loading import load_model, quiet_transformers
 from areal_agents.net import free_port
 from areal_agents.trainers.distributed import DataParallel
+from areal_agents.trainers.lora import RemoteAdapter
 from areal_agents.trainers.policy import load_trainable
 from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.trainers.run_start import seed_everything
@@ -53,7 +54,8 @@ class TrainerRank:
         self.dp = DataParallel.init(self.rank, self.world_size, master, backend)
         self.dp.device = device
         seed_everything(spec.seed)
-        self.policy = load_trainable(name, spec, model_path, init_path, self.dp)
+        dp = None if spec.lora is not None else self.dp  # a LoRA policy trains on one rank, unsharded
+        self.policy = load_trainable(name, spec, model_path, init_path, dp)
 
     def update(
         self, trajectories: list[Trajectory], generator_state: torch.Tensor, version: int | None = None
@@ -61,10 +63,18 @@ class TrainerRank:
         return self.policy.remote_train_step(trajectories, generator_state, None, version)
 
     def write_weights(self, path: str, dtype: str | None = None) -> None:
-        """Gather the full weights (every rank calls it); rank 0 writes them."""
+        """Gather the full weights (every rank calls it); rank 0 writes them (a LoRA policy: its adapter)."""
+        if self.policy.adapter is not None:
+            self.policy.adapter.save_pretrained(path)
+            return
         weights = self.policy.weights()
         if self.rank == 0:
             write_weights(weights, path, dtype)
+
+    def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """A LoRA policy's adapter: its tensors and config (None: full weights)."""
+        adapter = self.policy.adapter
+        return (adapter.tensors(), adapter.config()) if adapter is not None else None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full weights, gathered by every rank; rank 0's are the answer (``{}`` elsewhere)."""
@@ -110,7 +120,7 @@ class DistributedPolicy:
         gpus: float = 0.0,
     ) -> None:
         self.name, self.engine, self.weight_sync, self.servers = name, engine, weight_sync, servers
-        self.model_path, self.dtype = model_path, spec.dtype
+        self.model_path, self.dtype, self.lora = model_path, spec.dtype, spec.lora is not None
         self.ranks = [TrainerRank.options(num_cpus=cpus, num_gpus=gpus).remote(rank, ranks) for rank in range(ranks)]
         master = ray.get(self.ranks[0].master_address.remote())
         ray.get([r.setup.remote(spec, name, model_path, init_path, master) for r in self.ranks])
@@ -129,8 +139,20 @@ class DistributedPolicy:
         await self.weight_sync.push(self)
 
     async def tensors(self) -> dict[str, torch.Tensor]:
-        """The full current weights, gathered by the ranks, copied to this process (a `WeightSource`)."""
+        """The full current weights, gathered by the ranks, copied to this process (a `WeightSource`); a LoRA
+        policy's adapter alone."""
+        if self.lora:
+            return (await self.ranks[0].adapter_state.remote())[0]
         return (await asyncio.gather(*(r.state_dict.remote() for r in self.ranks)))[0]
+
+    def adapter_config(self) -> dict[str, Any] | None:
+        """A LoRA policy's ``adapter_config.json`` content (None: full weights)."""
+        return ray.get(self.ranks[0].adapter_state.remote())[1] if self.lora else None
+
+    @property
+    def adapter(self) -> RemoteAdapter | None:
+        """A LoRA policy's adapter as a checkpoint saves it (fetched from rank 0)."""
+        return RemoteAdapter(lambda: ray.get(self.ranks[0].adapter_state.remote())) if self.lora else None
 
     async def save_weights(self, path: Path, dtype: str | None = None) -> None:
         """The ranks gather the weights, rank 0 writes them under ``path`` (in ``dtype``; a `WeightSource`)."""

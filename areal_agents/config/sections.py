@@ -444,10 +444,10 @@ class TrainConfig:
         if self.model.lora is not None and self.policies:
             raise ValueError("model.lora: with separate policies, give each its own (policies.AGENT.lora)")
         where = "model.lora" if self.model.lora is not None else f"policies.{next(iter(loras))}.lora"
-        if self.launcher != "local" or self.ppo.trainer != "thread" or self.ppo.nproc_per_node != 1:
+        if self.ppo.trainer != "thread" or self.ppo.nproc_per_node != 1:
             raise ValueError(
-                f"{where}: LoRA trains in a thread of a local run for now (launcher=local, "
-                "ppo.trainer=thread, ppo.nproc_per_node=1)"
+                f"{where}: LoRA trains on one rank for now: a trainer thread of a local run (ppo.trainer=thread, "
+                "ppo.nproc_per_node=1) or one Ray trainer rank (ray.trainer_ranks=1)"
             )
         if self.engine.weight_sync not in ("auto", "disk"):
             raise ValueError(f"{where}: adapters reach the engine by their own sync; engine.weight_sync must be auto")

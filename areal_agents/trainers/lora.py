@@ -18,7 +18,7 @@ import json
 import shutil
 import threading
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,11 +137,31 @@ class Adapter:
     def save_pretrained(self, path: str | Path) -> None:
         """PEFT's adapter directory (``adapter_config.json``, ``adapter_model.safetensors``), as
         ``PeftModel.from_pretrained`` reads it, for this adapter alone."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.contiguous() for k, v in self.tensors().items()}
-        save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
-        self.peft.peft_config[self.name].save_pretrained(str(path))
+        write_adapter(path, self.tensors(), self.config())
+
+
+def write_adapter(path: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """PEFT's adapter directory from an adapter's tensors and config (`Adapter.tensors`, `Adapter.config`),
+    wherever they were gathered (a trainer rank on Ray hands them to the driver)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(path / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+@dataclass
+class RemoteAdapter:
+    """An adapter held elsewhere (a Ray trainer rank), as a checkpoint saves it: ``fetch()`` gives its
+    ``(tensors, config)``."""
+
+    fetch: Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any]]]
+
+    def save_pretrained(self, path: str | Path) -> None:
+        write_adapter(path, *self.fetch())
 
 
 def trainable_bytes(params: Iterable[torch.nn.Parameter]) -> int:

@@ -16,10 +16,13 @@ def test_asking_for_more_cpus_than_the_cluster_has_names_the_keys(tiny_dir, tmp_
     assert "the cluster has 2; lower ray.*_cpus" in err
 
 
-def test_separate_policies_are_refused_on_ray(tiny_dir, tmp_path, capsys):
+def test_separate_full_weight_policies_are_refused_on_ray(tiny_dir, tmp_path, capsys):
     args = [f"model.path={tiny_dir}", f"run_dir={tmp_path}", "launcher=ray", f"policies.a={tiny_dir}"]
     assert main(["train", RECIPE, *args, "--no-progress"]) == 2
-    assert "launcher=ray: separate `policies` are not supported on Ray yet" in capsys.readouterr().err
+    assert "launcher=ray: separate full-weight `policies` (a) are not supported on Ray yet" in capsys.readouterr().err
+    lora = [f"model.path={tiny_dir}", f"run_dir={tmp_path}", "launcher=ray", "model.lora.r=8", "ray.trainer_ranks=2"]
+    assert main(["train", RECIPE, *lora, "--no-progress"]) == 2
+    assert "a LoRA policy trains on one rank (ray.trainer_ranks=1)" in capsys.readouterr().err
 
 
 def test_a_run_env_module_that_fails_to_import_stops_the_env_server_launch_in_one_line(tmp_path, monkeypatch):

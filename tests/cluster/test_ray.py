@@ -172,3 +172,64 @@ def test_run_survives_a_killed_env_server_and_rollout_worker(tiny_dir, tmp_path)
     for step in range(1, 5):
         rows = (run / "trajectories" / f"step_{step}.jsonl").read_text().splitlines()
         assert rows and all(json.loads(row)["metadata"]["ran"] == "MarkingAgent" for row in rows)
+
+
+DIGIT_TASK = """
+from areal_agents.envs import TextEnv
+
+
+class DigitShare(TextEnv):
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return "1+1=", {}
+
+    def step(self, action):
+        return "", sum(c.isdigit() for c in action) / max(1, len(action)), True, False, {}
+"""
+
+
+def test_a_lora_policy_on_ray(tiny_dir, tmp_path):
+    """``model.lora`` on Ray: the base model's servers start LoRA-enabled, the trainer actor trains the
+    adapter alone and pushes it (the servers load it by name), the rollout workers name it on every request,
+    and checkpoints hold PEFT's directory. (One adapter per agent needs a multi-agent env, which the env-step
+    server does not carry yet.)"""
+    from safetensors.torch import load_file
+
+    (tmp_path / "digit_task.py").write_text(DIGIT_TASK)
+    run = tmp_path / "lora"
+    args = [
+        f"model.path={tiny_dir}", f"run_dir={run}", "steps=2", "eval.num_problems=1", "rollout.batch_size=2",
+        "rollout.group_size=4", "env.id=digit_task:DigitShare", "env.module=digit_task", "env.kwargs={}",
+        "eval.env_kwargs={}", "ppo.filter_zero_variance_groups=false", "ppo.lr=1e-2", "model.lora.r=8",
+        "launcher=ray", "ray.num_cpus=2", "ray.env_servers=1", "ray.rollout_workers=1", "ray.trainer_ranks=1",
+        "ray.env_server_cpus=0.25", "ray.rollout_worker_cpus=0.25", "ray.trainer_cpus=0.25",
+        "ray.engine_server_cpus=0.5",
+    ]  # fmt: skip
+    proc = train(args, cwd=tmp_path)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["engine_version"] == 2 and balanced(summary["episodes"])
+    assert summary["cluster"]["episodes_per_worker"][0] > 0  # the worker's requests named the adapter
+    pushed = run / "engine_weights" / "lora" / "policy" / "v2" / "adapter_model.safetensors"
+    assert pushed.is_file() and all("lora_" in k for k in load_file(pushed))
+    ckpt = run / "checkpoints" / "step_2" / "model"
+    assert json.loads((ckpt / "adapter_config.json").read_text())["r"] == 8
+    adapter = load_file(ckpt / "adapter_model.safetensors")
+    assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k), "the adapter did not train"
+
+
+def test_rollout_workers_name_each_agent_s_adapter(tiny_dir):
+    """A worker's agent generates through one view per LoRA policy, as the driver's does."""
+    from areal_agents.cluster.rollout_workers import adapter_views
+    from areal_agents.engines.lora_sync import AdapterView
+
+    engine = object()
+    shared = load_config(TrainConfig, None, [f"model.path={tiny_dir}", "model.lora.r=8"])
+    assert (
+        isinstance(adapter_views(shared, engine), AdapterView) and adapter_views(shared, engine).lora_name == "policy"
+    )
+    per_agent = load_config(TrainConfig, None, [f"model.path={tiny_dir}", "policies.a.lora.r=8", "policies.b.lora.r=8"])
+    views = adapter_views(per_agent, engine)
+    assert {name: v.lora_name for name, v in views.items()} == {"a": "a", "b": "b"}
+    assert adapter_views(load_config(TrainConfig, None, [f"model.path={tiny_dir}"]), engine) is engine
