@@ -107,6 +107,7 @@ def test_a_recorded_reply_gives_tokens_logprobs_and_each_tokens_version():
         (lambda r: r["choices"][0].update(finish_reason="error"), "finish_reason 'error'"),
         (lambda r: r["choices"][0]["logprobs"]["content"].pop(), "3 token_ids but 2 logprobs"),
         (lambda r: r.pop("choices"), "missing or bad 'choices'"),
+        (lambda r: r["choices"][0].pop("weight_versions"), "weight_versions covers 0 of 3 tokens"),
     ],
 )
 def test_a_reply_without_what_the_client_needs_is_an_error_naming_it(change, error):

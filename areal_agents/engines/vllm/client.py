@@ -160,4 +160,10 @@ def read_generate_reply(reply: Any) -> GenerateReply:
         raise EngineError(f"generation ended with finish_reason {finish!r}: {str(reply)[:300]}")
     if len(logprobs) != len(tokens):
         raise ValueError(f"{len(tokens)} token_ids but {len(logprobs)} logprobs: {str(reply)[:300]}")
+    if tokens and None in versions:  # never tag a token with a version the server did not report
+        covered = len(tokens) - versions.count(None)
+        raise ValueError(
+            f"weight_versions covers {covered} of {len(tokens)} tokens (vLLM >= 0.32 reports every token's): "
+            f"{str(reply)[:300]}"
+        )
     return GenerateReply(str(reply.get("request_id", "")), tokens, logprobs, finish, versions)
