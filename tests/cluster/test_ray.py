@@ -174,20 +174,6 @@ def test_run_survives_a_killed_env_server_and_rollout_worker(tiny_dir, tmp_path)
         assert rows and all(json.loads(row)["metadata"]["ran"] == "MarkingAgent" for row in rows)
 
 
-DIGIT_TASK = """
-from areal_agents.envs import TextEnv
-
-
-class DigitShare(TextEnv):
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        return "1+1=", {}
-
-    def step(self, action):
-        return "", sum(c.isdigit() for c in action) / max(1, len(action)), True, False, {}
-"""
-
-
 def test_a_lora_policy_on_ray(tiny_dir, tmp_path):
     """``model.lora`` on Ray: the base model's servers start LoRA-enabled, the trainer actor trains the
     adapter alone and pushes it (the servers load it by name), the rollout workers name it on every request,
@@ -195,17 +181,16 @@ def test_a_lora_policy_on_ray(tiny_dir, tmp_path):
     server does not carry yet.)"""
     from safetensors.torch import load_file
 
-    (tmp_path / "digit_task.py").write_text(DIGIT_TASK)
     run = tmp_path / "lora"
     args = [
         f"model.path={tiny_dir}", f"run_dir={run}", "steps=2", "eval.num_problems=1", "rollout.batch_size=2",
-        "rollout.group_size=4", "env.id=digit_task:DigitShare", "env.module=digit_task", "env.kwargs={}",
-        "eval.env_kwargs={}", "ppo.filter_zero_variance_groups=false", "ppo.lr=1e-2", "model.lora.r=8",
+        "rollout.group_size=4", "env.id=tests.trainers.test_lora:DigitShare", "env.module=tests.trainers.test_lora",
+        "env.kwargs={}", "eval.env_kwargs={}", "ppo.filter_zero_variance_groups=false", "ppo.lr=1e-2", "model.lora.r=8",
         "launcher=ray", "ray.num_cpus=2", "ray.env_servers=1", "ray.rollout_workers=1", "ray.trainer_ranks=1",
         "ray.env_server_cpus=0.25", "ray.rollout_worker_cpus=0.25", "ray.trainer_cpus=0.25",
         "ray.engine_server_cpus=0.5",
     ]  # fmt: skip
-    proc = train(args, cwd=tmp_path)
+    proc = train(args)  # from the repo root: the env servers import the test module's env
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-3000:]
     summary = json.loads((run / "summary.json").read_text())
