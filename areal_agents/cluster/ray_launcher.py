@@ -49,8 +49,6 @@ class RayLauncher:
                 f"launcher=ray: separate full-weight `policies` ({', '.join(full)}) are not supported on Ray yet; "
                 "use one shared policy, or give each agent an adapter (policies.AGENT.lora)"
             )
-        if not full and cfg.ray.trainer_ranks != 1:
-            raise ConfigError("launcher=ray: a LoRA policy trains on one rank (ray.trainer_ranks=1)")
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.started = False

@@ -26,7 +26,7 @@ from areal_agents.models.device import resolve_device
 from areal_agents.models.loading import load_model, quiet_transformers
 from areal_agents.net import free_port
 from areal_agents.trainers.distributed import DataParallel
-from areal_agents.trainers.lora import RemoteAdapter
+from areal_agents.trainers.lora import RemoteAdapter, write_adapter
 from areal_agents.trainers.policy import load_trainable
 from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.trainers.run_start import seed_everything
@@ -54,8 +54,7 @@ class TrainerRank:
         self.dp = DataParallel.init(self.rank, self.world_size, master, backend)
         self.dp.device = device
         seed_everything(spec.seed)
-        dp = None if spec.lora is not None else self.dp  # a LoRA policy trains on one rank, unsharded
-        self.policy = load_trainable(name, spec, model_path, init_path, dp)
+        self.policy = load_trainable(name, spec, model_path, init_path, self.dp)
 
     def update(
         self, trajectories: list[Trajectory], generator_state: torch.Tensor, version: int | None = None
@@ -65,14 +64,16 @@ class TrainerRank:
     def write_weights(self, path: str, dtype: str | None = None) -> None:
         """Gather the full weights (every rank calls it); rank 0 writes them (a LoRA policy: its adapter)."""
         if self.policy.adapter is not None:
-            self.policy.adapter.save_pretrained(path)
+            tensors, config = self.adapter_state()  # every rank gathers
+            if self.rank == 0:
+                write_adapter(path, tensors, config)
             return
         weights = self.policy.weights()
         if self.rank == 0:
             write_weights(weights, path, dtype)
 
     def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-        """A LoRA policy's adapter: its tensors and config (None: full weights)."""
+        """A LoRA policy's adapter: its tensors and config (None: full weights); every rank gathers (call it on all)."""
         adapter = self.policy.adapter
         return (adapter.tensors(), adapter.config()) if adapter is not None else None
 
@@ -142,17 +143,20 @@ class DistributedPolicy:
         """The full current weights, gathered by the ranks, copied to this process (a `WeightSource`); a LoRA
         policy's adapter alone."""
         if self.lora:
-            return (await self.ranks[0].adapter_state.remote())[0]
+            return (await asyncio.gather(*(r.adapter_state.remote() for r in self.ranks)))[0][0]
         return (await asyncio.gather(*(r.state_dict.remote() for r in self.ranks)))[0]
 
     def adapter_config(self) -> dict[str, Any] | None:
         """A LoRA policy's ``adapter_config.json`` content (None: full weights)."""
-        return ray.get(self.ranks[0].adapter_state.remote())[1] if self.lora else None
+        return self._adapter_state()[1] if self.lora else None
 
     @property
     def adapter(self) -> RemoteAdapter | None:
         """A LoRA policy's adapter as a checkpoint saves it (fetched from rank 0)."""
-        return RemoteAdapter(lambda: ray.get(self.ranks[0].adapter_state.remote())) if self.lora else None
+        return RemoteAdapter(self._adapter_state) if self.lora else None
+
+    def _adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return ray.get([r.adapter_state.remote() for r in self.ranks])[0]
 
     async def save_weights(self, path: Path, dtype: str | None = None) -> None:
         """The ranks gather the weights, rank 0 writes them under ``path`` (in ``dtype``; a `WeightSource`)."""

@@ -437,18 +437,13 @@ class TrainConfig:
         self._check_lora()
 
     def _check_lora(self) -> None:
-        """LoRA policies train in a thread of a local run and share one base model, whose engine gets adapters."""
+        """LoRA policies share one base model, whose engine gets their adapters by their own sync."""
         loras = {name: p for name, p in self.policies.items() if not isinstance(p, str) and p.lora is not None}
         if self.model.lora is None and not loras:
             return
         if self.model.lora is not None and self.policies:
             raise ValueError("model.lora: with separate policies, give each its own (policies.AGENT.lora)")
         where = "model.lora" if self.model.lora is not None else f"policies.{next(iter(loras))}.lora"
-        if self.ppo.trainer != "thread" or self.ppo.nproc_per_node != 1:
-            raise ValueError(
-                f"{where}: LoRA trains on one rank for now: a trainer thread of a local run (ppo.trainer=thread, "
-                "ppo.nproc_per_node=1) or one Ray trainer rank (ray.trainer_ranks=1)"
-            )
         if self.engine.weight_sync not in ("auto", "disk"):
             raise ValueError(f"{where}: adapters reach the engine by their own sync; engine.weight_sync must be auto")
         bases = {p.path or self.model.path for p in loras.values()}

@@ -66,14 +66,20 @@ class LocalLauncher:
         policy.engine, policy.weight_sync, policy.servers = engine, sync, servers
         return policy
 
-    def _open_lora_policy(self, name: str, model_path: str, init_path: str, spec: TrainSpec) -> Policy:
-        """A LoRA policy (a trainer thread) over the base model ``init_path``, served by the one engine of that
-        base that serves every adapter of the run (opened with the first): its adapter goes by `LoraSync`."""
+    def _open_lora_policy(self, name: str, model_path: str, init_path: str, spec: TrainSpec) -> TrainablePolicy:
+        """A LoRA policy over the base model ``init_path``, served by the one engine of that base that serves
+        every adapter of the run (opened with the first): its adapter goes by `LoraSync`. In a trainer thread its
+        adapter sits on the run's one trained base (`LoraBase`); a trainer process or FSDP2 ranks hold their own."""
         servers = None
         if self.lora_group is None:
             engine, servers = open_policy_engine(SHARED, lora_serving(self.cfg), init_path, self.run_dir)
             self.lora_group = LoraGroup(engine)
+        view, sync = self.lora_group.view(name), self.lora_group.sync(name)
+        nproc = self.cfg.ppo.nproc_per_node
         try:
+            if nproc > 1 or self.cfg.ppo.trainer == "process":  # its own base in its trainer process(es)
+                gpus = list(self.cfg.engine.gpus)
+                return ProcessPolicy(name, spec, model_path, init_path, view, sync, servers, nproc, gpus)
             if self.lora_base is None:
                 self.lora_base = LoraBase(init_path, spec.dtype)
             policy = load_trainable(name, spec, model_path, init_path, lora_base=self.lora_base)
@@ -81,7 +87,7 @@ class LocalLauncher:
             if servers is not None:
                 servers.stop()
             raise
-        policy.engine, policy.weight_sync = self.lora_group.view(name), self.lora_group.sync(name)
+        policy.engine, policy.weight_sync = view, sync
         policy.servers = servers  # the first policy's: it stops them
         return policy
 

@@ -27,6 +27,7 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, PreTrainedModel
 
 from areal_agents.config import LoraConfig
@@ -125,10 +126,11 @@ class Adapter:
         return [p for n, p in self.peft.named_parameters() if "lora_" in n and marker in n]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Its weights keyed as PEFT saves them (``...q_proj.lora_A.weight``), detached copies."""
+        """Its weights keyed as PEFT saves them (``...q_proj.lora_A.weight``), detached full copies on the CPU
+        (FSDP2-sharded: gathered, so every rank must call it)."""
         with self.base.lock:
             state = get_peft_model_state_dict(self.peft, adapter_name=self.name)
-            return {k: v.detach().clone() for k, v in state.items()}
+            return {k: _full(v).detach().to("cpu", copy=True) for k, v in state.items()}
 
     def config(self) -> dict[str, Any]:
         """Its ``adapter_config.json`` content (what an engine needs besides the tensors)."""
@@ -169,17 +171,23 @@ def trainable_bytes(params: Iterable[torch.nn.Parameter]) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) parameter's full tensor; a plain tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class AdapterOffLM(ScoredLM):
     """The KL reference of a LoRA policy: the trained model with its adapter switched off (the frozen base),
     scored by `token_logprobs` under no gradient. It holds no weights of its own."""
 
-    def __init__(self, adapter: Adapter) -> None:
+    def __init__(self, adapter: Adapter, root: ScoredLM | None = None) -> None:
         super().__init__(adapter.peft.get_base_model())
         object.__setattr__(self, "adapter", adapter)  # not a submodule: its parameters are the policy's
+        object.__setattr__(self, "root", root)  # FSDP2: the policy's sharded root, whose forward gathers the shards
 
     def forward(self, mb: Any, temperature: float = 1.0) -> torch.Tensor:
         with self.adapter.base.lock, self.adapter.peft.disable_adapter(), torch.no_grad():
-            return super().forward(mb, temperature)
+            return self.root(mb, temperature) if self.root is not None else super().forward(mb, temperature)
 
 
 def export_lora(

@@ -100,6 +100,8 @@ class Policy:
     def weights(self) -> dict[str, torch.Tensor]:
         """The trained model's state dict; sharded, the full one on the CPU, gathered by every rank (call
         it on all) and kept by rank 0 (``{}`` elsewhere)."""
+        if self.adapter is not None:  # a LoRA policy's adapter alone (gathered by every rank when sharded)
+            return self.adapter.tensors()
         if self.dp is None:
             return self.model.state_dict()
         return fsdp.full_state_dict(self.trained)
@@ -257,8 +259,8 @@ def load_trainable(
     if p.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     reference = critic = None
-    if p.kl_coef > 0:  # LoRA: the same model with its adapter off
-        reference = AdapterOffLM(adapter) if adapter else load_model(init_path, spec.dtype).eval().requires_grad_(False)
+    if p.kl_coef > 0 and adapter is None:  # LoRA's: the same model with its adapter off (below)
+        reference = load_model(init_path, spec.dtype).eval().requires_grad_(False)
     if p.advantage == "gae":  # a value model initialised from the starting checkpoint (LoRA: its own adapter)
         critic_lm = load_model(init_path, spec.dtype)
         if spec.lora is not None:
@@ -278,6 +280,8 @@ def load_trainable(
                     dp.broadcast_parameters(module)  # every rank starts from rank 0's weights, as DDP does
         dtype = compute_dtype(device, p.compute_dtype)
         trained, reference, critic = fsdp.shard_policy(model, reference, critic, device, dtype)
+    if p.kl_coef > 0 and adapter is not None:
+        reference = AdapterOffLM(adapter, trained if dp is not None else None)
     total = spec.total_steps * p.ppo_epochs * p.num_minibatches
     params = adapter.parameters() if adapter is not None else None
     optimizer, scheduler = make_optimizer(trained, p.lr, p.weight_decay, p.warmup_steps, p.lr_schedule, total, params)
@@ -291,8 +295,6 @@ def load_trainable(
 def _adapter(name: str, spec: TrainSpec, model_path: str, init_path: str, base: LoraBase | None) -> Adapter:
     """A LoRA policy's adapter ``name`` on ``base`` (None: a base of its own) over the starting model
     ``init_path`` (frozen): fresh, or the one saved at ``model_path`` (a checkpoint's, on ``--resume``)."""
-    if spec.ppo.nproc_per_node > 1:
-        raise ConfigError("model.lora: one trainer rank for now (ppo.nproc_per_node=1); FSDP2 ranks train full weights")
     base = base if base is not None else LoraBase(init_path, spec.dtype)
     if base.path != init_path:
         raise ConfigError(f"policy {name!r}: LoRA policies share one base model ({base.path}), not {init_path}")

@@ -36,6 +36,7 @@ from areal_agents.models.device import resolve_device
 from areal_agents.models.loading import load_model, quiet_transformers
 from areal_agents.net import free_port
 from areal_agents.trainers.distributed import DataParallel
+from areal_agents.trainers.lora import RemoteAdapter, write_adapter
 from areal_agents.trainers.policy import load_trainable
 from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.trainers.run_start import seed_everything
@@ -85,6 +86,7 @@ def _serve(
         "publish": publish,
         "state_dict": policy.state_dict,
         "load_state_dict": policy.load_state_dict,
+        "adapter_config": policy.adapter_config,
     }
     try:
         while True:
@@ -142,7 +144,7 @@ class ProcessPolicy:
         engine_gpus: list[int] | None = None,
     ) -> None:
         self.name, self.engine, self.weight_sync, self.servers = name, engine, weight_sync, servers
-        self.model_path, self.dtype = model_path, spec.dtype
+        self.model_path, self.dtype, self.lora = model_path, spec.dtype, spec.lora is not None
         if nproc == 1:
             process, conn, self._weights = start_child(
                 _serve,
@@ -232,8 +234,25 @@ class ProcessPolicy:
         return self._weights
 
     async def save_weights(self, path: Path, dtype: str | None = None) -> None:
-        """The trainer's current weights under ``path`` by `write_weights` (in ``dtype``; a `WeightSource`)."""
+        """The trainer's current weights under ``path`` by `write_weights` (in ``dtype``; a `WeightSource`); a
+        LoRA policy's adapter as PEFT's directory."""
+        if self.lora:
+            await asyncio.to_thread(write_adapter, path, await self.tensors(), self.adapter_config())
+            return
         await asyncio.to_thread(write_weights, await self.tensors(), path, dtype)
+
+    def adapter_config(self) -> dict[str, Any] | None:
+        """A LoRA policy's ``adapter_config.json`` content (None: full weights)."""
+        return self._call("adapter_config") if self.lora else None
+
+    @property
+    def adapter(self) -> RemoteAdapter | None:
+        """A LoRA policy's adapter as a checkpoint saves it (published from the trainer first)."""
+        return RemoteAdapter(self._published_adapter) if self.lora else None
+
+    def _published_adapter(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        self._call("publish")
+        return {k: v.clone() for k, v in self._weights.items()}, self._call("adapter_config")
 
     @property
     def model(self) -> PreTrainedModel:

@@ -20,9 +20,6 @@ def test_separate_full_weight_policies_are_refused_on_ray(tiny_dir, tmp_path, ca
     args = [f"model.path={tiny_dir}", f"run_dir={tmp_path}", "launcher=ray", f"policies.a={tiny_dir}"]
     assert main(["train", RECIPE, *args, "--no-progress"]) == 2
     assert "launcher=ray: separate full-weight `policies` (a) are not supported on Ray yet" in capsys.readouterr().err
-    lora = [f"model.path={tiny_dir}", f"run_dir={tmp_path}", "launcher=ray", "model.lora.r=8", "ray.trainer_ranks=2"]
-    assert main(["train", RECIPE, *lora, "--no-progress"]) == 2
-    assert "a LoRA policy trains on one rank (ray.trainer_ranks=1)" in capsys.readouterr().err
 
 
 def test_a_run_env_module_that_fails_to_import_stops_the_env_server_launch_in_one_line(tmp_path, monkeypatch):

@@ -158,7 +158,7 @@ def test_two_adapters_on_one_engine_version_it_as_the_older(tiny_dir):
     "overrides, message",
     [
         (["model.lora.r=8", "policies.a=x"], "policies.AGENT.lora"),
-        (["model.lora.r=8", "ppo.trainer=process"], "ppo.trainer=thread"),
+        (["model.lora.r=8", "engine.weight_sync=broadcast", "engine.backend=serve-model"], "weight_sync must be auto"),
         (["model.lora.r=0"], "model.lora"),
         (["policies.a.lora.r=8", "policies.a.path=x", "policies.b.lora.r=8", "policies.b.path=y"], "one base"),
         (["model.lora.target_modules=[]"], "target_modules"),
@@ -187,3 +187,29 @@ def test_a_run_on_serve_model_pushes_the_adapter_alone(tiny_dir, tmp_path):
     assert adapter.stat().st_size < 0.5 * model_bytes
     assert all("lora_" in k for k in load_file(adapter))
     assert json.loads((run / "summary.json").read_text())["engine_version"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", [["ppo.trainer=process"], ["ppo.nproc_per_node=2", "ppo.kl_coef=0.1"]])
+def test_lora_in_a_trainer_process_and_on_fsdp2_ranks(tiny_dir, tmp_path, trainer):
+    """The adapter trains in a trainer process of its own, and sharded over two FSDP2 ranks (gloo; the KL
+    reference through the sharded root with the adapter off): the pushes and the checkpoint are the adapter
+    alone, gathered from the shards, and a resume continues its optimizer."""
+    from safetensors.torch import load_file
+
+    rl = write_rl_config(tmp_path, tiny_dir)
+    env = ["env.id=tests.trainers.test_lora:DigitShare", "env.kwargs={}", "eval.env_kwargs={}", "eval.num_problems=1"]
+    args = ["train", str(rl), "--no-progress", "model.lora.r=8", "ppo.lr=1e-2", *env, *trainer]
+    assert main(args) == 0
+    ckpt = tmp_path / "rl" / "checkpoints" / "step_2"
+    adapter = load_file(ckpt / "model" / "adapter_model.safetensors")
+    assert adapter and all("lora_" in k for k in adapter)
+    assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k), "the adapter did not train"
+    with torch.no_grad():
+        PeftModel.from_pretrained(load_model(tiny_dir), str(ckpt / "model"))  # loads as PEFT's own
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+    assert len(state) == len(adapter)  # optimizer state for the adapter's tensors alone
+    assert main([*args, "steps=3", "--resume"]) == 0
+    state = torch.load(tmp_path / "rl" / "checkpoints" / "step_3" / "trainer_state.pt", weights_only=False)
+    steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert len(steps) == 1 and steps.pop() >= 3.0  # continued from the checkpoint's 2 (a fresh optimizer says 1)
