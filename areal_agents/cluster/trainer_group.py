@@ -122,6 +122,7 @@ class DistributedPolicy:
     ) -> None:
         self.name, self.engine, self.weight_sync, self.servers = name, engine, weight_sync, servers
         self.model_path, self.dtype, self.lora = model_path, spec.dtype, spec.lora is not None
+        self._adapter_config: dict[str, Any] | None = None  # a LoRA policy's, once asked
         self.ranks = [TrainerRank.options(num_cpus=cpus, num_gpus=gpus).remote(rank, ranks) for rank in range(ranks)]
         master = ray.get(self.ranks[0].master_address.remote())
         ray.get([r.setup.remote(spec, name, model_path, init_path, master) for r in self.ranks])
@@ -147,8 +148,11 @@ class DistributedPolicy:
         return (await asyncio.gather(*(r.state_dict.remote() for r in self.ranks)))[0]
 
     def adapter_config(self) -> dict[str, Any] | None:
-        """A LoRA policy's ``adapter_config.json`` content (None: full weights)."""
-        return self._adapter_state()[1] if self.lora else None
+        """A LoRA policy's ``adapter_config.json`` content (None: full weights); it never changes, so it is
+        asked of the ranks once."""
+        if self.lora and self._adapter_config is None:
+            self._adapter_config = self._adapter_state()[1]
+        return self._adapter_config
 
     @property
     def adapter(self) -> RemoteAdapter | None:

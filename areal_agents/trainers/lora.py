@@ -1,14 +1,17 @@
 """LoRA: a policy that trains an adapter over a frozen base model, with PEFT (the format users already know).
 
 The trained module stays the transformers model: PEFT injects its LoRA layers into that model's own linear
-layers, so packing, micro-batches and the critic run unchanged on it; `get_peft_model`'s wrapper is kept
-beside it to save the adapter (``save_pretrained``: PEFT's directory, ``PeftModel.from_pretrained`` reads it)
-and to switch the adapter off. Only the adapter's parameters require gradients, so the optimizer holds state
-for them alone; the KL reference is the same model with the adapter off (`AdapterOffLM`), no second copy.
+layers, so packing, micro-batches, FSDP2 and the critic run unchanged on it. Every LoRA policy of a trainer
+thread is one named adapter on one `LoraBase` (one `PeftModel`: the base in memory once); `Adapter` is what
+a policy trains (inside `Adapter.active`), pushes to engines (`tensors`, `config`) and saves (PEFT's
+directory, which ``PeftModel.from_pretrained`` reads). Only adapter parameters require gradients; the KL
+reference is the same model with the adapter off (`AdapterOffLM`), no second copy. `export_lora` merges one.
 
-    peft_model = attach_lora(load_model(base), cfg.model.lora)     # or resume_lora(base, ckpt/model)
-    lm = peft_model.get_base_model()                                # what the trainer trains
-    weights = adapter_tensors(peft_model)                           # what an engine loads (PEFT's names)
+    base = LoraBase("runs/arith/sft/model", "float32")
+    adapter = base.add("policy", cfg.model.lora)        # or base.add("policy", cfg.model.lora, ckpt / "model")
+    with adapter.active():
+        ...                                             # forward and backward on adapter.peft.get_base_model()
+    weights, config = adapter.tensors(), adapter.config()
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from areal_agents.config import LoraConfig
 from areal_agents.errors import ConfigError
 from areal_agents.models.loading import load_model
 from areal_agents.trainers.batching import ScoredLM
+from areal_agents.trainers.checkpoint import checkpoints
 
 ADAPTER_CONFIG = "adapter_config.json"  # what makes a directory a PEFT adapter
 
@@ -220,8 +224,8 @@ def export_lora(
 
 def _checkpoint_adapter(run_dir: Path, policy: str | None) -> Path:
     """The adapter directory of ``policy`` in ``run_dir``'s newest checkpoint (or in ``run_dir``, a checkpoint)."""
-    ckpts = sorted((run_dir / "checkpoints").glob("step_[0-9]*"), key=lambda p: int(p.name.split("_")[1]))
-    ckpt = run_dir if (run_dir / "trainer_state.pt").is_file() else (ckpts[-1] if ckpts else None)
+    found = checkpoints(run_dir)
+    ckpt = run_dir if (run_dir / "trainer_state.pt").is_file() else (found[-1] if found else None)
     if ckpt is None:
         raise ConfigError(f"export-lora: no checkpoint under {run_dir / 'checkpoints'}")
     adapter = ckpt / ("model" if policy is None else f"policies/{policy}/model")

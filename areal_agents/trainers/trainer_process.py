@@ -145,6 +145,7 @@ class ProcessPolicy:
     ) -> None:
         self.name, self.engine, self.weight_sync, self.servers = name, engine, weight_sync, servers
         self.model_path, self.dtype, self.lora = model_path, spec.dtype, spec.lora is not None
+        self._adapter_config: dict[str, Any] | None = None  # a LoRA policy's, once asked
         if nproc == 1:
             process, conn, self._weights = start_child(
                 _serve,
@@ -242,8 +243,11 @@ class ProcessPolicy:
         await asyncio.to_thread(write_weights, await self.tensors(), path, dtype)
 
     def adapter_config(self) -> dict[str, Any] | None:
-        """A LoRA policy's ``adapter_config.json`` content (None: full weights)."""
-        return self._call("adapter_config") if self.lora else None
+        """A LoRA policy's ``adapter_config.json`` content (None: full weights); it never changes, so it is
+        asked of the trainer once."""
+        if self.lora and self._adapter_config is None:
+            self._adapter_config = self._call("adapter_config")
+        return self._adapter_config
 
     @property
     def adapter(self) -> RemoteAdapter | None:
@@ -252,7 +256,7 @@ class ProcessPolicy:
 
     def _published_adapter(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         self._call("publish")
-        return {k: v.clone() for k, v in self._weights.items()}, self._call("adapter_config")
+        return {k: v.clone() for k, v in self._weights.items()}, self.adapter_config()
 
     @property
     def model(self) -> PreTrainedModel:
