@@ -1,0 +1,660 @@
+// areal_agents/env_server.hpp: serve C++ environments over the env-step protocol v1 (docs/env-protocol.md).
+//
+//   class MyEnv : public areal_agents::Env { ... reset(...) / step(...) ... };
+//   int main(int argc, char** argv) {
+//     areal_agents::EnvServer server(areal_agents::parse_server_options_or_exit(argc, argv));
+//     server.add_env("me/MyEnv-v0", "what it is", [](const nlohmann::json& kwargs) {
+//       return std::make_unique<MyEnv>(kwargs); });
+//     return server.listen() ? 0 : 1;
+//   }
+//
+// Header-only; needs cpp-httplib (linked, pkg-config cpp-httplib) and nlohmann-json. Not implemented:
+// step timeouts, process isolation, /metrics (the Python server has them).
+#pragma once
+
+#include <httplib.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace areal_agents {
+
+using json = nlohmann::json;
+
+// The first observation of an episode.
+struct Reset {
+  std::string observation;
+  json info = json::object();
+};
+
+// The outcome of one action.
+struct Step {
+  std::string observation;
+  double reward = 0.0;
+  bool terminated = false;
+  bool truncated = false;
+  json info = json::object();
+};
+
+// One episode at a time; the server makes one Env per session and never calls it from two threads at once.
+// Throw std::invalid_argument from the factory or reset for a request's bad kwargs/seed/options (a 400);
+// any other exception is the env's failure (a 500 at creation, an env_error step result mid-episode).
+class Env {
+ public:
+  virtual ~Env() = default;
+  // Same seed (and kwargs, options) -> same episode. `options` is an object ({} when the request has none).
+  virtual Reset reset(std::optional<std::uint64_t> seed, const json& options) = 0;
+  virtual Step step(const std::string& action) = 0;
+};
+
+using EnvFactory = std::function<std::unique_ptr<Env>(const json& kwargs)>;
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 8765;  // 0: any free port (printed once listening)
+  int threads = 64;  // request threads; a keep-alive connection holds one while it is open
+  std::size_t max_sessions = 4096;
+  std::size_t max_body_bytes = 8 * 1024 * 1024;
+  std::size_t max_action_chars = 65536;  // Unicode code points
+  double idle_timeout_s = 600.0;  // sessions without a step for this long are closed
+};
+
+namespace detail {
+
+// A refused request: the HTTP status and the protocol's error type.
+struct HttpError : std::runtime_error {
+  HttpError(int status, std::string type, const std::string& message)
+      : std::runtime_error(message), status(status), type(std::move(type)) {}
+  int status;
+  std::string type;
+};
+
+inline HttpError bad_request(const std::string& message) { return HttpError(400, "bad_request", message); }
+
+inline json error_body(const std::string& type, const std::string& message) {
+  return {{"error", {{"type", type}, {"message", message}}}};
+}
+
+inline void reply(httplib::Response& res, int status, const json& body) {
+  res.status = status;
+  // Envs may put any bytes in observations and infos; invalid UTF-8 is replaced rather than failing the reply.
+  res.set_content(body.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+}
+
+// Code points in a UTF-8 string (the JSON parser has already rejected invalid UTF-8).
+inline std::size_t utf8_length(const std::string& text) {
+  return static_cast<std::size_t>(
+      std::count_if(text.begin(), text.end(), [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; }));
+}
+
+inline std::string join(const std::vector<std::string>& items, const std::string& separator) {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : separator) + item;
+  return out;
+}
+
+// `value` must be an object with only the `allowed` keys; `where` names it in messages ("body", "body.steps[2]").
+inline void check_object(const json& value, const std::string& where, const std::vector<std::string>& allowed) {
+  if (!value.is_object()) throw bad_request(where + ": expected a JSON object");
+  for (const auto& item : value.items()) {
+    if (std::find(allowed.begin(), allowed.end(), item.key()) == allowed.end()) {
+      throw bad_request(where + "." + item.key() + ": unknown field (allowed: " + join(allowed, ", ") + ")");
+    }
+  }
+}
+
+inline std::string required_string(const json& object, const std::string& where, const std::string& key) {
+  auto found = object.find(key);
+  if (found == object.end()) throw bad_request(where + "." + key + ": required");
+  if (!found->is_string()) throw bad_request(where + "." + key + ": expected a string");
+  return found->get<std::string>();
+}
+
+inline json parse_body(const std::string& body) {
+  try {
+    return json::parse(body);
+  } catch (const json::parse_error& e) {
+    throw bad_request(std::string("body: malformed JSON (") + e.what() + ")");
+  }
+}
+
+inline json failed_step(const std::string& session_id, const std::string& type, const std::string& message) {
+  return {{"session_id", session_id}, {"observation", ""}, {"reward", 0.0}, {"terminated", true},
+          {"truncated", false},       {"info", json::object()},  {"error", {{"type", type}, {"message", message}}}};
+}
+
+inline std::string new_session_id() {
+  static thread_local std::mt19937_64 rng{std::random_device{}() ^ (std::uint64_t{std::random_device{}()} << 32)};
+  static const char* digits = "0123456789abcdef";
+  std::string id;
+  for (int half = 0; half < 2; ++half) {
+    std::uint64_t bits = rng();
+    for (int i = 0; i < 16; ++i, bits >>= 4) id += digits[bits & 0xF];
+  }
+  return id;
+}
+
+inline const char* error_type_for(int status) {
+  switch (status) {
+    case 404: return "not_found";
+    case 405: return "method_not_allowed";
+    case 413: return "payload_too_large";
+    case 414: return "uri_too_long";
+    default: return status < 500 ? "bad_request" : "internal_error";
+  }
+}
+
+}  // namespace detail
+
+// The env-step protocol v1 over HTTP: a session table under one mutex, a thread pool for requests,
+// and a background thread that closes idle sessions.
+class EnvServer {
+ public:
+  explicit EnvServer(ServerOptions options = {}) : options_(std::move(options)) { install_routes(); }
+  ~EnvServer() { stop(); }
+  EnvServer(const EnvServer&) = delete;
+  EnvServer& operator=(const EnvServer&) = delete;
+
+  // Serve `id` (listed with `description` in GET /v1/envs); `factory` makes one env per session from its kwargs.
+  void add_env(const std::string& id, const std::string& description, EnvFactory factory) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    envs_[id] = Registered{description, std::move(factory)};
+  }
+
+  // Blocks until stop(). Prints "serving envs on http://HOST:PORT" (flushed) once connections are accepted;
+  // false (with the reason on stderr) when the address cannot be bound.
+  bool listen() {
+    int port = options_.port;
+    bool bound = port == 0 ? (port = http_.bind_to_any_port(options_.host)) > 0
+                           : http_.bind_to_port(options_.host, port);
+    if (!bound) {
+      std::cerr << "env server: cannot listen on " << options_.host << ":" << options_.port
+                << " (address in use, or not an address of this machine)" << std::endl;
+      return false;
+    }
+    port_ = port;
+    std::cout << "serving envs on http://" << options_.host << ":" << port << std::endl;
+    std::thread expiry([this] { expire_idle_sessions(); });
+    bool ok = http_.listen_after_bind();
+    stop();
+    expiry.join();
+    return ok;
+  }
+
+  // Stops listen() (from any thread); the sessions are dropped with the server.
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    stopped_.notify_all();
+    http_.stop();
+  }
+
+  // The port being listened on (the chosen one when options.port was 0); 0 before listen().
+  int port() const { return port_; }
+
+  const ServerOptions& options() const { return options_; }
+
+ private:
+  struct Registered {
+    std::string description;
+    EnvFactory factory;
+  };
+
+  struct Session {
+    std::unique_ptr<Env> env;
+    std::chrono::steady_clock::time_point last_used;
+    bool busy = false;  // a step is running (the env is not called concurrently)
+    bool done = false;  // terminated or truncated: further steps are refused
+  };
+
+  struct CreateRequest {
+    std::string env_id;
+    json kwargs = json::object();
+    std::optional<std::uint64_t> seed;
+    json options = json::object();
+  };
+
+  using JsonHandler = std::function<json(const httplib::Request&, const std::string& body)>;
+
+  // -- routes ---------------------------------------------------------------------------------------
+
+  void install_routes() {
+    http_.new_task_queue = [threads = options_.threads] { return new httplib::ThreadPool(threads); };
+    http_.set_payload_max_length(options_.max_body_bytes);
+    http_.set_keep_alive_max_count(100000);
+    http_.Get("/health", plain([this](const httplib::Request&, const std::string&) { return health(); }));
+    http_.Get("/v1/envs", plain([this](const httplib::Request&, const std::string&) { return list_envs(); }));
+    http_.Post("/v1/sessions", with_body([this](const httplib::Request&, const std::string& body) {
+                 return create(parse_create(detail::parse_body(body)));
+               }));
+    http_.Post(R"(/v1/sessions/([^/]+)/step)", with_body([this](const httplib::Request& req, const std::string& body) {
+                 return step(req.matches[1], parse_action(detail::parse_body(body)));
+               }));
+    http_.Post("/v1/step", with_body([this](const httplib::Request&, const std::string& body) {
+                 return step_batch(detail::parse_body(body));
+               }));
+    http_.Delete(R"(/v1/sessions/([^/]+))", with_body([this](const httplib::Request& req, const std::string&) {
+                   return close(req.matches[1]);
+                 }));
+    // Any other path: read (at most max_body_bytes of) the body, then 404, all in the protocol's error shape.
+    auto not_found = with_body([](const httplib::Request& req, const std::string&) -> json {
+      throw detail::HttpError(404, "not_found", "no route " + req.method + " " + req.path + "; see docs/env-protocol.md");
+    });
+    http_.Post(".*", not_found).Put(".*", not_found).Patch(".*", not_found).Delete(".*", not_found);
+    http_.Get(".*", plain([](const httplib::Request& req, const std::string&) -> json {
+      throw detail::HttpError(404, "not_found", "no route GET " + req.path + "; see docs/env-protocol.md");
+    }));
+    // What cpp-httplib refuses itself (a 413 for a Content-Length over the limit, a malformed request line)
+    // arrives with an empty body: give it the protocol's error shape.
+    http_.set_error_handler(httplib::Server::HandlerWithResponse(
+        [this](const httplib::Request& req, httplib::Response& res) {
+          if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+          detail::reply(res, res.status,
+                        detail::error_body(detail::error_type_for(res.status), refusal(req, res.status)));
+          return httplib::Server::HandlerResponse::Handled;
+        }));
+  }
+
+  std::string refusal(const httplib::Request& req, int status) const {
+    if (status == 413) return too_large_message();
+    return "request refused (HTTP " + std::to_string(status) + ") for " + req.method + " " + req.path;
+  }
+
+  std::string too_large_message() const {
+    return "request body over " + std::to_string(options_.max_body_bytes) + " bytes (--max-body-bytes)";
+  }
+
+  // A handler for requests without a body; HttpError becomes the error reply.
+  httplib::Server::Handler plain(JsonHandler handler) {
+    return [handler = std::move(handler)](const httplib::Request& req, httplib::Response& res) {
+      respond(res, [&] { return handler(req, std::string()); });
+    };
+  }
+
+  // A handler that reads the body itself, so chunked bodies are bounded too (cpp-httplib 0.11 bounds only
+  // a declared Content-Length), then answers as `plain` does.
+  httplib::Server::HandlerWithContentReader with_body(JsonHandler handler) {
+    return [this, handler = std::move(handler)](const httplib::Request& req, httplib::Response& res,
+                                                const httplib::ContentReader& reader) {
+      std::string body;
+      bool too_large = false;
+      bool read = reader([&](const char* data, std::size_t length) {
+        too_large = body.size() + length > options_.max_body_bytes;
+        if (!too_large) body.append(data, length);
+        return !too_large;
+      });
+      if (too_large || res.status == 413) {
+        res.set_header("Connection", "close");  // the rest of the body is not read: the connection is spent
+        return detail::reply(res, 413, detail::error_body("payload_too_large", too_large_message()));
+      }
+      if (!read) return detail::reply(res, 400, detail::error_body("bad_request", "body: could not be read"));
+      respond(res, [&] { return handler(req, body); });
+    };
+  }
+
+  template <typename Produce>
+  static void respond(httplib::Response& res, Produce produce) {
+    try {
+      detail::reply(res, 200, produce());
+    } catch (const detail::HttpError& e) {
+      detail::reply(res, e.status, detail::error_body(e.type, e.what()));
+    } catch (const std::exception& e) {
+      detail::reply(res, 500, detail::error_body("internal_error", e.what()));
+    }
+  }
+
+  // -- request bodies ---------------------------------------------------------------------------------
+
+  static CreateRequest parse_create(const json& body) {
+    detail::check_object(body, "body", {"env_id", "kwargs", "seed", "options"});
+    CreateRequest request;
+    request.env_id = detail::required_string(body, "body", "env_id");
+    if (body.contains("kwargs")) {
+      if (!body["kwargs"].is_object()) throw detail::bad_request("body.kwargs: expected an object");
+      request.kwargs = body["kwargs"];
+    }
+    if (body.contains("seed") && !body["seed"].is_null()) {
+      if (!body["seed"].is_number_unsigned()) throw detail::bad_request("body.seed: expected an integer >= 0 or null");
+      request.seed = body["seed"].get<std::uint64_t>();
+    }
+    if (body.contains("options") && !body["options"].is_null()) {
+      if (!body["options"].is_object()) throw detail::bad_request("body.options: expected an object or null");
+      request.options = body["options"];
+    }
+    return request;
+  }
+
+  static std::string parse_action(const json& body) {
+    detail::check_object(body, "body", {"action"});
+    return detail::required_string(body, "body", "action");
+  }
+
+  // -- the protocol -----------------------------------------------------------------------------------
+
+  json health() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {{"status", "ok"},
+            {"protocol", "v1"},
+            {"sessions_open", sessions_.size()},
+            {"limits",
+             {{"max_sessions", options_.max_sessions},
+              {"max_body_bytes", options_.max_body_bytes},
+              {"max_action_chars", options_.max_action_chars},
+              {"idle_timeout_s", options_.idle_timeout_s}}}};
+  }
+
+  json list_envs() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    json envs = json::array();
+    for (const auto& [id, env] : envs_) envs.push_back({{"id", id}, {"description", env.description}});
+    return {{"envs", envs}};
+  }
+
+  json create(const CreateRequest& request) {
+    EnvFactory factory = reserve_session(request.env_id);
+    std::unique_ptr<Env> env;
+    Reset first;
+    try {
+      env = factory(request.kwargs);
+      if (!env) throw std::runtime_error("the factory returned no env");
+      first = env->reset(request.seed, request.options);
+      check_info(first.info);
+    } catch (const std::invalid_argument& e) {
+      release_reservation();
+      throw detail::bad_request("cannot make " + request.env_id + ": " + e.what() +
+                                "; check the kwargs, seed and options");
+    } catch (const std::exception& e) {
+      release_reservation();
+      throw detail::HttpError(500, "env_error", "cannot make " + request.env_id + ": " + e.what());
+    }
+    std::string id = detail::new_session_id();
+    auto session = std::make_shared<Session>();
+    session->env = std::move(env);
+    session->last_used = std::chrono::steady_clock::now();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      --opening_;
+      sessions_[id] = std::move(session);
+    }
+    return {{"session_id", id}, {"observation", first.observation}, {"info", first.info}};
+  }
+
+  // The factory of `env_id`, with a place under max_sessions taken for the new session (atomically, so the
+  // cap holds under concurrent creations); release_reservation() gives it back if the session is not made.
+  EnvFactory reserve_session(const std::string& env_id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = envs_.find(env_id);
+    if (found == envs_.end()) {
+      std::vector<std::string> ids;
+      for (const auto& entry : envs_) ids.push_back(entry.first);
+      throw detail::HttpError(404, "unknown_env",
+                              "unknown env id '" + env_id + "'; this server serves: " + detail::join(ids, ", "));
+    }
+    std::size_t open = sessions_.size() + opening_;
+    if (open >= options_.max_sessions) {
+      throw detail::HttpError(429, "too_many_sessions",
+                              std::to_string(open) + " sessions are open or opening, the cap is " +
+                                  std::to_string(options_.max_sessions) +
+                                  "; close finished sessions or start the server with a larger --max-sessions");
+    }
+    ++opening_;
+    return found->second.factory;
+  }
+
+  void release_reservation() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --opening_;
+  }
+
+  json step(const std::string& id, const std::string& action) {
+    std::shared_ptr<Session> session = claim_for_step(id, action);
+    Step result;
+    try {
+      result = session->env->step(action);
+      check_info(result.info);
+      if (!std::isfinite(result.reward)) throw std::runtime_error("reward is not a finite number");
+    } catch (const std::exception& e) {
+      remove_session(id, session);  // the episode ends with a typed record; nothing else is affected
+      return detail::failed_step(id, "env_error", std::string("step failed: ") + e.what());
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      session->busy = false;
+      session->done = result.terminated || result.truncated;
+      session->last_used = std::chrono::steady_clock::now();
+    }
+    return {{"session_id", id},
+            {"observation", result.observation},
+            {"reward", result.reward},
+            {"terminated", result.terminated},
+            {"truncated", result.truncated},
+            {"info", result.info},
+            {"error", nullptr}};
+  }
+
+  // The session `id`, marked busy, after the protocol's checks in the protocol's order.
+  std::shared_ptr<Session> claim_for_step(const std::string& id, const std::string& action) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = sessions_.find(id);
+    if (found == sessions_.end()) throw unknown_session(id);
+    std::size_t length = detail::utf8_length(action);
+    if (length > options_.max_action_chars) {
+      throw detail::HttpError(400, "action_too_long",
+                              "action is " + std::to_string(length) + " characters; the limit is " +
+                                  std::to_string(options_.max_action_chars) + " (--max-action-chars)");
+    }
+    Session& session = *found->second;
+    if (session.done) {
+      throw detail::HttpError(409, "episode_over",
+                              "the episode of session " + id + " has ended; close it or create a new one");
+    }
+    if (session.busy) throw detail::HttpError(409, "session_busy", "session " + id + " is already running a step");
+    session.busy = true;
+    return found->second;
+  }
+
+  json step_batch(const json& body) {
+    detail::check_object(body, "body", {"steps"});
+    if (!body.contains("steps")) throw detail::bad_request("body.steps: required");
+    const json& steps = body["steps"];
+    if (!steps.is_array()) throw detail::bad_request("body.steps: expected a list");
+    std::vector<std::pair<std::string, std::string>> items;
+    std::set<std::string> seen;
+    for (std::size_t i = 0; i < steps.size(); ++i) {
+      std::string where = "body.steps[" + std::to_string(i) + "]";
+      detail::check_object(steps[i], where, {"session_id", "action"});
+      items.emplace_back(detail::required_string(steps[i], where, "session_id"),
+                         detail::required_string(steps[i], where, "action"));
+      if (!seen.insert(items.back().first).second) {
+        throw detail::bad_request(where + ".session_id: session " + items.back().first +
+                                  " appears twice; each session may appear once per batch");
+      }
+    }
+    json results = json::array();
+    for (const auto& [id, action] : items) {  // in order, one after another
+      try {
+        results.push_back(step(id, action));
+      } catch (const detail::HttpError& e) {
+        results.push_back(detail::failed_step(id, e.type, e.what()));
+      }
+    }
+    return {{"results", results}};
+  }
+
+  json close(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (sessions_.erase(id) == 0) throw unknown_session(id);
+    return {{"session_id", id}, {"closed", true}};
+  }
+
+  static detail::HttpError unknown_session(const std::string& id) {
+    return detail::HttpError(404, "unknown_session",
+                             "no open session '" + id + "' (closed, expired, failed or never created)");
+  }
+
+  static void check_info(json& info) {
+    if (info.is_null()) info = json::object();
+    if (!info.is_object()) throw std::runtime_error("info must be a JSON object, got " + info.dump());
+  }
+
+  // Removes `id` if it is still `session` (a DELETE may have closed it, and a new one cannot reuse the id).
+  void remove_session(const std::string& id, const std::shared_ptr<Session>& session) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = sessions_.find(id);
+    if (found != sessions_.end() && found->second == session) sessions_.erase(found);
+  }
+
+  // Closes sessions without a step for idle_timeout_s, checking a few times per timeout, until stop().
+  void expire_idle_sessions() {
+    const auto timeout = std::chrono::duration<double>(options_.idle_timeout_s);
+    const auto period = std::chrono::duration<double>(std::clamp(options_.idle_timeout_s / 4, 0.05, 5.0));
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stopped_.wait_for(lock, period, [this] { return stopping_; })) {
+      const auto cutoff = std::chrono::steady_clock::now() - timeout;
+      for (auto it = sessions_.begin(); it != sessions_.end();) {
+        bool idle = !it->second->busy && it->second->last_used < cutoff;
+        it = idle ? sessions_.erase(it) : std::next(it);
+      }
+    }
+  }
+
+  ServerOptions options_;
+  httplib::Server http_;
+  std::atomic<int> port_{0};
+  std::mutex mutex_;  // guards everything below, and each Session's busy/done/last_used
+  std::condition_variable stopped_;
+  bool stopping_ = false;
+  std::map<std::string, Registered> envs_;
+  std::unordered_map<std::string, std::shared_ptr<Session>> sessions_;
+  std::size_t opening_ = 0;  // creations between taking a place and registering their session
+};
+
+// -- command line -----------------------------------------------------------------------------------------
+
+inline const char* server_options_usage() {
+  return "options:\n"
+         "  --host HOST               address to listen on (default 127.0.0.1)\n"
+         "  --port N                  port, 0 = any free port (default 8765)\n"
+         "  --threads N               request threads (default 64)\n"
+         "  --max-sessions N          open sessions at most (default 4096)\n"
+         "  --max-body-bytes N        request body size limit (default 8388608)\n"
+         "  --max-action-chars N      action length limit in characters (default 65536)\n"
+         "  --idle-timeout SECONDS    close sessions without a step for this long (default 600)\n";
+}
+
+namespace detail {
+
+inline unsigned long long parse_count(const std::string& flag, const std::string& text, unsigned long long min,
+                                      unsigned long long max) {
+  std::size_t used = 0;
+  unsigned long long value = 0;
+  try {
+    if (!text.empty() && text[0] != '-') value = std::stoull(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size() || value < min || value > max) {
+    throw std::invalid_argument(flag + ": expected an integer from " + std::to_string(min) + " to " +
+                                std::to_string(max) + ", got '" + text + "'");
+  }
+  return value;
+}
+
+inline double parse_seconds(const std::string& flag, const std::string& text) {
+  std::size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size() || !std::isfinite(value) || value <= 0) {
+    throw std::invalid_argument(flag + ": expected a number of seconds > 0, got '" + text + "'");
+  }
+  return value;
+}
+
+}  // namespace detail
+
+// Server options from --host --port --threads --max-sessions --max-body-bytes --max-action-chars
+// --idle-timeout (as "--flag value" or "--flag=value"); std::invalid_argument names the flag at fault.
+inline ServerOptions parse_server_options(int argc, const char* const* argv) {
+  ServerOptions options;
+  constexpr auto kMaxSize = static_cast<unsigned long long>(SIZE_MAX);
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i], value;
+    if (auto eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = flag.substr(eq + 1);
+      flag.resize(eq);
+    } else if (flag.rfind("--", 0) != 0) {
+      throw std::invalid_argument("unexpected argument '" + flag + "' (flags start with --)");
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      throw std::invalid_argument(flag + ": missing value");
+    }
+    if (flag == "--host") {
+      if (value.empty()) throw std::invalid_argument("--host: expected an address, got ''");
+      options.host = value;
+    } else if (flag == "--port") {
+      options.port = static_cast<int>(detail::parse_count(flag, value, 0, 65535));
+    } else if (flag == "--threads") {
+      options.threads = static_cast<int>(detail::parse_count(flag, value, 1, 4096));
+    } else if (flag == "--max-sessions") {
+      options.max_sessions = detail::parse_count(flag, value, 1, kMaxSize);
+    } else if (flag == "--max-body-bytes") {
+      options.max_body_bytes = detail::parse_count(flag, value, 1, kMaxSize);
+    } else if (flag == "--max-action-chars") {
+      options.max_action_chars = detail::parse_count(flag, value, 1, kMaxSize);
+    } else if (flag == "--idle-timeout") {
+      options.idle_timeout_s = detail::parse_seconds(flag, value);
+    } else {
+      throw std::invalid_argument("unknown flag " + flag);
+    }
+  }
+  return options;
+}
+
+// parse_server_options for main(): --help prints the usage and exits 0; a bad flag prints
+// "PROGRAM: error: ..." and the usage to stderr and exits 2.
+inline ServerOptions parse_server_options_or_exit(int argc, char** argv) {
+  std::string program = argc > 0 ? argv[0] : "env-server";
+  for (int i = 1; i < argc; ++i) {
+    if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
+      std::cout << "usage: " << program << " [options]\n" << server_options_usage();
+      std::exit(0);
+    }
+  }
+  try {
+    return parse_server_options(argc, argv);
+  } catch (const std::invalid_argument& e) {
+    std::cerr << program << ": error: " << e.what() << "\n" << server_options_usage();
+    std::exit(2);
+  }
+}
+
+}  // namespace areal_agents
