@@ -105,6 +105,12 @@ def cmd_serve_env(args: argparse.Namespace) -> None:
     serve(cfg)
 
 
+def cmd_check_env_server(args: argparse.Namespace) -> int:
+    from areal_agents.envs.runtime.conformance import run_cli
+
+    return run_cli(args.url, args.env_id, args.kwargs, args.action, args.max_steps, args.session_probe_limit)
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from pathlib import Path
 
@@ -378,6 +384,19 @@ def _add_serve_env(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--module", action="append", default=[], help="import this module first (registers ids)")
     p.set_defaults(fn=cmd_serve_env)
 
+    p = sub.add_parser(
+        "check-env-server",
+        help="check a running env-step server, in any language, against the protocol (conformance suite)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("url", help="the server, e.g. http://127.0.0.1:8765")
+    p.add_argument("--env-id", default="", help="the env to play (default: the first /v1/envs lists)")
+    p.add_argument("--kwargs", default="{}", help="its kwargs, as a JSON object")
+    p.add_argument("--action", default="0", help="the action every step sends; episodes must end within --max-steps")
+    p.add_argument("--max-steps", type=int, default=64, help="steps an episode may take")
+    p.add_argument("--session-probe-limit", type=int, default=256, help="fill the session cap when it is this or less")
+    p.set_defaults(fn=cmd_check_env_server)
+
 
 def _add_serve_model(sub: argparse._SubParsersAction) -> None:
     """``serve-model``: a model over SGLang's native HTTP API on CPU."""
@@ -445,14 +464,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # `module:Class` and env.module name files in the working directory
     try:
-        args.fn(args)
+        return args.fn(args) or 0
     except ArealAgentsError as e:
         print(f"areal-agents {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"areal-agents {args.command}: interrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

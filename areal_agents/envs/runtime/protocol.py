@@ -88,9 +88,18 @@ class EnvList(BaseModel):
     envs: list[EnvInfo]
 
 
+class Limits(BaseModel):
+    max_sessions: int = Field(description="open sessions at most; one more creation is 429 too_many_sessions")
+    max_body_bytes: int = Field(description="request bodies at most; a larger one is 413 payload_too_large")
+    max_action_chars: int = Field(description="an action's characters at most; a longer one is 400 action_too_long")
+    idle_timeout_s: float = Field(description="a session with no step for this long is closed")
+
+
 class Health(BaseModel):
     status: str
+    protocol: str = Field(description=f"the env-step protocol version the server speaks ({PROTOCOL_VERSION})")
     sessions_open: int
+    limits: Limits
 
 
 class ErrorResponse(BaseModel):

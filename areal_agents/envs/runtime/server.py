@@ -36,6 +36,7 @@ from areal_agents.envs.runtime.protocol import (
     SessionCreated,
     StepRequest,
     StepResult,
+    PROTOCOL_VERSION,
     dumps,
 )
 from areal_agents.errors import ArealAgentsError, EnvError, UnknownEnvError
@@ -117,6 +118,17 @@ class EnvServer:
         self.sessions: dict[str, Session] = {}
         self.opening = 0  # creations between the cap check and their session's registration
         self.metrics = Metrics()
+
+    def health(self) -> dict[str, Any]:
+        """/health: the protocol version and the limits, so a client (or the conformance suite) knows them."""
+        cfg = self.cfg
+        limits = {
+            "max_sessions": cfg.max_sessions,
+            "max_body_bytes": cfg.max_body_bytes,
+            "max_action_chars": cfg.max_action_chars,
+            "idle_timeout_s": cfg.idle_timeout,
+        }
+        return {"status": "ok", "protocol": PROTOCOL_VERSION, "sessions_open": len(self.sessions), "limits": limits}
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -359,7 +371,7 @@ def build_app(server: EnvServer) -> FastAPI:
 
     @app.get("/health", response_model=Health)
     async def health() -> Response:
-        return _json({"status": "ok", "sessions_open": len(server.sessions)})
+        return _json(server.health())
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,0 +1,154 @@
+"""The conformance suite's HTTP side: one `Probe` per run (a client, the server's limits, the env under test)
+and the shape checks every reply goes through. The checks themselves are in `conformance`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+STEP_FIELDS = {"session_id": str, "observation": str, "reward": (int, float), "terminated": bool, "truncated": bool}
+
+
+class Violation(Exception):
+    """A rule of docs/env-protocol.md that the server broke; the message says which, and what came back."""
+
+
+class NotTestable(Exception):
+    """The rule cannot be checked against this server as configured (the message says why and what to pass)."""
+
+
+@dataclass
+class Reply:
+    status: int
+    body: Any
+    text: str
+    content_type: str
+
+    def describe(self) -> str:
+        return f"HTTP {self.status} {self.text[:300]!r}"
+
+
+@dataclass
+class Probe:
+    """What the checks share: the server, the env they play and how, and its reported limits."""
+
+    url: str
+    env_id: str = ""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    action: str = "0"
+    max_steps: int = 64
+    session_probe_limit: int = 256
+    limits: dict[str, Any] = field(default_factory=dict)
+    client: aiohttp.ClientSession | None = None
+    not_json: list[str] = field(default_factory=list)  # replies whose Content-Type was not JSON
+
+    async def request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None) -> Reply:
+        """One request; ``raw`` sends those bytes as the body as they are (malformed JSON, oversized bodies)."""
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        async with self.client.request(method, self.url + path, data=data, headers=headers) as response:
+            return await self._read(method, path, response)
+
+    async def request_chunked(self, path: str, chunks: AsyncIterator[bytes]) -> Reply:
+        """A POST whose body goes with ``Transfer-Encoding: chunked`` (no Content-Length)."""
+        headers = {"Content-Type": "application/json"}
+        async with self.client.post(self.url + path, data=chunks, headers=headers) as response:
+            return await self._read("POST", path, response)
+
+    async def _read(self, method: str, path: str, response: aiohttp.ClientResponse) -> Reply:
+        text = await response.text()
+        content_type = response.headers.get("Content-Type", "")
+        if "application/json" not in content_type and len(self.not_json) < 5:
+            self.not_json.append(f"{method} {path} -> {response.status} with Content-Type {content_type!r}")
+        try:
+            body = json.loads(text) if text else None
+        except ValueError:
+            body = None
+        return Reply(response.status, body, text, content_type)
+
+    # -- the requests the checks make most ---------------------------------------------------------
+
+    async def create(self, seed: int | None = 0, **extra: Any) -> dict[str, Any]:
+        """Open a session of the env under test; its reply, checked for shape."""
+        body = {"env_id": self.env_id, "kwargs": self.kwargs, "seed": seed, **extra}
+        reply = await self.request("POST", "/v1/sessions", body)
+        created = expect_ok(reply, f"POST /v1/sessions {json.dumps(body)[:200]}")
+        check_fields(created, {"session_id": str, "observation": str, "info": dict}, "the created session")
+        if not created["session_id"]:
+            raise Violation("POST /v1/sessions: session_id is empty")
+        return created
+
+    async def step(self, sid: str, action: str | None = None) -> Reply:
+        return await self.request(
+            "POST", f"/v1/sessions/{sid}/step", {"action": self.action if action is None else action}
+        )
+
+    async def step_ok(self, sid: str, action: str | None = None) -> dict[str, Any]:
+        result = expect_ok(await self.step(sid, action), f"POST /v1/sessions/{sid}/step")
+        check_step_result(result, sid, "the step's reply")
+        return result
+
+    async def close(self, sid: str) -> Reply:
+        return await self.request("DELETE", f"/v1/sessions/{sid}")
+
+    async def sessions_open(self) -> int:
+        return expect_ok(await self.request("GET", "/health"), "GET /health")["sessions_open"]
+
+
+def expect_ok(reply: Reply, what: str) -> Any:
+    if reply.status != 200 or not isinstance(reply.body, dict):
+        raise Violation(f"{what}: expected 200 with a JSON object, got {reply.describe()}")
+    return reply.body
+
+
+def expect_error(reply: Reply, status: int, type_: str, what: str, names: str = "") -> None:
+    """``reply`` refused the request as the protocol says: ``status``, ``{"error": {"type", "message"}}``, and
+    a message that names ``names`` when given (the field or key at fault)."""
+    error = reply.body.get("error") if isinstance(reply.body, dict) else None
+    if reply.status != status or not isinstance(error, dict) or error.get("type") != type_:
+        raise Violation(f"{what}: expected {status} with error type {type_!r}, got {reply.describe()}")
+    message = error.get("message")
+    if not isinstance(message, str) or not message:
+        raise Violation(f"{what}: the error has no message: {reply.describe()}")
+    if names and names not in message:
+        raise Violation(f"{what}: the error message should name {names!r}: {message!r}")
+
+
+def check_fields(obj: Any, fields: dict[str, Any], what: str) -> None:
+    if not isinstance(obj, dict):
+        raise Violation(f"{what} is not a JSON object: {obj!r}")
+    for key, kind in fields.items():
+        if key not in obj:
+            raise Violation(f"{what} has no {key!r}: {json.dumps(obj)[:300]}")
+        value = obj[key]
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise Violation(f"{what}: {key!r} should be {_kind_name(kind)}, got {value!r}")
+
+
+def check_step_result(result: Any, sid: str, what: str, *, failed: bool = False) -> None:
+    """The StepResult shape; ``failed``: a refused batch item (error set, episode over) rather than a normal step."""
+    check_fields(result, {**STEP_FIELDS, "info": dict}, what)
+    if "error" not in result:
+        raise Violation(f"{what} has no 'error' (null for a normal step): {json.dumps(result)[:300]}")
+    if result["session_id"] != sid:
+        raise Violation(f"{what}: session_id is {result['session_id']!r}, expected {sid!r}")
+    if failed:
+        check_fields(result["error"], {"type": str, "message": str}, f"{what}'s error")
+        if not result["terminated"]:
+            raise Violation(f"{what}: a failed step must end the episode (terminated true): {json.dumps(result)}")
+    elif result["error"] is not None:
+        raise Violation(f"{what}: error should be null, got {result['error']!r}")
+
+
+def trajectory_step(result: dict[str, Any]) -> tuple:
+    """What must repeat when an episode is replayed with the same seed and actions."""
+    return (result["observation"], float(result["reward"]), result["terminated"], result["truncated"], result["info"])
+
+
+def _kind_name(kind: Any) -> str:
+    names = {str: "a string", bool: "a boolean", dict: "an object", list: "a list", int: "an integer"}
+    return "a number" if kind == (int, float) else names.get(kind, str(kind))
