@@ -11,6 +11,9 @@
 # too) for engine.backend=sglang (engine.sglang_python=.venv-sglang/bin/python; docs/sglang.md). NVIDIA
 # machines only: SGLang has no CPU build on PyPI (serve-model speaks its API on CPU).
 #
+# --with-sdks: also the C++ and Java SDKs' toolchains (sdk/, docs/env-protocol.md) from Debian's packages, as
+# root: g++, cmake, pkg-config, cpp-httplib, nlohmann-json and a JDK. The test script passes it.
+#
 # torch: a torch already in .venv (>= 2.6) is kept, so a GPU user installs the CUDA build they want first.
 # Otherwise, on a machine without an NVIDIA GPU, the CPU build from PyTorch's own index (PyPI's default
 # Linux build bundles CUDA: several GB); if that index is unreachable, the default index (pip's own
@@ -95,6 +98,24 @@ install_vllm() {
   echo "setup: vLLM ready in $VLLM_VENV ($(vllm_requirement))"
 }
 
+SDK_PACKAGES="g++ cmake pkg-config libcpp-httplib-dev nlohmann-json3-dev default-jdk-headless"
+
+sdk_tools_ready() {
+  command -v g++ >/dev/null && command -v cmake >/dev/null && command -v javac >/dev/null \
+    && pkg-config --exists cpp-httplib 2>/dev/null && [ -f /usr/include/nlohmann/json.hpp ]
+}
+
+install_sdk_tools() {
+  sdk_tools_ready && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    # shellcheck disable=SC2086  # the package list is meant to split
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $SDK_PACKAGES >/dev/null
+    echo "setup: the C++ and Java SDKs' toolchains are installed ($SDK_PACKAGES)"
+  else
+    echo "setup: warning: the C++/Java SDK tests need: sudo apt-get install -y $SDK_PACKAGES" >&2
+  fi
+}
+
 SGLANG_NEEDS_GPU="setup: --with-sglang needs an NVIDIA GPU (SGLang has no CPU build on PyPI); on CPU,
 engine.backend=serve-model speaks SGLang's API and engine.backend=vllm runs vLLM's CPU build (--with-vllm)"
 
@@ -109,12 +130,13 @@ install_sglang() {
 }
 
 main() {
-  local with_vllm=0 with_sglang=0
+  local with_vllm=0 with_sglang=0 with_sdks=0
   for arg in "$@"; do
     case "$arg" in
       --with-vllm) with_vllm=1 ;;
       --with-sglang) with_sglang=1 ;;
-      *) echo "setup: unknown argument $arg (expected --with-vllm or --with-sglang)" >&2; return 2 ;;
+      --with-sdks) with_sdks=1 ;;
+      *) echo "setup: unknown argument $arg (expected --with-vllm, --with-sglang or --with-sdks)" >&2; return 2 ;;
     esac
   done
   if [ "$with_sglang" = 1 ] && ! has_nvidia_gpu; then  # fail now, not after installing .venv
@@ -136,6 +158,9 @@ main() {
     else
       echo "setup: warning: bubblewrap (bwrap) is missing; install it: sudo apt-get install -y bubblewrap" >&2
     fi
+  fi
+  if [ "$with_sdks" = 1 ]; then
+    install_sdk_tools
   fi
   if [ "$with_vllm" = 1 ]; then
     install_vllm "$python"

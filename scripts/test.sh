@@ -4,7 +4,8 @@
 # slowest 15 tests are listed at the end, to keep CI's hour in view.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --with-vllm || exit 1  # vLLM in .venv-vllm: tests/engines/test_remote_engines.py
+# vLLM in .venv-vllm (tests/engines/test_remote_engines.py); the C++/Java toolchains (tests/sdk/)
+bash scripts/setup.sh --with-vllm --with-sdks || exit 1
 if [ "$#" -eq 0 ]; then
   set -- -m "slow or not slow" --durations=15
 fi
