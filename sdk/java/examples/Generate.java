@@ -1,7 +1,11 @@
 import arealagents.Json;
 import arealagents.ModelClient;
 import arealagents.ProtocolException;
+import java.io.FileDescriptor;
+import java.io.FileOutputStream;
 import java.io.IOException;
+import java.io.PrintStream;
+import java.nio.charset.StandardCharsets;
 import java.util.Arrays;
 import java.util.List;
 import java.util.Map;
@@ -17,6 +21,10 @@ import java.util.Map;
  * </pre>
  */
 public final class Generate {
+    /** UTF-8 whatever the locale, so observations and replies print intact. */
+    private static final PrintStream OUT =
+            new PrintStream(new FileOutputStream(FileDescriptor.out), true, StandardCharsets.UTF_8);
+
     public static void main(String[] argv) throws IOException {
         List<String> args = Arrays.asList(argv);
         int maxNewTokens = 16;
@@ -48,17 +56,17 @@ public final class Generate {
     }
 
     private static void print(ModelClient.Generation g) {
-        System.out.println("text " + Json.write(g.text()));
-        System.out.println("output_ids " + Json.write(g.outputIds()));
-        System.out.println("logprobs " + Json.write(g.logprobs()));
-        System.out.println("finish_reason " + g.finishReason());
-        System.out.println("weight_version " + g.weightVersion());
+        OUT.println("text " + Json.write(g.text()));
+        OUT.println("output_ids " + Json.write(g.outputIds()));
+        OUT.println("logprobs " + Json.write(g.logprobs()));
+        OUT.println("finish_reason " + g.finishReason());
+        OUT.println("weight_version " + g.weightVersion());
     }
 
     private static void chat(ModelClient model, String message, int maxTokens, double temperature) throws IOException {
         ModelClient.ChatReply reply = model.chat(List.of(Map.of("role", "user", "content", message)), maxTokens,
                 temperature);
-        System.out.println("content " + Json.write(reply.content()));
-        System.out.println("finish_reason " + reply.finishReason());
+        OUT.println("content " + Json.write(reply.content()));
+        OUT.println("finish_reason " + reply.finishReason());
     }
 }

@@ -1,7 +1,11 @@
 import arealagents.EnvClient;
 import arealagents.Json;
 import arealagents.ProtocolException;
+import java.io.FileDescriptor;
+import java.io.FileOutputStream;
 import java.io.IOException;
+import java.io.PrintStream;
+import java.nio.charset.StandardCharsets;
 import java.util.Arrays;
 import java.util.List;
 import java.util.Map;
@@ -15,6 +19,10 @@ import java.util.Map;
  * A refused request prints {@code error: STATUS TYPE: MESSAGE} on one line and exits with status 1.
  */
 public final class PlayEpisode {
+    /** UTF-8 whatever the locale, so observations and replies print intact. */
+    private static final PrintStream OUT =
+            new PrintStream(new FileOutputStream(FileDescriptor.out), true, StandardCharsets.UTF_8);
+
     public static void main(String[] argv) throws IOException {
         List<String> args = Arrays.asList(argv);
         Map<String, Object> kwargs = Map.of();
@@ -38,13 +46,13 @@ public final class PlayEpisode {
     private static void play(EnvClient envs, String envId, Map<String, Object> kwargs, long seed, List<String> actions)
             throws IOException {
         EnvClient.Created session = envs.create(envId, kwargs, seed, null);
-        System.out.println("observation " + Json.write(session.observation()));
+        OUT.println("observation " + Json.write(session.observation()));
         try {
             for (String action : actions) {
                 EnvClient.StepResult r = envs.step(session.sessionId(), action);
-                System.out.println("observation " + Json.write(r.observation()) + " reward " + r.reward()
+                OUT.println("observation " + Json.write(r.observation()) + " reward " + r.reward()
                         + " terminated " + r.terminated() + " truncated " + r.truncated());
-                if (r.error() != null) System.out.println("error " + Json.write(r.error()));
+                if (r.error() != null) OUT.println("error " + Json.write(r.error()));
                 if (r.done() || r.error() != null) return;
             }
         } finally {

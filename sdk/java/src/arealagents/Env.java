@@ -10,7 +10,8 @@ import java.util.Map;
  * kwargs/seed/options (the client gets a 400); any other exception ends the session as an {@code env_error}.
  */
 public interface Env {
-    /** The first observation of an episode; {@code seed} is null when the client asked for none. */
+    /** The first observation of an episode; {@code seed} is null when the client asked for none, {@code options}
+     * is never null (empty when none were sent). */
     Reset reset(Long seed, Map<String, Object> options);
 
     /** The result of acting with {@code action} (the model's text). */

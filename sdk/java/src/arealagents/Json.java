@@ -248,8 +248,8 @@ public final class Json {
                 case '\r': out.append("\\r"); break;
                 case '\t': out.append("\\t"); break;
                 default:
-                    if (c < 0x20 || Character.isSurrogate(c) && !pairedSurrogate(s, i)) {
-                        out.append(String.format("\\u%04x", (int) c)); // lone surrogates stay valid as escapes
+                    if (c < 0x20 || c == 0x2028 || c == 0x2029 || Character.isSurrogate(c) && !pairedSurrogate(s, i)) {
+                        out.append(String.format("\\u%04x", (int) c)); // also safe for JavaScript; lone surrogates kept
                     } else {
                         out.append(c);
                     }

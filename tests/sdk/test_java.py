@@ -1,0 +1,327 @@
+"""The Java SDK (sdk/java): its EnvServer passes the conformance suite and an RL run trains against it, its
+clients talk to the Python servers (serve-env, serve-model), and its JSON carries unicode and escapes intact."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from areal_agents.cli import main
+from areal_agents.envs import make_env
+from areal_agents.envs.runtime.remote import EnvServerProcess
+from areal_agents.models import load_tokenizer
+from areal_agents.net import free_port, wait_healthy
+
+SDK = Path(__file__).parents[2] / "sdk" / "java"
+GRID = "java/GridPuzzle-v0"
+GRID_LIMITS = ["--max-sessions", "16", "--max-body-bytes", "65536", "--max-action-chars", "1000"]
+NASTY = 'é\n"𝄞\\ \t\u0001 \u2028 end'  # two-byte, escape-worthy, a surrogate pair, a control character
+
+
+@pytest.fixture(scope="module")
+def classes(tmp_path_factory):
+    """The SDK, its examples and the test helpers compiled once (warnings are errors)."""
+    for tool in ("javac", "java"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed (the Java SDK needs a JDK 17)")
+    out = tmp_path_factory.mktemp("java-classes")
+    sources = sorted(str(p) for d in ("src", "examples", "tests") for p in (SDK / d).rglob("*.java"))
+    built = subprocess.run(
+        ["javac", "-Xlint:all,-serial", "-Werror", "-d", str(out), *sources],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stderr
+    return out
+
+
+def java(classes, *args, stdin=None, timeout=120, lang="C"):
+    """A Java main's run, by default in the C locale: the SDK's output must be UTF-8 whatever the platform's
+    default (the JVM decodes argv with the locale's charset, so non-ASCII arguments need a UTF-8 ``lang``)."""
+    env = {**os.environ, "LC_ALL": lang, "LANG": lang}
+    cmd = ["java", "-cp", str(classes), *args]
+    return subprocess.run(cmd, input=stdin, capture_output=True, encoding="utf-8", timeout=timeout, env=env)
+
+
+@contextmanager
+def java_server(classes, main_class, *flags):
+    """A Java env server on a free port, healthy, killed on exit."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["java", "-cp", str(classes), main_class, "--port", str(port), *flags]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if not wait_healthy(url, 60, alive=lambda: proc.poll() is None, poll_s=0.1):
+            pytest.fail(f"{main_class} did not become healthy: {proc.stderr.read() if proc.poll() is not None else ''}")
+        assert proc.stdout.readline().strip() == f"serving envs on {url}"
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def grid_server(classes):
+    with java_server(classes, "GridPuzzle", *GRID_LIMITS) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def probe_server(classes):
+    """ProbeEnvs (test/Echo-v0): the observation is the action; sessions expire after 1.5 s idle."""
+    with java_server(classes, "ProbeEnvs", "--max-sessions", "64", "--idle-timeout", "1.5") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def python_env_server():
+    with EnvServerProcess() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def model_server(tiny_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [sys.executable, "-m", "areal_agents.cli", "serve-model", "--model-path", str(tiny_dir), "--port", str(port)]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        if not wait_healthy(url, 180, alive=lambda: proc.poll() is None):
+            pytest.fail(f"serve-model did not become healthy: {proc.stderr.read() if proc.poll() is not None else ''}")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        proc.stderr.close()
+
+
+# -- the env server ---------------------------------------------------------------------------------
+
+
+def test_grid_puzzle_passes_the_conformance_suite(grid_server):
+    from areal_agents.envs.runtime.conformance import check_env_server
+
+    report = check_env_server(grid_server, env_id=GRID)
+    assert report.ok, "\n".join(report.lines())
+    assert not report.skipped, "\n".join(report.lines())
+
+
+def test_rl_trains_two_steps_against_grid_puzzle(classes, tiny_dir, tmp_path):
+    """A run plays batch_size x group_size episodes at once (and the next batch ahead): more than the
+    conformance server's 16 sessions, so it gets a server of its own."""
+    with java_server(classes, "GridPuzzle", "--max-sessions", "256") as url:
+        run_against(url, tiny_dir, tmp_path)
+
+
+def run_against(grid_server, tiny_dir, tmp_path):
+    config = tmp_path / "rl.yaml"
+    config.write_text(
+        f"run_dir: {tmp_path / 'rl'}\nsteps: 2\nmodel: {{path: {tiny_dir}}}\n"
+        f"env: {{id: {GRID}, backend: server, server_url: {grid_server}, kwargs: {{size: 3, max_turns: 3}}}}\n"
+        "rollout: {batch_size: 4, group_size: 4, max_new_tokens: 4}\n"
+        "ppo: {filter_zero_variance_groups: false}\neval: {num_problems: 4, env_kwargs: {}}\n"
+    )
+    assert main(["train", str(config), "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
+    assert summary["engine_version"] == 2
+    assert summary["episodes"]["accepted"] >= 2 * 4 * 4, summary["episodes"]
+    assert httpx.get(f"{grid_server}/health").json()["sessions_open"] == 0  # the run closed every session
+
+
+def test_grid_puzzle_plays_by_its_rules(classes, grid_server):
+    """Same seed, same grid; the first move named counts; a wall bump keeps the grid with a note; G ends it."""
+    first = java(classes, "PlayEpisode", "--kwargs", '{"size": 2, "max_turns": 9}', grid_server, GRID, "5")
+    grid = json.loads(first.stdout.split(" ", 1)[1].strip())
+    rows = grid.split("\n")[:2]
+    assert rows[-1] != "Move: up, down, left or right." and "".join(rows).count(".") == 2, grid
+    (a_row,) = [r for r, row in enumerate(rows) if "A" in row]
+    a_col, (g_row,) = rows[a_row].index("A"), [r for r, row in enumerate(rows) if "G" in row]
+    g_col = rows[g_row].index("G")
+    bump = "UP then down" if a_row == 0 else "down please"  # a wall either way on a 2x2 grid
+    vertical = "down" if g_row > a_row else "up"
+    horizontal = "right" if g_col > a_col else "left"
+    moves = [m for m, needed in ((vertical, g_row != a_row), (horizontal, g_col != a_col)) if needed]
+    out = java(classes, "PlayEpisode", "--kwargs", '{"size": 2}', grid_server, GRID, "5", "jump", bump, *moves)
+    lines = out.stdout.strip().splitlines()
+    assert out.returncode == 0, out.stderr
+    assert lines[0] == first.stdout.strip().splitlines()[0]  # the seed fixes the grid
+    assert json.loads(lines[1].split(" reward")[0][12:]).startswith("Unknown move.\n" + "\n".join(rows))
+    assert json.loads(lines[2].split(" reward")[0][12:]).startswith("You bumped into a wall.\n" + "\n".join(rows))
+    assert lines[-1].endswith("reward 1.0 terminated true truncated false"), lines
+
+
+def test_bad_kwargs_are_a_400_naming_the_key(grid_server):
+    for kwargs, key in (({"size": "big"}, "kwargs.size"), ({"max_turns": 0}, "kwargs.max_turns"), ({"x": 1}, "x")):
+        reply = httpx.post(f"{grid_server}/v1/sessions", json={"env_id": GRID, "kwargs": kwargs})
+        assert reply.status_code == 400 and reply.json()["error"]["type"] == "bad_request", reply.text
+        assert key in reply.json()["error"]["message"]
+
+
+def test_env_failures_are_reported_and_leave_no_session(probe_server):
+    def create(**body):
+        return httpx.post(f"{probe_server}/v1/sessions", json={"env_id": "test/Echo-v0", **body})
+
+    refused = create(options={"fail": "argument"})
+    assert refused.status_code == 400 and "options.fail" in refused.json()["error"]["message"], refused.text
+    failed = create(options={"fail": "state"})
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "env_error", failed.text
+    sid = create(seed=3).json()["session_id"]
+    result = httpx.post(f"{probe_server}/v1/sessions/{sid}/step", json={"action": "raise"}).json()
+    assert result["error"]["type"] == "env_error" and "asked to raise" in result["error"]["message"]
+    assert (result["terminated"], result["truncated"], result["observation"], result["reward"]) == (True, False, "", 0)
+    gone = httpx.post(f"{probe_server}/v1/sessions/{sid}/step", json={"action": "x"})
+    assert gone.status_code == 404 and gone.json()["error"]["type"] == "unknown_session"
+    assert httpx.get(f"{probe_server}/health").json()["sessions_open"] == 0
+
+
+def test_a_busy_session_is_409_and_batch_items_run_concurrently(probe_server):
+    sids = [
+        httpx.post(f"{probe_server}/v1/sessions", json={"env_id": "test/Echo-v0"}).json()["session_id"]
+        for _ in range(4)
+    ]
+    slow = threading.Thread(
+        target=httpx.post,
+        args=(f"{probe_server}/v1/sessions/{sids[0]}/step",),
+        kwargs={"json": {"action": "sleep 800"}},
+    )
+    slow.start()
+    time.sleep(0.3)
+    busy = httpx.post(f"{probe_server}/v1/sessions/{sids[0]}/step", json={"action": "x"})
+    slow.join()
+    assert busy.status_code == 409 and busy.json()["error"]["type"] == "session_busy", busy.text
+    start = time.monotonic()
+    batch = httpx.post(
+        f"{probe_server}/v1/step", json={"steps": [{"session_id": s, "action": "sleep 600"} for s in sids]}, timeout=30
+    )
+    assert [r["observation"] for r in batch.json()["results"]] == ["sleep 600"] * 4
+    assert time.monotonic() - start < 2.0  # four 0.6 s steps, side by side
+    for sid in sids:
+        httpx.delete(f"{probe_server}/v1/sessions/{sid}")
+
+
+def test_idle_sessions_expire(probe_server):
+    sid = httpx.post(f"{probe_server}/v1/sessions", json={"env_id": "test/Echo-v0"}).json()["session_id"]
+    time.sleep(2.5)  # idle timeout 1.5 s, checked every 0.375 s
+    expired = httpx.post(f"{probe_server}/v1/sessions/{sid}/step", json={"action": "x"})
+    assert expired.status_code == 404 and expired.json()["error"]["type"] == "unknown_session"
+
+
+def test_bad_flags_exit_2_naming_the_flag(classes):
+    for args, flag in ((["--prot", "1"], "--prot"), (["--port", "http"], "--port"), (["--idle-timeout=-1"], "--idle")):
+        out = java(classes, "GridPuzzle", *args, timeout=30)
+        assert out.returncode == 2, out
+        assert flag in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+# -- JSON -----------------------------------------------------------------------------------------
+
+
+def test_json_round_trips_and_names_the_position_of_errors(classes):
+    docs = [
+        {"s": NASTY, "nested": [1, -2, 3.5, 1e-7, 12345678901234, None, True, False, {"": []}], "é": {"x": {}}},
+        [],
+        "\U0001d11e",
+        -0.25,
+        {"big": 2**63, "order": {"b": 1, "a": 2}},
+    ]
+    lines = [json.dumps(d, ensure_ascii=ascii_only) for d in docs for ascii_only in (True, False)]
+    bad = ['{"a": 1,}', "[1 2]", '"\\x"', '{"a" 1}', "01", '"abc', "tru", "[1] x", "-", '"\t"']
+    out = java(classes, "JsonEcho", stdin="\n".join(lines + bad) + "\n")
+    replies = out.stdout.split("\n")[:-1]  # not splitlines: U+2028 is a line break to Python
+    assert out.returncode == 0 and len(replies) == len(lines) + len(bad), out
+    for line, reply in zip(lines, replies):
+        assert json.loads(reply) == json.loads(line)
+        assert list(json.loads(reply)) == list(json.loads(line)) if reply.startswith("{") else True  # key order
+    for line, reply in zip(bad, replies[len(lines) :]):
+        assert re.fullmatch(r"error: .+ at position \d+", reply), (line, reply)
+
+
+def test_unicode_and_escapes_survive_the_server_and_the_client(classes, probe_server):
+    created = httpx.post(
+        f"{probe_server}/v1/sessions",
+        json={"env_id": "test/Echo-v0", "seed": 7, "kwargs": {"k": [NASTY, {"n": 1.5}]}, "options": {"o": None}},
+    ).json()
+    assert created["observation"] == "seed 7"
+    assert created["info"] == {"kwargs": {"k": [NASTY, {"n": 1.5}]}, "options": {"o": None}}
+    step = httpx.post(f"{probe_server}/v1/sessions/{created['session_id']}/step", json={"action": NASTY}).json()
+    assert step["observation"] == NASTY and step["info"] == {"action": NASTY}
+    out = java(classes, "PlayEpisode", probe_server, "test/Echo-v0", "1", NASTY, "end", lang="C.UTF-8")
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0, out.stderr
+    assert json.loads(lines[1].removeprefix("observation ").split(" reward ")[0]) == NASTY
+    assert lines[2] == 'observation "end" reward 0.5 terminated true truncated false'
+
+
+# -- the clients against the Python servers -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_play_episode_solves_arithmetic_on_python_serve_env(classes, python_env_server, seed):
+    problem = make_env("areal_agents/Arithmetic-v0").reset(seed=seed)[0]
+    a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)=", problem).groups()
+    answer = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+    out = java(classes, "PlayEpisode", python_env_server, "areal_agents/Arithmetic-v0", str(seed), str(answer))
+    assert out.returncode == 0, out.stderr
+    first, result = out.stdout.strip().splitlines()
+    assert first == f"observation {json.dumps(problem)}"
+    assert result.endswith("reward 1.0 terminated true truncated false"), result
+    wrong = java(classes, "PlayEpisode", python_env_server, "areal_agents/Arithmetic-v0", str(seed), str(answer + 1))
+    assert "reward 0.0 terminated true" in wrong.stdout
+
+
+def test_play_episode_reports_an_unknown_env_in_one_line(classes, python_env_server):
+    out = java(classes, "PlayEpisode", python_env_server, "nope/Missing-v0", "1", "x")
+    assert out.returncode != 0
+    assert re.fullmatch(r"error: 404 unknown_env: .*nope/Missing-v0.*\n", out.stderr), out.stderr
+
+
+def test_generate_from_ids_and_text_agree_with_a_python_client(classes, model_server, tiny_dir):
+    prompt = "12+30="
+    ids = load_tokenizer(tiny_dir).encode(prompt, add_special_tokens=False)
+
+    def generated(*args):
+        out = java(classes, "Generate", "--max-new-tokens", "6", model_server, *args)
+        assert out.returncode == 0, out.stderr
+        return dict(line.split(" ", 1) for line in out.stdout.splitlines())
+
+    from_ids = generated("--ids", ",".join(map(str, ids)))
+    from_text = generated(prompt)
+    python = httpx.post(
+        f"{model_server}/generate",
+        json={"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0}, "return_logprob": True},
+        timeout=120,
+    ).json()
+    assert json.loads(from_ids["output_ids"]) == json.loads(from_text["output_ids"]) == python["output_ids"]
+    assert json.loads(from_ids["text"]) == python["text"]
+    assert from_ids["finish_reason"] == python["meta_info"]["finish_reason"]["type"]
+    assert from_ids["weight_version"] == str(python["meta_info"]["weight_version"])
+    expected = [lp for lp, _, _ in python["meta_info"]["output_token_logprobs"]]
+    assert json.loads(from_ids["logprobs"]) == pytest.approx(expected, abs=1e-5)
+
+
+def test_chat_returns_content_and_finish_reason(classes, model_server):
+    out = java(classes, "Generate", "--max-new-tokens", "5", model_server, "--chat", "3+4?")
+    assert out.returncode == 0, out.stderr
+    reply = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert isinstance(json.loads(reply["content"]), str)
+    assert reply["finish_reason"] in ("stop", "length")
