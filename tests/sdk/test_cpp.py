@@ -1,0 +1,426 @@
+"""The C++ SDK (sdk/cpp): its env server against the conformance suite and a training run, its env client
+against the Python serve-env, its model client against serve-model, and its typed errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import selectors
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from areal_agents.cli import main
+from areal_agents.envs import make_env
+from areal_agents.envs.runtime.remote import EnvServerProcess
+from areal_agents.models import load_tokenizer
+from areal_agents.net import free_port, wait_healthy
+
+SDK = Path(__file__).resolve().parents[2] / "sdk" / "cpp"
+GUESS = "cpp/GuessNumber-v0"
+LIMITS = ["--max-sessions", "16", "--max-body-bytes", "65536", "--max-action-chars", "1000"]
+
+
+def require_toolchain() -> None:
+    """Skip (a failure under CI=true) when the compiler, cmake or the Debian packages are missing."""
+    missing = [tool for tool in ("g++", "cmake", "pkg-config") if shutil.which(tool) is None]
+    if not missing:
+        for package in ("cpp-httplib", "nlohmann_json"):
+            if subprocess.run(["pkg-config", "--exists", package], timeout=30).returncode != 0:
+                missing.append(f"{package} (Debian: libcpp-httplib-dev / nlohmann-json3-dev)")
+    if missing:
+        pytest.skip(f"the C++ SDK needs {', '.join(missing)}")
+
+
+def run_checked(args: list[str], timeout: float) -> None:
+    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(args)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory) -> Path:
+    """The SDK's examples, built once (the directory holding guess_number, play_episode and generate)."""
+    require_toolchain()
+    out = tmp_path_factory.mktemp("cpp-build")
+    run_checked(["cmake", "-S", str(SDK), "-B", str(out)], timeout=120)
+    run_checked(["cmake", "--build", str(out), "-j2"], timeout=600)
+    return out
+
+
+class CppServer:
+    """A C++ env server binary on a free port, healthy, stopped on exit."""
+
+    def __init__(self, binary: Path, *args: str) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.process = subprocess.Popen(
+            [str(binary), "--port", str(port), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        if not wait_healthy(self.url, 30, alive=lambda: self.process.poll() is None, poll_s=0.05):
+            self.stop()
+            pytest.fail(f"{binary.name} did not become healthy: {self.process.stderr.read()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self.process.stdout.close()
+        self.process.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def guess_server(build):
+    server = CppServer(build / "guess_number", *LIMITS)
+    yield server
+    server.stop()
+
+
+def create(url: str, **body) -> requests.Response:
+    return requests.post(f"{url}/v1/sessions", json=body, timeout=30)
+
+
+def step(url: str, sid: str, action: str) -> requests.Response:
+    return requests.post(f"{url}/v1/sessions/{sid}/step", json={"action": action}, timeout=30)
+
+
+# -- the env server ------------------------------------------------------------------------------------------
+
+
+def test_guess_number_passes_the_conformance_suite(guess_server):
+    from areal_agents.envs.runtime.conformance import check_env_server
+
+    report = check_env_server(guess_server.url, env_id=GUESS)
+    assert report.ok and not report.skipped, "\n".join(report.lines())
+
+
+def test_guess_number_plays_by_its_rules(guess_server):
+    url, kwargs = guess_server.url, {"low": 1, "high": 3, "max_turns": 3}
+    first = create(url, env_id=GUESS, kwargs=kwargs, seed=11).json()
+    assert first["observation"] == "Guess the number between 1 and 3." and first["info"] == {"turn": 0}
+    missed = [step(url, first["session_id"], "no idea").json() for _ in range(3)]
+    assert [r["observation"] for r in missed] == ["Not a number."] * 3 and [r["reward"] for r in missed] == [0.0] * 3
+    assert [r["info"].get("secret") for r in missed[:2]] == [None, None]  # the secret shows once the episode ended
+    assert missed[2]["truncated"] and not missed[2]["terminated"]
+    secret = missed[2]["info"]["secret"]
+
+    again = create(url, env_id=GUESS, kwargs=kwargs, seed=11).json()  # the same seed: the same secret
+    wrong = 2 if secret != 2 else 1
+    hint = step(url, again["session_id"], str(wrong)).json()
+    assert hint["observation"] == ("Higher." if wrong < secret else "Lower.") and hint["info"] == {"turn": 1}
+    solved = step(url, again["session_id"], f"I say {secret}, not 9").json()  # the first integer counts
+    assert (solved["observation"], solved["reward"], solved["terminated"], solved["truncated"]) == (
+        "Correct!",
+        1.0,
+        True,
+        False,
+    )
+    assert solved["info"] == {"turn": 2, "secret": secret}
+    for sid in (first["session_id"], again["session_id"]):
+        assert requests.delete(f"{url}/v1/sessions/{sid}", timeout=30).json() == {"session_id": sid, "closed": True}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"high": "ten"}, "high"),
+        ({"color": 1}, "color"),
+        ({"low": 5, "high": 1}, "low"),
+        ({"max_turns": 0}, "max_turns"),
+    ],
+)
+def test_bad_kwargs_are_a_400_naming_the_key(guess_server, kwargs, named):
+    reply = create(guess_server.url, env_id=GUESS, kwargs=kwargs)
+    assert reply.status_code == 400 and reply.json()["error"]["type"] == "bad_request"
+    assert named in reply.json()["error"]["message"]
+
+
+def test_port_zero_picks_a_free_port_and_prints_it(build):
+    process = subprocess.Popen([str(build / "guess_number"), "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(process.stdout, selectors.EVENT_READ)
+            assert selector.select(timeout=30), "guess_number printed nothing within 30 s"
+        line = process.stdout.readline()
+        match = re.fullmatch(r"serving envs on (http://127\.0\.0\.1:(\d+))\n", line)
+        assert match and int(match[2]) > 0, line
+        assert requests.get(f"{match[1]}/health", timeout=10).json()["status"] == "ok"
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+        process.stdout.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--max-sessions", "x"], "--max-sessions"),
+        (["--port", "70000"], "--port"),
+        (["--idle-timeout", "-1"], "--idle-timeout"),
+        (["--threads"], "--threads"),
+        (["--max-sesions", "4"], "--max-sesions"),
+    ],
+)
+def test_a_bad_flag_exits_non_zero_naming_it(build, args, named):
+    done = subprocess.run([str(build / "guess_number"), *args], capture_output=True, text=True, timeout=30)
+    first_line = done.stderr.splitlines()[0]
+    assert done.returncode == 2 and "error:" in first_line and named in first_line, done.stderr
+
+
+FAULTY_ENV = r"""
+#include <areal_agents/env_server.hpp>
+#include <thread>
+
+// Fails where kwargs["fail"] says: make, make_invalid, reset, step, nan, info; "slow" steps take 1 s.
+class Faulty : public areal_agents::Env {
+ public:
+  explicit Faulty(std::string fail) : fail_(std::move(fail)) {
+    if (fail_ == "make") throw std::runtime_error("no GPU here");
+    if (fail_ == "make_invalid") throw std::invalid_argument("fail: not today");
+  }
+  areal_agents::Reset reset(std::optional<std::uint64_t>, const nlohmann::json&) override {
+    if (fail_ == "reset") throw std::logic_error("reset broke");
+    return {"go", {}};
+  }
+  areal_agents::Step step(const std::string&) override {
+    if (fail_ == "step") throw std::runtime_error("step broke");
+    if (fail_ == "slow") std::this_thread::sleep_for(std::chrono::seconds(1));
+    areal_agents::Step out{"ok", 0.5, false, false, {{"n", 1}}};
+    if (fail_ == "nan") out.reward = std::nan("");
+    if (fail_ == "info") out.info = 3;
+    return out;
+  }
+ private:
+  std::string fail_;
+};
+
+int main(int argc, char** argv) {
+  areal_agents::EnvServer server(areal_agents::parse_server_options_or_exit(argc, argv));
+  server.add_env("test/Faulty-v0", "fails on request", [](const nlohmann::json& kwargs) {
+    return std::make_unique<Faulty>(kwargs.value("fail", ""));
+  });
+  return server.listen() ? 0 : 1;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def faulty_server(build, tmp_path_factory):
+    """An env whose factory, reset and step throw on request, compiled against the SDK's headers."""
+    out = tmp_path_factory.mktemp("faulty")
+    (out / "faulty.cpp").write_text(FAULTY_ENV)
+    flags = subprocess.run(
+        ["pkg-config", "--cflags", "--libs", "cpp-httplib", "nlohmann_json"], capture_output=True, text=True, timeout=30
+    ).stdout.split()
+    compile_ = ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", f"-I{SDK / 'include'}", str(out / "faulty.cpp")]
+    run_checked([*compile_, "-o", str(out / "faulty"), *flags, "-pthread"], timeout=300)
+    server = CppServer(out / "faulty", "--idle-timeout", "1")
+    yield server
+    server.stop()
+
+
+def faulty_session(url: str, fail: str) -> str:
+    reply = create(url, env_id="test/Faulty-v0", kwargs={"fail": fail})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["session_id"]
+
+
+def sessions_open(url: str) -> int:
+    return requests.get(f"{url}/health", timeout=10).json()["sessions_open"]
+
+
+@pytest.mark.parametrize(
+    ("fail", "status", "type_", "said"),
+    [
+        ("make", 500, "env_error", "no GPU here"),
+        ("make_invalid", 400, "bad_request", "fail: not today"),
+        ("reset", 500, "env_error", "reset broke"),
+    ],
+)
+def test_env_exceptions_at_creation_are_typed_errors_and_leave_no_session(faulty_server, fail, status, type_, said):
+    before = sessions_open(faulty_server.url)
+    reply = create(faulty_server.url, env_id="test/Faulty-v0", kwargs={"fail": fail})
+    assert reply.status_code == status and reply.json()["error"]["type"] == type_
+    assert said in reply.json()["error"]["message"]
+    assert sessions_open(faulty_server.url) == before
+
+
+@pytest.mark.parametrize("fail", ["step", "nan", "info"])
+def test_a_failing_step_ends_the_episode_with_env_error(faulty_server, fail):
+    url = faulty_server.url
+    sid = faulty_session(url, fail)
+    result = step(url, sid, "x").json()
+    assert result["error"]["type"] == "env_error" and result["terminated"] and not result["truncated"]
+    assert (result["observation"], result["reward"], result["info"]) == ("", 0.0, {})
+    assert step(url, sid, "x").json()["error"]["type"] == "unknown_session"  # the session is gone
+
+
+def test_a_second_step_on_a_busy_session_is_409_and_the_others_go_on(faulty_server):
+    url = faulty_server.url
+    slow, other = faulty_session(url, "slow"), faulty_session(url, "")
+    first: dict = {}
+    worker = threading.Thread(target=lambda: first.update(step(url, slow, "a").json()))
+    worker.start()
+    time.sleep(0.3)
+    busy = step(url, slow, "b")
+    started = time.monotonic()
+    assert step(url, other, "c").json()["observation"] == "ok" and time.monotonic() - started < 0.5
+    worker.join(timeout=10)
+    assert busy.status_code == 409 and busy.json()["error"]["type"] == "session_busy"
+    assert first["observation"] == "ok" and first["error"] is None
+
+
+def test_idle_sessions_expire(faulty_server):
+    sid = faulty_session(faulty_server.url, "")
+    time.sleep(2.0)  # --idle-timeout 1, checked every 0.25 s
+    reply = step(faulty_server.url, sid, "x")
+    assert reply.status_code == 404 and reply.json()["error"]["type"] == "unknown_session"
+
+
+# -- training against it ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def roomy_guess_server(build):
+    """GuessNumber with the default session cap: a run keeps more than 16 episodes in flight."""
+    server = CppServer(build / "guess_number")
+    yield server
+    server.stop()
+
+
+def test_two_training_steps_play_episodes_on_the_cpp_server(roomy_guess_server, tiny_dir, tmp_path):
+    guess_server = roomy_guess_server
+    config = tmp_path / "rl.yaml"
+    config.write_text(
+        f"run_dir: {tmp_path / 'rl'}\nsteps: 2\nmodel: {{path: {tiny_dir}}}\n"
+        f"env: {{id: {GUESS}, backend: server, server_url: {guess_server.url}, kwargs: {{high: 5, max_turns: 2}}}}\n"
+        "rollout: {batch_size: 4, group_size: 4, max_new_tokens: 4}\n"
+        "ppo: {filter_zero_variance_groups: false}\n"
+        "eval: {num_problems: 1, env_kwargs: {}}\n"  # every episode opens with the same observation
+    )
+    assert main(["train", str(config), "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
+    assert summary["engine_version"] == 2 and summary["episodes"]["accepted"] == 32
+
+
+# -- the env client ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def python_env_server(build):
+    with EnvServerProcess() as server:
+        yield server
+
+
+def play(build: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(build / "play_episode"), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_play_episode_solves_arithmetic_on_the_python_server(build, python_env_server):
+    env = make_env("areal_agents/Arithmetic-v0")
+    problem, _ = env.reset(seed=17)
+    answer = str(env.unwrapped.problem.answer)
+    done = play(build, python_env_server.url, "areal_agents/Arithmetic-v0", "17", answer)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"observation: {problem}",
+        f"action: {answer}",
+        "reward=1 terminated=true truncated=false",
+        "observation: ",
+    ]
+
+
+def test_play_episode_reports_an_unknown_env_in_one_line(build, python_env_server):
+    done = play(build, python_env_server.url, "nope/Missing-v0", "0", "1")
+    assert done.returncode == 1 and done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1 and "unknown_env (HTTP 404)" in done.stderr
+
+
+def test_play_episode_reports_an_unreachable_server(build):
+    done = play(build, f"http://127.0.0.1:{free_port()}", GUESS, "0", "1")
+    assert done.returncode == 1 and "unreachable (HTTP 0)" in done.stderr
+
+
+# -- the model client -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_server(build, tiny_dir, tmp_path_factory):
+    """`areal-agents serve-model` of the tiny model, as a subprocess."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve-model") / "log.txt"
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "areal_agents.cli",
+                "serve-model",
+                "--model-path",
+                str(tiny_dir),
+                "--port",
+                str(port),
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if not wait_healthy(url, 120, alive=lambda: process.poll() is None):
+            pytest.fail(f"serve-model did not start:\n{log.read_text()[-3000:]}")
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def generate(build: Path, *args: str) -> dict[str, str]:
+    """The `generate` example's output lines as {field: value}."""
+    done = subprocess.run([str(build / "generate"), *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return dict(line.split(": ", 1) if ": " in line else (line.rstrip(":"), "") for line in done.stdout.splitlines())
+
+
+def test_greedy_generation_from_ids_and_text_agree_with_each_other_and_python(build, model_server, tiny_dir):
+    prompt = "12+7="
+    ids = load_tokenizer(tiny_dir).encode(prompt, add_special_tokens=False)
+    from_ids = generate(build, model_server, "--ids", ",".join(map(str, ids)), "--max-new-tokens", "8")
+    from_text = generate(build, model_server, prompt, "--max-new-tokens", "8")
+    python = requests.post(
+        f"{model_server}/generate",
+        json={"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}, "return_logprob": True},
+        timeout=120,
+    ).json()
+    expected = ",".join(map(str, python["output_ids"]))
+    assert from_ids["output_ids"] == from_text["output_ids"] == expected
+    assert len(from_ids["logprobs"].split(",")) == len(python["output_ids"])
+    assert from_ids["finish_reason"] == python["meta_info"]["finish_reason"]["type"]
+    assert from_ids["weight_version"] == python["meta_info"]["weight_version"]
+
+
+def test_chat_returns_content_and_a_finish_reason(build, model_server):
+    reply = generate(build, model_server, "--chat", "What is 2+2?", "--max-new-tokens", "4")
+    assert "content" in reply and reply["finish_reason"] in ("stop", "length")
+
+
+def test_a_refused_generation_names_the_field(build, model_server):
+    done = subprocess.run(
+        [str(build / "generate"), model_server, "--ids", "1,2,999999"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1 and "(HTTP 400)" in done.stderr and "input_ids" in done.stderr
