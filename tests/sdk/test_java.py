@@ -325,3 +325,22 @@ def test_chat_returns_content_and_finish_reason(classes, model_server):
     reply = dict(line.split(" ", 1) for line in out.stdout.splitlines())
     assert isinstance(json.loads(reply["content"]), str)
     assert reply["finish_reason"] in ("stop", "length")
+
+
+def test_env_client_covers_the_protocol(classes, probe_server):
+    out = java(classes, "ClientTour", probe_server)
+    assert out.returncode == 0, out.stderr
+    tour = json.loads(out.stdout)
+    assert tour["envs"] == {"test/Echo-v0": "echoes the action"}
+    assert tour["limits"] == {
+        "max_sessions": 64,
+        "max_body_bytes": 8388608,
+        "max_action_chars": 65536,
+        "idle_timeout_s": 1.5,
+    }
+    assert tour["created"] == ["seed 5", {"kwargs": {"k": 1}, "options": {"o": "p"}}, "seed null"]
+    assert tour["batch"] == [["x", 0.5, False], ["end", 0.5, True]]
+    assert tour["over"][0] is True and tour["over"][1]["type"] == "episode_over"
+    assert tour["step_over"] == [409, "episode_over"]
+    assert tour["closed_twice"] == [404, "unknown_session"]
+    assert tour["unknown_env"] == [404, "unknown_env"]

@@ -1,12 +1,16 @@
 import arealagents.Env;
 import arealagents.EnvServer;
 import java.io.IOException;
+import java.util.List;
+import java.util.Locale;
 import java.util.Map;
 import java.util.Random;
+import java.util.regex.Pattern;
 
 /** java/GridPuzzle-v0: move the agent A to the goal G on a small grid within max_turns moves. */
 public final class GridPuzzle implements Env {
-    private static final String[] MOVES = {"up", "down", "left", "right"};
+    private static final List<String> MOVES = List.of("up", "down", "left", "right");
+    private static final Pattern MOVE = Pattern.compile("up|down|left|right", Pattern.CASE_INSENSITIVE);
     private static final int[][] DELTAS = {{-1, 0}, {1, 0}, {0, -1}, {0, 1}};
     private final int size;
     private final int maxTurns;
@@ -42,7 +46,8 @@ public final class GridPuzzle implements Env {
     @Override
     public Step step(String action) {
         turn++;
-        int move = firstMove(action.toLowerCase());
+        var named = MOVE.matcher(action); // the first move named counts, in any case
+        int move = named.find() ? MOVES.indexOf(named.group().toLowerCase(Locale.ROOT)) : -1;
         String note = "";
         if (move < 0) {
             note = "Unknown move.\n";
@@ -55,16 +60,6 @@ public final class GridPuzzle implements Env {
         boolean won = row == goalRow && col == goalCol;
         String observation = won ? "You reached the goal." : render(note);
         return new Step(observation, won ? 1.0 : 0.0, won, !won && turn >= maxTurns, Map.of("turn", turn));
-    }
-
-    /** The index in MOVES of the move named first in the text, or -1. */
-    private static int firstMove(String text) {
-        int best = -1, bestAt = Integer.MAX_VALUE;
-        for (int m = 0; m < MOVES.length; m++) {
-            int at = text.indexOf(MOVES[m]);
-            if (at >= 0 && at < bestAt) { best = m; bestAt = at; }
-        }
-        return best;
     }
 
     private boolean inside(int i) {

@@ -92,7 +92,8 @@ public final class ModelClient {
         Map<String, Object> reply = EnvClient.object(http.send("POST", "/v1/chat/completions", body));
         Map<String, Object> choice = EnvClient.object(((List<?>) reply.get("choices")).get(0));
         Object content = EnvClient.object(choice.get("message")).get("content");
-        return new ChatReply(content == null ? "" : String.valueOf(content), String.valueOf(choice.get("finish_reason")));
+        String finish = String.valueOf(choice.get("finish_reason"));
+        return new ChatReply(content == null ? "" : String.valueOf(content), finish);
     }
 
     /** The model id the chat route is asked for: the constructor's, else the first of {@code GET /v1/models}. */
