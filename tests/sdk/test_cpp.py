@@ -281,6 +281,21 @@ def test_a_second_step_on_a_busy_session_is_409_and_the_others_go_on(faulty_serv
     assert first["observation"] == "ok" and first["error"] is None
 
 
+def test_batch_items_run_concurrently_and_fail_alone(faulty_server):
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("batch items run on at most one thread per core; this machine has one")
+    url = faulty_server.url
+    slow = [faulty_session(url, "slow") for _ in range(2)]
+    broken, fine = faulty_session(url, "step"), faulty_session(url, "")
+    started = time.monotonic()
+    body = {"steps": [{"session_id": sid, "action": "a"} for sid in (*slow, broken, fine)]}
+    results = requests.post(f"{url}/v1/step", json=body, timeout=30).json()["results"]
+    assert time.monotonic() - started < 1.8  # two 1 s steps, side by side
+    assert [r["session_id"] for r in results] == [*slow, broken, fine]
+    assert [r["error"] and r["error"]["type"] for r in results] == [None, None, "env_error", None]
+    assert [r["observation"] for r in results] == ["ok", "ok", "", "ok"]
+
+
 def test_idle_sessions_expire(faulty_server):
     sid = faulty_session(faulty_server.url, "")
     time.sleep(2.0)  # --idle-timeout 1, checked every 0.25 s

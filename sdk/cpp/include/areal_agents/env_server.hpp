@@ -34,6 +34,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -478,6 +479,26 @@ class EnvServer {
   }
 
   json step_batch(const json& body) {
+    auto items = parse_batch(body);
+    std::vector<json> results(items.size());
+    std::atomic<std::size_t> next{0};
+    auto work = [&] {
+      for (std::size_t i; (i = next++) < items.size();) results[i] = step_or_failed(items[i].first, items[i].second);
+    };
+    // Items run concurrently (sessions are independent), on at most one thread per core.
+    std::size_t helpers = std::min<std::size_t>(items.size(), std::max(1u, std::thread::hardware_concurrency())) - 1;
+    std::vector<std::thread> threads;
+    try {
+      while (threads.size() < helpers) threads.emplace_back(work);
+    } catch (const std::system_error&) {  // no more threads to be had: the ones running share the work
+    }
+    if (!items.empty()) work();
+    for (auto& thread : threads) thread.join();
+    return {{"results", results}};
+  }
+
+  // The (session_id, action) pairs of a batch body, each session at most once.
+  static std::vector<std::pair<std::string, std::string>> parse_batch(const json& body) {
     detail::check_object(body, "body", {"steps"});
     if (!body.contains("steps")) throw detail::bad_request("body.steps: required");
     const json& steps = body["steps"];
@@ -494,15 +515,18 @@ class EnvServer {
                                   " appears twice; each session may appear once per batch");
       }
     }
-    json results = json::array();
-    for (const auto& [id, action] : items) {  // in order, one after another
-      try {
-        results.push_back(step(id, action));
-      } catch (const detail::HttpError& e) {
-        results.push_back(detail::failed_step(id, e.type, e.what()));
-      }
+    return items;
+  }
+
+  // A batch item: its StepResult, or a failed one typed as the single step's refusal would be.
+  json step_or_failed(const std::string& id, const std::string& action) {
+    try {
+      return step(id, action);
+    } catch (const detail::HttpError& e) {
+      return detail::failed_step(id, e.type, e.what());
+    } catch (const std::exception& e) {
+      return detail::failed_step(id, "internal_error", e.what());
     }
-    return {{"results", results}};
   }
 
   json close(const std::string& id) {
