@@ -209,14 +209,42 @@ def test_a_busy_session_is_409_and_batch_items_run_concurrently(probe_server):
     busy = httpx.post(f"{probe_server}/v1/sessions/{sids[0]}/step", json={"action": "x"})
     slow.join()
     assert busy.status_code == 409 and busy.json()["error"]["type"] == "session_busy", busy.text
-    start = time.monotonic()
     batch = httpx.post(
         f"{probe_server}/v1/step", json={"steps": [{"session_id": s, "action": "sleep 600"} for s in sids]}, timeout=30
     )
-    assert [r["observation"] for r in batch.json()["results"]] == ["sleep 600"] * 4
-    assert time.monotonic() - start < 2.0  # four 0.6 s steps, side by side
+    results = batch.json()["results"]
+    assert [r["observation"] for r in results] == ["sleep 600"] * 4
+    started, ended = [r["info"]["started_ns"] for r in results], [r["info"]["ended_ns"] for r in results]
+    assert max(started) < min(ended)  # the four steps were running at one moment: side by side
     for sid in sids:
         httpx.delete(f"{probe_server}/v1/sessions/{sid}")
+
+
+def test_env_close_runs_once_per_ended_session_and_never_during_a_step(probe_server):
+    def create():
+        return httpx.post(f"{probe_server}/v1/sessions", json={"env_id": "test/Echo-v0"}).json()["session_id"]
+
+    def step(sid, action):
+        return httpx.post(f"{probe_server}/v1/sessions/{sid}/step", json={"action": action}, timeout=30).json()
+
+    counter = create()
+
+    def closed():
+        return int(step(counter, "closed?")["observation"])
+
+    before = closed()
+    httpx.delete(f"{probe_server}/v1/sessions/{create()}")
+    step(create(), "raise")
+    assert closed() == before + 2  # closed by the client, ended by a failing step
+    busy = create()
+    slow = threading.Thread(target=step, args=(busy, "sleep 800"))
+    slow.start()
+    time.sleep(0.3)
+    assert httpx.delete(f"{probe_server}/v1/sessions/{busy}").json() == {"session_id": busy, "closed": True}
+    assert closed() == before + 2  # its step is still running: the env is closed when it returns
+    slow.join()
+    assert closed() == before + 3
+    httpx.delete(f"{probe_server}/v1/sessions/{counter}")
 
 
 def test_idle_sessions_expire(probe_server):

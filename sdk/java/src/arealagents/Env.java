@@ -17,6 +17,10 @@ public interface Env {
     /** The result of acting with {@code action} (the model's text). */
     Step step(String action);
 
+    /** Releases what the episode holds (files, connections, a simulator instance) once its session is closed,
+     * expired or failed, or the server stops; never while a step runs. Nothing by default. */
+    default void close() {}
+
     /** What {@link #reset} returns: the first observation and a JSON-serializable info map. */
     record Reset(String observation, Map<String, Object> info) {}
 

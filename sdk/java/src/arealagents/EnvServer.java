@@ -44,74 +44,6 @@ public final class EnvServer {
     public static final String PROTOCOL = "v1";
     private static final Pattern SESSION_PATH = Pattern.compile("/v1/sessions/([^/]+)(/step)?");
 
-    /** Server options; {@link #parse} reads them from command-line flags. */
-    public static final class Options {
-        public String host = "127.0.0.1";
-        public int port = 8765;
-        public int threads = Math.max(4, 2 * Runtime.getRuntime().availableProcessors());
-        public int maxSessions = 4096;
-        public int maxBodyBytes = 8 * 1024 * 1024;
-        public int maxActionChars = 65536;
-        public double idleTimeoutS = 600;
-
-        /** Options from {@code --host --port --threads --max-sessions --max-body-bytes --max-action-chars
-         * --idle-timeout} (each {@code --flag value} or {@code --flag=value}); a bad flag or value is an
-         * IllegalArgumentException naming the flag. */
-        public static Options parse(String[] args) {
-            Options o = new Options();
-            for (int i = 0; i < args.length; i++) {
-                String flag = args[i], value;
-                int eq = flag.indexOf('=');
-                if (flag.startsWith("--") && eq > 0) {
-                    value = flag.substring(eq + 1);
-                    flag = flag.substring(0, eq);
-                } else if (i + 1 < args.length) {
-                    value = args[++i];
-                } else {
-                    throw new IllegalArgumentException(flag + ": missing value");
-                }
-                o.set(flag, value);
-            }
-            return o;
-        }
-
-        private void set(String flag, String value) {
-            switch (flag) {
-                case "--host" -> host = value;
-                case "--port" -> port = intIn(flag, value, 0, 65535);
-                case "--threads" -> threads = intIn(flag, value, 1, 4096);
-                case "--max-sessions" -> maxSessions = intIn(flag, value, 1, Integer.MAX_VALUE);
-                case "--max-body-bytes" -> maxBodyBytes = intIn(flag, value, 1, Integer.MAX_VALUE - 8);
-                case "--max-action-chars" -> maxActionChars = intIn(flag, value, 1, Integer.MAX_VALUE);
-                case "--idle-timeout" -> idleTimeoutS = positiveSeconds(flag, value);
-                default -> throw new IllegalArgumentException(
-                        "unknown flag " + flag + "; the flags are --host --port --threads --max-sessions "
-                                + "--max-body-bytes --max-action-chars --idle-timeout");
-            }
-        }
-
-        private static int intIn(String flag, String value, int min, int max) {
-            try {
-                int n = Integer.parseInt(value);
-                if (n >= min && n <= max) return n;
-            } catch (NumberFormatException ignored) {
-                // reported below with the range
-            }
-            throw new IllegalArgumentException(flag + ": expected an integer in [" + min + ", " + max + "], got '"
-                    + value + "'");
-        }
-
-        private static double positiveSeconds(String flag, String value) {
-            try {
-                double s = Double.parseDouble(value);
-                if (s > 0 && Double.isFinite(s)) return s;
-            } catch (NumberFormatException ignored) {
-                // reported below
-            }
-            throw new IllegalArgumentException(flag + ": expected a number of seconds > 0, got '" + value + "'");
-        }
-    }
-
     /** A request refused with an HTTP status and the protocol's error record. */
     private static final class Refusal extends RuntimeException {
         final int status;
@@ -129,7 +61,9 @@ public final class EnvServer {
     private static final class Session {
         final Env env;
         final AtomicBoolean busy = new AtomicBoolean();
+        final AtomicBoolean closed = new AtomicBoolean();
         volatile boolean done;
+        volatile boolean removed;
         volatile long lastUsedNanos = System.nanoTime();
 
         Session(Env env) {
@@ -137,7 +71,7 @@ public final class EnvServer {
         }
     }
 
-    private final Options opts;
+    private final ServerOptions opts;
     private volatile Map<String, Registered> envs = Map.of();
     private final Map<String, Session> sessions = new ConcurrentHashMap<>();
     private final AtomicInteger slots = new AtomicInteger(); // sessions open or being opened
@@ -146,14 +80,14 @@ public final class EnvServer {
     private ExecutorService batchSteps;
     private ScheduledExecutorService reaper;
 
-    public EnvServer(Options opts) {
+    public EnvServer(ServerOptions opts) {
         this.opts = opts;
     }
 
     /** A server configured from command-line flags; a bad flag prints its message and exits with status 2. */
     public static EnvServer fromArgs(String[] args) {
         try {
-            return new EnvServer(Options.parse(args));
+            return new EnvServer(ServerOptions.parse(args));
         } catch (IllegalArgumentException e) {
             System.err.println("error: " + e.getMessage());
             System.exit(2);
@@ -195,6 +129,7 @@ public final class EnvServer {
         handlers.shutdownNow();
         batchSteps.shutdownNow();
         reaper.shutdownNow();
+        sessions.values().forEach(EnvServer::closeEnv);
         sessions.clear();
         slots.set(0);
         http = null;
@@ -327,7 +262,13 @@ public final class EnvServer {
         boolean opened = false;
         try {
             Session session = new Session(env.factory().make(kwargs));
-            Env.Reset reset = reset(session.env, envId, seed, options);
+            Env.Reset reset;
+            try {
+                reset = reset(session.env, envId, seed, options);
+            } catch (Throwable t) {
+                closeEnv(session);
+                throw t;
+            }
             String sid = UUID.randomUUID().toString().replace("-", "");
             sessions.put(sid, session);
             opened = true;
@@ -384,6 +325,7 @@ public final class EnvServer {
             return runStep(sid, session, action);
         } finally {
             session.busy.set(false);
+            if (session.removed) closeEnv(session); // closed while this step ran: its env ends now
         }
     }
 
@@ -397,7 +339,7 @@ public final class EnvServer {
             if (!Double.isFinite(r.reward())) throw new IllegalStateException("step returned reward " + r.reward());
             info = snapshot(r.info(), "step's info");
         } catch (Throwable t) {
-            if (sessions.remove(sid, session)) slots.decrementAndGet();
+            if (sessions.remove(sid, session)) release(session);
             return failedStep(sid, "env_error", "step failed: " + describe(t) + "; the session is closed");
         }
         session.lastUsedNanos = System.nanoTime();
@@ -453,8 +395,27 @@ public final class EnvServer {
     private Map<String, Object> close(String sid) {
         Session session = sessions.remove(sid);
         if (session == null) throw unknownSession(sid);
-        slots.decrementAndGet();
+        release(session);
         return object("session_id", sid, "closed", true);
+    }
+
+    /** Frees a removed session's place; its env is closed now, or by the step still running on it. */
+    private void release(Session session) {
+        slots.decrementAndGet();
+        session.removed = true;
+        closeEnv(session);
+    }
+
+    /** Env.close, once, and only when no step is running (a busy session is closed by its step's end). */
+    private static void closeEnv(Session session) {
+        if (!session.busy.compareAndSet(false, true)) return;
+        if (session.closed.compareAndSet(false, true)) {
+            try {
+                session.env.close();
+            } catch (Throwable t) {
+                System.err.println("env close failed: " + describe(t));
+            }
+        }
     }
 
     /** Closes sessions with no step for idle_timeout_s; a session in the middle of a step is left alone. */
@@ -464,10 +425,11 @@ public final class EnvServer {
             Session s = e.getValue();
             if (s.lastUsedNanos - cutoff < 0 && s.busy.compareAndSet(false, true)) {
                 try {
-                    if (sessions.remove(e.getKey(), s)) slots.decrementAndGet();
+                    if (sessions.remove(e.getKey(), s)) release(s);
                 } finally {
                     s.busy.set(false);
                 }
+                if (s.removed) closeEnv(s);
             }
         }
     }
