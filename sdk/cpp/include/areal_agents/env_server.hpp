@@ -282,7 +282,9 @@ class EnvServer {
 
   std::string refusal(const httplib::Request& req, int status) const {
     if (status == 413) return too_large_message();
-    return "request refused (HTTP " + std::to_string(status) + ") for " + req.method + " " + req.path;
+    if (status == 414) return "request URI too long";
+    std::string what = req.method.empty() ? "a malformed request" : req.method + " " + req.path;
+    return "HTTP " + std::to_string(status) + " for " + what;
   }
 
   std::string too_large_message() const {
