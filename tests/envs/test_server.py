@@ -242,3 +242,11 @@ def test_openapi_documents_every_route(server):
         assert path in spec["paths"], path
     schemas = spec["components"]["schemas"]
     assert {"CreateSession", "StepResult", "BatchStepRequest", "ErrorResponse"} <= set(schemas)
+
+
+def test_an_unknown_env_id_is_answered_with_the_ids_served(server):
+    status, body = request(server, "POST", "/v1/sessions", {"env_id": "cpp/GuessNumber-v0"})
+    message = body["error"]["message"]
+    assert status == 404 and "unknown env id 'cpp/GuessNumber-v0'" in message
+    served = message.split("This server serves: ")[1].split(", ")
+    assert "areal_agents/Arithmetic-v0" in served and "areal_agents_testing/Echo-v0" in served

@@ -158,7 +158,8 @@ class EnvServer:
         try:
             return self.pool.make(req.env_id, **req.kwargs)
         except UnknownEnvError as e:
-            raise HTTPError(404, "unknown_env", str(e)) from None
+            served = [env_id for env_id, _ in describe_envs()]
+            raise HTTPError(404, "unknown_env", f"{e} This server serves: {', '.join(served)}") from None
         except ArealAgentsError as e:
             raise HTTPError(400, "bad_request", str(e)) from None
         except Exception as e:  # the env's constructor failed for a reason of its own
