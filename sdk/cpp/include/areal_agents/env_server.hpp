@@ -60,6 +60,7 @@ struct Step {
 };
 
 // One episode at a time; the server makes one Env per session and never calls it from two threads at once.
+// It is destroyed when its session ends (closed, failed, expired, server stopped), never during a step.
 // Throw std::invalid_argument from the factory or reset for a request's bad kwargs/seed/options (a 400);
 // any other exception is the env's failure (a 500 at creation, an env_error step result mid-episode).
 class Env {
@@ -532,8 +533,14 @@ class EnvServer {
   }
 
   json close(const std::string& id) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (sessions_.erase(id) == 0) throw unknown_session(id);
+    std::shared_ptr<Session> closing;  // its env is destroyed outside the lock (or after a running step)
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto found = sessions_.find(id);
+      if (found == sessions_.end()) throw unknown_session(id);
+      closing = std::move(found->second);
+      sessions_.erase(found);
+    }
     return {{"session_id", id}, {"closed", true}};
   }
 
@@ -552,7 +559,7 @@ class EnvServer {
     std::lock_guard<std::mutex> lock(mutex_);
     auto found = sessions_.find(id);
     if (found != sessions_.end() && found->second == session) sessions_.erase(found);
-  }
+  }  // the caller still holds `session`: its env is destroyed after the lock is released
 
   // Closes sessions without a step for idle_timeout_s, checking a few times per timeout, until stop().
   void expire_idle_sessions() {
@@ -561,10 +568,15 @@ class EnvServer {
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stopped_.wait_for(lock, period, [this] { return stopping_; })) {
       const auto cutoff = std::chrono::steady_clock::now() - timeout;
+      std::vector<std::shared_ptr<Session>> expired;
       for (auto it = sessions_.begin(); it != sessions_.end();) {
         bool idle = !it->second->busy && it->second->last_used < cutoff;
+        if (idle) expired.push_back(std::move(it->second));
         it = idle ? sessions_.erase(it) : std::next(it);
       }
+      lock.unlock();
+      expired.clear();  // the envs' destructors run without blocking requests
+      lock.lock();
     }
   }
 
