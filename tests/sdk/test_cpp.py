@@ -180,9 +180,11 @@ def test_a_bad_flag_exits_non_zero_naming_it(build, args, named):
 
 FAULTY_ENV = r"""
 #include <areal_agents/env_server.hpp>
+#include <chrono>
 #include <thread>
 
 // Fails where kwargs["fail"] says: make, make_invalid, reset, step, nan, info; "slow" steps take 1 s.
+// A step's info says when it started and ended (steady clock ns), so tests see which steps overlapped.
 class Faulty : public areal_agents::Env {
  public:
   explicit Faulty(std::string fail) : fail_(std::move(fail)) {
@@ -195,13 +197,18 @@ class Faulty : public areal_agents::Env {
   }
   areal_agents::Step step(const std::string&) override {
     if (fail_ == "step") throw std::runtime_error("step broke");
+    auto started = now_ns();
     if (fail_ == "slow") std::this_thread::sleep_for(std::chrono::seconds(1));
-    areal_agents::Step out{"ok", 0.5, false, false, {{"n", 1}}};
+    areal_agents::Step out{"ok", 0.5, false, false, {{"started_ns", started}, {"ended_ns", now_ns()}}};
     if (fail_ == "nan") out.reward = std::nan("");
     if (fail_ == "info") out.info = 3;
     return out;
   }
  private:
+  static long long now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
   std::string fail_;
 };
 
@@ -274,11 +281,13 @@ def test_a_second_step_on_a_busy_session_is_409_and_the_others_go_on(faulty_serv
     worker.start()
     time.sleep(0.3)
     busy = step(url, slow, "b")
-    started = time.monotonic()
-    assert step(url, other, "c").json()["observation"] == "ok" and time.monotonic() - started < 0.5
+    meanwhile = step(url, other, "c").json()
     worker.join(timeout=10)
     assert busy.status_code == 409 and busy.json()["error"]["type"] == "session_busy"
-    assert first["observation"] == "ok" and first["error"] is None
+    assert first["observation"] == "ok" and first["error"] is None and meanwhile["observation"] == "ok"
+    # the other session's step ran, start to end, while the slow one was still running
+    assert first["info"]["started_ns"] < meanwhile["info"]["started_ns"] < meanwhile["info"]["ended_ns"]
+    assert meanwhile["info"]["ended_ns"] < first["info"]["ended_ns"]
 
 
 def test_batch_items_run_concurrently_and_fail_alone(faulty_server):
@@ -287,10 +296,10 @@ def test_batch_items_run_concurrently_and_fail_alone(faulty_server):
     url = faulty_server.url
     slow = [faulty_session(url, "slow") for _ in range(2)]
     broken, fine = faulty_session(url, "step"), faulty_session(url, "")
-    started = time.monotonic()
     body = {"steps": [{"session_id": sid, "action": "a"} for sid in (*slow, broken, fine)]}
     results = requests.post(f"{url}/v1/step", json=body, timeout=30).json()["results"]
-    assert time.monotonic() - started < 1.8  # two 1 s steps, side by side
+    started, ended = [r["info"]["started_ns"] for r in results[:2]], [r["info"]["ended_ns"] for r in results[:2]]
+    assert max(started) < min(ended)  # the two slow steps were running at one moment: side by side
     assert [r["session_id"] for r in results] == [*slow, broken, fine]
     assert [r["error"] and r["error"]["type"] for r in results] == [None, None, "env_error", None]
     assert [r["observation"] for r in results] == ["ok", "ok", "", "ok"]
