@@ -62,3 +62,29 @@ def test_no_replica_answering_is_the_unreachable_error():
 
     with pytest.raises(EnvServerError, match="unreachable"):
         asyncio.run(run())
+
+
+def test_a_creation_waits_for_a_place_when_every_server_is_at_its_cap():
+    """A run may want more episodes at once than the servers take: a 429 waits for a closed session, on any
+    replica, and only a cap that stays full for the pool's timeout is an error."""
+    with EnvServerProcess(workers=1, max_sessions=1) as a, EnvServerProcess(workers=1, max_sessions=1) as b:
+
+        async def run():
+            pool = RemoteEnvPool([a.url, b.url], timeout=3.0)
+            try:
+                first, second, third = pool.make(ENV), pool.make(ENV), pool.make(ENV)
+                await first.areset(seed=0)
+                await second.areset(seed=1)  # a is full: b takes it
+                assert {first.server, second.server} == {a.url, b.url}
+                waiting = asyncio.ensure_future(third.areset(seed=2))
+                await asyncio.sleep(0.3)
+                assert not waiting.done()  # both full: it waits rather than failing
+                await first.aclose()
+                await waiting
+                assert third.server == first.server
+                with pytest.raises(EnvServerError, match="too_many_sessions"):
+                    await pool.make(ENV).areset(seed=3)  # nobody closes: after 3 s, the 429
+            finally:
+                await pool.aclose()
+
+        asyncio.run(run())

@@ -178,10 +178,24 @@ class RemoteEnvPool:
         return RemoteEnv(self, env_id, kwargs)
 
     async def _create(self, body: dict[str, Any]) -> tuple[str, _Reply]:
-        """Open a session on the next server that answers; (its address, the reply). When one does not
-        answer, the addresses are re-resolved in the background (a restarted replica rejoins); when none
-        does, this waits for that."""
+        """Open a session, waiting while every server is at its session cap (429 too_many_sessions): a run may
+        want more episodes at once than a server takes, and each episode frees its place when it ends. Gives
+        the last 429 after ``timeout`` seconds of waiting."""
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        pause = 0.02
+        while True:
+            server, reply = await self._create_once(body)
+            if reply.status != 429 or asyncio.get_running_loop().time() + pause > deadline:
+                return server, reply
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
+    async def _create_once(self, body: dict[str, Any]) -> tuple[str, _Reply]:
+        """Open a session on the next server that answers and has room; (its address, the reply). When one
+        does not answer, the addresses are re-resolved in the background (a restarted replica rejoins); when
+        none does, this waits for that."""
         error: EnvServerError | None = None
+        full: tuple[str, _Reply] | None = None
         for attempt in range(2 if self.resolve else 1):
             if attempt:
                 await self._refresh()
@@ -189,11 +203,16 @@ class RemoteEnvPool:
                 server = self.urls[self._next % len(self.urls)]
                 self._next += 1
                 try:
-                    return server, await self._request("POST", f"{server}/v1/sessions", body)
+                    reply = await self._request("POST", f"{server}/v1/sessions", body)
+                    if reply.status != 429:
+                        return server, reply
+                    full = server, reply  # at its cap: try the next replica
                 except EnvServerError as e:
                     error = e  # unreachable: try the next replica
                     if self.resolve:
                         self._refresh_soon()
+            if full is not None:
+                return full
         raise error
 
     def _refresh_soon(self) -> None:
