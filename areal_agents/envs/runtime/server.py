@@ -26,6 +26,7 @@ from fastapi.responses import Response
 from areal_agents.envs.registry import describe_envs
 from areal_agents.envs.runtime.pool import LocalEnvPool, PooledEnv, PoolMode
 from areal_agents.envs.runtime.protocol import (
+    PROTOCOL_VERSION,
     BatchStepRequest,
     BatchStepResult,
     CreateSession,
@@ -36,7 +37,6 @@ from areal_agents.envs.runtime.protocol import (
     SessionCreated,
     StepRequest,
     StepResult,
-    PROTOCOL_VERSION,
     dumps,
 )
 from areal_agents.errors import ArealAgentsError, EnvError, UnknownEnvError
