@@ -38,6 +38,7 @@ from areal_agents.errors import ArealAgentsError
 LIMIT_FIELDS = {"max_sessions": int, "max_body_bytes": int, "max_action_chars": int, "idle_timeout_s": (int, float)}
 LARGEST_BODY_SENT = 64 * 1024 * 1024  # a body limit above this is not probed (the suite would send that much)
 CONCURRENT_SESSIONS = 32
+MAX_CONNECTIONS = 32  # below a thread-per-connection server's pool (cpp-httplib's, 64 by default in sdk/cpp)
 
 
 @dataclass
@@ -332,7 +333,8 @@ async def run_checks(probe: Probe) -> Report:
 async def acheck_env_server(url: str, *, env_id: str = "", timeout: float = 60.0, **options: Any) -> Report:
     """`check_env_server`, in a running event loop."""
     probe = Probe(url.rstrip("/"), env_id=env_id, **options)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as client:
+    connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as client:
         probe.client = client
         health = await probe.request("GET", "/health")
         if isinstance(health.body, dict) and isinstance(health.body.get("limits"), dict):

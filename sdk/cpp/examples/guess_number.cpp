@@ -3,8 +3,9 @@
 //                                           env.server_url=http://127.0.0.1:8766 env.id=cpp/GuessNumber-v0
 #include <areal_agents/env_server.hpp>
 
+#include <algorithm>
+#include <cctype>
 #include <random>
-#include <regex>
 
 using areal_agents::json;
 
@@ -29,18 +30,26 @@ class GuessNumber : public areal_agents::Env {
 
   areal_agents::Step step(const std::string& action) override {
     ++turn_;
-    std::smatch number;
-    bool parsed = std::regex_search(action, number, std::regex("-?[0-9]+")) && number.length() <= 18;
-    long long guess = parsed ? std::stoll(number.str()) : 0;  // the first integer in the action
-    bool correct = parsed && guess == secret_;
+    std::optional<long long> guess = first_integer(action);
+    bool parsed = guess.has_value(), correct = parsed && *guess == secret_;
     bool truncated = !correct && turn_ >= max_turns_;
-    std::string observation = !parsed ? "Not a number." : correct ? "Correct!" : guess < secret_ ? "Higher." : "Lower.";
+    std::string observation = !parsed ? "Not a number." : correct ? "Correct!" : *guess < secret_ ? "Higher." : "Lower.";
     json info = {{"turn", turn_}};
     if (correct || truncated) info["secret"] = secret_;
     return {observation, correct ? 1.0 : 0.0, correct, truncated, info};
   }
 
  private:
+  // The first integer in the text (at most 18 digits); a plain scan, as std::regex recurses per character.
+  static std::optional<long long> first_integer(const std::string& text) {
+    auto is_digit = [](unsigned char c) { return std::isdigit(c) != 0; };
+    auto start = std::find_if(text.begin(), text.end(), is_digit);
+    auto end = std::find_if_not(start, text.end(), is_digit);
+    if (start == end || end - start > 18) return std::nullopt;
+    long long value = std::stoll(std::string(start, end));
+    return start != text.begin() && start[-1] == '-' ? -value : value;
+  }
+
   static long long integer(const json& kwargs, const char* key, long long fallback) {
     if (!kwargs.contains(key)) return fallback;
     if (!kwargs[key].is_number_integer()) throw std::invalid_argument(std::string(key) + ": expected an integer");
