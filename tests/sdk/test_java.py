@@ -261,6 +261,13 @@ def test_idle_sessions_expire(probe_server):
     assert expired.status_code == 404 and expired.json()["error"]["type"] == "unknown_session"
 
 
+def test_stop_closes_every_env_a_busy_one_when_its_step_returns(classes):
+    out = java(classes, "StopClosesEnvs", timeout=60)
+    assert out.returncode == 0, out.stderr
+    events = json.loads(out.stdout.splitlines()[-1])
+    assert events == ["step started", "closed idle", "stop returned", "step ended", "closed busy"]
+
+
 def test_bad_flags_exit_2_naming_the_flag(classes):
     for args, flag in ((["--prot", "1"], "--prot"), (["--port", "http"], "--port"), (["--idle-timeout=-1"], "--idle")):
         out = java(classes, "GridPuzzle", *args, timeout=30)

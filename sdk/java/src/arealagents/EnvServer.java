@@ -122,14 +122,17 @@ public final class EnvServer {
         System.out.flush();
     }
 
-    /** Stops serving at once and drops every session. */
+    /** Stops serving at once and closes every session's env (a busy one's when its running step returns). */
     public synchronized void stop() {
         if (http == null) return;
         http.stop(0);
         handlers.shutdownNow();
         batchSteps.shutdownNow();
         reaper.shutdownNow();
-        sessions.values().forEach(EnvServer::closeEnv);
+        for (Session session : sessions.values()) {
+            session.removed = true; // a step still running closes its env when it returns
+            closeEnv(session);
+        }
         sessions.clear();
         slots.set(0);
         http = null;
