@@ -5,12 +5,9 @@ import com.sun.net.httpserver.HttpServer;
 import java.io.IOException;
 import java.io.OutputStream;
 import java.net.InetSocketAddress;
-import java.nio.ByteBuffer;
-import java.nio.charset.CharacterCodingException;
 import java.nio.charset.StandardCharsets;
 import java.util.ArrayList;
 import java.util.Collections;
-import java.util.HashSet;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
@@ -43,18 +40,6 @@ import java.util.regex.Pattern;
 public final class EnvServer {
     public static final String PROTOCOL = "v1";
     private static final Pattern SESSION_PATH = Pattern.compile("/v1/sessions/([^/]+)(/step)?");
-
-    /** A request refused with an HTTP status and the protocol's error record. */
-    private static final class Refusal extends RuntimeException {
-        final int status;
-        final String type;
-
-        Refusal(int status, String type, String message) {
-            super(message, null, false, false);
-            this.status = status;
-            this.type = type;
-        }
-    }
 
     private record Registered(String description, EnvFactory factory) {}
 
@@ -202,35 +187,8 @@ public final class EnvServer {
         }
     }
 
-    /** The request's JSON object, read with a bounded reader whether it came with a Content-Length or chunked. */
     private Map<String, Object> readBody(HttpExchange ex) throws IOException {
-        String declared = ex.getRequestHeaders().getFirst("Content-Length");
-        if (declared != null && declared.matches("\\d{1,18}") && Long.parseLong(declared) > opts.maxBodyBytes) {
-            throw tooLarge();
-        }
-        byte[] body = ex.getRequestBody().readNBytes(opts.maxBodyBytes + 1);
-        if (body.length > opts.maxBodyBytes) throw tooLarge();
-        String text;
-        try {
-            text = StandardCharsets.UTF_8.newDecoder().decode(ByteBuffer.wrap(body)).toString();
-        } catch (CharacterCodingException e) {
-            throw badRequest("body: not valid UTF-8");
-        }
-        Object parsed;
-        try {
-            parsed = Json.parse(text);
-        } catch (Json.ParseException e) {
-            throw badRequest("body: malformed JSON: " + e.getMessage());
-        }
-        if (!(parsed instanceof Map)) throw badRequest("body: expected a JSON object");
-        @SuppressWarnings("unchecked")
-        Map<String, Object> object = (Map<String, Object>) parsed;
-        return object;
-    }
-
-    private Refusal tooLarge() {
-        return new Refusal(413, "payload_too_large", "request body over " + opts.maxBodyBytes
-                + " bytes (--max-body-bytes)");
+        return RequestBody.read(ex, opts.maxBodyBytes);
     }
 
     // -- routes -----------------------------------------------------------------------------------
@@ -251,11 +209,11 @@ public final class EnvServer {
     }
 
     private Map<String, Object> create(Map<String, Object> body) {
-        onlyKeys(body, "body", "env_id", "kwargs", "seed", "options");
-        String envId = requiredString(body, "env_id", "body");
-        Map<String, Object> kwargs = optionalObject(body, "kwargs");
-        Long seed = seed(body.get("seed"));
-        Map<String, Object> options = optionalObject(body, "options");
+        RequestBody.onlyKeys(body, "body", "env_id", "kwargs", "seed", "options");
+        String envId = RequestBody.requiredString(body, "env_id", "body");
+        Map<String, Object> kwargs = RequestBody.optionalObject(body, "kwargs");
+        Long seed = RequestBody.seed(body);
+        Map<String, Object> options = RequestBody.optionalObject(body, "options");
         Registered env = envs.get(envId);
         if (env == null) {
             throw new Refusal(404, "unknown_env", "no env '" + envId + "' on this server; it serves "
@@ -277,7 +235,8 @@ public final class EnvServer {
             opened = true;
             return object("session_id", sid, "observation", reset.observation(), "info", reset.info());
         } catch (IllegalArgumentException e) {
-            throw badRequest("cannot make " + envId + ": " + e.getMessage() + "; check the kwargs, seed and options");
+            throw Refusal.badRequest("cannot make " + envId + ": " + e.getMessage()
+                    + "; check the kwargs, seed and options");
         } catch (Throwable t) {
             throw new Refusal(500, "env_error", "cannot make " + envId + ": " + describe(t));
         } finally {
@@ -303,8 +262,8 @@ public final class EnvServer {
     }
 
     private Map<String, Object> stepOne(String sid, Map<String, Object> body) {
-        onlyKeys(body, "body", "action");
-        return step(sid, requiredString(body, "action", "body"));
+        RequestBody.onlyKeys(body, "body", "action");
+        return step(sid, RequestBody.requiredString(body, "action", "body"));
     }
 
     private Map<String, Object> step(String sid, String action) {
@@ -353,24 +312,10 @@ public final class EnvServer {
     }
 
     private Map<String, Object> stepBatch(Map<String, Object> body) {
-        onlyKeys(body, "body", "steps");
-        if (!body.containsKey("steps")) throw badRequest("body.steps: required");
-        if (!(body.get("steps") instanceof List<?> items)) throw badRequest("body.steps: expected a list");
-        List<String[]> steps = new ArrayList<>();
-        HashSet<String> seen = new HashSet<>();
-        for (int i = 0; i < items.size(); i++) {
-            String where = "body.steps[" + i + "]";
-            if (!(items.get(i) instanceof Map<?, ?> raw)) throw badRequest(where + ": expected an object");
-            @SuppressWarnings("unchecked")
-            Map<String, Object> item = (Map<String, Object>) raw;
-            onlyKeys(item, where, "session_id", "action");
-            String sid = requiredString(item, "session_id", where);
-            if (!seen.add(sid)) throw badRequest(where + ".session_id: session " + sid + " appears twice; a batch "
-                    + "steps each session at most once");
-            steps.add(new String[] {sid, requiredString(item, "action", where)});
-        }
         List<Future<Map<String, Object>>> running = new ArrayList<>();
-        for (String[] s : steps) running.add(batchSteps.submit(() -> stepOrRefusal(s[0], s[1])));
+        for (RequestBody.BatchItem item : RequestBody.batchItems(body)) {
+            running.add(batchSteps.submit(() -> stepOrRefusal(item.sessionId(), item.action())));
+        }
         List<Object> results = new ArrayList<>();
         for (Future<Map<String, Object>> f : running) results.add(await(f));
         return object("results", results);
@@ -439,44 +384,9 @@ public final class EnvServer {
 
     // -- helpers ----------------------------------------------------------------------------------
 
-    private static Refusal badRequest(String message) {
-        return new Refusal(400, "bad_request", message);
-    }
-
     private static Refusal unknownSession(String sid) {
         return new Refusal(404, "unknown_session", "no open session '" + sid + "' (closed, expired, failed or "
                 + "never created); create one with POST /v1/sessions");
-    }
-
-    private static void onlyKeys(Map<String, Object> body, String where, String... allowed) {
-        List<String> keys = List.of(allowed);
-        for (String key : body.keySet()) {
-            if (!keys.contains(key)) {
-                throw badRequest(where + "." + key + ": unknown key; allowed: " + String.join(", ", keys));
-            }
-        }
-    }
-
-    private static String requiredString(Map<String, Object> body, String key, String where) {
-        if (!body.containsKey(key)) throw badRequest(where + "." + key + ": required");
-        if (!(body.get(key) instanceof String s)) throw badRequest(where + "." + key + ": expected a string");
-        return s;
-    }
-
-    /** kwargs/options: a JSON object, or absent (an empty map); options may also be null. */
-    @SuppressWarnings("unchecked")
-    private static Map<String, Object> optionalObject(Map<String, Object> body, String key) {
-        Object value = body.get(key);
-        if (value == null && (!body.containsKey(key) || key.equals("options"))) return new LinkedHashMap<>();
-        if (!(value instanceof Map)) throw badRequest("body." + key + ": expected an object");
-        return (Map<String, Object>) value;
-    }
-
-    private static Long seed(Object value) {
-        if (value == null) return null;
-        if (!(value instanceof Long seed)) throw badRequest("body.seed: expected an integer >= 0 or null");
-        if (seed < 0) throw badRequest("body.seed: expected an integer >= 0, got " + seed);
-        return seed;
     }
 
     /** A JSON copy of an env's info map (null: empty), so the reply never depends on what the env does next. */
