@@ -84,8 +84,9 @@ def grid_server(classes):
 
 @pytest.fixture(scope="module")
 def probe_server(classes):
-    """ProbeEnvs (test/Echo-v0): the observation is the action; sessions expire after 1.5 s idle."""
-    with java_server(classes, "ProbeEnvs", "--max-sessions", "64", "--idle-timeout", "1.5") as url:
+    """ProbeEnvs (test/Echo-v0): the observation is the action; the default idle timeout, so no test's session
+    expires while it waits (test_idle_sessions_expire has a server of its own)."""
+    with java_server(classes, "ProbeEnvs", "--max-sessions", "64") as url:
         yield url
 
 
@@ -209,10 +210,10 @@ def test_a_busy_session_is_409_and_batch_items_run_concurrently(probe_server):
     slow = threading.Thread(
         target=httpx.post,
         args=(f"{probe_server}/v1/sessions/{sids[0]}/step",),
-        kwargs={"json": {"action": "sleep 800"}},
+        kwargs={"json": {"action": "sleep 3000"}, "timeout": 30},
     )
     slow.start()
-    time.sleep(0.3)
+    time.sleep(1)  # the 3 s step is running now
     busy = httpx.post(f"{probe_server}/v1/sessions/{sids[0]}/step", json={"action": "x"})
     slow.join()
     assert busy.status_code == 409 and busy.json()["error"]["type"] == "session_busy", busy.text
@@ -244,9 +245,9 @@ def test_env_close_runs_once_per_ended_session_and_never_during_a_step(probe_ser
     step(create(), "raise")
     assert closed() == before + 2  # closed by the client, ended by a failing step
     busy = create()
-    slow = threading.Thread(target=step, args=(busy, "sleep 800"))
+    slow = threading.Thread(target=step, args=(busy, "sleep 3000"))
     slow.start()
-    time.sleep(0.3)
+    time.sleep(1)  # the 3 s step is running now
     assert httpx.delete(f"{probe_server}/v1/sessions/{busy}").json() == {"session_id": busy, "closed": True}
     assert closed() == before + 2  # its step is still running: the env is closed when it returns
     slow.join()
@@ -254,10 +255,12 @@ def test_env_close_runs_once_per_ended_session_and_never_during_a_step(probe_ser
     httpx.delete(f"{probe_server}/v1/sessions/{counter}")
 
 
-def test_idle_sessions_expire(probe_server):
-    sid = httpx.post(f"{probe_server}/v1/sessions", json={"env_id": "test/Echo-v0"}).json()["session_id"]
-    time.sleep(2.5)  # idle timeout 1.5 s, checked every 0.375 s
-    expired = httpx.post(f"{probe_server}/v1/sessions/{sid}/step", json={"action": "x"})
+def test_idle_sessions_expire(classes):
+    """A server of its own, so its short idle timeout cannot expire another test's sessions."""
+    with java_server(classes, "ProbeEnvs", "--idle-timeout", "1.5") as url:
+        sid = httpx.post(f"{url}/v1/sessions", json={"env_id": "test/Echo-v0"}).json()["session_id"]
+        time.sleep(2.5)  # idle timeout 1.5 s, checked every 0.375 s
+        expired = httpx.post(f"{url}/v1/sessions/{sid}/step", json={"action": "x"})
     assert expired.status_code == 404 and expired.json()["error"]["type"] == "unknown_session"
 
 
@@ -378,7 +381,7 @@ def test_env_client_covers_the_protocol(classes, probe_server):
         "max_sessions": 64,
         "max_body_bytes": 8388608,
         "max_action_chars": 65536,
-        "idle_timeout_s": 1.5,
+        "idle_timeout_s": 600,
     }
     assert tour["created"] == ["seed 5", {"kwargs": {"k": 1}, "options": {"o": "p"}}, "seed null"]
     assert tour["batch"] == [["x", 0.5, False], ["end", 0.5, True]]
