@@ -108,7 +108,8 @@ def cmd_serve_env(args: argparse.Namespace) -> None:
 def cmd_check_env_server(args: argparse.Namespace) -> int:
     from areal_agents.envs.runtime.conformance import run_cli
 
-    return run_cli(args.url, args.env_id, args.kwargs, args.action, args.max_steps, args.session_probe_limit)
+    options = {"action": args.action, "max_steps": args.max_steps, "session_probe_limit": args.session_probe_limit}
+    return run_cli(args.url, args.env_id, args.kwargs, strict=args.strict, **options)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -395,6 +396,7 @@ def _add_serve_env(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--action", default="0", help="the action every step sends; episodes must end within --max-steps")
     p.add_argument("--max-steps", type=int, default=64, help="steps an episode may take")
     p.add_argument("--session-probe-limit", type=int, default=256, help="fill the session cap when it is this or less")
+    p.add_argument("--strict", action="store_true", help="a check that could not run fails too (exit 1)")
     p.set_defaults(fn=cmd_check_env_server)
 
 

@@ -17,7 +17,7 @@ from areal_agents.envs.runtime.server import EnvServer, HTTPError, ServerConfig,
 from areal_agents.net import free_port
 
 ARITHMETIC = "areal_agents/Arithmetic-v0"
-LIMITS = {"max_sessions": 16, "max_body_bytes": 65536, "max_action_chars": 1000}
+LIMITS = {"max_sessions": 16, "max_body_bytes": 65536, "max_action_chars": 1000, "idle_timeout": 5}
 
 
 @contextlib.contextmanager
@@ -65,7 +65,8 @@ def test_the_cli_prints_a_line_per_check_and_exits_1_on_a_failure(capsys):
         assert main(argv) == 0
         out = capsys.readouterr().out
         assert "SKIP episode end (409 episode_over): an episode did not end within 1 steps of action '0'" in out
-        assert "0 failed, 4 skipped" in out
+        assert "0 failed, 5 skipped" in out
+        assert main([*argv, "--strict"]) == 1  # strict: what could not be checked fails
     with serving(NoEpisodeEnd) as url:
         assert main(["check-env-server", url, "--env-id", ARITHMETIC]) == 1
     out = capsys.readouterr().out
@@ -137,30 +138,79 @@ class CloseKeepsTheSession(EnvServer):
         return {"session_id": sid, "closed": True}
 
 
+class SeedRequired(EnvServer):
+    async def create(self, req):
+        if req.seed is None:
+            raise HTTPError(400, "bad_request", "body.seed: required")
+        return await super().create(req)
+
+
+class ActionBytesCounted(EnvServer):
+    """Measures actions in UTF-8 bytes rather than characters."""
+
+    async def step(self, sid, action):
+        if len(action.encode()) > self.cfg.max_action_chars:
+            raise HTTPError(400, "action_too_long", "too long")
+        return await super().step(sid, action)
+
+
+class NoIdleExpiry(EnvServer):
+    async def expire_idle(self):
+        return 0
+
+
+class BatchStepsThenRefuses(EnvServer):
+    """Runs a batch's steps, then refuses it for a repeated session: the refusal changed something."""
+
+    async def step_batch(self, req):
+        actions = {item.session_id: item.action for item in req.steps}
+        if len(actions) == len(req.steps):
+            return await super().step_batch(req)
+        await asyncio.gather(*(self.step(sid, action) for sid, action in actions.items()))
+        raise HTTPError(400, "bad_request", "steps: each session may appear once per batch")
+
+
 class ActionLimitOffByOne(EnvServer):
     async def step(self, sid, action):
         return await super().step(sid, action[:-1] if len(action) == self.cfg.max_action_chars + 1 else action)
 
 
+EPISODE_END, SAME_SEED, BATCH, LIFECYCLE = (
+    "episode end (409 episode_over)",
+    "same seed, same episode",
+    "batched step",
+    "session lifecycle",
+)
+ACTION_LIMIT, OPTIONAL, IDLE = (
+    "action limit (400 action_too_long)",
+    "kwargs, seed and options may be absent or null",
+    "idle sessions expire",
+)
+
+
 @pytest.mark.parametrize(
-    "server_class, failing_check",
+    "server_class, failing",
     [
-        (NoEpisodeEnd, "episode end (409 episode_over)"),
-        (NoLimitsInHealth, "health reports the protocol and limits"),
-        (SeedIgnored, "same seed, same episode"),
-        (RacyCap, "session cap (429)"),
-        (BatchOutOfOrder, "batched step"),
-        (CloseKeepsTheSession, "session lifecycle"),
-        (ActionLimitOffByOne, "action limit (400 action_too_long)"),
+        (NoEpisodeEnd, [EPISODE_END]),
+        (SeedIgnored, [SAME_SEED, BATCH, "malformed bodies (400)", "concurrent sessions"]),  # all replay seeds
+        (RacyCap, ["session cap (429)"]),
+        (BatchOutOfOrder, [BATCH]),
+        (CloseKeepsTheSession, [LIFECYCLE, "session cap (429)", IDLE]),  # closed sessions fill the cap
+        (ActionLimitOffByOne, [ACTION_LIMIT]),
+        (SeedRequired, [OPTIONAL, "unknown env and session (404)"]),  # it asks for a seed before the env id
+        (ActionBytesCounted, [ACTION_LIMIT]),
+        (NoIdleExpiry, [IDLE]),
+        (BatchStepsThenRefuses, [BATCH]),
     ],
 )
-def test_a_broken_rule_fails_its_check(server_class, failing_check):
-    with serving(server_class) as url:
+def test_a_broken_rule_fails_its_check(server_class, failing):
+    with serving(server_class) as url:  # three turns: a step that should not have happened shows
+        report = check_env_server(url, env_id=ARITHMETIC, kwargs={"max_turns": 3})
+    assert report.failed == failing, report.lines()
+
+
+def test_without_limits_in_health_nothing_else_is_checked():
+    with serving(NoLimitsInHealth) as url:
         report = check_env_server(url, env_id=ARITHMETIC)
-    assert failing_check in report.failed, report.lines()
-    if server_class is NoLimitsInHealth:  # without limits nothing else can be checked
-        assert report.failed == [failing_check] and len(report.skipped) == len(CHECKS) - 1
-    elif server_class in (SeedIgnored, CloseKeepsTheSession):  # replays and session counts depend on these rules
-        assert set(report.failed) <= {failing_check, "concurrent sessions", "batched step", "session cap (429)"}
-    else:
-        assert report.failed == [failing_check] and not report.skipped, report.lines()
+    assert report.failed == ["health reports the protocol and limits"]
+    assert len(report.skipped) == len(CHECKS) - 1

@@ -7,8 +7,9 @@
 
 It plays episodes of one env with one fixed action, so that env's episodes must end within ``max_steps``
 of that action. Limits come from ``/health``; the session cap is tested by filling it when it is at most
-``session_probe_limit``. Run it against a server nobody else uses: it counts open sessions. Not checked
-(they need a slow or failing env): ``session_busy``, idle expiry, step timeouts, env failures.
+``session_probe_limit``, idle expiry by waiting when the timeout is at most 5 s. Run it against a server
+nobody else uses: it counts open sessions. Not checked (they need a slow or failing env): ``session_busy``,
+step timeouts, env failures.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from areal_agents.errors import ArealAgentsError
 LIMIT_FIELDS = {"max_sessions": int, "max_body_bytes": int, "max_action_chars": int, "idle_timeout_s": (int, float)}
 LARGEST_BODY_SENT = 64 * 1024 * 1024  # a body limit above this is not probed (the suite would send that much)
 CONCURRENT_SESSIONS = 32
+IDLE_PROBE_LIMIT_S = 5  # idle expiry is checked when the server's timeout is this short
 MAX_CONNECTIONS = 32  # below a thread-per-connection server's pool (cpp-httplib's, 64 by default in sdk/cpp)
 
 
@@ -107,6 +109,32 @@ async def check_session_lifecycle(p: Probe) -> None:
     expect_error(await p.close(sid), 404, "unknown_session", "closing a closed session")
 
 
+async def check_optional_fields(p: Probe) -> None:
+    """``kwargs``, ``seed`` and ``options`` may be absent or null (RemoteEnvPool sends null seed and options)."""
+    bodies = [{"env_id": p.env_id, "kwargs": p.kwargs, "seed": None, "options": None}]
+    bodies.append({"env_id": p.env_id, "kwargs": p.kwargs} if p.kwargs else {"env_id": p.env_id})
+    for body in bodies:
+        created = expect_ok(await p.request("POST", "/v1/sessions", body), f"POST /v1/sessions {json.dumps(body)}")
+        check_fields(created, {"session_id": str, "observation": str, "info": dict}, "the created session")
+        await p.close(created["session_id"])
+
+
+async def check_idle_expiry(p: Probe) -> None:
+    """A session with no step for idle_timeout_s is closed by the server (checked when that is short)."""
+    idle = p.limits["idle_timeout_s"]
+    if idle > IDLE_PROBE_LIMIT_S:
+        raise NotTestable(f"idle_timeout_s is {idle}; start the server with an idle timeout of at most 5 s to check it")
+    sid = (await p.create(seed=0))["session_id"]
+    before = await p.sessions_open()
+    deadline = asyncio.get_running_loop().time() + 2 * idle + 3
+    while await p.sessions_open() >= before:
+        if asyncio.get_running_loop().time() > deadline:
+            await p.close(sid)
+            raise Violation(f"a session idle for {2 * idle + 3:.1f}s is still open (idle_timeout_s {idle})")
+        await asyncio.sleep(0.1)
+    expect_error(await p.step(sid), 404, "unknown_session", "a step on an expired session")
+
+
 async def play(
     p: Probe, seed: int, step: Callable[[str], Awaitable[dict]] | None = None, *, keep: bool = False
 ) -> tuple[str, list]:
@@ -166,7 +194,18 @@ async def check_batched_step(p: Probe) -> None:
     empty = expect_ok(await p.request("POST", "/v1/step", {"steps": []}), "POST /v1/step with no steps")
     if empty != {"results": []}:
         raise Violation(f"POST /v1/step with no steps: expected {{'results': []}}, got {empty}")
+    await expect_next_step(p, a, solo, 2, "after a refused batch")
     await asyncio.gather(p.close(a), p.close(b))
+
+
+async def expect_next_step(p: Probe, sid: str, solo: list, k: int, when: str) -> None:
+    """The session's next step is step ``k`` of its seed played alone (refused requests changed nothing)."""
+    if k >= len(solo):  # that episode had ended by then
+        expect_error(await p.step(sid), 409, "episode_over", f"a step {when}, once the episode ended")
+        return
+    result = await p.step_ok(sid)
+    if trajectory_step(result) != solo[k]:
+        raise Violation(f"a step {when} is not step {k} of the same seed played alone: {result} vs {solo[k]}")
 
 
 async def check_unknown_ids(p: Probe) -> None:
@@ -200,7 +239,8 @@ def malformed_requests(p: Probe, sid: str) -> list[tuple[str, str, Any, str]]:
 
 
 async def check_malformed_bodies(p: Probe) -> None:
-    sid = (await p.create(seed=0))["session_id"]
+    _, solo = await play(p, seed=4)
+    sid = (await p.create(seed=4))["session_id"]
     before = await p.sessions_open()
     for what, path, body, names in malformed_requests(p, sid):
         raw = body if isinstance(body, bytes) else None
@@ -208,18 +248,21 @@ async def check_malformed_bodies(p: Probe) -> None:
         expect_error(reply, 400, "bad_request", what, names)
     if await p.sessions_open() != before:
         raise Violation("a malformed request opened or closed a session")
-    await p.step_ok(sid)  # the session is untouched by the bad steps
+    await expect_next_step(p, sid, solo, 1, "after malformed ones")  # the bad steps did not happen
     await p.close(sid)
 
 
 async def check_action_limit(p: Probe) -> None:
+    """Actions are measured in characters (code points): not bytes, not UTF-16 units."""
     limit, body_limit = p.limits["max_action_chars"], p.limits["max_body_bytes"]
-    if limit + 100 > body_limit:
+    if 12 * limit + 100 > body_limit:  # an astral character is 12 bytes of JSON (two \\u escapes)
         raise NotTestable(f"max_action_chars {limit} does not fit in max_body_bytes {body_limit}")
-    sid = (await p.create(seed=0))["session_id"]
-    expect_error(await p.step(sid, "7" * (limit + 1)), 400, "action_too_long", f"an action of {limit + 1} characters")
-    await p.step_ok(sid, "7" * limit)  # at the limit is allowed (its episode may end; the step is normal)
-    await p.close(sid)
+    for char in ("7", "\u00e9", "\U0001d11e"):  # 1, 2 and 4 bytes in UTF-8; 𝄞 is 2 UTF-16 units
+        sid = (await p.create(seed=0))["session_id"]
+        what = f"an action of {limit + 1} x {char!r}"
+        expect_error(await p.step(sid, char * (limit + 1)), 400, "action_too_long", what)
+        await p.step_ok(sid, char * limit)  # at the limit is allowed (its episode may end; the step is normal)
+        await p.close(sid)
 
 
 async def check_body_limit(p: Probe) -> None:
@@ -300,6 +343,7 @@ CHECKS: list[tuple[str, Callable[[Probe], Awaitable[None]]]] = [
     ("health reports the protocol and limits", check_health),
     ("/v1/envs lists the env", check_env_list),
     ("session lifecycle", check_session_lifecycle),
+    ("kwargs, seed and options may be absent or null", check_optional_fields),
     ("episode end (409 episode_over)", check_episode_end),
     ("same seed, same episode", check_same_seed_same_episode),
     ("batched step", check_batched_step),
@@ -310,6 +354,7 @@ CHECKS: list[tuple[str, Callable[[Probe], Awaitable[None]]]] = [
     ("session cap (429)", check_session_cap),
     ("concurrent sessions", check_concurrent_sessions),
     ("unknown path (404)", check_unknown_path),
+    ("idle sessions expire", check_idle_expiry),
     ("JSON replies", check_json_replies),
 ]
 
@@ -355,24 +400,23 @@ def check_env_server(url: str, *, env_id: str = "", **options: Any) -> Report:
     return asyncio.run(acheck_env_server(url, env_id=env_id, **options))
 
 
-def run_cli(url: str, env_id: str, kwargs: str, action: str, max_steps: int, session_probe_limit: int) -> int:
-    """``areal-agents check-env-server``: a line per check; exit 0 when none failed, 1 when one did."""
+def run_cli(url: str, env_id: str, kwargs: str, *, strict: bool = False, **options: Any) -> int:
+    """``areal-agents check-env-server``: a line per check; exit 1 when one failed (or, ``strict``, was skipped)."""
     try:
         parsed = json.loads(kwargs)
     except ValueError as e:
         raise ArealAgentsError(f"--kwargs is not JSON: {e}") from None
     if not isinstance(parsed, dict):
         raise ArealAgentsError(f"--kwargs should be a JSON object, got {kwargs!r}")
-    options = {"kwargs": parsed, "action": action, "max_steps": max_steps, "session_probe_limit": session_probe_limit}
     try:
-        report = check_env_server(url, env_id=env_id, **options)
+        report = check_env_server(url, env_id=env_id, kwargs=parsed, **options)
     except (aiohttp.ClientError, TimeoutError, Violation) as e:
         raise ArealAgentsError(f"cannot check {url}: {type(e).__name__}: {e}") from None
     for line in report.lines():
         print(line)
     passed = sum(r.status == "PASS" for r in report.results)
     print(f"{passed} passed, {len(report.failed)} failed, {len(report.skipped)} skipped ({url}, env {report.env_id})")
-    return 0 if report.ok else 1
+    return 0 if report.ok and not (strict and report.skipped) else 1
 
 
 async def _first_env(p: Probe) -> str:
