@@ -8,6 +8,7 @@ import os
 import re
 import selectors
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +26,7 @@ from areal_agents.net import free_port, wait_healthy
 
 SDK = Path(__file__).resolve().parents[2] / "sdk" / "cpp"
 GUESS = "cpp/GuessNumber-v0"
-LIMITS = ["--max-sessions", "16", "--max-body-bytes", "65536", "--max-action-chars", "1000"]
+LIMITS = ["--max-sessions", "16", "--max-body-bytes", "65536", "--max-action-chars", "1000", "--idle-timeout", "5"]
 
 
 def require_toolchain() -> None:
@@ -178,53 +179,77 @@ def test_a_bad_flag_exits_non_zero_naming_it(build, args, named):
     assert done.returncode == 2 and "error:" in first_line and named in first_line, done.stderr
 
 
+def test_a_project_adding_the_sdk_as_a_subdirectory_does_not_build_the_examples(tmp_path):
+    require_toolchain()
+    (tmp_path / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.16)\nproject(user_project LANGUAGES CXX)\n"
+        f'add_subdirectory("{SDK.as_posix()}" areal_agents_sdk)\n'
+    )
+    run_checked(["cmake", "-S", str(tmp_path), "-B", str(tmp_path / "build")], timeout=120)
+    targets = subprocess.run(
+        ["cmake", "--build", str(tmp_path / "build"), "--target", "help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    listed = set(re.findall(r"^\.\.\. (\w+)", targets, re.MULTILINE))
+    assert "all" in listed and not {"guess_number", "play_episode", "generate"} & listed, targets
+
+
 FAULTY_ENV = r"""
 #include <areal_agents/env_server.hpp>
 #include <chrono>
 #include <thread>
 
-// Fails where kwargs["fail"] says: make, make_invalid, reset, step, nan, info; "slow" steps take 1 s.
+// Fails where kwargs["fail"] says: make, make_invalid, reset, step, nan, info; "slow" steps take 3 s.
+// With kwargs["throw_int"] true, make, reset and step throw an int (not a std::exception) instead.
 // A step's info says when it started and ended (steady clock ns), so tests see which steps overlapped.
 class Faulty : public areal_agents::Env {
  public:
-  explicit Faulty(std::string fail) : fail_(std::move(fail)) {
-    if (fail_ == "make") throw std::runtime_error("no GPU here");
+  Faulty(std::string fail, bool throw_int) : fail_(std::move(fail)), throw_int_(throw_int) {
+    if (fail_ == "make") raise<std::runtime_error>("no GPU here");
     if (fail_ == "make_invalid") throw std::invalid_argument("fail: not today");
   }
   areal_agents::Reset reset(std::optional<std::uint64_t>, const nlohmann::json&) override {
-    if (fail_ == "reset") throw std::logic_error("reset broke");
+    if (fail_ == "reset") raise<std::logic_error>("reset broke");
     return {"go", {}};
   }
   areal_agents::Step step(const std::string&) override {
-    if (fail_ == "step") throw std::runtime_error("step broke");
+    if (fail_ == "step") raise<std::runtime_error>("step broke");
     auto started = now_ns();
-    if (fail_ == "slow") std::this_thread::sleep_for(std::chrono::seconds(1));
+    if (fail_ == "slow") std::this_thread::sleep_for(std::chrono::seconds(3));
     areal_agents::Step out{"ok", 0.5, false, false, {{"started_ns", started}, {"ended_ns", now_ns()}}};
     if (fail_ == "nan") out.reward = std::nan("");
     if (fail_ == "info") out.info = 3;
     return out;
   }
  private:
+  template <typename Error>
+  void raise(const char* message) const {
+    if (throw_int_) throw 7;
+    throw Error(message);
+  }
   static long long now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
         .count();
   }
   std::string fail_;
+  bool throw_int_;
 };
 
 int main(int argc, char** argv) {
   areal_agents::EnvServer server(areal_agents::parse_server_options_or_exit(argc, argv));
   server.add_env("test/Faulty-v0", "fails on request", [](const nlohmann::json& kwargs) {
-    return std::make_unique<Faulty>(kwargs.value("fail", ""));
+    return std::make_unique<Faulty>(kwargs.value("fail", ""), kwargs.value("throw_int", false));
   });
   return server.listen() ? 0 : 1;
 }
 """
 
 
+FAULTY_MAX_SESSIONS = 16
+
+
 @pytest.fixture(scope="module")
-def faulty_server(build, tmp_path_factory):
-    """An env whose factory, reset and step throw on request, compiled against the SDK's headers."""
+def faulty_binary(build, tmp_path_factory) -> Path:
+    """An env server whose factory, reset and step throw on request, compiled against the SDK's headers."""
     out = tmp_path_factory.mktemp("faulty")
     (out / "faulty.cpp").write_text(FAULTY_ENV)
     flags = subprocess.run(
@@ -232,13 +257,18 @@ def faulty_server(build, tmp_path_factory):
     ).stdout.split()
     compile_ = ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", f"-I{SDK / 'include'}", str(out / "faulty.cpp")]
     run_checked([*compile_, "-o", str(out / "faulty"), *flags, "-pthread"], timeout=300)
-    server = CppServer(out / "faulty", "--idle-timeout", "1")
+    return out / "faulty"
+
+
+@pytest.fixture(scope="module")
+def faulty_server(faulty_binary):
+    server = CppServer(faulty_binary, "--max-sessions", str(FAULTY_MAX_SESSIONS))
     yield server
     server.stop()
 
 
-def faulty_session(url: str, fail: str) -> str:
-    reply = create(url, env_id="test/Faulty-v0", kwargs={"fail": fail})
+def faulty_session(url: str, fail: str, throw_int: bool = False) -> str:
+    reply = create(url, env_id="test/Faulty-v0", kwargs={"fail": fail, "throw_int": throw_int})
     assert reply.status_code == 200, reply.text
     return reply.json()["session_id"]
 
@@ -247,30 +277,49 @@ def sessions_open(url: str) -> int:
     return requests.get(f"{url}/health", timeout=10).json()["sessions_open"]
 
 
+NON_STANDARD = "threw a non-standard exception"
+
+
 @pytest.mark.parametrize(
-    ("fail", "status", "type_", "said"),
+    ("fail", "throw_int", "status", "type_", "said"),
     [
-        ("make", 500, "env_error", "no GPU here"),
-        ("make_invalid", 400, "bad_request", "fail: not today"),
-        ("reset", 500, "env_error", "reset broke"),
+        ("make", False, 500, "env_error", "no GPU here"),
+        ("make_invalid", False, 400, "bad_request", "fail: not today"),
+        ("reset", False, 500, "env_error", "reset broke"),
+        ("make", True, 500, "env_error", NON_STANDARD),
+        ("reset", True, 500, "env_error", NON_STANDARD),
     ],
 )
-def test_env_exceptions_at_creation_are_typed_errors_and_leave_no_session(faulty_server, fail, status, type_, said):
+def test_env_exceptions_at_creation_are_typed_errors_and_leave_no_session(
+    faulty_server, fail, throw_int, status, type_, said
+):
     before = sessions_open(faulty_server.url)
-    reply = create(faulty_server.url, env_id="test/Faulty-v0", kwargs={"fail": fail})
+    reply = create(faulty_server.url, env_id="test/Faulty-v0", kwargs={"fail": fail, "throw_int": throw_int})
     assert reply.status_code == status and reply.json()["error"]["type"] == type_
     assert said in reply.json()["error"]["message"]
     assert sessions_open(faulty_server.url) == before
 
 
-@pytest.mark.parametrize("fail", ["step", "nan", "info"])
-def test_a_failing_step_ends_the_episode_with_env_error(faulty_server, fail):
+@pytest.mark.parametrize("fail", ["make", "reset"])
+def test_failed_creations_give_their_place_back(faulty_server, fail):
+    """More failed creations than --max-sessions, std exceptions and ints alike, still leave room for a session."""
     url = faulty_server.url
-    sid = faulty_session(url, fail)
+    for throw_int in (False, True) * FAULTY_MAX_SESSIONS:
+        reply = create(url, env_id="test/Faulty-v0", kwargs={"fail": fail, "throw_int": throw_int})
+        assert reply.status_code == 500, reply.text
+    sid = faulty_session(url, "")
+    assert requests.delete(f"{url}/v1/sessions/{sid}", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize(("fail", "throw_int"), [("step", False), ("nan", False), ("info", False), ("step", True)])
+def test_a_failing_step_ends_the_episode_with_env_error(faulty_server, fail, throw_int):
+    url = faulty_server.url
+    sid = faulty_session(url, fail, throw_int)
     result = step(url, sid, "x").json()
     assert result["error"]["type"] == "env_error" and result["terminated"] and not result["truncated"]
     assert (result["observation"], result["reward"], result["info"]) == ("", 0.0, {})
-    assert step(url, sid, "x").json()["error"]["type"] == "unknown_session"  # the session is gone
+    assert (NON_STANDARD in result["error"]["message"]) == throw_int
+    assert step(url, sid, "x").json()["error"]["type"] == "unknown_session"  # the session is gone, not busy
 
 
 def test_a_second_step_on_a_busy_session_is_409_and_the_others_go_on(faulty_server):
@@ -279,7 +328,7 @@ def test_a_second_step_on_a_busy_session_is_409_and_the_others_go_on(faulty_serv
     first: dict = {}
     worker = threading.Thread(target=lambda: first.update(step(url, slow, "a").json()))
     worker.start()
-    time.sleep(0.3)
+    time.sleep(1.0)  # well into the 3 s step
     busy = step(url, slow, "b")
     meanwhile = step(url, other, "c").json()
     worker.join(timeout=10)
@@ -305,18 +354,60 @@ def test_batch_items_run_concurrently_and_fail_alone(faulty_server):
     assert [r["observation"] for r in results] == ["ok", "ok", "", "ok"]
 
 
-def test_idle_sessions_expire(faulty_server):
-    sid = faulty_session(faulty_server.url, "")
-    time.sleep(2.0)  # --idle-timeout 1, checked every 0.25 s
-    reply = step(faulty_server.url, sid, "x")
+def test_a_batch_item_throwing_a_non_standard_exception_fails_alone(faulty_server):
+    url = faulty_server.url
+    broken, fine = faulty_session(url, "step", throw_int=True), faulty_session(url, "")
+    body = {"steps": [{"session_id": sid, "action": "a"} for sid in (broken, fine)]}
+    results = requests.post(f"{url}/v1/step", json=body, timeout=30).json()["results"]
+    assert results[0]["error"]["type"] == "env_error" and NON_STANDARD in results[0]["error"]["message"]
+    assert results[1]["error"] is None and results[1]["observation"] == "ok"
+    assert step(url, broken, "a").json()["error"]["type"] == "unknown_session"
+    assert requests.get(f"{url}/health", timeout=10).json()["status"] == "ok"
+
+
+def test_a_deeply_nested_body_is_a_400_and_the_server_lives(faulty_server):
+    url, depth = faulty_server.url, 60_000
+    body = '{"env_id": "test/Faulty-v0", "kwargs": {"a": ' + "[" * depth + "]" * depth + "}}"
+    reply = requests.post(f"{url}/v1/sessions", data=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["type"] == "bad_request"
+    assert "nesting limit" in reply.json()["error"]["message"]
+    assert requests.get(f"{url}/health", timeout=10).json()["status"] == "ok"
+    nested = {"a": json.loads("[" * 100 + "]" * 100)}  # well under the limit: an ordinary session
+    sid = create(url, env_id="test/Faulty-v0", kwargs=nested).json()["session_id"]
+    assert requests.delete(f"{url}/v1/sessions/{sid}", timeout=30).status_code == 200
+
+
+def test_idle_sessions_expire(faulty_binary):
+    server = CppServer(faulty_binary, "--idle-timeout", "1")
+    try:
+        sid = faulty_session(server.url, "")
+        time.sleep(2.0)  # --idle-timeout 1, checked every 0.25 s
+        reply = step(server.url, sid, "x")
+    finally:
+        server.stop()
     assert reply.status_code == 404 and reply.json()["error"]["type"] == "unknown_session"
+
+
+def test_more_connections_than_the_old_thread_count_are_all_served(guess_server):
+    """A thread per open connection: 100 idle keep-alive connections, then one more, all answered at once."""
+    host, port = guess_server.url.removeprefix("http://").split(":")
+    connections = []
+    try:
+        for _ in range(101):
+            connection = socket.create_connection((host, int(port)), timeout=3)
+            connections.append(connection)
+            connection.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            assert connection.recv(65536).startswith(b"HTTP/1.1 200"), f"connection {len(connections)}"
+    finally:
+        for connection in connections:
+            connection.close()
 
 
 # -- training against it ----------------------------------------------------------------------------------------
 
 
 def test_guess_number_passes_the_suite_at_the_default_limits(build):
-    """65,536-character actions and 8 MiB bodies (the session cap, 4096, is too many to fill)."""
+    """65,536-character actions and 8 MiB bodies (4096 sessions are too many to fill, 600 s too long to idle)."""
     from areal_agents.envs.runtime.conformance import check_env_server
 
     server = CppServer(build / "guess_number")
@@ -324,7 +415,7 @@ def test_guess_number_passes_the_suite_at_the_default_limits(build):
         report = check_env_server(server.url, env_id=GUESS)
     finally:
         server.stop()
-    assert report.ok and report.skipped == ["session cap (429)"], "\n".join(report.lines())
+    assert report.ok and report.skipped == ["session cap (429)", "idle sessions expire"], "\n".join(report.lines())
 
 
 def test_two_training_steps_play_episodes_on_the_cpp_server(guess_server, tiny_dir, tmp_path):

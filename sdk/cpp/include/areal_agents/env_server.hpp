@@ -25,6 +25,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <ctime>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -32,7 +33,6 @@
 #include <mutex>
 #include <optional>
 #include <random>
-#include <set>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -45,6 +45,28 @@
 namespace areal_agents {
 
 using json = nlohmann::json;
+
+namespace detail {
+
+// Runs `undo` when the scope ends, by return or by exception, unless dismissed: a reservation to give back,
+// a busy session to drop, threads to join.
+template <typename Undo>
+class OnExit {
+ public:
+  explicit OnExit(Undo undo) : undo_(std::move(undo)) {}
+  ~OnExit() {
+    if (armed_) undo_();
+  }
+  OnExit(const OnExit&) = delete;
+  OnExit& operator=(const OnExit&) = delete;
+  void dismiss() { armed_ = false; }
+
+ private:
+  Undo undo_;
+  bool armed_ = true;
+};
+
+}  // namespace detail
 
 // The first observation of an episode.
 struct Reset {
@@ -138,13 +160,6 @@ class EnvServer {
     bool done = false;  // terminated or truncated: further steps are refused
   };
 
-  struct CreateRequest {
-    std::string env_id;
-    json kwargs = json::object();
-    std::optional<std::uint64_t> seed;
-    json options = json::object();
-  };
-
   using JsonHandler = std::function<json(const httplib::Request&, const std::string& body)>;
 
   // -- routes ---------------------------------------------------------------------------------------
@@ -153,13 +168,14 @@ class EnvServer {
     http_.new_task_queue = [threads = options_.threads] { return new httplib::ThreadPool(threads); };
     http_.set_payload_max_length(options_.max_body_bytes);
     http_.set_keep_alive_max_count(100000);
+    http_.set_keep_alive_timeout(kKeepAliveTimeoutS);  // an idle connection gives its thread back after this
     http_.Get("/health", plain([this](const httplib::Request&, const std::string&) { return health(); }));
     http_.Get("/v1/envs", plain([this](const httplib::Request&, const std::string&) { return list_envs(); }));
     http_.Post("/v1/sessions", with_body([this](const httplib::Request&, const std::string& body) {
-                 return create(parse_create(detail::parse_body(body)));
+                 return create(detail::parse_create(detail::parse_body(body)));
                }));
     http_.Post(R"(/v1/sessions/([^/]+)/step)", with_body([this](const httplib::Request& req, const std::string& body) {
-                 return step(req.matches[1], parse_action(detail::parse_body(body)));
+                 return step(req.matches[1], detail::parse_action(detail::parse_body(body)));
                }));
     http_.Post("/v1/step", with_body([this](const httplib::Request&, const std::string& body) {
                  return step_batch(detail::parse_body(body));
@@ -233,33 +249,9 @@ class EnvServer {
       detail::reply(res, e.status, detail::error_body(e.type, e.what()));
     } catch (const std::exception& e) {
       detail::reply(res, 500, detail::error_body("internal_error", e.what()));
+    } catch (...) {
+      detail::reply(res, 500, detail::error_body("internal_error", "the request threw a non-standard exception"));
     }
-  }
-
-  // -- request bodies ---------------------------------------------------------------------------------
-
-  static CreateRequest parse_create(const json& body) {
-    detail::check_object(body, "body", {"env_id", "kwargs", "seed", "options"});
-    CreateRequest request;
-    request.env_id = detail::required_string(body, "body", "env_id");
-    if (body.contains("kwargs")) {
-      if (!body["kwargs"].is_object()) throw detail::bad_request("body.kwargs: expected an object");
-      request.kwargs = body["kwargs"];
-    }
-    if (body.contains("seed") && !body["seed"].is_null()) {
-      if (!body["seed"].is_number_unsigned()) throw detail::bad_request("body.seed: expected an integer >= 0 or null");
-      request.seed = body["seed"].get<std::uint64_t>();
-    }
-    if (body.contains("options") && !body["options"].is_null()) {
-      if (!body["options"].is_object()) throw detail::bad_request("body.options: expected an object or null");
-      request.options = body["options"];
-    }
-    return request;
-  }
-
-  static std::string parse_action(const json& body) {
-    detail::check_object(body, "body", {"action"});
-    return detail::required_string(body, "body", "action");
   }
 
   // -- the protocol -----------------------------------------------------------------------------------
@@ -283,8 +275,12 @@ class EnvServer {
     return {{"envs", envs}};
   }
 
-  json create(const CreateRequest& request) {
+  json create(const detail::CreateRequest& request) {
     EnvFactory factory = reserve_session(request.env_id);
+    detail::OnExit give_back_place([this] {  // when no session is made, however this returns or throws
+      std::lock_guard<std::mutex> lock(mutex_);
+      --opening_;
+    });
     std::unique_ptr<Env> env;
     Reset first;
     try {
@@ -293,12 +289,12 @@ class EnvServer {
       first = env->reset(request.seed, request.options);
       check_info(first.info);
     } catch (const std::invalid_argument& e) {
-      release_reservation();
       throw detail::bad_request("cannot make " + request.env_id + ": " + e.what() +
                                 "; check the kwargs, seed and options");
     } catch (const std::exception& e) {
-      release_reservation();
       throw detail::HttpError(500, "env_error", "cannot make " + request.env_id + ": " + e.what());
+    } catch (...) {
+      throw detail::HttpError(500, "env_error", "cannot make " + request.env_id + ": " + kNonStandard);
     }
     std::string id = detail::new_session_id();
     auto session = std::make_shared<Session>();
@@ -306,14 +302,15 @@ class EnvServer {
     session->last_used = std::chrono::steady_clock::now();
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      --opening_;
       sessions_[id] = std::move(session);
+      --opening_;  // the place passes to the session under the same lock: it is never counted twice
+      give_back_place.dismiss();
     }
     return {{"session_id", id}, {"observation", first.observation}, {"info", first.info}};
   }
 
   // The factory of `env_id`, with a place under max_sessions taken for the new session (atomically, so the
-  // cap holds under concurrent creations); release_reservation() gives it back if the session is not made.
+  // cap holds under concurrent creations); the caller gives it back when the session is made or not.
   EnvFactory reserve_session(const std::string& env_id) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto found = envs_.find(env_id);
@@ -334,21 +331,20 @@ class EnvServer {
     return found->second.factory;
   }
 
-  void release_reservation() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    --opening_;
-  }
-
   json step(const std::string& id, const std::string& action) {
     std::shared_ptr<Session> session = claim_for_step(id, action);
+    // Unless the step ends well, the session is removed, so it is never left busy for good; its env is
+    // destroyed after the lock is released (`session` outlives the guard).
+    detail::OnExit remove_unless_done([&] { remove_session(id, session); });
     Step result;
     try {
       result = session->env->step(action);
       check_info(result.info);
       if (!std::isfinite(result.reward)) throw std::runtime_error("reward is not a finite number");
-    } catch (const std::exception& e) {
-      remove_session(id, session);  // the episode ends with a typed record; nothing else is affected
+    } catch (const std::exception& e) {  // the episode ends with a typed record; nothing else is affected
       return detail::failed_step(id, "env_error", std::string("step failed: ") + e.what());
+    } catch (...) {
+      return detail::failed_step(id, "env_error", std::string("step failed: ") + kNonStandard);
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -356,6 +352,7 @@ class EnvServer {
       session->done = result.terminated || result.truncated;
       session->last_used = std::chrono::steady_clock::now();
     }
+    remove_unless_done.dismiss();
     return {{"session_id", id},
             {"observation", result.observation},
             {"reward", result.reward},
@@ -387,7 +384,7 @@ class EnvServer {
   }
 
   json step_batch(const json& body) {
-    auto items = parse_batch(body);
+    auto items = detail::parse_batch(body);
     std::vector<json> results(items.size());
     std::atomic<std::size_t> next{0};
     auto work = [&] {
@@ -395,35 +392,18 @@ class EnvServer {
     };
     // Items run concurrently (sessions are independent), on at most one thread per core.
     std::size_t helpers = std::min<std::size_t>(items.size(), std::max(1u, std::thread::hardware_concurrency())) - 1;
-    std::vector<std::thread> threads;
-    try {
-      while (threads.size() < helpers) threads.emplace_back(work);
-    } catch (const std::system_error&) {  // no more threads to be had: the ones running share the work
-    }
-    if (!items.empty()) work();
-    for (auto& thread : threads) thread.join();
-    return {{"results", results}};
-  }
-
-  // The (session_id, action) pairs of a batch body, each session at most once.
-  static std::vector<std::pair<std::string, std::string>> parse_batch(const json& body) {
-    detail::check_object(body, "body", {"steps"});
-    if (!body.contains("steps")) throw detail::bad_request("body.steps: required");
-    const json& steps = body["steps"];
-    if (!steps.is_array()) throw detail::bad_request("body.steps: expected a list");
-    std::vector<std::pair<std::string, std::string>> items;
-    std::set<std::string> seen;
-    for (std::size_t i = 0; i < steps.size(); ++i) {
-      std::string where = "body.steps[" + std::to_string(i) + "]";
-      detail::check_object(steps[i], where, {"session_id", "action"});
-      items.emplace_back(detail::required_string(steps[i], where, "session_id"),
-                         detail::required_string(steps[i], where, "action"));
-      if (!seen.insert(items.back().first).second) {
-        throw detail::bad_request(where + ".session_id: session " + items.back().first +
-                                  " appears twice; each session may appear once per batch");
+    {
+      std::vector<std::thread> threads;
+      detail::OnExit join_all([&] {  // also when work() throws: a joinable thread's destructor ends the process
+        for (auto& thread : threads) thread.join();
+      });
+      try {
+        while (threads.size() < helpers) threads.emplace_back(work);
+      } catch (const std::system_error&) {  // no more threads to be had: the ones running share the work
       }
+      if (!items.empty()) work();
     }
-    return items;
+    return {{"results", results}};
   }
 
   // A batch item: its StepResult, or a failed one typed as the single step's refusal would be.
@@ -434,6 +414,8 @@ class EnvServer {
       return detail::failed_step(id, e.type, e.what());
     } catch (const std::exception& e) {
       return detail::failed_step(id, "internal_error", e.what());
+    } catch (...) {
+      return detail::failed_step(id, "internal_error", "the step threw a non-standard exception");
     }
   }
 
@@ -484,6 +466,9 @@ class EnvServer {
       lock.lock();
     }
   }
+
+  static constexpr std::time_t kKeepAliveTimeoutS = 5;
+  static constexpr const char* kNonStandard = "the env threw a non-standard exception (not a std::exception)";
 
   ServerOptions options_;
   httplib::Server http_;

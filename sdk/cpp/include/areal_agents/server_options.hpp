@@ -15,7 +15,9 @@ namespace areal_agents {
 struct ServerOptions {
   std::string host = "127.0.0.1";
   int port = 8765;  // 0: any free port (printed once listening)
-  int threads = 64;  // request threads; a keep-alive connection holds one while it is open
+  // Request threads. cpp-httplib gives each open connection a thread of its own (an idle keep-alive one lets it
+  // go after 5 s), so this must cover the clients' connections: RemoteEnvPool keeps up to 64 per process.
+  int threads = 256;
   std::size_t max_sessions = 4096;
   std::size_t max_body_bytes = 8 * 1024 * 1024;
   std::size_t max_action_chars = 65536;  // Unicode code points
@@ -26,7 +28,8 @@ inline const char* server_options_usage() {
   return "options:\n"
          "  --host HOST               address to listen on (default 127.0.0.1)\n"
          "  --port N                  port, 0 = any free port (default 8765)\n"
-         "  --threads N               request threads (default 64)\n"
+         "  --threads N               request threads, one per open connection; an idle keep-alive\n"
+         "                            connection frees its thread after 5 s (default 256)\n"
          "  --max-sessions N          open sessions at most (default 4096)\n"
          "  --max-body-bytes N        request body size limit (default 8388608)\n"
          "  --max-action-chars N      action length limit in characters (default 65536)\n"

@@ -1,5 +1,6 @@
 // areal_agents/server_replies.hpp: what env_server.hpp replies with and checks requests by: the protocol's
-// error records (HttpError), strict JSON body checks that name the field, and failed step results.
+// error records (HttpError), strict JSON body checks that name the field (the routes' bodies parsed and checked),
+// and failed step results.
 #pragma once
 
 #include <httplib.h>
@@ -7,9 +8,13 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstdint>
+#include <optional>
 #include <random>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace areal_agents {
@@ -67,12 +72,79 @@ inline std::string required_string(const json& object, const std::string& where,
   return found->get<std::string>();
 }
 
+// Arrays and objects nested deeper than this are refused: copying and printing a json value recurse per level,
+// so a body of a few hundred KB of brackets would otherwise overflow a request thread's stack.
+constexpr int kMaxJsonDepth = 512;
+
 inline json parse_body(const std::string& body) {
+  auto bounded = [](int depth, json::parse_event_t event, json&) {
+    bool opens = event == json::parse_event_t::object_start || event == json::parse_event_t::array_start;
+    if (opens && depth >= kMaxJsonDepth) {
+      throw bad_request("body: nested deeper than " + std::to_string(kMaxJsonDepth) +
+                        " arrays/objects (the nesting limit)");
+    }
+    return true;
+  };
   try {
-    return json::parse(body);
+    return json::parse(body, bounded);
   } catch (const json::parse_error& e) {
     throw bad_request(std::string("body: malformed JSON (") + e.what() + ")");
   }
+}
+
+// -- the request bodies of the protocol's routes --
+
+struct CreateRequest {
+  std::string env_id;
+  json kwargs = json::object();
+  std::optional<std::uint64_t> seed;
+  json options = json::object();
+};
+
+// The body of POST /v1/sessions, checked strictly.
+inline CreateRequest parse_create(const json& body) {
+  check_object(body, "body", {"env_id", "kwargs", "seed", "options"});
+  CreateRequest request;
+  request.env_id = required_string(body, "body", "env_id");
+  if (body.contains("kwargs")) {
+    if (!body["kwargs"].is_object()) throw bad_request("body.kwargs: expected an object");
+    request.kwargs = body["kwargs"];
+  }
+  if (body.contains("seed") && !body["seed"].is_null()) {
+    if (!body["seed"].is_number_unsigned()) throw bad_request("body.seed: expected an integer >= 0 or null");
+    request.seed = body["seed"].get<std::uint64_t>();
+  }
+  if (body.contains("options") && !body["options"].is_null()) {
+    if (!body["options"].is_object()) throw bad_request("body.options: expected an object or null");
+    request.options = body["options"];
+  }
+  return request;
+}
+
+// The action of a POST /v1/sessions/{id}/step body.
+inline std::string parse_action(const json& body) {
+  check_object(body, "body", {"action"});
+  return required_string(body, "body", "action");
+}
+
+// The (session_id, action) pairs of a batch body, each session at most once.
+inline std::vector<std::pair<std::string, std::string>> parse_batch(const json& body) {
+  check_object(body, "body", {"steps"});
+  if (!body.contains("steps")) throw bad_request("body.steps: required");
+  const json& steps = body["steps"];
+  if (!steps.is_array()) throw bad_request("body.steps: expected a list");
+  std::vector<std::pair<std::string, std::string>> items;
+  std::set<std::string> seen;
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    std::string where = "body.steps[" + std::to_string(i) + "]";
+    check_object(steps[i], where, {"session_id", "action"});
+    items.emplace_back(required_string(steps[i], where, "session_id"), required_string(steps[i], where, "action"));
+    if (!seen.insert(items.back().first).second) {
+      throw bad_request(where + ".session_id: session " + items.back().first +
+                        " appears twice; each session may appear once per batch");
+    }
+  }
+  return items;
 }
 
 inline json failed_step(const std::string& session_id, const std::string& type, const std::string& message) {
@@ -80,13 +152,15 @@ inline json failed_step(const std::string& session_id, const std::string& type, 
           {"truncated", false},       {"info", json::object()},  {"error", {{"type", type}, {"message", message}}}};
 }
 
+// 128 bits from std::random_device (the OS's or the CPU's entropy) for each id, not a seeded generator,
+// so an id cannot be predicted from the ones before it.
 inline std::string new_session_id() {
-  static thread_local std::mt19937_64 rng{std::random_device{}() ^ (std::uint64_t{std::random_device{}()} << 32)};
+  static thread_local std::random_device entropy;
   static const char* digits = "0123456789abcdef";
   std::string id;
-  for (int half = 0; half < 2; ++half) {
-    std::uint64_t bits = rng();
-    for (int i = 0; i < 16; ++i, bits >>= 4) id += digits[bits & 0xF];
+  for (int word = 0; word < 4; ++word) {
+    std::uint32_t bits = entropy();
+    for (int i = 0; i < 8; ++i, bits >>= 4) id += digits[bits & 0xF];
   }
   return id;
 }
