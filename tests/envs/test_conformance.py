@@ -202,6 +202,7 @@ ACTION_LIMIT, OPTIONAL, IDLE = (
         (NoIdleExpiry, [IDLE]),
         (BatchStepsThenRefuses, [BATCH]),
     ],
+    ids=lambda case: case.__name__ if isinstance(case, type) else "-".join(w.split()[0] for w in case),
 )
 def test_a_broken_rule_fails_its_check(server_class, failing):
     with serving(server_class) as url:  # three turns: a step that should not have happened shows
