@@ -109,8 +109,11 @@ install_sdk_tools() {
   sdk_tools_ready && return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     # shellcheck disable=SC2086  # the package list is meant to split
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $SDK_PACKAGES >/dev/null
-    echo "setup: the C++ and Java SDKs' toolchains are installed ($SDK_PACKAGES)"
+    if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $SDK_PACKAGES >/dev/null; then
+      echo "setup: the C++ and Java SDKs' toolchains are installed ($SDK_PACKAGES)"
+    else
+      echo "setup: warning: could not install the C++/Java SDK toolchains ($SDK_PACKAGES); tests/sdk will fail" >&2
+    fi
   else
     echo "setup: warning: the C++/Java SDK tests need: sudo apt-get install -y $SDK_PACKAGES" >&2
   fi
