@@ -40,7 +40,7 @@ LIMIT_FIELDS = {"max_sessions": int, "max_body_bytes": int, "max_action_chars": 
 LARGEST_BODY_SENT = 64 * 1024 * 1024  # a body limit above this is not probed (the suite would send that much)
 CONCURRENT_SESSIONS = 32
 IDLE_PROBE_LIMIT_S = 5  # idle expiry is checked when the server's timeout is this short
-MAX_CONNECTIONS = 32  # below a thread-per-connection server's pool (cpp-httplib's, 64 by default in sdk/cpp)
+MAX_CONNECTIONS = 32  # a modest client's: within a thread-per-connection server's pool (sdk/cpp's)
 
 
 @dataclass
