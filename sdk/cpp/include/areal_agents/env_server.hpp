@@ -169,6 +169,7 @@ class EnvServer {
     http_.set_payload_max_length(options_.max_body_bytes);
     http_.set_keep_alive_max_count(100000);
     http_.set_keep_alive_timeout(kKeepAliveTimeoutS);  // an idle connection gives its thread back after this
+    http_.set_tcp_nodelay(true);  // a reply's header and body writes must not wait for the client's delayed ACK
     http_.Get("/health", plain([this](const httplib::Request&, const std::string&) { return health(); }));
     http_.Get("/v1/envs", plain([this](const httplib::Request&, const std::string&) { return list_envs(); }));
     http_.Post("/v1/sessions", with_body([this](const httplib::Request&, const std::string& body) {

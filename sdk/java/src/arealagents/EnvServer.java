@@ -94,6 +94,8 @@ public final class EnvServer {
     /** Binds (port 0: a free port), starts serving and prints {@code serving envs on http://HOST:PORT}. */
     public synchronized void start() throws IOException {
         if (http != null) throw new IllegalStateException("the server is already started");
+        // Replies go out at once, not after the client's delayed ACK (read when the JDK's server first starts).
+        System.setProperty("sun.net.httpserver.nodelay", "true");
         http = HttpServer.create(new InetSocketAddress(opts.host, opts.port), 1024);
         handlers = Executors.newFixedThreadPool(opts.threads, daemonThreads("env-http"));
         batchSteps = Executors.newFixedThreadPool(opts.threads, daemonThreads("env-batch"));
