@@ -10,19 +10,19 @@ import selectors
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import requests
+from sdk_processes import server_process
 
 from areal_agents.cli import main
 from areal_agents.envs import make_env
-from areal_agents.envs.runtime.remote import EnvServerProcess
 from areal_agents.models import load_tokenizer
-from areal_agents.net import free_port, wait_healthy
+from areal_agents.net import free_port
 
 SDK = Path(__file__).resolve().parents[2] / "sdk" / "cpp"
 GUESS = "cpp/GuessNumber-v0"
@@ -57,28 +57,16 @@ def build(tmp_path_factory) -> Path:
 
 
 class CppServer:
-    """A C++ env server binary on a free port, healthy, stopped on exit."""
+    """A C++ env server binary on a free port, healthy, stopped by ``stop``."""
 
     def __init__(self, binary: Path, *args: str) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.process = subprocess.Popen(
-            [str(binary), "--port", str(port), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        if not wait_healthy(self.url, 30, alive=lambda: self.process.poll() is None, poll_s=0.05):
-            self.stop()
-            pytest.fail(f"{binary.name} did not become healthy: {self.process.stderr.read()[-2000:]}")
+        self._running = ExitStack()
+        self.process = self._running.enter_context(server_process([str(binary), "--port", str(port), *args], self.url))
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        self.process.stdout.close()
-        self.process.stderr.close()
+        self._running.close()
 
 
 @pytest.fixture(scope="module")
@@ -437,21 +425,15 @@ def test_two_training_steps_play_episodes_on_the_cpp_server(guess_server, tiny_d
 # -- the env client ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def python_env_server(build):
-    with EnvServerProcess() as server:
-        yield server
-
-
 def play(build: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(build / "play_episode"), *args], capture_output=True, text=True, timeout=60)
 
 
-def test_play_episode_solves_arithmetic_on_the_python_server(build, python_env_server):
+def test_play_episode_solves_arithmetic_on_the_python_server(build, serve_env_url):
     env = make_env("areal_agents/Arithmetic-v0")
     problem, _ = env.reset(seed=17)
     answer = str(env.unwrapped.problem.answer)
-    done = play(build, python_env_server.url, "areal_agents/Arithmetic-v0", "17", answer)
+    done = play(build, serve_env_url, "areal_agents/Arithmetic-v0", "17", answer)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         f"observation: {problem}",
@@ -461,8 +443,8 @@ def test_play_episode_solves_arithmetic_on_the_python_server(build, python_env_s
     ]
 
 
-def test_play_episode_reports_an_unknown_env_in_one_line(build, python_env_server):
-    done = play(build, python_env_server.url, "nope/Missing-v0", "0", "1")
+def test_play_episode_reports_an_unknown_env_in_one_line(build, serve_env_url):
+    done = play(build, serve_env_url, "nope/Missing-v0", "0", "1")
     assert done.returncode == 1 and done.stdout == ""
     assert len(done.stderr.splitlines()) == 1 and "unknown_env (HTTP 404)" in done.stderr
 
@@ -475,41 +457,6 @@ def test_play_episode_reports_an_unreachable_server(build):
 # -- the model client -----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_server(build, tiny_dir, tmp_path_factory):
-    """`areal-agents serve-model` of the tiny model, as a subprocess."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve-model") / "log.txt"
-    with log.open("w") as sink:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "areal_agents.cli",
-                "serve-model",
-                "--model-path",
-                str(tiny_dir),
-                "--port",
-                str(port),
-            ],
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        if not wait_healthy(url, 120, alive=lambda: process.poll() is None):
-            pytest.fail(f"serve-model did not start:\n{log.read_text()[-3000:]}")
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-
-
 def generate(build: Path, *args: str) -> dict[str, str]:
     """The `generate` example's output lines as {field: value}."""
     done = subprocess.run([str(build / "generate"), *args], capture_output=True, text=True, timeout=120)
@@ -517,13 +464,13 @@ def generate(build: Path, *args: str) -> dict[str, str]:
     return dict(line.split(": ", 1) if ": " in line else (line.rstrip(":"), "") for line in done.stdout.splitlines())
 
 
-def test_greedy_generation_from_ids_and_text_agree_with_each_other_and_python(build, model_server, tiny_dir):
+def test_greedy_generation_from_ids_and_text_agree_with_each_other_and_python(build, serve_model_url, tiny_dir):
     prompt = "12+7="
     ids = load_tokenizer(tiny_dir).encode(prompt, add_special_tokens=False)
-    from_ids = generate(build, model_server, "--ids", ",".join(map(str, ids)), "--max-new-tokens", "8")
-    from_text = generate(build, model_server, prompt, "--max-new-tokens", "8")
+    from_ids = generate(build, serve_model_url, "--ids", ",".join(map(str, ids)), "--max-new-tokens", "8")
+    from_text = generate(build, serve_model_url, prompt, "--max-new-tokens", "8")
     python = requests.post(
-        f"{model_server}/generate",
+        f"{serve_model_url}/generate",
         json={"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}, "return_logprob": True},
         timeout=120,
     ).json()
@@ -534,13 +481,38 @@ def test_greedy_generation_from_ids_and_text_agree_with_each_other_and_python(bu
     assert from_ids["weight_version"] == python["meta_info"]["weight_version"]
 
 
-def test_chat_returns_content_and_a_finish_reason(build, model_server):
-    reply = generate(build, model_server, "--chat", "What is 2+2?", "--max-new-tokens", "4")
+def test_chat_returns_content_and_a_finish_reason(build, serve_model_url):
+    reply = generate(build, serve_model_url, "--chat", "What is 2+2?", "--max-new-tokens", "4")
     assert "content" in reply and reply["finish_reason"] in ("stop", "length")
 
 
-def test_a_refused_generation_names_the_field(build, model_server):
+def test_a_refused_generation_names_the_field(build, serve_model_url):
     done = subprocess.run(
-        [str(build / "generate"), model_server, "--ids", "1,2,999999"], capture_output=True, text=True, timeout=60
+        [str(build / "generate"), serve_model_url, "--ids", "1,2,999999"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 1 and "(HTTP 400)" in done.stderr and "input_ids" in done.stderr
+
+
+def test_a_chunked_body_over_the_limit_is_413_and_the_connection_serves_on(guess_server):
+    """cpp-httplib bounds only declared lengths: the server reads a chunked body past the limit itself, answers 413
+    and drains the rest, so the connection's next request is read as one (not the body's rest, as a 400)."""
+    host, port = guess_server.url.removeprefix("http://").split(":")
+    chunks = b"".join(b"2000\r\n" + b"x" * 0x2000 + b"\r\n" for _ in range(20)) + b"0\r\n\r\n"  # 160 KiB > 64 KiB
+    head = b"POST /v1/sessions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        connection.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n" + chunks)
+        replies = read_until(connection, b"HTTP/1.1 413 ")
+        connection.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        replies += read_until(connection, b'"status":"ok"}')
+    assert re.findall(rb"HTTP/1\.1 (\d{3})", replies) == [b"413", b"200"], replies[:400]
+
+
+def read_until(connection: socket.socket, marker: bytes) -> bytes:
+    """What the peer sends until ``marker`` has come (or it closes the connection)."""
+    data = b""
+    while marker not in data:
+        more = connection.recv(65536)
+        if not more:
+            break
+        data += more
+    return data

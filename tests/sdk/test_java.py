@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -14,12 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sdk_processes import server_process
 
 from areal_agents.cli import main
 from areal_agents.envs import make_env
-from areal_agents.envs.runtime.remote import EnvServerProcess
 from areal_agents.models import load_tokenizer
-from areal_agents.net import free_port, wait_healthy
+from areal_agents.net import free_port
 
 SDK = Path(__file__).parents[2] / "sdk" / "java"
 GRID = "java/GridPuzzle-v0"
@@ -58,22 +57,9 @@ def java_server(classes, main_class, *flags):
     """A Java env server on a free port, healthy, killed on exit."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = ["java", "-cp", str(classes), main_class, "--port", str(port), *flags]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        if not wait_healthy(url, 60, alive=lambda: proc.poll() is None, poll_s=0.1):
-            pytest.fail(f"{main_class} did not become healthy: {proc.stderr.read() if proc.poll() is not None else ''}")
-        assert proc.stdout.readline().strip() == f"serving envs on {url}"
+    with server_process(["java", "-cp", str(classes), main_class, "--port", str(port), *flags], url) as process:
+        assert process.stdout.readline().strip() == f"serving envs on {url}"
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        proc.stdout.close()
-        proc.stderr.close()
 
 
 @pytest.fixture(scope="module")
@@ -90,32 +76,6 @@ def probe_server(classes):
         yield url
 
 
-@pytest.fixture(scope="module")
-def python_env_server():
-    with EnvServerProcess() as server:
-        yield server.url
-
-
-@pytest.fixture(scope="module")
-def model_server(tiny_dir):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    args = [sys.executable, "-m", "areal_agents.cli", "serve-model", "--model-path", str(tiny_dir), "--port", str(port)]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        if not wait_healthy(url, 180, alive=lambda: proc.poll() is None):
-            pytest.fail(f"serve-model did not become healthy: {proc.stderr.read() if proc.poll() is not None else ''}")
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        proc.stderr.close()
-
-
 # -- the env server ---------------------------------------------------------------------------------
 
 
@@ -128,7 +88,7 @@ def test_grid_puzzle_passes_the_conformance_suite(grid_server):
 
 
 def test_grid_puzzle_passes_the_suite_at_the_default_limits(classes):
-    """65,536-character actions and 8 MiB bodies (the cap of 4096 sessions is too many to fill, 600 s too long to idle)."""
+    """65,536-character actions and 8 MiB bodies (4096 sessions are too many to fill, 600 s too long to idle)."""
     from areal_agents.envs.runtime.conformance import check_env_server
 
     with java_server(classes, "GridPuzzle") as url:
@@ -321,38 +281,38 @@ def test_unicode_and_escapes_survive_the_server_and_the_client(classes, probe_se
 
 
 @pytest.mark.parametrize("seed", [3, 11])
-def test_play_episode_solves_arithmetic_on_python_serve_env(classes, python_env_server, seed):
+def test_play_episode_solves_arithmetic_on_python_serve_env(classes, serve_env_url, seed):
     problem = make_env("areal_agents/Arithmetic-v0").reset(seed=seed)[0]
     a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)=", problem).groups()
     answer = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
-    out = java(classes, "PlayEpisode", python_env_server, "areal_agents/Arithmetic-v0", str(seed), str(answer))
+    out = java(classes, "PlayEpisode", serve_env_url, "areal_agents/Arithmetic-v0", str(seed), str(answer))
     assert out.returncode == 0, out.stderr
     first, result = out.stdout.strip().splitlines()
     assert first == f"observation {json.dumps(problem)}"
     assert result.endswith("reward 1.0 terminated true truncated false"), result
-    wrong = java(classes, "PlayEpisode", python_env_server, "areal_agents/Arithmetic-v0", str(seed), str(answer + 1))
+    wrong = java(classes, "PlayEpisode", serve_env_url, "areal_agents/Arithmetic-v0", str(seed), str(answer + 1))
     assert "reward 0.0 terminated true" in wrong.stdout
 
 
-def test_play_episode_reports_an_unknown_env_in_one_line(classes, python_env_server):
-    out = java(classes, "PlayEpisode", python_env_server, "nope/Missing-v0", "1", "x")
+def test_play_episode_reports_an_unknown_env_in_one_line(classes, serve_env_url):
+    out = java(classes, "PlayEpisode", serve_env_url, "nope/Missing-v0", "1", "x")
     assert out.returncode != 0
     assert re.fullmatch(r"error: 404 unknown_env: .*nope/Missing-v0.*\n", out.stderr), out.stderr
 
 
-def test_generate_from_ids_and_text_agree_with_a_python_client(classes, model_server, tiny_dir):
+def test_generate_from_ids_and_text_agree_with_a_python_client(classes, serve_model_url, tiny_dir):
     prompt = "12+30="
     ids = load_tokenizer(tiny_dir).encode(prompt, add_special_tokens=False)
 
     def generated(*args):
-        out = java(classes, "Generate", "--max-new-tokens", "6", model_server, *args)
+        out = java(classes, "Generate", "--max-new-tokens", "6", serve_model_url, *args)
         assert out.returncode == 0, out.stderr
         return dict(line.split(" ", 1) for line in out.stdout.splitlines())
 
     from_ids = generated("--ids", ",".join(map(str, ids)))
     from_text = generated(prompt)
     python = httpx.post(
-        f"{model_server}/generate",
+        f"{serve_model_url}/generate",
         json={"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0}, "return_logprob": True},
         timeout=120,
     ).json()
@@ -364,8 +324,8 @@ def test_generate_from_ids_and_text_agree_with_a_python_client(classes, model_se
     assert json.loads(from_ids["logprobs"]) == pytest.approx(expected, abs=1e-5)
 
 
-def test_chat_returns_content_and_finish_reason(classes, model_server):
-    out = java(classes, "Generate", "--max-new-tokens", "5", model_server, "--chat", "3+4?")
+def test_chat_returns_content_and_finish_reason(classes, serve_model_url):
+    out = java(classes, "Generate", "--max-new-tokens", "5", serve_model_url, "--chat", "3+4?")
     assert out.returncode == 0, out.stderr
     reply = dict(line.split(" ", 1) for line in out.stdout.splitlines())
     assert isinstance(json.loads(reply["content"]), str)

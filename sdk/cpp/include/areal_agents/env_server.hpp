@@ -227,14 +227,16 @@ class EnvServer {
     return [this, handler = std::move(handler)](const httplib::Request& req, httplib::Response& res,
                                                 const httplib::ContentReader& reader) {
       std::string body;
-      bool too_large = false;
+      std::size_t received = 0;
       bool read = reader([&](const char* data, std::size_t length) {
-        too_large = body.size() + length > options_.max_body_bytes;
-        if (!too_large) body.append(data, length);
-        return !too_large;
+        received += length;
+        if (received <= options_.max_body_bytes) body.append(data, length);
+        // Past the limit the rest is read and dropped (up to kBodyDrainBytes more), so that the reply is the
+        // connection's last word on this request: cpp-httplib would read what is left as the next request.
+        return received <= options_.max_body_bytes + kBodyDrainBytes;
       });
-      if (too_large || res.status == 413) {
-        res.set_header("Connection", "close");  // the rest of the body is not read: the connection is spent
+      if (received > options_.max_body_bytes || res.status == 413) {
+        if (!read) res.set_header("Connection", "close");  // not drained: the connection is spent
         return detail::reply(res, 413, detail::error_body("payload_too_large", too_large_message()));
       }
       if (!read) return detail::reply(res, 400, detail::error_body("bad_request", "body: could not be read"));
@@ -469,6 +471,7 @@ class EnvServer {
   }
 
   static constexpr std::time_t kKeepAliveTimeoutS = 5;
+  static constexpr std::size_t kBodyDrainBytes = 64 * 1024 * 1024;  // read past the body limit, then give up
   static constexpr const char* kNonStandard = "the env threw a non-standard exception (not a std::exception)";
 
   ServerOptions options_;
