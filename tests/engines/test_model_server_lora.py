@@ -3,20 +3,17 @@ reply shapes), /generate's ``lora_path`` (a name, or one per prompt) and ``sampl
 and the /v1 routes' ``model`` naming an adapter (vLLM's convention)."""
 
 import json
-import threading
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 import torch
-import uvicorn
+from app_in_thread import serving_app
 from peft import LoraConfig, get_peft_model
 
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.model_server import ModelServerConfig, build_app
 from areal_agents.models import load_model, load_tokenizer
-from areal_agents.net import free_port
 
 PROMPT = [5, 6, 7, 8]
 
@@ -48,17 +45,8 @@ def served(tiny_dir, tmp_path_factory):
         adapters[name] = (str(path), pm)
     engine = HFEngine(load_model(tiny_dir), eos_token_ids=[], num_threads=1)
     app = build_app(engine, load_tokenizer(tiny_dir), ModelServerConfig(model_path=str(tiny_dir)))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "serve-model did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}", adapters
-    server.should_exit = True
-    thread.join(10)
+    with serving_app(app) as url:
+        yield url, adapters
 
 
 def call(url, path, body=None):

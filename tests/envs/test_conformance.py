@@ -4,11 +4,9 @@ purpose in a copy of that server is caught by the check for that rule, and by th
 import asyncio
 import contextlib
 import random
-import threading
-import time
 
 import pytest
-import uvicorn
+from app_in_thread import serving_app
 
 from areal_agents.cli import main
 from areal_agents.envs.runtime.conformance import CHECKS, check_env_server
@@ -24,19 +22,8 @@ LIMITS = {"max_sessions": 16, "max_body_bytes": 65536, "max_action_chars": 1000,
 def serving(server_class: type[EnvServer]):
     """``server_class`` behind the real app, on a free port in this process; its URL."""
     port = free_port()
-    app = build_app(server_class(ServerConfig(port=port, workers=4, **LIMITS)))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "env server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serving_app(build_app(server_class(ServerConfig(port=port, workers=4, **LIMITS))), port) as url:
+        yield url
 
 
 def test_the_python_server_passes_every_check():

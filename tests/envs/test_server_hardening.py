@@ -11,13 +11,11 @@ import http.client
 import json
 import os
 import sys
-import threading
-import time
 import uuid
 
 import aiohttp
 import pytest
-import uvicorn
+from app_in_thread import serving_app
 
 from areal_agents.cli import main
 from areal_agents.config import EnvConfig
@@ -75,20 +73,8 @@ def user_module(tmp_path, monkeypatch):
 def serving(**options):
     """An env server on a free port in this process, stopped on exit."""
     port = free_port()
-    env_server = EnvServer(ServerConfig(port=port, **options))
-    config = uvicorn.Config(build_app(env_server), host="127.0.0.1", port=port, log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "env server did not start"
-        time.sleep(0.01)
-    try:
+    with serving_app(build_app(EnvServer(ServerConfig(port=port, **options))), port):
         yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def request(port, method, path, payload=None, **send):
