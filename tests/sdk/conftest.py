@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from sdk_processes import server_process
+from sdk_helpers import server_process
 
 from areal_agents.envs.runtime.remote import EnvServerProcess
 from areal_agents.net import free_port

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from sdk_processes import server_process
+from sdk_helpers import server_process, train_two_steps
 
-from areal_agents.cli import main
 from areal_agents.envs import make_env
 from areal_agents.models import load_tokenizer
 from areal_agents.net import free_port
@@ -408,17 +407,9 @@ def test_guess_number_passes_the_suite_at_the_default_limits(build):
 
 def test_two_training_steps_play_episodes_on_the_cpp_server(guess_server, tiny_dir, tmp_path):
     """The run wants more episodes at once than the server's 16 sessions: its creations wait for places."""
-    config = tmp_path / "rl.yaml"
-    config.write_text(
-        f"run_dir: {tmp_path / 'rl'}\nsteps: 2\nmodel: {{path: {tiny_dir}}}\n"
-        f"env: {{id: {GUESS}, backend: server, server_url: {guess_server.url}, kwargs: {{high: 5, max_turns: 2}}}}\n"
-        "rollout: {batch_size: 4, group_size: 4, max_new_tokens: 4}\n"
-        "ppo: {filter_zero_variance_groups: false}\n"
-        "eval: {num_problems: 1, env_kwargs: {}}\n"  # every episode opens with the same observation
-    )
-    assert main(["train", str(config), "--no-progress"]) == 0
-    summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
-    assert summary["engine_version"] == 2 and summary["episodes"]["accepted"] == 32
+    # every episode opens with the same observation: one held-out problem
+    summary = train_two_steps(guess_server.url, GUESS, {"high": 5, "max_turns": 2}, tiny_dir, tmp_path / "rl", 1)
+    assert summary["episodes"]["accepted"] == 32
     assert requests.get(f"{guess_server.url}/health", timeout=10).json()["sessions_open"] == 0
 
 

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sdk_processes import server_process
+from sdk_helpers import server_process, train_two_steps
 
-from areal_agents.cli import main
 from areal_agents.envs import make_env
 from areal_agents.models import load_tokenizer
 from areal_agents.net import free_port
@@ -98,20 +97,7 @@ def test_grid_puzzle_passes_the_suite_at_the_default_limits(classes):
 
 def test_rl_trains_two_steps_against_grid_puzzle(grid_server, tiny_dir, tmp_path):
     """The run wants more episodes at once than the server's 16 sessions: its creations wait for places."""
-    run_against(grid_server, tiny_dir, tmp_path)
-
-
-def run_against(grid_server, tiny_dir, tmp_path):
-    config = tmp_path / "rl.yaml"
-    config.write_text(
-        f"run_dir: {tmp_path / 'rl'}\nsteps: 2\nmodel: {{path: {tiny_dir}}}\n"
-        f"env: {{id: {GRID}, backend: server, server_url: {grid_server}, kwargs: {{size: 3, max_turns: 3}}}}\n"
-        "rollout: {batch_size: 4, group_size: 4, max_new_tokens: 4}\n"
-        "ppo: {filter_zero_variance_groups: false}\neval: {num_problems: 4, env_kwargs: {}}\n"
-    )
-    assert main(["train", str(config), "--no-progress"]) == 0
-    summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
-    assert summary["engine_version"] == 2
+    summary = train_two_steps(grid_server, GRID, {"size": 3, "max_turns": 3}, tiny_dir, tmp_path / "rl")
     assert summary["episodes"]["accepted"] >= 2 * 4 * 4, summary["episodes"]
     assert httpx.get(f"{grid_server}/health").json()["sessions_open"] == 0  # the run closed every session
 

@@ -1,14 +1,18 @@
-"""A server subprocess for the SDK tests: healthy, or the test fails showing what the server said."""
+"""What both SDKs' tests do: run a server subprocess (healthy, or the test fails showing what it said), and train
+two RL steps against an env server."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
+from areal_agents.cli import main
 from areal_agents.net import wait_healthy
 
 
@@ -38,3 +42,18 @@ def stop(process: subprocess.Popen) -> None:
             process.wait(timeout=10)
     if process.stdout:
         process.stdout.close()
+
+
+def train_two_steps(url: str, env_id: str, kwargs: dict, model: Path, run_dir: Path, eval_problems: int = 4) -> dict:
+    """``areal-agents train`` for 2 steps with episodes played on the env server at ``url``; its summary."""
+    config = run_dir.parent / f"{run_dir.name}.yaml"
+    config.write_text(
+        f"run_dir: {run_dir}\nsteps: 2\nmodel: {{path: {model}}}\n"
+        f"env: {{id: {env_id}, backend: server, server_url: {url}, kwargs: {json.dumps(kwargs)}}}\n"
+        "rollout: {batch_size: 4, group_size: 4, max_new_tokens: 4}\n"
+        f"ppo: {{filter_zero_variance_groups: false}}\neval: {{num_problems: {eval_problems}, env_kwargs: {{}}}}\n"
+    )
+    assert main(["train", str(config), "--no-progress"]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["engine_version"] == 2, summary  # one weight push a step
+    return summary
