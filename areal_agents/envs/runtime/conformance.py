@@ -33,10 +33,13 @@ from areal_agents.envs.runtime.conformance_probe import (
     expect_ok,
     trajectory_step,
 )
-from areal_agents.envs.runtime.protocol import PROTOCOL_VERSION
+from areal_agents.envs.runtime.protocol import PROTOCOL_VERSION, Limits
 from areal_agents.errors import ArealAgentsError
 
-LIMIT_FIELDS = {"max_sessions": int, "max_body_bytes": int, "max_action_chars": int, "idle_timeout_s": (int, float)}
+# /health's limits, as the protocol's schema has them (a float field also takes a JSON integer)
+LIMIT_FIELDS = {
+    name: (int, float) if f.annotation is float else f.annotation for name, f in Limits.model_fields.items()
+}
 LARGEST_BODY_SENT = 64 * 1024 * 1024  # a body limit above this is not probed (the suite would send that much)
 CONCURRENT_SESSIONS = 32
 IDLE_PROBE_LIMIT_S = 5  # idle expiry is checked when the server's timeout is this short

@@ -33,6 +33,7 @@ from areal_agents.envs.runtime.protocol import (
     EnvList,
     ErrorResponse,
     Health,
+    Limits,
     SessionClosed,
     SessionCreated,
     StepRequest,
@@ -122,13 +123,14 @@ class EnvServer:
     def health(self) -> dict[str, Any]:
         """/health: the protocol version and the limits, so a client (or the conformance suite) knows them."""
         cfg = self.cfg
-        limits = {
-            "max_sessions": cfg.max_sessions,
-            "max_body_bytes": cfg.max_body_bytes,
-            "max_action_chars": cfg.max_action_chars,
-            "idle_timeout_s": cfg.idle_timeout,
-        }
-        return {"status": "ok", "protocol": PROTOCOL_VERSION, "sessions_open": len(self.sessions), "limits": limits}
+        limits = Limits(
+            max_sessions=cfg.max_sessions,
+            max_body_bytes=cfg.max_body_bytes,
+            max_action_chars=cfg.max_action_chars,
+            idle_timeout_s=cfg.idle_timeout,
+        )
+        health = Health(status="ok", protocol=PROTOCOL_VERSION, sessions_open=len(self.sessions), limits=limits)
+        return health.model_dump()
 
     # -- sessions ------------------------------------------------------------------------------
 
