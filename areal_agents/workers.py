@@ -8,21 +8,28 @@ later, reward verification.
     result = await pool.call(math.factorial, 20, timeout=5.0)
     await pool.aclose()
 
-Workers are spawned (no inherited threads or locks), so, as with any spawn-based multiprocessing, the
-main program must be importable: a script file, a module or a notebook, not ``python - <<EOF``.
+Every process started here is a fresh interpreter (as multiprocessing's ``spawn``: no inherited threads or
+locks; the parent's ``sys.path`` and working directory) that never imports the caller's ``__main__``: a
+script without ``if __name__ == "__main__":``, ``python -`` from stdin, ``python -c`` and a notebook all
+work alike, and no worker runs the user's script again. So what a call sends must be importable from a
+module: a function or class defined in ``__main__`` is refused with `WorkerImportError` before it is sent.
+A worker that cannot start raises `WorkerStartError`; neither is ever turned into a result.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import multiprocessing as mp
 import os
 import queue
 import threading
 import traceback
+import types
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import context, popen_spawn_posix, reduction, spawn, util
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -45,7 +52,99 @@ class RemoteError(ArealAgentsError):
         self.type_name, self.remote_traceback = type_name, tb
 
 
+class WorkerStartError(ArealAgentsError):
+    """A worker process could not start (no interpreter, an import error, its initializer raised, no answer):
+    raised to the caller, never taken for a call's result."""
+
+
+class WorkerImportError(ArealAgentsError):
+    """A call names a function or class that worker processes cannot import: one defined in ``__main__``,
+    or in a module that is not importable from the caller's ``sys.path``."""
+
+
 STARTUP_TIMEOUT_S = 300.0  # a new worker's start-up (interpreter, imports, initializer) is not a call's time
+
+
+def _defined_in_main(obj: type | types.FunctionType) -> str:
+    kind = "class" if isinstance(obj, type) else "function"
+    return (
+        f"{kind} {obj.__qualname__!r} is defined in __main__ (your script, notebook or -c code), which worker "
+        "processes never import (they would run your script again): define it in a module, e.g. a .py file "
+        "next to your script, and import it from there"
+    )
+
+
+class _MainRefusingPickler(reduction.ForkingPickler):
+    """Pickles as multiprocessing does, raising `WorkerImportError` at a function or class of ``__main__``."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
+            raise WorkerImportError(_defined_in_main(obj))
+        return NotImplemented
+
+
+def _refuse_main(obj: Any, data: bytes) -> None:
+    """`WorkerImportError` if ``data``, the pickle of ``obj``, refers to ``__main__``; the name can also be
+    mere text, so a pickler that checks each function and class confirms it (only then: it is slower)."""
+    if b"__main__" in data:
+        _MainRefusingPickler(io.BytesIO()).dump(obj)
+
+
+def dumps(obj: Any) -> bytes:
+    """``obj`` pickled for a worker process, as `Connection.send` would; `WorkerImportError` if a worker
+    could not load it."""
+    data = bytes(reduction.ForkingPickler.dumps(obj))
+    _refuse_main(obj, data)
+    return data
+
+
+class _SpawnWithoutMain(popen_spawn_posix.Popen):
+    """multiprocessing's ``spawn`` start (``popen_spawn_posix.Popen._launch`` of CPython 3.11-3.14) with one
+    change: the child is not told to import the parent's main module, which would run a user's script
+    again (or fail, from stdin). The process object is refused if it refers to ``__main__``."""
+
+    def _launch(self, process_obj: Any) -> None:
+        from multiprocessing import resource_tracker
+
+        tracker_fd = resource_tracker.getfd()
+        self._fds.append(tracker_fd)
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        prep_data.pop("init_main_from_path", None)
+        prep_data.pop("init_main_from_name", None)
+        fp, body = io.BytesIO(), io.BytesIO()
+        context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, fp)
+            reduction.dump(process_obj, body)
+            passed = len(self._fds)
+            _refuse_main(process_obj, body.getvalue())
+            del self._fds[passed:]  # the check's own pickling passed the pipes' descriptors again
+        finally:
+            context.set_spawning_popen(None)
+        fp.write(body.getbuffer())
+        parent_r = child_w = child_r = parent_w = None
+        try:
+            parent_r, child_w = os.pipe()
+            child_r, parent_w = os.pipe()
+            cmd = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
+            self._fds.extend([child_r, child_w])
+            self.pid = util.spawnv_passfds(spawn.get_executable(), cmd, self._fds)
+            self.sentinel = parent_r
+            with open(parent_w, "wb", closefd=False) as f:
+                f.write(fp.getbuffer())
+        finally:
+            self.finalizer = util.Finalize(self, util.close_fds, [fd for fd in (parent_r, parent_w) if fd is not None])
+            for fd in (child_r, child_w):
+                if fd is not None:
+                    os.close(fd)
+
+
+class _Process(context.SpawnProcess):
+    """A spawned process that never imports the caller's ``__main__`` (see `_SpawnWithoutMain`)."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> _SpawnWithoutMain:  # noqa: N802  (multiprocessing's name)
+        return _SpawnWithoutMain(process_obj)
 
 
 def start_child(
@@ -53,7 +152,10 @@ def start_child(
 ) -> tuple[Any, Connection, Any]:
     """Spawn ``target(conn, *args)`` and wait for its first message: ``("ok", value)``, returned with the
     process and this end of the pipe, or ``("error", traceback)``, raised as ``error("what: ...")``."""
-    process, conn = spawn_child(target, args, name)
+    try:
+        process, conn = spawn_child(target, args, name)
+    except WorkerStartError as e:
+        raise error(f"{what}: {e}") from e
     status, value = first_answer(process, conn, timeout)
     if status == "error":
         stop_child(process, conn, None, timeout=0)
@@ -62,12 +164,21 @@ def start_child(
 
 
 def spawn_child(target: Callable[..., Any], args: tuple, name: str) -> tuple[Any, Connection]:
-    """A spawned daemon process running ``target(conn, *args)``, and this end of its pipe."""
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    process = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
-    process.start()
-    child.close()
+    """A daemon process running ``target(conn, *args)`` in a fresh interpreter that never imports the
+    caller's ``__main__``, and this end of its pipe. `WorkerStartError` if it cannot be started,
+    `WorkerImportError` if ``target`` or ``args`` refer to ``__main__``."""
+    conn, child = mp.Pipe()
+    process = _Process(target=target, args=(child, *args), name=name, daemon=True)
+    try:
+        process.start()
+    except BaseException as e:
+        conn.close()
+        if isinstance(e, OSError):  # no interpreter at that path, or it exited before taking its start-up data
+            python = os.fsdecode(spawn.get_executable())
+            raise WorkerStartError(f"could not start process {name!r} with {python}: {e}") from e
+        raise
+    finally:
+        child.close()
     return process, conn
 
 
@@ -78,9 +189,9 @@ def first_answer(process: Any, conn: Connection, timeout: float) -> tuple[str, A
         if not conn.poll(timeout):
             return "error", f"no answer in {timeout:.0f}s"
         return conn.recv()
-    except EOFError:
+    except (EOFError, OSError):
         process.join(5)
-        return "error", f"the process exited (code {process.exitcode})"
+        return "error", f"the process exited (code {process.exitcode}) before it answered; its stderr says why"
 
 
 def stop_child(process: Any, conn: Connection, close_message: Any, timeout: float = 30.0) -> None:
@@ -100,13 +211,22 @@ def stop_child(process: Any, conn: Connection, close_message: Any, timeout: floa
 
 def _worker_main(conn: Connection, initializer: Callable[[], Any] | None) -> None:
     if initializer is not None:
-        initializer()
+        try:
+            initializer()
+        except BaseException:  # the pool raises it as WorkerStartError
+            conn.send(("error", f"its initializer raised:\n{traceback.format_exc(limit=-6)}"))
+            return
     conn.send(("ready", None))
     while True:
         try:
-            fn, args, kwargs = conn.recv()
+            data = conn.recv_bytes()
         except (EOFError, KeyboardInterrupt):
             return
+        try:
+            fn, args, kwargs = reduction.ForkingPickler.loads(data)
+        except BaseException as e:  # e.g. a module the worker cannot import
+            conn.send(("unloadable", f"{type(e).__name__}: {e}"))
+            continue
         try:
             conn.send(("ok", fn(*args, **kwargs)))
         except BaseException as e:  # report everything; the worker itself keeps serving
@@ -115,8 +235,10 @@ def _worker_main(conn: Connection, initializer: Callable[[], Any] | None) -> Non
 
 @dataclass
 class _Worker:
-    process: mp.process.BaseProcess
-    conn: Connection
+    """One place in a pool: a worker process, or none (not started, or it failed to) until a call takes it."""
+
+    process: Any = None
+    conn: Connection | None = None
     ready: bool = False
 
 
@@ -127,72 +249,96 @@ class WorkerPoolStats:
     deaths: int = 0
     errors: int = 0
     restarts: int = 0
+    start_failures: int = 0
 
 
 class WorkerPool:
-    """``workers`` processes (spawned, so no threads or locks are inherited) serving one call at a time."""
+    """``workers`` processes (fresh interpreters that never import ``__main__``) serving one call at a time."""
 
-    def __init__(self, workers: int = 2, context: str = "spawn", initializer: Callable[[], Any] | None = None) -> None:
-        """``initializer`` runs once in each new worker (e.g. heavy imports), replacements included."""
+    def __init__(
+        self, workers: int = 2, initializer: Callable[[], Any] | None = None, name: str = "worker-pool"
+    ) -> None:
+        """``initializer`` runs once in each new worker (e.g. heavy imports), replacements included; it must
+        live in a module. ``name`` names the workers in errors and process listings."""
         if workers < 1:
             raise ValueError(f"Expects workers >= 1, got {workers}")
-        self._ctx = mp.get_context(context)
+        self.name = name
         self._initializer = initializer
         self._idle: queue.Queue[_Worker] = queue.Queue()
-        self._all: list[_Worker] = []
-        self._lock = threading.Lock()
-        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="worker-pool")
+        self._slots = [_Worker() for _ in range(workers)]
+        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
         self._closed = False
         self.stats = WorkerPoolStats()
-        for _ in range(workers):
-            self._idle.put(self._spawn())
+        try:
+            for slot in self._slots:
+                self._start(slot)
+        except BaseException:
+            self.close()
+            raise
+        for slot in self._slots:
+            self._idle.put(slot)
 
-    def _spawn(self) -> _Worker:
-        parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(target=_worker_main, args=(child, self._initializer), daemon=True)
-        process.start()
-        child.close()
-        worker = _Worker(process, parent)
-        with self._lock:
-            self._all.append(worker)
-        return worker
+    def _start(self, slot: _Worker) -> None:
+        slot.process, slot.conn = spawn_child(_worker_main, (self._initializer,), self.name)
+        slot.ready = False
 
-    def _retire(self, worker: _Worker) -> None:
-        if worker.process.is_alive():
-            worker.process.kill()
-        worker.process.join(timeout=5)
-        worker.conn.close()
-        with self._lock:
-            self._all.remove(worker)
+    def _stop(self, slot: _Worker) -> None:
+        if slot.process is not None:
+            if slot.process.is_alive():
+                slot.process.kill()
+            slot.process.join(timeout=5)
+            slot.conn.close()
+        slot.process, slot.conn, slot.ready = None, None, False
+
+    def _replace(self, slot: _Worker) -> None:
+        """Kill the slot's worker and start another at once (its start-up overlaps the next call's wait)."""
+        self._stop(slot)
         if not self._closed:
             self.stats.restarts += 1
-            self._idle.put(self._spawn())
+            try:
+                self._start(slot)
+            except WorkerStartError:
+                pass  # the next call that takes this slot tries again, and raises it
+
+    def _ready(self, slot: _Worker) -> None:
+        """Start the slot's worker if it has none and wait out its start-up (so a call's timeout measures the
+        call alone); `WorkerStartError` if it cannot start."""
+        if slot.process is None:
+            self._start(slot)
+        if slot.ready:
+            return
+        status, why = first_answer(slot.process, slot.conn, STARTUP_TIMEOUT_S)
+        if status != "ready":
+            self.stats.start_failures += 1
+            self._replace(slot)
+            raise WorkerStartError(f"a {self.name} worker process could not start: {why}")
+        slot.ready = True
 
     def _roundtrip(self, fn: Callable, args: tuple, kwargs: dict, timeout: float | None) -> Any:
-        worker = self._idle.get()
+        data = dumps((fn, args, kwargs))  # WorkerImportError here, before any worker is taken
+        slot = self._idle.get()
         try:
-            if not worker.ready:  # wait out its start-up first, so a call's timeout measures the call alone
-                if not worker.conn.poll(STARTUP_TIMEOUT_S):
-                    raise EOFError
-                worker.conn.recv()
-                worker.ready = True
-            worker.conn.send((fn, args, kwargs))
-            if not worker.conn.poll(timeout):
-                self.stats.timeouts += 1
-                self._retire(worker)
-                worker = None
-                raise CallTimeout(f"call to {getattr(fn, '__qualname__', fn)} exceeded its {timeout}s timeout")
-            status, payload = worker.conn.recv()
-        except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
-            self.stats.deaths += 1
-            code = worker.process.exitcode if worker else None
-            if worker is not None:
-                self._retire(worker)
-                worker = None
-            raise WorkerDied(f"worker process died during a call (exit code {code})") from None
+            self._ready(slot)
+            try:
+                slot.conn.send_bytes(data)
+                if not slot.conn.poll(timeout):
+                    self.stats.timeouts += 1
+                    self._replace(slot)
+                    raise CallTimeout(f"call to {getattr(fn, '__qualname__', fn)} exceeded its {timeout}s timeout")
+                status, payload = slot.conn.recv()
+            except (EOFError, OSError):
+                self.stats.deaths += 1
+                slot.process.join(timeout=5)
+                code = slot.process.exitcode
+                self._replace(slot)
+                raise WorkerDied(f"worker process died during a call (exit code {code})") from None
         finally:
-            if worker is not None:
-                self._idle.put(worker)
+            self._idle.put(slot)
+        if status == "unloadable":
+            raise WorkerImportError(
+                f"a {self.name} worker could not load the call to {getattr(fn, '__qualname__', fn)}: {payload} "
+                "(workers import what a call names through the caller's sys.path; define it in a module there)"
+            )
         if status == "error":
             self.stats.errors += 1
             raise RemoteError(*payload)
@@ -206,7 +352,8 @@ class WorkerPool:
         return self._roundtrip(fn, args, kwargs, timeout)
 
     async def call(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        """Run ``fn(*args, **kwargs)`` in a worker; raise `CallTimeout`, `WorkerDied` or `RemoteError`."""
+        """Run ``fn(*args, **kwargs)`` in a worker; raise `CallTimeout`, `WorkerDied` or `RemoteError` (what the
+        call did), `WorkerStartError` or `WorkerImportError` (no worker could run it)."""
         if self._closed:
             raise ArealAgentsError("WorkerPool is closed")
         self.stats.calls += 1
@@ -215,12 +362,12 @@ class WorkerPool:
 
     def close(self) -> None:
         self._closed = True
-        with self._lock:
-            workers = list(self._all)
-        for w in workers:
-            w.process.kill()
-            w.process.join(timeout=5)
-            w.conn.close()
+        for slot in self._slots:
+            process, conn = slot.process, slot.conn
+            if process is not None:
+                process.kill()
+                process.join(timeout=5)
+                conn.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def aclose(self) -> None:
@@ -228,8 +375,7 @@ class WorkerPool:
 
     @property
     def pids(self) -> list[int]:
-        with self._lock:
-            return [w.process.pid for w in self._all if w.process.pid is not None]
+        return [p.pid for p in (slot.process for slot in self._slots) if p is not None and p.pid is not None]
 
 
 _shared: dict[str, tuple[int, WorkerPool]] = {}  # name -> (the pid that started it, the pool)
@@ -242,7 +388,7 @@ def shared_pool(name: str, workers: int, initializer: Callable[[], Any] | None =
     with _shared_lock:
         pid, pool = _shared.get(name, (0, None))
         if pool is None or pid != os.getpid():
-            pool = WorkerPool(workers, initializer=initializer)
+            pool = WorkerPool(workers, initializer=initializer, name=name)
             _shared[name] = (os.getpid(), pool)
         return pool
 

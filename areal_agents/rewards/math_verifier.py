@@ -15,8 +15,9 @@ a reason, and its worker is replaced. Inside a daemon process (a `WorkerPool` wo
 `RewardService`'s, which may not start processes of its own) it runs in place, bounded by the timeout of
 the pool that runs it. Before any of that, only the last `MAX_TEXT_CHARS` characters are read, and a text
 with braces nested deeper than `MAX_BRACE_DEPTH` or a gold answer longer than `MAX_GOLD_CHARS` is
-refused at once (method "refused"). The pool's workers are spawned, so, as with any spawn-based pool, a
-script that calls this must be importable: guard its entry point with ``if __name__ == "__main__":``.
+refused at once (method "refused"). The pool's workers never import the caller's ``__main__``, so a script
+without a main guard, ``python -`` and a notebook score alike; a worker that cannot start raises
+`WorkerStartError` (never a wrong score), and a call whose worker died is tried once more in a new one.
 """
 
 from __future__ import annotations
@@ -177,15 +178,21 @@ def _bounded(text: str, answer: str | None, gold: str, config: MathVerifyConfig)
     if may_start_processes():  # a daemon (a pool worker) may not; its own pool's timeout holds
         try:
             pool = verification_pool()
-        except RuntimeError:  # a spawned child importing a __main__ that called us unguarded: no children yet
+        except RuntimeError:  # in a child of the user's own spawn pool, still importing their unguarded script
             pass
     if pool is None:
         return math_verify_check(text, answer, gold, config)
-    try:
-        return pool.call_sync(math_verify_check, text, answer, gold, config, timeout=config.timeout_s)
+    args = (math_verify_check, text, answer, gold, config)
+    try:  # WorkerStartError and WorkerImportError are raised: no worker ran it, so there is no score
+        try:
+            return pool.call_sync(*args, timeout=config.timeout_s)
+        except WorkerDied:  # killed from outside, or by this text: a new worker tries it once more
+            return pool.call_sync(*args, timeout=config.timeout_s)
     except CallTimeout:
         return MathCheck(False, answer, "timeout", f"math-verify ran past timeout_s={config.timeout_s}s; not compared")
-    except (WorkerDied, RemoteError) as e:  # e.g. the address-space limit
+    except WorkerDied as e:
+        return MathCheck(False, answer, "error", f"math-verify's worker died on this text twice: {e}")
+    except RemoteError as e:  # e.g. the address-space limit
         return MathCheck(False, answer, "error", f"math-verify failed: {e}")
 
 

@@ -8,7 +8,10 @@ A call that overruns the timeout has its worker killed and replaced; its reward 
 ``{"error": "timeout"}``. A reward function that raises gives 0 with ``{"error": "reward_error"}``.
 Batches go to workers in chunks (one round trip each); a chunk that times out is retried item by item,
 so only the slow item loses (it waits at most twice the timeout). Async reward functions run on the event
-loop with the same timeout.
+loop with the same timeout. An item whose worker died is tried once more in a new worker before it scores 0
+with ``{"error": "worker_died"}``. The workers never import the caller's ``__main__``: a reward function (or
+``initializer``) defined there is refused with `WorkerImportError` naming it, and a worker that cannot start
+raises `WorkerStartError`; neither is ever a score.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class RewardService:
     ) -> None:
         self.timeout, self.chunk_size = timeout, chunk_size
         self.workers = workers
-        self.pool = WorkerPool(workers, initializer=initializer)
+        self.pool = WorkerPool(workers, initializer=initializer, name="reward-service")
         self.counters: collections.Counter[str] = collections.Counter()
         self.latencies: collections.deque[float] = collections.deque(maxlen=10_000)
 
@@ -85,13 +88,18 @@ class RewardService:
             self.counters["errors"] += 1
             return RewardResult(0.0, {"error": "reward_error", "message": f"{type(e).__name__}: {e}"})
 
-    async def _score_chunk(self, fn: RewardFunction, chunk: list[tuple[str, dict]]) -> list[RewardResult]:
+    async def _score_chunk(
+        self, fn: RewardFunction, chunk: list[tuple[str, dict]], tried: bool = False
+    ) -> list[RewardResult]:
+        """Score ``chunk`` in one worker call; ``tried``: its item failed once already (alone or in a chunk)."""
         start = time.perf_counter()
         try:
             raw = await self.pool.call(_score_chunk, fn, chunk, timeout=self.timeout)
         except (CallTimeout, WorkerDied, RemoteError) as e:
             if len(chunk) > 1:  # find the slow or fatal item: retry one by one
-                return [r for item in chunk for r in await self._score_chunk(fn, [item])]
+                return [r for item in chunk for r in await self._score_chunk(fn, [item], tried=True)]
+            if isinstance(e, WorkerDied) and not tried:  # killed from outside, or by this item: once more
+                return await self._score_chunk(fn, chunk, tried=True)
             kind = {CallTimeout: "timeout", WorkerDied: "worker_died", RemoteError: "reward_error"}[type(e)]
             self.counters["timeouts" if kind == "timeout" else "errors"] += 1
             return [RewardResult(0.0, {"error": kind, "message": str(e)})]

@@ -5,7 +5,8 @@
   ``timeout`` error; the thread itself cannot be killed and finishes in the background).
 - ``process``: the env's state is pickled and each call runs in any worker process of a `WorkerPool`,
   so a call that hangs is killed and a worker that dies fails only that episode. The env must be
-  picklable; its state travels with every call.
+  picklable; its state travels with every call. Workers never import the caller's ``__main__``, so the env
+  must be defined in a module (one registered from ``__main__`` is refused with `WorkerImportError`).
 
     pool = LocalEnvPool(mode="thread", workers=4, step_timeout=30)
     env = pool.make("areal_agents/Arithmetic-v0", digits=2)
@@ -25,7 +26,7 @@ import gymnasium as gym
 
 from areal_agents.envs.registry import import_env_module, make_env
 from areal_agents.errors import ArealAgentsError, EnvError
-from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerPool
+from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerImportError, WorkerPool
 
 PoolMode = Literal["inline", "thread", "process"]
 
@@ -142,7 +143,7 @@ class LocalEnvPool:
         for m in self.modules:
             import_env_module(m)
         self.threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") if mode == "thread" else None
-        self.workers = WorkerPool(workers, initializer=_import_envs) if mode == "process" else None
+        self.workers = WorkerPool(workers, initializer=_import_envs, name="env-pool") if mode == "process" else None
         self._idle: dict[tuple[str, str], list[Any]] = {}  # closed sessions' envs, reused by the next make
 
     def _take(self, env_id: str, kwargs: dict[str, Any]) -> Any:
@@ -168,7 +169,13 @@ class LocalEnvPool:
             entry = spec.entry_point if spec is not None else type(env)
             module = entry.split(":")[0] if isinstance(entry, str) else getattr(entry, "__module__", "")
             env.close()
-            if module and module not in self.modules and module != "__main__":
+            if module == "__main__":
+                name = entry.split(":")[-1] if isinstance(entry, str) else entry.__qualname__
+                raise WorkerImportError(
+                    f"{env_id}: its class {name} is defined in __main__, which process-mode workers never import: "
+                    "define and register it in a module (or use mode 'thread')"
+                )
+            if module and module not in self.modules:
                 self.modules = (*self.modules, module)
         return PooledEnv(self, env_id, kwargs)
 
