@@ -12,6 +12,7 @@
 // step timeouts, process isolation, /metrics (the Python server has them).
 #pragma once
 
+#include <areal_agents/deadline_server.hpp>
 #include <areal_agents/server_options.hpp>
 #include <areal_agents/server_replies.hpp>
 #include <httplib.h>
@@ -101,7 +102,14 @@ using EnvFactory = std::function<std::unique_ptr<Env>(const json& kwargs)>;
 // and a background thread that closes idle sessions.
 class EnvServer {
  public:
-  explicit EnvServer(ServerOptions options = {}) : options_(std::move(options)) { install_routes(); }
+  explicit EnvServer(ServerOptions options = {})
+      : options_(std::move(options)),
+        http_(std::chrono::seconds(options_.read_timeout_s), kMaxHeaderBytes,
+              [this](const httplib::Request& req, httplib::Response& res) {
+                detail::reply(res, res.status, detail::error_body(detail::error_type_for(res.status), refusal(req, res.status)));
+              }) {
+    install_routes();
+  }
   ~EnvServer() { stop(); }
   EnvServer(const EnvServer&) = delete;
   EnvServer& operator=(const EnvServer&) = delete;
@@ -192,22 +200,21 @@ class EnvServer {
     http_.Get(".*", plain([](const httplib::Request& req, const std::string&) -> json {
       throw detail::HttpError(404, "not_found", "no route GET " + req.path + "; see docs/env-protocol.md");
     }));
-    // What cpp-httplib refuses itself (a 413 for a Content-Length over the limit, a malformed request line)
-    // arrives with an empty body: give it the protocol's error shape.
-    http_.set_error_handler(httplib::Server::HandlerWithResponse(
-        [this](const httplib::Request& req, httplib::Response& res) {
-          if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-          detail::reply(res, res.status,
-                        detail::error_body(detail::error_type_for(res.status), refusal(req, res.status)));
-          return httplib::Server::HandlerResponse::Handled;
-        }));
   }
 
+  // The message of a refusal the server makes itself: what cpp-httplib refuses, or a request cut off.
   std::string refusal(const httplib::Request& req, int status) const {
+    if (status == 408) return late_message();
+    if (status == 431) return "request line and headers over " + std::to_string(kMaxHeaderBytes) + " bytes";
     if (status == 413) return too_large_message();
     if (status == 414) return "request URI too long";
     std::string what = req.method.empty() ? "a malformed request" : req.method + " " + req.path;
     return "HTTP " + std::to_string(status) + " for " + what;
+  }
+
+  std::string late_message() const {
+    return "request not received in time: its headers and body must arrive within " +
+           std::to_string(options_.read_timeout_s) + " s of its first byte (--read-timeout)";
   }
 
   std::string too_large_message() const {
@@ -238,6 +245,10 @@ class EnvServer {
       if (received > options_.max_body_bytes || res.status == 413) {
         if (!read) res.set_header("Connection", "close");  // not drained: the connection is spent
         return detail::reply(res, 413, detail::error_body("payload_too_large", too_large_message()));
+      }
+      if (!read && DeadlineServer::cut() == Cut::deadline) {  // the connection ends after this reply
+        res.set_header("Connection", "close");
+        return detail::reply(res, 408, detail::error_body("request_timeout", late_message()));
       }
       if (!read) return detail::reply(res, 400, detail::error_body("bad_request", "body: could not be read"));
       respond(res, [&] { return handler(req, body); });
@@ -471,11 +482,12 @@ class EnvServer {
   }
 
   static constexpr std::time_t kKeepAliveTimeoutS = 5;
+  static constexpr std::size_t kMaxHeaderBytes = 64 * 1024;  // a request line and its headers, together
   static constexpr std::size_t kBodyDrainBytes = 64 * 1024 * 1024;  // read past the body limit, then give up
   static constexpr const char* kNonStandard = "the env threw a non-standard exception (not a std::exception)";
 
   ServerOptions options_;
-  httplib::Server http_;
+  DeadlineServer http_;
   std::atomic<int> port_{0};
   std::mutex mutex_;  // guards everything below, and each Session's busy/done/last_used
   std::condition_variable stopped_;

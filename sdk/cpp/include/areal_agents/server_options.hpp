@@ -16,12 +16,16 @@ struct ServerOptions {
   std::string host = "127.0.0.1";
   int port = 8765;  // 0: any free port (printed once listening)
   // Request threads. cpp-httplib gives each open connection a thread of its own (an idle keep-alive one lets it
-  // go after 5 s), so this must cover the clients' connections: RemoteEnvPool keeps up to 64 per process.
+  // go after 5 s, a slow request after read_timeout_s), so this must cover the clients' connections:
+  // RemoteEnvPool keeps up to 64 per process.
   int threads = 256;
   std::size_t max_sessions = 4096;
   std::size_t max_body_bytes = 8 * 1024 * 1024;
   std::size_t max_action_chars = 65536;  // Unicode code points
   double idle_timeout_s = 600.0;  // sessions without a step for this long are closed
+  // A request's headers and body must arrive within this many seconds of its first byte (a 408 otherwise):
+  // a deadline, which a client sending a byte a second cannot put off as it would a timeout per read.
+  int read_timeout_s = 10;
 };
 
 inline const char* server_options_usage() {
@@ -33,7 +37,9 @@ inline const char* server_options_usage() {
          "  --max-sessions N          open sessions at most (default 4096)\n"
          "  --max-body-bytes N        request body size limit (default 8388608)\n"
          "  --max-action-chars N      action length limit in characters (default 65536)\n"
-         "  --idle-timeout SECONDS    close sessions without a step for this long (default 600)\n";
+         "  --idle-timeout SECONDS    close sessions without a step for this long (default 600)\n"
+         "  --read-timeout SECONDS    a request's headers and body must arrive within this many whole\n"
+         "                            seconds of its first byte, else 408 (default 10)\n";
 }
 
 namespace detail {
@@ -71,7 +77,7 @@ inline double parse_seconds(const std::string& flag, const std::string& text) {
 }  // namespace detail
 
 // Server options from --host --port --threads --max-sessions --max-body-bytes --max-action-chars
-// --idle-timeout (as "--flag value" or "--flag=value"); std::invalid_argument names the flag at fault.
+// --idle-timeout --read-timeout (as "--flag value" or "--flag=value"); std::invalid_argument names the flag at fault.
 inline ServerOptions parse_server_options(int argc, const char* const* argv) {
   ServerOptions options;
   constexpr auto kMaxSize = static_cast<unsigned long long>(SIZE_MAX);
@@ -102,6 +108,8 @@ inline ServerOptions parse_server_options(int argc, const char* const* argv) {
       options.max_action_chars = detail::parse_count(flag, value, 1, kMaxSize);
     } else if (flag == "--idle-timeout") {
       options.idle_timeout_s = detail::parse_seconds(flag, value);
+    } else if (flag == "--read-timeout") {
+      options.read_timeout_s = static_cast<int>(detail::parse_count(flag, value, 1, 3600));
     } else {
       throw std::invalid_argument("unknown flag " + flag);
     }

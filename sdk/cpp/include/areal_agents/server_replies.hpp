@@ -169,8 +169,10 @@ inline const char* error_type_for(int status) {
   switch (status) {
     case 404: return "not_found";
     case 405: return "method_not_allowed";
+    case 408: return "request_timeout";
     case 413: return "payload_too_large";
     case 414: return "uri_too_long";
+    case 431: return "headers_too_large";
     default: return status < 500 ? "bad_request" : "internal_error";
   }
 }
