@@ -17,8 +17,10 @@ import java.util.concurrent.ExecutionException;
 import java.util.concurrent.ExecutorService;
 import java.util.concurrent.Executors;
 import java.util.concurrent.Future;
+import java.util.concurrent.LinkedBlockingQueue;
 import java.util.concurrent.ScheduledExecutorService;
 import java.util.concurrent.ThreadFactory;
+import java.util.concurrent.ThreadPoolExecutor;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicBoolean;
 import java.util.concurrent.atomic.AtomicInteger;
@@ -34,12 +36,17 @@ import java.util.regex.Pattern;
  *   server.start();                                       // serving envs on http://127.0.0.1:8765
  * </pre>
  *
- * <p>Each session is one {@link Env}; requests run on a fixed thread pool, sessions independently. Not provided (the
+ * <p>Each session is one {@link Env}; requests run on a pool of {@code --threads} threads, sessions independently.
+ * A request holds its thread from its first byte, so the JDK's server closes a connection whose request has not
+ * arrived within {@code --read-timeout} seconds (its {@code sun.net.httpserver.maxReqTime}). Not provided (the
  * Python server has them): step timeouts, process isolation, /metrics.
  */
 public final class EnvServer {
     public static final String PROTOCOL = "v1";
     private static final Pattern SESSION_PATH = Pattern.compile("/v1/sessions/([^/]+)(/step)?");
+    private static final String MAX_REQ_TIME = "sun.net.httpserver.maxReqTime";
+    // The JDK reads its server settings once per JVM, when its first server starts: that start's read timeout.
+    private static Integer jvmReadTimeoutS;
 
     private record Registered(String description, EnvFactory factory) {}
 
@@ -94,11 +101,15 @@ public final class EnvServer {
     /** Binds (port 0: a free port), starts serving and prints {@code serving envs on http://HOST:PORT}. */
     public synchronized void start() throws IOException {
         if (http != null) throw new IllegalStateException("the server is already started");
-        // Replies go out at once, not after the client's delayed ACK (read when the JDK's server first starts).
-        System.setProperty("sun.net.httpserver.nodelay", "true");
+        configureJdkServer(opts.readTimeoutS);
         http = HttpServer.create(new InetSocketAddress(opts.host, opts.port), 1024);
-        handlers = Executors.newFixedThreadPool(opts.threads, daemonThreads("env-http"));
-        batchSteps = Executors.newFixedThreadPool(opts.threads, daemonThreads("env-batch"));
+        ThreadPoolExecutor requests = new ThreadPoolExecutor(opts.threads, opts.threads, 60, TimeUnit.SECONDS,
+                new LinkedBlockingQueue<>(), daemonThreads("env-http"));
+        requests.allowCoreThreadTimeOut(true); // idle threads end; a burst of requests starts them again
+        handlers = requests;
+        int cores = Runtime.getRuntime().availableProcessors();
+        int batchThreads = Math.min(opts.threads, Math.max(4, 2 * cores)); // batch items are CPU work
+        batchSteps = Executors.newFixedThreadPool(batchThreads, daemonThreads("env-batch"));
         reaper = Executors.newSingleThreadScheduledExecutor(daemonThreads("env-idle"));
         long periodMs = (long) Math.max(50, Math.min(opts.idleTimeoutS * 1000 / 4, 5000));
         reaper.scheduleWithFixedDelay(this::expireIdle, periodMs, periodMs, TimeUnit.MILLISECONDS);
@@ -107,6 +118,19 @@ public final class EnvServer {
         http.start();
         System.out.println("serving envs on " + url());
         System.out.flush();
+    }
+
+    /** The JDK server's settings, which it reads once per JVM when its first server starts: replies go out at once
+     * (not after the client's delayed ACK), and a request not read within {@code readTimeoutS} has its connection
+     * closed. A second server in the same JVM must ask for the same read timeout. */
+    private static synchronized void configureJdkServer(int readTimeoutS) {
+        if (jvmReadTimeoutS != null && jvmReadTimeoutS != readTimeoutS) {
+            throw new IllegalStateException("--read-timeout " + readTimeoutS + ": this JVM's HTTP servers already read "
+                    + "requests under " + jvmReadTimeoutS + " s (the JDK takes one setting for all of them)");
+        }
+        jvmReadTimeoutS = readTimeoutS;
+        System.setProperty("sun.net.httpserver.nodelay", "true");
+        System.setProperty(MAX_REQ_TIME, Integer.toString(readTimeoutS));
     }
 
     /** Stops serving at once and closes every session's env (a busy one's when its running step returns). */

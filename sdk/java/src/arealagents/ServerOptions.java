@@ -4,14 +4,18 @@ package arealagents;
 public final class ServerOptions {
     public String host = "127.0.0.1";
     public int port = 8765;
-    public int threads = Math.max(4, 2 * Runtime.getRuntime().availableProcessors());
+    /** Request threads: a request holds one while it is read and run, so they must outnumber slow clients. */
+    public int threads = 256;
     public int maxSessions = 4096;
     public int maxBodyBytes = 8 * 1024 * 1024;
     public int maxActionChars = 65536;
     public double idleTimeoutS = 600;
+    /** A request's headers and body must arrive within this many seconds of its first byte (whole seconds: the
+     * JDK's server counts them so); a slower one has its connection closed. */
+    public int readTimeoutS = 10;
 
     /** Options from {@code --host --port --threads --max-sessions --max-body-bytes --max-action-chars
-     * --idle-timeout} (each {@code --flag value} or {@code --flag=value}); a bad flag or value is an
+     * --idle-timeout --read-timeout} (each {@code --flag value} or {@code --flag=value}); a bad flag or value is an
      * IllegalArgumentException naming the flag. */
     public static ServerOptions parse(String[] args) {
         ServerOptions o = new ServerOptions();
@@ -40,9 +44,10 @@ public final class ServerOptions {
             case "--max-body-bytes" -> maxBodyBytes = intIn(flag, value, 1, Integer.MAX_VALUE - 8);
             case "--max-action-chars" -> maxActionChars = intIn(flag, value, 1, Integer.MAX_VALUE);
             case "--idle-timeout" -> idleTimeoutS = positiveSeconds(flag, value);
+            case "--read-timeout" -> readTimeoutS = intIn(flag, value, 1, 3600);
             default -> throw new IllegalArgumentException(
                     "unknown flag " + flag + "; the flags are --host --port --threads --max-sessions "
-                            + "--max-body-bytes --max-action-chars --idle-timeout");
+                            + "--max-body-bytes --max-action-chars --idle-timeout --read-timeout");
         }
     }
 
