@@ -83,19 +83,30 @@ class _MainRefusingPickler(reduction.ForkingPickler):
         return NotImplemented
 
 
-def _refuse_main(obj: Any, data: bytes) -> None:
-    """`WorkerImportError` if ``data``, the pickle of ``obj``, refers to ``__main__``; the name can also be
-    mere text, so a pickler that checks each function and class confirms it (only then: it is slower)."""
-    if b"__main__" in data:
-        _MainRefusingPickler(io.BytesIO()).dump(obj)
+def _refuse_main(obj: Any) -> None:
+    """`WorkerImportError` if ``obj`` refers to a function or class of ``__main__`` (a slower pickling, run
+    only when the plain one failed or its bytes hold the name, which can also be mere text)."""
+    _MainRefusingPickler(io.BytesIO()).dump(obj)
+
+
+def _dump(obj: Any, file: io.BytesIO) -> None:
+    """``obj`` pickled into ``file`` as multiprocessing does; `WorkerImportError` if a worker could not load it."""
+    start = file.tell()
+    try:
+        reduction.dump(obj, file)
+    except Exception:
+        _refuse_main(obj)  # e.g. a lambda of __main__, which pickle cannot even look up: name it
+        raise
+    if file.getvalue().find(b"__main__", start) >= 0:
+        _refuse_main(obj)
 
 
 def dumps(obj: Any) -> bytes:
     """``obj`` pickled for a worker process, as `Connection.send` would; `WorkerImportError` if a worker
     could not load it."""
-    data = bytes(reduction.ForkingPickler.dumps(obj))
-    _refuse_main(obj, data)
-    return data
+    file = io.BytesIO()
+    _dump(obj, file)
+    return file.getvalue()
 
 
 class _SpawnWithoutMain(popen_spawn_posix.Popen):
@@ -111,17 +122,14 @@ class _SpawnWithoutMain(popen_spawn_posix.Popen):
         prep_data = spawn.get_preparation_data(process_obj._name)
         prep_data.pop("init_main_from_path", None)
         prep_data.pop("init_main_from_name", None)
-        fp, body = io.BytesIO(), io.BytesIO()
+        fp = io.BytesIO()
         context.set_spawning_popen(self)
         try:
             reduction.dump(prep_data, fp)
-            reduction.dump(process_obj, body)
-            passed = len(self._fds)
-            _refuse_main(process_obj, body.getvalue())
-            del self._fds[passed:]  # the check's own pickling passed the pipes' descriptors again
+            _dump(process_obj, fp)
         finally:
             context.set_spawning_popen(None)
-        fp.write(body.getbuffer())
+        self._fds = list(dict.fromkeys(self._fds))  # a check's second pickling passed the pipe ends again
         parent_r = child_w = child_r = parent_w = None
         try:
             parent_r, child_w = os.pipe()
@@ -167,14 +175,16 @@ def spawn_child(target: Callable[..., Any], args: tuple, name: str) -> tuple[Any
     """A daemon process running ``target(conn, *args)`` in a fresh interpreter that never imports the
     caller's ``__main__``, and this end of its pipe. `WorkerStartError` if it cannot be started,
     `WorkerImportError` if ``target`` or ``args`` refer to ``__main__``."""
+    python = os.fsdecode(spawn.get_executable())
+    if not os.access(python, os.X_OK):  # spawn's exec would fail silently in the child (exit code 255)
+        raise WorkerStartError(f"could not start process {name!r}: no executable interpreter at {python}")
     conn, child = mp.Pipe()
     process = _Process(target=target, args=(child, *args), name=name, daemon=True)
     try:
         process.start()
     except BaseException as e:
         conn.close()
-        if isinstance(e, OSError):  # no interpreter at that path, or it exited before taking its start-up data
-            python = os.fsdecode(spawn.get_executable())
+        if isinstance(e, OSError):  # e.g. it exited before taking its start-up data
             raise WorkerStartError(f"could not start process {name!r} with {python}: {e}") from e
         raise
     finally:
@@ -311,7 +321,8 @@ class WorkerPool:
         if status != "ready":
             self.stats.start_failures += 1
             self._replace(slot)
-            raise WorkerStartError(f"a {self.name} worker process could not start: {why}")
+            python = os.fsdecode(spawn.get_executable())
+            raise WorkerStartError(f"a {self.name} worker process ({python}) could not start: {why}")
         slot.ready = True
 
     def _roundtrip(self, fn: Callable, args: tuple, kwargs: dict, timeout: float | None) -> Any:

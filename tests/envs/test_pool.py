@@ -139,3 +139,21 @@ def test_envs_of_clean_sessions_are_reused_broken_ones_are_not():
             await env.aclose()
 
     assert run_sync(run()) == (True, True)
+
+
+@pytest.mark.slow
+def test_a_process_pool_refuses_an_env_defined_in_main():
+    import gymnasium as gym
+
+    from areal_agents.envs.testing import EchoEnv
+    from areal_agents.workers import WorkerImportError
+
+    in_main = type("ScriptEnv", (EchoEnv,), {"__module__": "__main__"})  # as a user's script defines it
+    gym.register(id="areal_agents_testing/ScriptEnv-v0", entry_point=in_main)
+    pool = LocalEnvPool("process", workers=1)
+    try:  # its workers never import __main__: refused at make, before any episode, with the fix named
+        with pytest.raises(WorkerImportError, match="class ScriptEnv is defined in __main__.*in a module"):
+            pool.make("areal_agents_testing/ScriptEnv-v0")
+    finally:
+        run_sync(pool.aclose())
+        del gym.registry["areal_agents_testing/ScriptEnv-v0"]
