@@ -40,8 +40,9 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
 class EnvError(ArealAgentsError):
     """An env failed during an episode; the episode ends and counts as an env failure, not a policy one.
 
-    ``kind`` is ``env_error`` (the env raised), ``timeout`` (a call overran its limit) or
-    ``worker_died`` (the process running the env died).
+    ``kind`` is ``env_error`` (the env raised), ``timeout`` (a call overran its limit), ``worker_died``
+    (the process running the env died), or, for an env-step server, ``unreachable`` (no answer),
+    ``server_error`` (a 5xx), ``server_lost`` / ``session_lost`` (the session went with its server or expired).
     """
 
     def __init__(self, kind: str, message: str) -> None:
@@ -54,5 +55,10 @@ class WorkerLostError(ArealAgentsError):
     """The rollout worker running an episode died (a cluster fault): the episode is retried elsewhere."""
 
 
-class ClusterError(ArealAgentsError):
+class RunHalted(ArealAgentsError):
+    """The run cannot make progress: its episodes keep failing, an env server refuses its requests or stays
+    unreachable, or its cluster is gone. The run stops, keeping its last finished step, with this one line."""
+
+
+class ClusterError(RunHalted):
     """The cluster cannot carry on (actors died and did not come back): the run stops with the reason."""

@@ -8,14 +8,16 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 
 import ray
 import uvicorn
 
 from areal_agents.config import EnvConfig
+from areal_agents.data.sources import datasets_in
 from areal_agents.envs.registry import import_env_module, modules_for
 from areal_agents.envs.runtime.remote import RemoteEnvPool
-from areal_agents.envs.runtime.server import EnvServer, ServerConfig, build_app
+from areal_agents.envs.runtime.server import ServerConfig, build_app, dedicated_server
 from areal_agents.errors import ClusterError
 from areal_agents.net import free_port
 
@@ -24,12 +26,15 @@ from areal_agents.net import free_port
 class EnvServerActor:
     """One env-step server, served by uvicorn on a thread of this actor; a restart starts a new one."""
 
-    def __init__(self, cfg: EnvConfig) -> None:
+    def __init__(self, cfg: EnvConfig, datasets: Sequence[str] = ()) -> None:
         host = ray.util.get_node_ip_address()
         port = free_port(host)
         modules = modules_for(cfg.id, cfg.module)  # a server imports no module a client names: the run's, at start
-        server_cfg = ServerConfig(host, port, cfg.mode, cfg.workers, cfg.step_timeout, modules=modules)
-        self.env_server = EnvServer(server_cfg)
+        allowed = datasets_in(cfg.kwargs) + list(datasets)  # nor loads a dataset the run did not name
+        server_cfg = ServerConfig(
+            host, port, cfg.mode, cfg.workers, cfg.step_timeout, modules=modules, datasets=allowed
+        )
+        self.env_server = dedicated_server(server_cfg)
         app = build_app(self.env_server)
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -55,9 +60,12 @@ class EnvServerActor:
 class EnvServers:
     """The replicas of a run: start them, know their current addresses, make pools over them."""
 
-    def __init__(self, names: list[str], urls: list[str], timeout_s: float) -> None:
+    def __init__(
+        self, names: list[str], urls: list[str], timeout_s: float, unreachable_timeout_s: float = 30.0
+    ) -> None:
         # rollout workers get a copy: names, not handles, so it pickles small (Ray restarts need that)
         self.names, self.urls, self.timeout_s = names, urls, timeout_s
+        self.unreachable_timeout_s = unreachable_timeout_s  # env.unreachable_timeout_s
         self._actors: list | None = None
 
     def __getstate__(self) -> dict:
@@ -70,13 +78,23 @@ class EnvServers:
         return self._actors
 
     @classmethod
-    def launch(cls, cfg: EnvConfig, replicas: int, num_cpus: float, max_restarts: int, timeout_s: float):
+    def launch(
+        cls,
+        cfg: EnvConfig,
+        replicas: int,
+        num_cpus: float,
+        max_restarts: int,
+        timeout_s: float,
+        datasets: Sequence[str] = (),
+    ):
+        """``datasets``: what the servers may load besides those ``cfg.kwargs`` names (the eval kwargs')."""
         for module in modules_for(cfg.id, cfg.module):
             import_env_module(module)  # a module that fails to import is one line here, not an actor's traceback
         names = [f"areal-env-server-{uuid.uuid4().hex[:8]}-{i}" for i in range(replicas)]
         options = {"num_cpus": num_cpus, "max_restarts": max_restarts}
-        actors = [EnvServerActor.options(name=name, **options).remote(cfg) for name in names]
-        servers = cls(names, ray.get([a.url.remote() for a in actors], timeout=timeout_s), timeout_s)
+        actors = [EnvServerActor.options(name=name, **options).remote(cfg, list(datasets)) for name in names]
+        urls = ray.get([a.url.remote() for a in actors], timeout=timeout_s)
+        servers = cls(names, urls, timeout_s, cfg.unreachable_timeout_s)
         servers._actors = actors
         return servers
 
@@ -113,7 +131,7 @@ class EnvServers:
         return out
 
     def pool(self) -> RemoteEnvPool:
-        return RemoteEnvPool(self.urls, resolve=self.resolve)
+        return RemoteEnvPool(self.urls, resolve=self.resolve, unreachable_timeout_s=self.unreachable_timeout_s)
 
     def kill(self) -> None:
         for actor in self.actors:

@@ -25,7 +25,7 @@ from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.local_servers import engine_client
 from areal_agents.engines.lora_sync import LoraGroup
 from areal_agents.envs.runtime.backends import EnvBackend
-from areal_agents.errors import ClusterError, EngineError, EnvError, RequestError, WorkerLostError
+from areal_agents.errors import ClusterError, EngineError, EnvError, RequestError, RunHalted, WorkerLostError
 from areal_agents.models.loading import load_tokenizer, quiet_transformers
 from areal_agents.rollout.episodes import failure_kind, local_episode
 from areal_agents.trainers.policy_api import SHARED, policy_starts
@@ -200,4 +200,6 @@ def _rebuilt(kind: str, value: Any, where: str) -> Exception:
         return WorkerLostError(f"{where}: {value}")
     if kind == "cluster":
         return ClusterError(value)
+    if kind == "halt":
+        return RunHalted(value)
     return RuntimeError(f"{where}:\n{value}")

@@ -64,9 +64,14 @@ class EnvConfig:
     workers: int = config_field("threads or processes running env calls", default=4)
     step_timeout: float = config_field("seconds before a reset/step ends its episode as a timeout", default=60.0)
     server_url: str = config_field("backend server: its URL; empty launches a local server for the run", default="")
+    unreachable_timeout_s: float = config_field(
+        "backend server: seconds with no env server answering before the run stops (until then, episodes that "
+        "cannot reach one fail as env failures and are retried)",
+        default=30.0,
+    )
 
     def __post_init__(self) -> None:
-        check_positive(self, "workers", "step_timeout")
+        check_positive(self, "workers", "step_timeout", "unreachable_timeout_s")
 
 
 @dataclass
@@ -87,6 +92,11 @@ class RolloutConfig:
     )
     dynamic_sampling: bool = config_field("replace groups whose rewards are all equal with new ones", default=False)
     max_retries: int = config_field("retries of an episode that failed by the env or the engine", default=1)
+    max_failed_fraction: float = config_field(
+        "the run stops (checkpointing its last finished step) when more than this share of the episodes that "
+        "ended since the last step failed after their retries; 1 = never",
+        default=0.5,
+    )
     system_prompt: str = config_field("optional system message placed before the first observation", default="")
     agent: str = config_field(
         "module:Class (an Agent, e.g. a ChatAgent subclass) or module:function (async episode function); "
@@ -119,6 +129,8 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         check_positive(self, "batch_size", "group_size", "max_new_tokens", "max_concurrent_rollouts")
         check_positive(self, "max_staleness", "max_retries", or_zero=True)
+        if not 0 < self.max_failed_fraction <= 1:
+            raise ValueError(f"max_failed_fraction: expects a value in (0, 1], got {self.max_failed_fraction!r}")
         if self.max_concurrent_rollouts < self.group_size:
             raise ValueError(
                 f"max_concurrent_rollouts: expects at least group_size ({self.group_size}) episodes, a whole group "

@@ -26,14 +26,15 @@ from areal_agents.config import EngineConfig
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.local_servers import open_engine
 from areal_agents.envs.runtime.pool import LocalEnvPool
-from areal_agents.errors import ConfigError
+from areal_agents.errors import ConfigError, RunHalted
 from areal_agents.eval.presets import Preset, resolve
 from areal_agents.eval.problems import AtProblem, Problem, load_problems
 from areal_agents.eval.provenance import RunMismatch, claim, fresh_candidates, model_digest
 from areal_agents.eval.summary import print_summary, summarize
 from areal_agents.models.loading import load_tokenizer
-from areal_agents.progress import progress_bar
+from areal_agents.progress import plural, progress_bar
 from areal_agents.rollout.episodes import EpisodeRunner, RolloutLedger
+from areal_agents.rollout.failures import FailureLog
 from areal_agents.types import SamplingParams, Trajectory
 
 __all__ = ["EvalSettings", "eval_settings", "evaluate_dataset", "print_summary", "run_eval", "summarize"]
@@ -134,7 +135,8 @@ async def evaluate_dataset(
 
     Each sample is one episode of the `EpisodeRunner` (env and engine failures retried
     ``settings.max_retries`` times, every sample counted in the summary's ``episodes`` ledger); a sample
-    that still fails is left out of ``samples.jsonl``, so a rerun runs it again. ``identity`` (the model
+    that still fails is left out of ``samples.jsonl``, so a rerun runs it again; when none completes, this
+    raises `RunHalted` (an accuracy over no samples would be a lie). ``identity`` (the model
     and engine, see `run_eval`) joins the settings and the dataset's hash in ``run.json``: samples of
     another run there raise `RunMismatch` before anything is generated."""
     candidates = [Path(out_dir)] if isinstance(out_dir, (str, Path)) else [Path(c) for c in out_dir]
@@ -194,7 +196,8 @@ async def _run_samples(
     todo = [(p, j) for p in problems for j in range(settings.n_samples) if (p.number, j) not in done]
     sampling = SamplingParams(settings.max_new_tokens, settings.temperature, settings.top_p)
     agent = ChatAgent(engine, tokenizer, sampling, system_prompt=settings.system_prompt)
-    runner = EpisodeRunner(max_retries=settings.max_retries)
+    failures = FailureLog(out / "failures.log")  # rate-limited lines; the first traceback of each cause
+    runner = EpisodeRunner(max_retries=settings.max_retries, failures=failures)
     gate = asyncio.Semaphore(settings.concurrency)
     bar = progress_bar(total=len(todo), desc="eval", enabled=progress)
 
@@ -221,6 +224,10 @@ async def _run_samples(
         await asyncio.gather(*(one(p, j) for p, j in todo))
     finally:
         bar.close()
+        failures.flush()
+    if todo and runner.ledger.accepted == 0:
+        causes = failures.describe(failures.totals) or "see the log"
+        raise RunHalted(f"eval: none of its {plural(len(todo), 'sample')} completed: {causes}")
     return done, runner.ledger
 
 

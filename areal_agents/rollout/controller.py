@@ -15,8 +15,11 @@ Every episode runs through one `EpisodeRunner` (rollout/episodes.py) and is acco
 `RolloutLedger`: submitted = accepted + rejected + failed + env_failed + engine_failed + worker_failed +
 cancelled + running. Env failures (`EnvError`), engine failures (`EngineError`) and lost rollout workers
 (`WorkerLostError`, on a cluster) are retried up to ``max_retries`` times; other exceptions are
-policy/agent failures and are not retried. A `ClusterError` (the cluster cannot recover) stops the run:
-`get_batch` raises it.
+policy/agent failures and are not retried. A `RunHalted` stops the run (`get_batch` raises it): one an
+episode raised (a `ClusterError`: the cluster cannot recover; an env server's 4xx: the run's own mistake),
+or the controller's own when more than ``max_failed_fraction`` of the episodes that ended since the batch
+began failed after their retries (counted once a batch's worth has ended): a run that cannot make
+progress stops instead of spinning through failing episodes.
 
 Episodes run in this process (``agent.run_episode(make_env(), ...)``) unless ``run_episode`` is given:
 the Ray launcher passes one that runs them on rollout worker actors, so the gate and the ledger stay here.
@@ -27,13 +30,15 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from areal_agents.agents.base import Agent
 from areal_agents.envs.async_env import AsyncEnv
-from areal_agents.errors import ClusterError
+from areal_agents.errors import RunHalted
 from areal_agents.rollout.episodes import EpisodeFn, EpisodeRunner, FailureKind, RolloutLedger, local_episode
+from areal_agents.rollout.failures import Cause, FailureLog
 from areal_agents.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -96,6 +101,8 @@ class RolloutController:
         start_index: int = 0,
         groups_before: int = 0,
         run_episode: EpisodeFn | None = None,
+        max_failed_fraction: float = 1.0,
+        failures: FailureLog | None = None,
     ) -> None:
         """``max_concurrent_episodes`` counts episodes still running, not their groups: a group whose other
         episodes have ended holds one place, not ``group_size``, so a long answer does not keep the engine
@@ -124,7 +131,12 @@ class RolloutController:
         self._next_index = start_index  # prompt i is seed_at(i): the data order is a pure function of i
         self._unconsumed: dict[int, int] = {}  # submitted, not yet handed to the trainer (or dropped): its version
         self._episode = run_episode or local_episode(agent, make_env)
-        self.runner = EpisodeRunner(self.ledger, max_retries=max_retries, on_retry=self._count_retry)
+        self.failures = failures if failures is not None else FailureLog()
+        self.runner = EpisodeRunner(
+            self.ledger, max_retries=max_retries, on_retry=self._count_retry, failures=self.failures
+        )
+        self.max_failed_fraction = max_failed_fraction
+        self._window: tuple[int, int, Counter[Cause]] | None = None  # ended, failed, causes when the batch began
         self._fatal: BaseException | None = None
 
     # ---- consumer side ------------------------------------------------------------------------
@@ -141,11 +153,12 @@ class RolloutController:
         stale and replaced.
         """
         self._start()
+        self._window = (self.ledger.ended, self.ledger.failures, self.failures.totals.copy())
         taken: list[Group] = []
         version = self.get_version()
         stale_run = 0
         while len(taken) < self.batch_size:
-            while not self._ready or not self._may_take(len(taken), version):
+            while self._fatal is not None or not self._ready or not self._may_take(len(taken), version):
                 if self._fatal is not None:
                     raise self._fatal
                 self._ready_event.clear()
@@ -236,7 +249,7 @@ class RolloutController:
 
     async def _produce(self) -> None:
         while True:
-            n = 0 if self._paused else self.capacity()
+            n = 0 if self._paused or self._fatal is not None else self.capacity()
             for _ in range(n):
                 self.running_groups += 1
                 self.running_episodes += self.group_size
@@ -255,8 +268,8 @@ class RolloutController:
         episodes = [self._run_episode(seed, f"{group_id}/e{k}") for k in range(self.group_size)]
         try:
             results = [ts for ts in await asyncio.gather(*episodes) if ts is not None]
-        except ClusterError as e:
-            self._fatal = e  # get_batch raises it
+        except RunHalted as e:
+            self._fatal = self._fatal or e  # get_batch raises it
             self._ready_event.set()
             return
         finally:
@@ -283,7 +296,24 @@ class RolloutController:
             return await self.runner.run(lambda: self._episode(seed, episode_id), episode_id)
         finally:
             self.running_episodes -= 1
+            self._check_failures()
             self._wakeup.set()  # its place is free: another group may fit
+
+    def _check_failures(self) -> None:
+        """Halt the run (`get_batch` raises) when more than ``max_failed_fraction`` of the episodes that ended
+        since the batch began failed after their retries, once a batch's worth of episodes has ended."""
+        if self._fatal is not None or self._window is None:
+            return
+        ended, failed = self.ledger.ended - self._window[0], self.ledger.failures - self._window[1]
+        if ended < self.batch_size * self.group_size or failed <= self.max_failed_fraction * ended:
+            return
+        self.failures.flush()
+        causes = self.failures.describe(self.failures.since(self._window[2]))
+        self._fatal = RunHalted(
+            f"rollout: {failed} of the last {ended} episodes failed after their retries (more than "
+            f"rollout.max_failed_fraction={self.max_failed_fraction:g}): {causes}"
+        )
+        self._ready_event.set()
 
     def _count_retry(self, kind: FailureKind) -> None:
         self.stats.retries += 1

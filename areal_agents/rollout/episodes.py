@@ -22,12 +22,14 @@ from typing import Literal
 
 from areal_agents.agents.base import Agent
 from areal_agents.envs.async_env import AsyncEnv
-from areal_agents.errors import ClusterError, EngineError, EnvError, RequestError, WorkerLostError
+from areal_agents.errors import ClusterError, EngineError, EnvError, RequestError, RunHalted, WorkerLostError
+from areal_agents.rollout.failures import FailureLog
 from areal_agents.types import Trajectory
 
 log = logging.getLogger(__name__)
 
-FailureKind = Literal["env", "engine", "worker", "cluster", "failed"]
+FailureKind = Literal["env", "engine", "worker", "cluster", "halt", "failed"]
+OUTCOMES = {"env": "env_failed", "engine": "engine_failed", "worker": "worker_failed"}  # the ledger's names
 Episode = Callable[[], Awaitable[list[Trajectory]]]  # one try of an episode: its trajectories, or it raises
 EpisodeFn = Callable[[int, str], Awaitable[list[Trajectory]]]  # (seed, episode_id) -> one try of that episode
 
@@ -60,17 +62,30 @@ class RolloutLedger:
         return {**dataclasses.asdict(self), "running": self.running}
 
     def fail(self, kind: FailureKind) -> None:
-        """Count an episode that ended with a failure of ``kind`` (a cluster failure cancels it)."""
-        counter = {"env": "env_failed", "engine": "engine_failed", "worker": "worker_failed", "cluster": "cancelled"}
-        name = counter.get(kind, "failed")
+        """Count an episode that ended with a failure of ``kind`` (a cluster failure cancels it; a halt, the
+        run's own mistake, fails it)."""
+        name = {**OUTCOMES, "cluster": "cancelled"}.get(kind, "failed")
         setattr(self, name, getattr(self, name) + 1)
+
+    @property
+    def ended(self) -> int:
+        """Episodes that ended, well or not (not cancelled)."""
+        return self.accepted + self.rejected + self.failures
+
+    @property
+    def failures(self) -> int:
+        """Episodes that failed after their retries, every kind."""
+        return self.failed + self.env_failed + self.engine_failed + self.worker_failed
 
 
 def failure_kind(error: BaseException) -> FailureKind:
     """Whose fault ``error`` is: the env's, the engine's, a lost rollout worker's, the cluster's (the run
-    cannot go on), or else the policy's or the agent's (``failed``)."""
+    cannot go on), the run's own (``halt``: e.g. an env server refused its request; it stops), or else the
+    policy's or the agent's (``failed``)."""
     if isinstance(error, ClusterError):
         return "cluster"
+    if isinstance(error, RunHalted):
+        return "halt"
     if isinstance(error, EnvError):
         return "env"
     if isinstance(error, EngineError):
@@ -82,14 +97,15 @@ def failure_kind(error: BaseException) -> FailureKind:
 
 class EpisodeRunner:
     """Run an episode, retry it when the env, the engine or its rollout worker failed (up to
-    ``max_retries`` times), and count it in ``ledger``.
+    ``max_retries`` times, after a short pause), and count it in ``ledger``.
 
         runner = EpisodeRunner(ledger, max_retries=1)
         trajectories = await runner.run(lambda: agent.run_episode(env, seed=3, episode_id="g3/e0"), "g3/e0")
 
     A policy or agent failure is not retried; a refused request (`RequestError`) would be refused again,
-    so it is not retried either. Failed episodes return None. A `ClusterError` (and cancellation) counts
-    the episode as cancelled and propagates.
+    so it is not retried either. Failed episodes return None; each failure is reported to ``failures``
+    (a `FailureLog`: rate-limited lines, one traceback per cause). A `RunHalted` (a `ClusterError`, an env
+    server's 4xx, no env server left) and cancellation propagate: the run cannot go on.
     """
 
     def __init__(
@@ -98,41 +114,43 @@ class EpisodeRunner:
         *,
         max_retries: int = 0,
         on_retry: Callable[[FailureKind], None] | None = None,
+        failures: FailureLog | None = None,
+        retry_pause_s: float = 0.25,
     ) -> None:
         if max_retries < 0:
             raise ValueError(f"max_retries: expects a value >= 0, got {max_retries}")
         self.ledger = ledger if ledger is not None else RolloutLedger()
         self.max_retries = max_retries
         self.on_retry = on_retry
+        self.failures = failures if failures is not None else FailureLog()
+        self.retry_pause_s = retry_pause_s  # doubled each try of an episode, up to 8x: a restarting server has time
         self.retries = 0  # tries run again, all kinds
         self.worker_retries = 0  # of which: the rollout worker died
 
     async def run(self, episode: Episode, episode_id: str) -> list[Trajectory] | None:
         """The trajectories of ``episode`` (called once per try), or None when it failed."""
         self.ledger.submitted += 1
-        attempt = 0
+        attempt, kind = 0, "failed"
         while True:
             try:
+                if attempt:  # a restarting server or engine gets a moment
+                    await asyncio.sleep(self.retry_pause_s * 2 ** min(attempt - 1, 3))
+                    self._count_retry(kind)
                 trajectories = await episode()
             except asyncio.CancelledError:
                 self.ledger.cancelled += 1
                 raise
-            except Exception as e:  # noqa: BLE001  (classified, counted and logged below)
+            except Exception as e:  # noqa: BLE001  (classified, counted and reported below)
                 kind = failure_kind(e)
-                if kind == "cluster":
+                if kind in ("cluster", "halt"):
                     self.ledger.fail(kind)
                     raise
-                if kind == "failed":
-                    self.ledger.fail(kind)
-                    log.exception("episode %s failed", episode_id)
-                    return None
-                if attempt < self.max_retries and not isinstance(e, RequestError):
+                if kind != "failed" and attempt < self.max_retries and not isinstance(e, RequestError):
                     attempt += 1
-                    self._count_retry(kind)
-                    log.warning("episode %s: %s; retrying", episode_id, e)
+                    self.failures.record("retried", e, episode_id)
                     continue
                 self.ledger.fail(kind)
-                log.warning("episode %s: gave up after %d attempts: %s", episode_id, attempt + 1, e)
+                self.failures.record(OUTCOMES.get(kind, "failed"), e, episode_id)
                 return None
             self.ledger.accepted += 1
             return trajectories
@@ -163,11 +181,12 @@ async def run_groups(
     ledger: RolloutLedger | None = None,
     tag: str = "",
     max_retries: int = 0,
+    failures: FailureLog | None = None,
 ) -> list[list[Trajectory]]:
     """Run ``group_size`` episodes for each seed through one `EpisodeRunner`; return the trajectories of
-    each group. A failed episode is logged and counted in ``ledger``; its group keeps the episodes that
-    finished."""
-    runner = EpisodeRunner(ledger, max_retries=max_retries)
+    each group. A failed episode is reported to ``failures`` and counted in ``ledger``; its group keeps the
+    episodes that finished."""
+    runner = EpisodeRunner(ledger, max_retries=max_retries, failures=failures)
     episode = local_episode(agent, make_env)
     gate = asyncio.Semaphore(max_concurrent)
 
@@ -180,8 +199,15 @@ async def run_groups(
         return trajectories or []
 
     tasks = [[asyncio.ensure_future(one(seed, f"{tag}g{seed}", k)) for k in range(group_size)] for seed in seeds]
-    groups = []
-    for group_tasks in tasks:
-        results = await asyncio.gather(*group_tasks)
-        groups.append([t for episode in results for t in episode])
-    return groups
+    try:
+        groups = []
+        for group_tasks in tasks:
+            results = await asyncio.gather(*group_tasks)
+            groups.append([t for episode in results for t in episode])
+        return groups
+    except BaseException:  # a halt or a cancellation: the other episodes stop too, their outcomes read
+        every = [task for group_tasks in tasks for task in group_tasks]
+        for task in every:
+            task.cancel()
+        await asyncio.gather(*every, return_exceptions=True)
+        raise

@@ -7,9 +7,10 @@ from collections.abc import Callable
 
 from areal_agents.agents.base import Agent
 from areal_agents.envs.async_env import AsyncEnv
-from areal_agents.errors import ArealAgentsError
+from areal_agents.errors import ArealAgentsError, RunHalted
 from areal_agents.progress import plural
 from areal_agents.rollout.episodes import RolloutLedger, run_groups
+from areal_agents.rollout.failures import FailureLog
 from areal_agents.types import Trajectory
 
 
@@ -58,20 +59,31 @@ async def evaluate(
     n_samples: int = 1,
     *,
     ledger: RolloutLedger | None = None,
+    max_retries: int = 0,
+    failures: FailureLog | None = None,
 ) -> dict[str, float]:
     """``n_samples`` episodes per seed; ``accuracy`` is the fraction of successful episodes (avg@n): the
     env's ``info["success"]`` when it reports one (a debate's majority answer), else total reward >= 1;
     with n > 1 also ``pass@n``. With several agents, ``accuracy/AGENT`` is each agent's own. The episodes
-    run through `run_groups` (one `EpisodeRunner`), counted in ``ledger`` when given; a failed episode
-    counts as unsuccessful."""
+    run through `run_groups` (one `EpisodeRunner`, ``max_retries``), counted in ``ledger`` when given; a
+    failed episode counts as unsuccessful (``episodes_failed`` counts them), and when none completed this
+    raises `RunHalted` rather than report an accuracy of 0."""
+    failures = failures if failures is not None else FailureLog()
+    mark = failures.totals.copy()
     groups = await run_groups(
-        agent, make_env, seeds, n_samples, max_concurrent=max_concurrent, ledger=ledger, tag="eval"
-    )
+        agent, make_env, seeds, n_samples, max_concurrent=max_concurrent, ledger=ledger, tag="eval",
+        max_retries=max_retries, failures=failures,
+    )  # fmt: skip
     episodes: list[list[Trajectory | None]] = []  # per seed: the first trajectory of each episode
     for g in groups:
         firsts = [t for t in g if t.metadata.get("segment", 0) == 0 and t.agent_id == g[0].agent_id] if g else []
         episodes.append([*firsts, *[None] * (n_samples - len(firsts))])
     flat = [t for e in episodes for t in e]
+    failed = sum(t is None for t in flat)
+    if flat and failed == len(flat):
+        failures.flush()
+        causes = failures.describe(failures.since(mark)) or "see the log"
+        raise RunHalted(f"held-out eval: none of its {plural(len(flat), 'episode')} completed: {causes}")
     per_seed = [[bool(t.metadata.get("success", t.reward >= 1.0)) if t else False for t in e] for e in episodes]
     success = [ok for s in per_seed for ok in s]
     rewards = [t.reward if t else 0.0 for t in flat]
@@ -81,6 +93,7 @@ async def evaluate(
         "reward_mean": sum(rewards) / len(rewards),
         "turns_mean": sum(turns) / max(len(turns), 1),
         "episodes": float(len(rewards)),
+        "episodes_failed": float(failed),
     }
     if n_samples > 1:
         out[f"pass@{n_samples}"] = sum(any(s) for s in per_seed) / len(per_seed)

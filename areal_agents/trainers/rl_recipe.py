@@ -33,11 +33,12 @@ from areal_agents.agents.factory import make_rollout_agent
 from areal_agents.config import TrainConfig
 from areal_agents.engines.lora_sync import LoraSync
 from areal_agents.envs.runtime.backends import EnvBackend
-from areal_agents.errors import ConfigError
+from areal_agents.errors import ConfigError, RunHalted
 from areal_agents.models.loading import check_max_new_tokens, load_tokenizer, pad_token_id
 from areal_agents.progress import plural, progress_bar
 from areal_agents.rollout.controller import Group, RolloutController, has_reward_variance
 from areal_agents.rollout.episodes import EpisodeFn
+from areal_agents.rollout.failures import FailureLog
 from areal_agents.rollout.held_out import evaluate
 from areal_agents.trainers.checkpoint import checkpoints, load_trainer_state
 from areal_agents.trainers.interrupt import Interrupt
@@ -158,60 +159,74 @@ async def _train_loop(cfg, tokenizer, policies, launcher, backend, agents, run_d
     eval_seeds = await held_out_seeds(backend, cfg.eval)
     # TensorBoard hides what an earlier run logged from here on (a resumed run redoes those steps)
     metrics = MetricsWriter(run_dir / "tensorboard", purge_step=run.first_step if state is not None else 0)
-    controller = _controller(cfg, agent, backend, run, main.engine.get_version, launcher.episode_runner(main))
+    failures = FailureLog(run_dir / "failures.log")  # failed episodes: rate-limited lines, a traceback per cause
+    episodes_at = launcher.episode_runner(main)
+    controller = _controller(cfg, agent, backend, run, main.engine.get_version, episodes_at, failures)
     log = StepLog(metrics, controller, run.ledger, cfg.env.id, main.engine)
     saver = _Saver(run_dir, policies, tokenizer, cfg, controller, metrics, interrupt, run.first_step - 1)
     interrupt.on_stop = saver.save_on_interrupt
 
     async def run_eval(step: int) -> float:
         make_env = lambda: backend.make(**cfg.eval.env_kwargs)  # noqa: E731
-        result = await evaluate(greedy, make_env, eval_seeds, r.max_concurrent_rollouts, cfg.eval.n_samples)
+        n, retries = cfg.eval.n_samples, r.max_retries
+        result = await evaluate(
+            greedy, make_env, eval_seeds, r.max_concurrent_rollouts, n, max_retries=retries, failures=failures
+        )
         metrics.log(step, prefixed("eval", result))
         return result["accuracy"]
 
     start = time.perf_counter()
-    if run.accuracy_before is None:
-        run.accuracy_before = await run_eval(0)
-    print(f"held-out greedy accuracy before RL: {run.accuracy_before:.1%} ({plural(len(eval_seeds), 'problem')})")
-    # a local trainer can start on a batch's finished groups while its last generate (the same gradient)
-    stream = cfg.ppo.stream_updates and r.max_staleness > 0 and streamable(cfg.ppo)
-    stream = stream and all(p.streams for p in policies.values())
-    await log.start()  # the engine's counters from here on: the training steps' (and their evals')
-    bar = progress_bar(total=cfg.steps, initial=saver.done, desc="rl", enabled=progress)
-    for step in range(run.first_step, cfg.steps + 1):
-        t0 = time.perf_counter()
-        # episodes keep running while we train (max_staleness > 0)
-        groups, per_policy, rollout_end, waited = await _take_and_train(
-            controller, policies, run.generator, interrupt, stream
-        )
-        trajectories = _trajectories(groups)
-        _record_data(run_dir, step, groups, trajectories if r.dump_trajectories else None)
-        spent = log.totals.step_seconds + time.perf_counter() - t0
-        last = step == cfg.steps or bool(cfg.max_train_minutes and spent >= 60 * cfg.max_train_minutes)
-        if last:
-            controller.pause()  # the last update needs no more rollouts
-        pushed = time.perf_counter()
-        for policy in policies.values():
-            await policy.push_weights()
-        controller.notify_version()
-        end = time.perf_counter()
-        moved = sum(getattr(p.weight_sync, "last_push", {}).get("weight_sync_bytes", 0.0) for p in policies.values())
-        times = StepTimes(t0, rollout_end, end, waited, end - pushed, moved)
-        bar.set_postfix(**await log.record(step, trajectories, per_policy, times), refresh=False)
-        bar.update()
-        saver.done, saver.snap = step, run.snapshot(controller.data_position, main.engine.get_version())
-        interrupt.release()  # a signal that came while the step trained stops the run here
-        if cfg.eval.every and step % cfg.eval.every == 0 and not last:
-            bar.write(f"step {step}: held-out greedy accuracy {await run_eval(step):.1%}")
-        if not last:
-            saver.periodic(step)
-        if last:
-            break
-    bar.close()
-    await controller.aclose()  # episodes still in flight (max_staleness > 0) end as cancelled
-    if saver.done < cfg.steps:
-        print(f"stopped after step {saver.done}: max_train_minutes={cfg.max_train_minutes:g} of training steps spent")
-    after = await run_eval(saver.done)
+    try:  # a run that cannot make progress (RunHalted) stops, keeping its last finished step
+        if run.accuracy_before is None:
+            run.accuracy_before = await run_eval(0)
+        print(f"held-out greedy accuracy before RL: {run.accuracy_before:.1%} ({plural(len(eval_seeds), 'problem')})")
+        # a local trainer can start on a batch's finished groups while its last generate (the same gradient)
+        stream = cfg.ppo.stream_updates and r.max_staleness > 0 and streamable(cfg.ppo)
+        stream = stream and all(p.streams for p in policies.values())
+        await log.start()  # the engine's counters from here on: the training steps' (and their evals')
+        bar = progress_bar(total=cfg.steps, initial=saver.done, desc="rl", enabled=progress)
+        for step in range(run.first_step, cfg.steps + 1):
+            t0 = time.perf_counter()
+            # episodes keep running while we train (max_staleness > 0)
+            groups, per_policy, rollout_end, waited = await _take_and_train(
+                controller, policies, run.generator, interrupt, stream
+            )
+            trajectories = _trajectories(groups)
+            _record_data(run_dir, step, groups, trajectories if r.dump_trajectories else None)
+            spent = log.totals.step_seconds + time.perf_counter() - t0
+            last = step == cfg.steps or bool(cfg.max_train_minutes and spent >= 60 * cfg.max_train_minutes)
+            if last:
+                controller.pause()  # the last update needs no more rollouts
+            pushed = time.perf_counter()
+            for policy in policies.values():
+                await policy.push_weights()
+            controller.notify_version()
+            end = time.perf_counter()
+            moved = sum(
+                getattr(p.weight_sync, "last_push", {}).get("weight_sync_bytes", 0.0) for p in policies.values()
+            )
+            times = StepTimes(t0, rollout_end, end, waited, end - pushed, moved)
+            bar.set_postfix(**await log.record(step, trajectories, per_policy, times), refresh=False)
+            bar.update()
+            saver.done, saver.snap = step, run.snapshot(controller.data_position, main.engine.get_version())
+            interrupt.release()  # a signal that came while the step trained stops the run here
+            if cfg.eval.every and step % cfg.eval.every == 0 and not last:
+                bar.write(f"step {step}: held-out greedy accuracy {await run_eval(step):.1%}")
+            if not last:
+                saver.periodic(step)
+            if last:
+                break
+        bar.close()
+        await controller.aclose()  # episodes still in flight (max_staleness > 0) end as cancelled
+        if saver.done < cfg.steps:
+            print(
+                f"stopped after step {saver.done}: max_train_minutes={cfg.max_train_minutes:g} of training steps spent"
+            )
+        after = await run_eval(saver.done)
+    except RunHalted:
+        failures.flush()
+        await saver.save_on_halt()
+        raise
     ckpt = saver.save(saver.done, run.snapshot(controller.data_position, main.engine.get_version()))
     metrics.close()
     return write_summary(
@@ -237,9 +252,10 @@ def _controller(
     run: RunState,
     get_version: Callable[[], int],
     run_episode: EpisodeFn | None,
+    failures: FailureLog,
 ) -> RolloutController:
     """The run's rollout controller at the run's position, gating staleness by ``get_version`` (``run_episode``:
-    where episodes run; None: here, by ``agent``)."""
+    where episodes run; None: here, by ``agent``), reporting failed episodes to ``failures``."""
     r, seed = cfg.rollout, cfg.seed
 
     def seed_at(index: int) -> int:
@@ -261,6 +277,8 @@ def _controller(
         start_index=run.data_position,
         groups_before=(run.first_step - 1) * r.batch_size,
         run_episode=run_episode,
+        max_failed_fraction=r.max_failed_fraction,
+        failures=failures,
     )
 
 
@@ -298,16 +316,23 @@ class _Saver:
 
     async def save_on_interrupt(self) -> None:
         """A signal abandoned the step in progress (untrained): checkpoint the last finished one."""
+        await self._save_last(f"stopped by {self.interrupt.name}")
+
+    async def save_on_halt(self) -> None:
+        """The run cannot make progress (`RunHalted`): checkpoint the last finished step; the error says why."""
+        await self._save_last("halted")
+
+    async def _save_last(self, why: str) -> None:
         await self.controller.aclose()
         self.metrics.close()
-        name = self.interrupt.name
         if self.done <= self.saved:
-            print(f"stopped by {name}: no step finished since the checkpoint of step {self.saved}, none written")
+            where = f"since the checkpoint of step {self.saved}" if self.saved > 0 else "yet"
+            print(f"{why}: no step finished {where}, none written")
             return
         for policy in self.policies.values():  # an abandoned streamed update's backward may still be running
             await policy.wait_idle()
         path = self.save(self.done, self.snap)
-        print(f"stopped by {name} after step {self.done}: checkpoint {path} (--resume continues from it)")
+        print(f"{why} after step {self.done}: checkpoint {path} (--resume continues from it)")
 
 
 def _record_data(run_dir: Path, step: int, groups: list[Group], dump: list[Trajectory] | None) -> None:

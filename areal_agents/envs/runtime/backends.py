@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from areal_agents.config import EnvConfig
+from areal_agents.data.sources import datasets_in
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.envs.registry import import_env_module, modules_for
 from areal_agents.envs.runtime.pool import LocalEnvPool
@@ -35,12 +37,16 @@ class EnvBackend:
             self.server.stop()
 
 
-def open_env_backend(cfg: EnvConfig) -> EnvBackend:
+def open_env_backend(cfg: EnvConfig, datasets: Sequence[str] = ()) -> EnvBackend:
+    """A launched server may load the datasets ``cfg.kwargs`` names and ``datasets`` (e.g. the eval kwargs')."""
     if cfg.backend == "local":
         import_env_module(cfg.module)
         return EnvBackend(cfg, LocalEnvPool(cfg.mode, cfg.workers, cfg.step_timeout, [cfg.module]))
     if cfg.server_url:
-        return EnvBackend(cfg, RemoteEnvPool(cfg.server_url))
+        return EnvBackend(cfg, RemoteEnvPool(cfg.server_url, unreachable_timeout_s=cfg.unreachable_timeout_s))
     modules = modules_for(cfg.id, cfg.module)
-    server = EnvServerProcess(mode=cfg.mode, workers=cfg.workers, step_timeout=cfg.step_timeout, module=modules)
-    return EnvBackend(cfg, RemoteEnvPool(server.url), server)
+    allowed = datasets_in(cfg.kwargs) + list(datasets)
+    server = EnvServerProcess(
+        mode=cfg.mode, workers=cfg.workers, step_timeout=cfg.step_timeout, module=modules, dataset=allowed
+    )
+    return EnvBackend(cfg, RemoteEnvPool(server.url, unreachable_timeout_s=cfg.unreachable_timeout_s), server)

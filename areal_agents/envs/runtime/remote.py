@@ -23,16 +23,21 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from areal_agents.errors import ArealAgentsError, EnvError, UnknownEnvError
+from areal_agents.errors import ArealAgentsError, EnvError, RunHalted, UnknownEnvError
 from areal_agents.net import free_port, wait_healthy
 
 _EPISODE_ERRORS = ("env_error", "timeout", "worker_died")
+# a batched step's failed item carries its error type, not a status: the status its single step answers
+_ITEM_STATUS = {"unknown_session": 404, "episode_over": 409, "session_busy": 409}
+_BATCH_BYTES = 1 << 20  # a batched step's actions per request: far under serve-env's default body limit (8 MiB)
 
 
 class EnvServerError(ArealAgentsError):
@@ -43,6 +48,15 @@ class EnvServerError(ArealAgentsError):
         self.status, self.type, self.detail = status, type_, message
 
 
+class EnvRequestRefused(EnvServerError, RunHalted):
+    """A 4xx for the run's own request (its kwargs, actions or steps): sending it again gets the same answer,
+    so the run stops at once with the server's status and message rather than failing every episode."""
+
+
+class EnvServerUnreachable(RunHalted):
+    """No env server answered for longer than the pool's ``unreachable_timeout_s``: the run stops."""
+
+
 @dataclass
 class _Reply:
     status: int
@@ -50,28 +64,51 @@ class _Reply:
     text: str
 
 
+def _error(status: int, type_: str, message: str) -> Exception:
+    """The exception a refusal stands for: an env failure of the episode (the env failed, the server erred
+    with a 5xx, lost the session or stayed full: retried), or the run's own mistake (other 4xx: `EnvRequestRefused`)."""
+    if type_ == "unknown_env":
+        return UnknownEnvError(message)
+    if type_ in _EPISODE_ERRORS:
+        return EnvError(type_, message)
+    if status >= 500:
+        return EnvError("server_error", f"{type_} ({status}): {message}")
+    if type_ == "unknown_session":
+        return EnvError("session_lost", message)  # expired or its server restarted: the episode is lost
+    if status == 429:
+        return EnvError("server_full", message)  # still at its session cap after the pool's timeout
+    return EnvRequestRefused(status, type_, message)
+
+
 def _raise_for(response: _Reply) -> dict[str, Any]:
     body = response.body
     if response.status >= 400:
         err = body.get("error", {}) if isinstance(body, dict) else {}
-        type_, message = err.get("type", "http_error"), err.get("message", response.text[:200])
-        if type_ == "unknown_env":
-            raise UnknownEnvError(message)
-        if type_ in _EPISODE_ERRORS:
-            raise EnvError(type_, message)
-        raise EnvServerError(response.status, type_, message)
+        err = err if isinstance(err, dict) else {}
+        raise _error(response.status, err.get("type", "http_error"), err.get("message", response.text[:200]))
     return body
 
 
 def _step_tuple(result: dict[str, Any]) -> tuple[str, float, bool, bool, dict[str, Any]]:
     err = result.get("error")
     if err:
-        if err["type"] in _EPISODE_ERRORS:
-            raise EnvError(err["type"], err["message"])
-        raise EnvServerError(
-            409 if err["type"] in ("episode_over", "session_busy") else 404, err["type"], err["message"]
-        )
+        raise _error(_ITEM_STATUS.get(err["type"], 400), err["type"], err["message"])
     return result["observation"], result["reward"], result["terminated"], result["truncated"], result["info"]
+
+
+def _by_size(items: list[tuple[str, str, Any]], limit: int) -> list[list[tuple[str, str, Any]]]:
+    """``(session_id, action, ...)`` items in batches of at most ``limit`` characters of actions and ids (one
+    item alone may be more): many long actions together must not pass a server's body limit (413)."""
+    batches: list[list[tuple[str, str, Any]]] = [[]]
+    size = 0
+    for item in items:
+        n = len(item[0]) + len(item[1]) + 32
+        if batches[-1] and size + n > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append(item)
+        size += n
+    return batches
 
 
 class RemoteEnv:
@@ -86,7 +123,10 @@ class RemoteEnv:
     async def areset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
         await self.aclose()
         body = {"env_id": self.env_id, "kwargs": self.kwargs, "seed": seed, "options": options}
-        self.server, reply = await self.pool._create(body)
+        try:
+            self.server, reply = await self.pool._create(body)
+        except EnvServerError as e:  # no server answered: an env failure, retried
+            raise EnvError("unreachable", e.detail) from None
         created = _raise_for(reply)
         self.session_id = created["session_id"]
         return created["observation"], created["info"]
@@ -105,7 +145,7 @@ class RemoteEnv:
             if e.type != "unreachable":
                 raise
             self.session_id = None
-            raise EnvError("server_lost", str(e)) from None  # the session went with its server
+            raise EnvError("server_lost", e.detail) from None  # the session went with its server
         except EnvError:
             self.session_id = None  # the server already closed it
             raise
@@ -135,7 +175,10 @@ class RemoteEnvPool:
         max_connections: int = 64,
         batch_steps: bool = True,
         resolve: Callable[[], Awaitable[list[str]]] | None = None,
+        unreachable_timeout_s: float = 30.0,
     ) -> None:
+        """``unreachable_timeout_s``: once no server has answered for this long, a request that finds none
+        raises `EnvServerUnreachable` (the run stops) instead of failing its episode (retried)."""
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ArealAgentsError("RemoteEnvPool needs at least one server URL")
@@ -145,6 +188,8 @@ class RemoteEnvPool:
         self.timeout = timeout
         self.max_connections = max_connections
         self.resolve = resolve
+        self.unreachable_timeout_s = unreachable_timeout_s
+        self._unreachable_since: float | None = None  # the first unanswered request since the last answer
         self._refreshing: asyncio.Future | None = None
         self._next = 0
         self._client: aiohttp.ClientSession | None = None
@@ -170,9 +215,18 @@ class RemoteEnvPool:
                     parsed = json.loads(text) if text else {}
                 except ValueError:
                     parsed = {}
-                return _Reply(response.status, parsed, text)
+            self._unreachable_since = None
+            return _Reply(response.status, parsed, text)
         except (aiohttp.ClientError, TimeoutError) as e:
-            raise EnvServerError(0, "unreachable", f"{url}: {type(e).__name__}: {e}") from None
+            reason = f"{url}: {type(e).__name__}: {e}"
+        now = time.monotonic()
+        since = self._unreachable_since = self._unreachable_since or now
+        if now - since > self.unreachable_timeout_s:
+            raise EnvServerUnreachable(
+                f"no env server answered for {now - since:.0f}s (env.unreachable_timeout_s="
+                f"{self.unreachable_timeout_s:g}); last: {reason}"
+            )
+        raise EnvServerError(0, "unreachable", reason)
 
     def make(self, env_id: str, **kwargs: Any) -> RemoteEnv:
         return RemoteEnv(self, env_id, kwargs)
@@ -237,7 +291,10 @@ class RemoteEnvPool:
         return await future
 
     async def _flush(self, server: str) -> None:
-        batch = self._pending.pop(server, [])
+        pending = self._pending.pop(server, [])
+        await asyncio.gather(*(self._send(server, batch) for batch in _by_size(pending, _BATCH_BYTES)))
+
+    async def _send(self, server: str, batch: list[tuple[str, str, asyncio.Future]]) -> None:
         body = {"steps": [{"session_id": sid, "action": action} for sid, action, _ in batch]}
         try:
             results = _raise_for(await self._request("POST", f"{server}/v1/step", body))["results"]
@@ -281,14 +338,18 @@ class EnvServerProcess:
             values = value if isinstance(value, (list, tuple)) else [value]
             for v in values:
                 args += [f"--{key.replace('_', '-')}", str(v)]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # stderr to a file, not a pipe nobody reads while the server runs: a full pipe would block the server
+        self.stderr = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self.stderr, text=True)
         self._wait_healthy(startup_timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
         if wait_healthy(self.url, timeout, alive=lambda: self.process.poll() is None, poll_s=0.1):
             return
         if self.process.poll() is not None:
-            err = (self.process.stderr.read() or "").strip().splitlines()
+            self.stderr.seek(0)
+            err = self.stderr.read().strip().splitlines()
+            self.stderr.close()
             raise ArealAgentsError(f"env server exited with code {self.process.returncode}: {' | '.join(err[-3:])}")
         self.stop()
         raise ArealAgentsError(f"env server at {self.url} not healthy after {timeout}s")
@@ -301,8 +362,7 @@ class EnvServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if self.process.stderr:
-            self.process.stderr.close()
+        self.stderr.close()
 
     def __enter__(self) -> EnvServerProcess:
         return self
