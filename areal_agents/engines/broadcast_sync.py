@@ -7,13 +7,15 @@ makes it without touching torch.distributed's default group). A push pauses the 
 {names, dtypes, shapes, group_name, flush_cache, weight_version} to every server while broadcasting the
 bucket's tensors, names the version and resumes (`RemoteEngine.swap_weights`).
 
-Failures: a server that dies or hangs mid-push fails its call (or the broadcast, within ``timeout_s``); it
-leaves the engine's rotation, the group is dropped (its peers' waits end at once), and the push starts
-again on a new group of the servers left, so the run goes on with them. A server out of the rotation that
-answers /health again at a later push (restarted by the supervisor, or back) joins that push's group and
-takes requests once it holds those weights: rejoining at the next push needs no disk copy and gives it
-exactly the weights the others serve. Servers that restart lose broadcast weights, so the engine takes a
-restarted or unanswering server out at once (`RemoteEngine.guard_restarts`).
+Failures: weights with a NaN or an infinity are refused before any server is paused (the servers check
+every push whole too, and keep their weights on a refusal). A server that dies or hangs mid-push fails its
+call (or the broadcast, within ``timeout_s``); it leaves the engine's rotation, the group is dropped (its
+peers' waits end at once), and the push starts again on a new group of the servers left, so the run goes
+on with them. A server out of the rotation that answers /health again at a later push (restarted by the
+supervisor, or back) joins that push's group and takes requests once it holds those weights: rejoining at
+the next push needs no disk copy and gives it exactly the weights the others serve. Servers that restart
+lose broadcast weights, so the engine takes a restarted or unanswering server out at once
+(`RemoteEngine.guard_restarts`).
 
     sync = BroadcastSync([engine], dtype="bfloat16", bucket_bytes=512 << 20, timeout_s=120)
     await sync.push(policy)   # every server in the rotation serves the policy's weights as version + 1
@@ -30,6 +32,7 @@ from urllib.parse import urlsplit
 
 from areal_agents.engines.broadcast import WeightGroup, dtype_name, join_group, local_address, plan_buckets
 from areal_agents.engines.remote_engine import ServerError
+from areal_agents.engines.weight_checks import finite
 from areal_agents.engines.weight_sync import WeightSource, tensor_bytes, timed
 from areal_agents.errors import ConfigError, EngineError
 from areal_agents.net import free_port
@@ -74,6 +77,13 @@ class BroadcastSync:
         tensors = await source.tensors()
         backend = self._backend(tensors)
         wire = {name: self._wire(t, "meta") for name, t in tensors.items()}  # dtypes and shapes as sent
+        nonfinite = [name for name, t in tensors.items() if not finite(t, wire[name].dtype)]
+        if nonfinite:  # the servers would refuse them after the whole broadcast; no server is paused for it
+            more = f" (and {len(nonfinite) - 3} more)" if len(nonfinite) > 3 else ""
+            raise EngineError(
+                f"weight broadcast of version {version}: {', '.join(nonfinite[:3])}{more} have NaN or infinite "
+                "values as sent; no server was touched"
+            )
         buckets = plan_buckets(wire, self.bucket_bytes)
         for i, engine in enumerate(self.engines):
             members = await self._candidates(engine)  # before the pause, which goes to the rotation

@@ -6,12 +6,13 @@ each left-padded to its own width; neighbours merge when padding is cheaper than
 young row does not attend over the padding of the oldest row's length (`SegmentedKV`).
 Requests admitted together with the same context (the episodes of a GRPO group) are prefilled once, and a
 request that extends a finished one (the next turn of an episode) prefills only its new tokens
-(`PrefixCache`). ``pause()`` stops at a step boundary; ``update_weights`` then swaps the weights, which
-invalidates the cache, so on ``resume()`` every running sequence is re-prefilled (prompt + tokens so far)
-and its later tokens carry the new version (AReaL's interruptible rollout). ``stale_kv="keep"`` keeps the
-old weights' keys and values instead (PipelineRL's in-flight weight update): no re-prefill; each token's
-recorded logprob is still that of the distribution it was sampled from, which is what decoupled PPO's
-behavior policy needs.
+(`PrefixCache`). ``pause()`` stops at a step boundary; ``update_weights`` then swaps the weights (read and
+checked whole before the pause, `weight_checks`: a refused update changes nothing), which invalidates the
+cache, so on ``resume()`` every running sequence is re-prefilled (prompt + tokens so far) and its later
+tokens carry the new version (AReaL's interruptible rollout). ``stale_kv="keep"`` keeps the old weights'
+keys and values instead (PipelineRL's in-flight weight update): no re-prefill; each token's recorded
+logprob is still that of the distribution it was sampled from, which is what decoupled PPO's behavior
+policy needs.
 Every request is checked first (`check_request`: token ids in the vocabulary, the prompt within the
 model's context, ``max_new_tokens`` capped at the context left); an error in one request's prefill, decode
 step or sampling fails that request alone. ``health()`` says whether the decode loop itself still runs.
@@ -44,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -52,12 +52,13 @@ from transformers import PreTrainedModel
 
 from areal_agents.engines.hf.batch_runner import BatchRunner
 from areal_agents.engines.hf.lora import LoraAdapter, read_adapter_dir
-from areal_agents.engines.hf.placement import Placement, share_tensors
+from areal_agents.engines.hf.placement import Placement, shareable
 from areal_agents.engines.hf.request_checks import RequestLimits, check_request
 from areal_agents.engines.hf.running_batch import MAX_SEGMENTS, Submission
 from areal_agents.engines.hf.scheduler import Scheduler
 from areal_agents.engines.hf.segmented_attention import SEGMENTED_SDPA
 from areal_agents.engines.hf.stats import EngineStats
+from areal_agents.engines.weight_checks import WeightSpec, check_state_dict, copy_into, read_checkpoint
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, GenResponse, SamplingParams
 
@@ -107,6 +108,7 @@ class HFEngine:
         self.share_weights = share_weights
         self.model = _prepare(self.placement.place(model))
         self.limits = RequestLimits.of(model)  # every request is checked against them (`check_request`)
+        self.weight_spec = WeightSpec.of(self.model)  # new weights are checked against it before they load
         eos = eos_token_ids if eos_token_ids is not None else model.generation_config.eos_token_id
         self.eos_token_ids = set([eos] if isinstance(eos, int) else (eos or []))
         pad = pad_token_id if pad_token_id is not None else model.config.pad_token_id
@@ -201,24 +203,32 @@ class HFEngine:
     async def update_weights(self, state_dict: dict[str, Any], version: int | None = None) -> None:
         """Load new weights at a step boundary and set the version (default: version + 1).
 
+        All or nothing: ``state_dict`` is checked whole first (`check_state_dict`: names, shapes, dtypes,
+        finite values); on `EngineError` the weights and the version are as they were.
         With ``share_weights`` the model takes ``state_dict``'s tensors themselves (the trainer's, on this
         device in this dtype, else `EngineError`): the trainer's later optimizer steps write into them, so
         the trainer must not step again until it has pushed the next version; a step the engine would decode
         with weights changed since the last push fails instead (``rollout.max_staleness=0``)."""
+        checked = await asyncio.to_thread(check_state_dict, self.weight_spec, state_dict, "update_weights")
         if self.share_weights:
-            await self._swap_weights(lambda: share_tensors(self.model, state_dict, self.placement), version)
+            shared = shareable(checked, self.placement)
+            await self._swap_weights(lambda: self.model.load_state_dict(shared, assign=True), version)
         else:
-            await self._swap_weights(lambda: self.model.load_state_dict(state_dict), version)
+            await self._swap_weights(lambda: copy_into(self.model, checked), version)
 
     async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
-        """Load the weights of a saved checkpoint (a `save_pretrained` directory) in place."""
+        """Load the weights of a saved checkpoint (a `save_pretrained` directory: one safetensors file, or
+        shards with ``model.safetensors.index.json``) in place. All or nothing: every tensor is read and
+        checked before the pause (`read_checkpoint`); on `EngineError` the weights and version are as they were."""
         if self.share_weights:
             raise EngineError(
                 "update_weights_from_disk: this engine shares its weights with the trainer (share_weights=True, "
                 "engine.weight_sync=in_process); loading a checkpoint into them would overwrite the trainer's: "
                 "push the trainer's weights with update_weights instead"
             )
-        await self._swap_weights(lambda: _load_checkpoint(self.model, model_path), version)
+        where = "update_weights_from_disk"
+        staged = await asyncio.to_thread(read_checkpoint, self.weight_spec, model_path, where)
+        await self._swap_weights(lambda: copy_into(self.model, staged), version)
 
     # ---- LoRA adapters ------------------------------------------------------------------------
 
@@ -288,11 +298,21 @@ class HFEngine:
         return self._scheduler.num_running
 
     async def _swap_weights(self, load: Callable[[], object], version: int | None) -> None:
+        """``load`` checked weights at a step boundary, then the version. ``load`` cannot fail on checked
+        weights; if it does anyway (a device error), the weights are part new and part old, so the engine
+        closes rather than serve tokens of no version (serve-model's /health then answers 503)."""
         was_paused = self._scheduler.paused
         await self.pause()
         try:
-            with torch.no_grad():
-                load()
+            try:
+                with torch.no_grad():
+                    load()
+            except Exception as e:
+                self.close()
+                raise EngineError(
+                    f"HFEngine closed: loading checked weights failed halfway ({type(e).__name__}: {e}), "
+                    "so its weights are part new, part old; restart it"
+                ) from e
             version = self._scheduler.new_weights(version, recompute=self.stale_kv == "recompute")
             self._runner.new_weights(version, shared=self.share_weights)  # the decode thread waits at a boundary
         finally:
@@ -323,26 +343,6 @@ def _prepare(model: PreTrainedModel) -> PreTrainedModel:
             "load it with attn_implementation='sdpa'"
         )
     return model
-
-
-def _load_checkpoint(model: PreTrainedModel, model_path: str) -> None:
-    """Load a `save_pretrained` directory's safetensors into ``model``; `EngineError` if they do not match."""
-    from safetensors.torch import load_file  # noqa: PLC0415  (only this path needs it)
-
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise EngineError(f"update_weights_from_disk: no *.safetensors in {model_path!r}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
-        raise EngineError(
-            f"update_weights_from_disk: {model_path!r} does not match the served model "
-            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
-    if model.config.tie_word_embeddings:
-        model.tie_weights()
 
 
 def _ignore_outcome(future: asyncio.Future) -> None:

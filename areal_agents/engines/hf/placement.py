@@ -5,10 +5,11 @@ CUDA a float32 model computes in bfloat16: its weights are cast once, or, when t
 trainer (``share_weights``: the trainer's float32 master weights, the single-GPU colocated mode), they stay
 float32 and the engine's steps run under autocast. The KV cache defaults to the compute dtype.
 
-Sharing points the engine's parameters at the trainer's tensors (``load_state_dict(assign=True)``): no
-copy, so a trainer's optimizer step changes what the engine computes with. That is sound only while the
-trainer never steps between a push and the tokens generated under it (a synchronous run), so the engine
-records each parameter's in-place version counter at every push and refuses to decode once they moved.
+Sharing points the engine's parameters at the trainer's tensors (``load_state_dict(assign=True)`` of
+`shareable`'s): no copy, so a trainer's optimizer step changes what the engine computes with. That is sound
+only while the trainer never steps between a push and the tokens generated under it (a synchronous run), so
+the engine records each parameter's in-place version counter at every push and refuses to decode once they
+moved.
 
     placement = Placement.of(torch.float32, "cuda", "auto", share_weights=True)   # fp32 weights, bf16 autocast
     model = placement.place(model)
@@ -90,9 +91,10 @@ class Placement:
             torch.cuda.set_device(self.device)
 
 
-def share_tensors(model: PreTrainedModel, state_dict: dict[str, Any], placement: Placement) -> None:
-    """Point ``model``'s parameters and buffers at ``state_dict``'s tensors (the trainer's: no copy).
-    `EngineError` names a tensor that is not a plain one on the engine's device in its weights' dtype."""
+def shareable(state_dict: dict[str, Any], placement: Placement) -> dict[str, torch.Tensor]:
+    """``state_dict``'s tensors, detached, for ``model.load_state_dict(..., assign=True)`` to point the engine's
+    parameters at (the trainer's: no copy). `EngineError` names a tensor that is not a plain one on the
+    engine's device in its weights' dtype, before any is assigned."""
     tensors = {}
     for name, value in state_dict.items():
         tensor = value.detach() if isinstance(value, torch.Tensor) else value
@@ -110,7 +112,7 @@ def share_tensors(model: PreTrainedModel, state_dict: dict[str, Any], placement:
                 "and model.dtype), or use engine.weight_sync=disk"
             )
         tensors[name] = tensor  # detached: assign must not turn the trainer's requires_grad off
-    model.load_state_dict(tensors, assign=True)
+    return tensors
 
 
 def weight_versions(model: torch.nn.Module) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of tensors sent as weights)
 
-from areal_agents.errors import ConfigError, EngineError, RequestError
+from areal_agents.errors import ArealAgentsError, ConfigError, EngineError, RequestError
 from areal_agents.types import GenRequest, GenResponse
 from areal_agents.workers import start_child, stop_child
 
@@ -96,6 +96,8 @@ async def _child_loop(conn: Any, engine: Any) -> None:
             if asyncio.iscoroutine(value):
                 value = await value
             reply = ("ok", value)
+        except ArealAgentsError as e:  # a refusal (bad weights, an unknown adapter): its message says it all
+            reply = ("error", f"{type(e).__name__}: {e}")
         except BaseException:  # noqa: BLE001
             reply = ("error", traceback.format_exc())
         conn.send(("reply", key, reply))

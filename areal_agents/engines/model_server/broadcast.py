@@ -1,9 +1,12 @@
 """serve-model's side of SGLang's broadcast weight update, over gloo: ``/init_weights_update_group`` joins
 the trainer's group (`engines.broadcast`), ``/update_weights_from_distributed`` receives one bucket, and
 ``/destroy_weights_update_group`` leaves a group. Buckets are staged until every parameter of the model
-has arrived, then loaded at once through ``HFEngine.update_weights`` (pause, swap, version, resume), so a
-push cut short by a dead peer never leaves half-new weights; SGLang loads bucket by bucket instead, which
-the client's pause around the whole push makes look the same from outside."""
+has arrived, then loaded at once through ``HFEngine.update_weights`` (checked whole, then pause, swap,
+version, resume), so a push cut short by a dead peer or refused (a NaN, a wrong shape) never leaves half-new
+weights; SGLang loads bucket by bucket instead, which the client's pause around the whole push makes look the
+same from outside. A bucket whose announcement does not fit the model (an unknown name, a wrong shape or
+dtype) is refused before a byte is received, and its group closed, so the trainer's broadcast fails at once
+instead of waiting out its timeout."""
 
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ from fastapi.responses import JSONResponse
 
 from areal_agents.engines.broadcast import WeightGroup, join_group, receive
 from areal_agents.engines.sglang.protocol import ProtocolError
+from areal_agents.engines.weight_checks import check_announced
+from areal_agents.errors import EngineError
 
 if TYPE_CHECKING:
     from areal_agents.engines.model_server.server import ModelServer
@@ -29,7 +34,7 @@ class BroadcastReceiver:
         self.server, self.timeout_s = server, timeout_s
         self.groups: dict[str, WeightGroup] = {}
         self.staged: dict[str, Any] = {}
-        self.expected = set(server.engine.model.state_dict())  # a push is complete once all have come
+        self.spec = server.engine.weight_spec  # a push is complete once every tensor of it has come
 
     async def init_group(self, body: dict) -> JSONResponse:
         missing = [k for k in INIT_FIELDS if body.get(k) is None]
@@ -61,13 +66,16 @@ class BroadcastReceiver:
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not all(isinstance(x, list) for x in (names, dtypes, shapes)):
             raise ProtocolError("update_weights_from_distributed: names, dtypes and shapes (lists) are required")
-        unknown = [n for n in names if n not in self.expected]
-        if unknown:
-            return _reply(False, f"update_weights_from_distributed: not parameters of this model: {unknown[:3]}")
         name = str(body.get("group_name", "weight_update_group"))
         group = self.groups.get(name)
         if group is None:
             return _reply(False, f"update_weights_from_distributed: no weight group {name!r} (init it first)")
+        try:
+            check_announced(self.spec, names, dtypes, shapes, "update_weights_from_distributed")
+        except EngineError as e:  # nothing received: the push is over, and the trainer's broadcast fails now
+            self.close(name)
+            self.staged = {}
+            return _reply(False, str(e))
         server = self.server
         async with server.update_lock:
             if body.get("abort_all_requests"):
@@ -76,12 +84,16 @@ class BroadcastReceiver:
                 self.staged.update(await asyncio.to_thread(receive, group, names, dtypes, shapes))
             except Exception as e:  # noqa: BLE001  (a peer gone or the timeout: this group is done)
                 self.close(name)
+                self.staged = {}
                 return _reply(False, f"Failed to receive the weights: {type(e).__name__}: {e}")
-            if not self.expected <= self.staged.keys():
-                return _reply(True, f"Received {len(self.staged)} of {len(self.expected)} tensors.")
+            if self.spec.missing(self.staged):
+                return _reply(True, f"Received {len(self.staged)} of {len(self.spec.shapes)} tensors.")
+            staged, self.staged = self.staged, {}  # loaded or refused whole: the next push starts afresh
             version = server.engine.get_version() + 1
-            await server.engine.update_weights(self.staged, version=version)
-            self.staged = {}
+            try:
+                await server.engine.update_weights(staged, version=version)
+            except EngineError as e:  # checked before any weight changed: the old weights and version stay
+                return _reply(False, str(e))
             server.name_new_version(version, body.get("weight_version"))
         return _reply(True, "Succeeded to update parameter online from distributed.")
 
