@@ -101,6 +101,8 @@ def cmd_serve_env(args: argparse.Namespace) -> None:
         max_action_chars=args.max_action_chars,
         max_body_bytes=args.max_body_bytes,
         modules=list(args.module),
+        datasets=list(args.dataset),
+        data_dirs=list(args.data_dir),
     )
     serve(cfg)
 
@@ -383,6 +385,16 @@ def _add_serve_env(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-action-chars", type=int, default=65536, help="longest accepted action")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest accepted request body")
     p.add_argument("--module", action="append", default=[], help="import this module first (registers ids)")
+    p.add_argument(
+        "--dataset",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a dataset clients may name (NAME=PATH, or a PATH or hub id named by itself); bundled sets always",
+    )
+    p.add_argument(
+        "--data-dir", action="append", default=[], help="clients may name JSONL files under this folder (relative)"
+    )
     p.set_defaults(fn=cmd_serve_env)
 
     p = sub.add_parser(

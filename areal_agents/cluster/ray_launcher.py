@@ -26,6 +26,7 @@ from areal_agents.cluster.env_servers import EnvServers
 from areal_agents.cluster.rollout_workers import RolloutWorkers
 from areal_agents.cluster.trainer_group import DistributedPolicy
 from areal_agents.config import EngineConfig, TrainConfig
+from areal_agents.data.sources import datasets_in
 from areal_agents.engines.local_servers import ServerGroup, engine_client
 from areal_agents.engines.lora_sync import LoraGroup
 from areal_agents.engines.weight_sync import open_weight_sync
@@ -64,7 +65,12 @@ class RayLauncher:
             check_resources(cfg)
             r = cfg.ray
             self.env_servers = EnvServers.launch(
-                cfg.env, r.env_servers, r.env_server_cpus, r.max_restarts, r.recovery_timeout_s
+                cfg.env,
+                r.env_servers,
+                r.env_server_cpus,
+                r.max_restarts,
+                r.recovery_timeout_s,
+                datasets=datasets_in(cfg.eval.env_kwargs),
             )
         except BaseException:
             self.shutdown()

@@ -1,30 +1,33 @@
 """`BaseDataset`: task rows with an ``id``, a ``prompt`` and the fields a reward needs.
 
-A dataset source is one of (first match wins):
-- a local file (``problems.jsonl``; anything ending in .jsonl/.json or existing on disk);
-- a bundled set by name (``aime24``, ``gsm8k``, ...; see `areal_agents.data.builtin`): offline, pinned;
-- ``hf:ORG/NAME`` with optional ``?key=value&...`` passed to ``datasets.load_dataset`` (a config ``name``,
-  LiveCodeBench's ``version_tag``): the Hugging Face hub, needs ``areal-agents[hf]`` and a network;
-- any other string: a plain Hugging Face id, as ``hf:`` without the prefix.
+A dataset source is a local file, a bundled set's name or a Hugging Face hub id (``hf:ORG/NAME`` with
+optional ``?key=value&...`` passed to ``datasets.load_dataset``, e.g. a config ``name`` or LiveCodeBench's
+``version_tag``; the hub needs ``areal-agents[hf]`` and a network); `areal_agents.data.sources` says which
+wins and which an env server may load.
 
     ds = load_task_dataset("math500")                              # bundled; prompt_key from the set
     ds = load_task_dataset("gsm8k", split="test")                  # a set's train split is its default
     ds = load_task_dataset("problems.jsonl", prompt_key="question")
     ds[0]   # {"id": "...", "prompt": "...", "answer": "...", ...the row's other fields}
 
-Subclass and override `to_row` to reshape rows (name the subclass as ``module:Class`` in config).
+Loaded datasets are cached per process and shared by every env over them (bounded; a load that fails is not
+kept): treat rows as read-only. Subclass and override `to_row` to reshape rows (name the subclass as
+``module:Class`` in config).
 """
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
+import collections
+import threading
 from typing import Any
 from urllib.parse import parse_qsl
 
-from areal_agents.data.builtin import BUILTIN, BuiltinDataset
+from areal_agents.data.builtin import BUILTIN
 from areal_agents.data.jsonl import read_jsonl
-from areal_agents.errors import ArealAgentsError, did_you_mean
+from areal_agents.data.sources import HUB_PREFIX, Source, resolve_source
+from areal_agents.errors import ArealAgentsError
+
+CACHED_DATASETS = 8  # per cache: the rows as stored, and the normalised datasets
 
 
 class BaseDataset:
@@ -53,16 +56,6 @@ class BaseDataset:
         return self.rows[index]
 
 
-HUB_PREFIX = "hf:"
-
-
-def builtin_for(source: str) -> BuiltinDataset | None:
-    """The bundled set a source names, or None (a file on disk of the same name wins)."""
-    if source in BUILTIN and not Path(source).exists():
-        return BUILTIN[source]
-    return None
-
-
 def _hub_rows(source: str, split: str) -> list[dict[str, Any]]:
     """Rows of ``[hf:]ORG/NAME[?key=value&...]`` from the Hugging Face hub (true/false values are booleans)."""
     name, _, query = source.removeprefix(HUB_PREFIX).partition("?")
@@ -84,25 +77,73 @@ def _hub_rows(source: str, split: str) -> list[dict[str, Any]]:
         ) from None
 
 
-@functools.lru_cache(maxsize=32)
-def raw_rows(source: str, split: str | None = None) -> tuple[dict[str, Any], ...]:
-    """The rows of a source as stored, cached per process (many envs over one dataset read it once).
+class _Cache:
+    """A thread-safe LRU of at most ``maxsize`` loaded datasets; only what loaded is put in."""
 
-    ``split`` picks a bundled set's or a hub dataset's split (default: the set's first, or "test")."""
-    path = Path(source)
-    if source.startswith(HUB_PREFIX):
-        return tuple(_hub_rows(source, split or "test"))
-    if path.suffix in (".jsonl", ".json") or path.exists():
-        return tuple(read_jsonl(path))
-    builtin = builtin_for(source)
-    if builtin is not None:
-        return tuple(read_jsonl(builtin.path(split)))
-    if "/" not in source:  # hub ids are ORG/NAME: this is a mistyped bundled name or file
-        raise ArealAgentsError(
-            f"dataset {source!r} is not a file, a bundled set or a hub id (ORG/NAME).{did_you_mean(source, BUILTIN)}"
-            f" Bundled: {', '.join(BUILTIN)}"
-        )
-    return tuple(_hub_rows(source, split or "test"))
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize, self.items, self.lock = maxsize, collections.OrderedDict(), threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        with self.lock:
+            if key in self.items:
+                self.items.move_to_end(key)
+            return self.items.get(key)
+
+    def put(self, key: Any, value: Any) -> None:
+        with self.lock:
+            self.items[key] = value
+            self.items.move_to_end(key)
+            while len(self.items) > self.maxsize:
+                self.items.popitem(last=False)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.items.clear()
+
+
+_rows_cache, _datasets_cache = _Cache(CACHED_DATASETS), _Cache(CACHED_DATASETS)
+
+
+def _rows_key(source: Source, split: str | None) -> tuple[Source, str | None]:
+    """Equal keys for equal rows: a file has one split; a bundled set's and a hub id's default are named."""
+    if source.kind == "file":
+        return source, None
+    if source.kind == "bundled":
+        return source, split or BUILTIN[source.location].default_split
+    return source, split or "test"
+
+
+def _read(source: Source, split: str | None) -> tuple[dict[str, Any], ...]:
+    if source.kind == "hub":
+        return tuple(_hub_rows(source.location, split or "test"))
+    if source.kind == "bundled":
+        return tuple(read_jsonl(BUILTIN[source.location].path(split)))
+    return tuple(read_jsonl(source.location))
+
+
+class _RawRows:
+    """``raw_rows(source, split)``: the rows of a source as stored, cached per process (many envs over one
+    dataset read it once; every spelling of one file is one entry). ``split`` picks a bundled set's or a
+    hub dataset's split (default: the set's first, or "test"). ``raw_rows.cache_clear()`` empties the caches."""
+
+    def __call__(self, source: str, split: str | None = None) -> tuple[dict[str, Any], ...]:
+        key = _rows_key(resolve_source(str(source)), split)
+        rows = _rows_cache.get(key)
+        if rows is None:
+            rows = _read(*key)
+            _rows_cache.put(key, rows)
+        return rows
+
+    def cache_clear(self) -> None:
+        _rows_cache.clear()
+        _datasets_cache.clear()
+
+    def cached(self) -> int:
+        """How many datasets the caches hold now (rows as stored, and normalised)."""
+        return len(_rows_cache.items) + len(_datasets_cache.items)
+
+
+raw_rows = _RawRows()
 
 
 def load_task_dataset(
@@ -113,11 +154,20 @@ def load_task_dataset(
     id_key: str | None = None,
     cls: type[BaseDataset] = BaseDataset,
 ) -> BaseDataset:
-    """The rows of ``source`` (see the module docstring) as a `BaseDataset`.
+    """The rows of ``source`` (see the module docstring) as a `BaseDataset`, shared with every other caller
+    that asks for the same one.
 
     ``prompt_key``/``id_key`` default to the bundled set's own keys, else ``prompt``/``id``.
     """
-    builtin = builtin_for(str(source))
+    resolved = resolve_source(str(source))
+    builtin = BUILTIN[resolved.location] if resolved.kind == "bundled" else None
     prompt_key = prompt_key or (builtin.prompt_key if builtin else "prompt")
     id_key = id_key or (builtin.id_key if builtin else "id")
-    return cls(list(raw_rows(str(source), split)), prompt_key=prompt_key, id_key=id_key, source=str(source))
+    rows_key = _rows_key(resolved, split)
+    key = (cls, rows_key, prompt_key, id_key)
+    dataset = _datasets_cache.get(key)
+    if dataset is None:
+        rows = _rows_cache.get(rows_key) or _read(*rows_key)  # not cached on its own: this load may still fail
+        dataset = cls(list(rows), prompt_key=prompt_key, id_key=id_key, source=str(source))
+        _datasets_cache.put(key, dataset)
+    return dataset

@@ -14,6 +14,9 @@ Rows may be LiveCodeBench's (``question_content``; stdin or functional tests, LC
 
     env = gymnasium.make("areal_agents/Code-v0")   # bundled MBPP train (task ids 601-974)
     env = gymnasium.make("areal_agents/Code-v0", dataset="lcb_v5", max_turns=4, max_runs=2)
+
+Served (``serve-env``), every sandbox run of a reset or step ends by the server's step timeout, whatever
+``timeout_s`` a client gives (`remaining_s`): a step that times out leaves no run holding a worker.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import json
 import re
 from typing import Any
 
-from areal_agents.data.base import BaseDataset, load_task_dataset, raw_rows
+from areal_agents.data.base import BaseDataset, load_task_dataset
 from areal_agents.envs.base import TextEnv
+from areal_agents.envs.runtime.budget import remaining_s
 from areal_agents.rewards.code_judge import CodeJudge, JudgeResult, decode_tests, stdout_matches
 from areal_agents.rewards.extract import strip_thinking
-from areal_agents.sandbox import LocalSandbox
+from areal_agents.sandbox import ExecResult, LocalSandbox, Sandbox
 
 _BLOCK = re.compile(r"```[ \t]*([^\n`]*)\n(.*?)```", re.DOTALL)
 
@@ -58,11 +62,45 @@ def row_format(row: dict[str, Any], source: str = "") -> str:
     )
 
 
+class CodeDataset(BaseDataset):
+    """Rows in one of `FORMATS` (read off the first row); they keep their fields, ``prompt`` and ``id`` come from
+    the format's keys."""
+
+    def __init__(self, raw_rows: list[dict[str, Any]], *, prompt_key: str = "", id_key: str = "", source: str = ""):
+        self.format = row_format(raw_rows[0], source) if raw_rows else "lcb"
+        prompt_key, id_key = FORMATS[self.format]
+        super().__init__(raw_rows, prompt_key=prompt_key, id_key=id_key, source=source)
+
+
 def load_code_dataset(dataset: str, split: str | None) -> tuple[str, BaseDataset]:
-    """``(row format, dataset)``; rows keep their fields, ``prompt`` and ``id`` come from the format's keys."""
-    fmt = row_format(raw_rows(dataset, split)[0], dataset)
-    prompt_key, id_key = FORMATS[fmt]
-    return fmt, load_task_dataset(dataset, split=split, prompt_key=prompt_key, id_key=id_key)
+    """``(row format, dataset)``, the dataset shared with every env over it (`load_task_dataset`)."""
+    data = load_task_dataset(dataset, split=split, cls=CodeDataset)
+    assert isinstance(data, CodeDataset)
+    return data.format, data
+
+
+class WithinCall:
+    """A sandbox whose runs end by the current served call's deadline (`remaining_s`): each run's timeout is
+    cut to the time left, and a run with none left is a timeout without running."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self.sandbox = sandbox
+
+    def _timeout(self, timeout_s: float) -> float | None:
+        left = remaining_s()
+        return timeout_s if left is None else (min(timeout_s, left) if left > 0.05 else None)
+
+    def run(self, code: str, *, timeout_s: float = 10.0, **kwargs: Any) -> ExecResult:
+        timeout = self._timeout(timeout_s)
+        if timeout is None:
+            return ExecResult("", "", None, "timeout", 0.0)
+        return self.sandbox.run(code, timeout_s=timeout, **kwargs)
+
+    async def arun(self, code: str, *, timeout_s: float = 10.0, **kwargs: Any) -> ExecResult:
+        timeout = self._timeout(timeout_s)
+        if timeout is None:
+            return ExecResult("", "", None, "timeout", 0.0)
+        return await self.sandbox.arun(code, timeout_s=timeout, **kwargs)
 
 
 def _last_block(text: str) -> tuple[str, str] | None:
@@ -90,11 +128,13 @@ class CodeEnv(TextEnv):
             raise ValueError(f"Expects max_turns to be an int >= 1, got {max_turns!r}")
         if not isinstance(max_runs, int) or max_runs < 0:
             raise ValueError(f"Expects max_runs to be an int >= 0, got {max_runs!r}")
+        if not isinstance(timeout_s, int | float) or not timeout_s > 0:
+            raise ValueError(f"Expects timeout_s to be a number > 0, got {timeout_s!r}")
         self._data_args = (dataset, split)
         self.format, self.data = load_code_dataset(dataset, split)
         self.max_turns, self.max_runs, self.partial_reward = max_turns, max_runs, partial_reward
         self.max_feedback_chars = max_feedback_chars
-        self.judge = CodeJudge(LocalSandbox(), timeout_s=timeout_s, memory_mb=memory_mb)
+        self.judge = CodeJudge(WithinCall(LocalSandbox()), timeout_s=timeout_s, memory_mb=memory_mb)
         self.row: dict[str, Any] | None = None
         self.turn = self.runs = 0
 

@@ -26,6 +26,7 @@ from collections import Counter
 from typing import Any, Literal
 
 from areal_agents.envs.multi_agent import Dicts, MultiAgentTextEnv
+from areal_agents.envs.templates import check_template
 
 ROUND_PROMPT = "The other agents answered:\n{answers}\nKeep or correct your answer.\n{question}"
 
@@ -53,8 +54,7 @@ class DebateEnv(MultiAgentTextEnv):
             raise ValueError(f"rounds: expects an int >= 1, got {rounds!r}")
         if visibility not in ("all", "ring"):
             raise ValueError(f"visibility: expects 'all' or 'ring', got {visibility!r}")
-        if "{answers}" not in round_prompt:
-            raise ValueError("round_prompt: expects a '{answers}' placeholder for the other agents' answers")
+        check_template(round_prompt, "round_prompt", fields=("answers", "question"), required=("answers",))
         super().__init__()
         from areal_agents.envs.registry import make_env  # noqa: PLC0415  (registry imports this module)
 

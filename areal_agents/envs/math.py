@@ -16,8 +16,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from areal_agents.data.base import BaseDataset, builtin_for, load_task_dataset
+from areal_agents.data.base import BaseDataset, load_task_dataset
+from areal_agents.data.sources import resolve_source
 from areal_agents.envs.base import TextEnv
+from areal_agents.envs.runtime.budget import remaining_s
+from areal_agents.envs.templates import check_template
 from areal_agents.importing import load_object
 from areal_agents.rewards.base import RewardFunction, RewardResult, as_result
 from areal_agents.rewards.math_reward import MathReward, warm_up
@@ -66,10 +69,11 @@ class MathEnv(TextEnv):
         reward: str = "",
         dataset_class: str = "",
     ) -> None:
-        """``dataset``: a bundled set's name, a JSONL path or a hub id (see `load_task_dataset`); with no
-        arguments, bundled GSM8K train. ``split``/``prompt_key``: default to the bundled set's own (its
-        train split where it has one), else "test" and "problem". ``reward``: a ``module:Class``
-        (constructed with no arguments) or ``module:function`` replacing `MathReward`;
+        """``dataset``: a bundled set's name, a JSONL path or a hub id (see `load_task_dataset`; an env
+        server loads only those its operator allowed); with no arguments, bundled GSM8K train.
+        ``split``/``prompt_key``: default to the bundled set's own (its train split where it has one), else
+        "test" and "problem". ``prompt_template``: ``{prompt}`` once, plain (`check_template`). ``reward``: a
+        ``module:Class`` (constructed with no arguments) or ``module:function`` replacing `MathReward`;
         ``dataset_class``: a ``module:Class`` subclass of `BaseDataset` that reshapes rows."""
         super().__init__(max_observation_length=65536, max_action_length=1_000_000)
         if not isinstance(max_turns, int) or max_turns < 1:
@@ -78,9 +82,10 @@ class MathEnv(TextEnv):
             raise ValueError(f"Expects 0 < turn_discount <= 1, got {turn_discount!r}")
         if reward_mode not in ("pool", "inline"):
             raise ValueError(f"Expects reward_mode 'pool' or 'inline', got {reward_mode!r}")
-        if "{prompt}" not in prompt_template:
-            raise ValueError("Expects prompt_template to contain {prompt}")
-        if prompt_key is None and builtin_for(dataset) is None:
+        if not isinstance(dataset, str) or not dataset:
+            raise ValueError(f"Expects dataset to be a non-empty string, got {dataset!r}")
+        check_template(prompt_template, "prompt_template", fields=("prompt",), required=("prompt",))
+        if prompt_key is None and resolve_source(dataset).kind != "bundled":
             prompt_key = "problem"
         self._data_args = (dataset, split, prompt_key, dataset_class)
         self.data = _load(*self._data_args)
@@ -118,8 +123,10 @@ class MathEnv(TextEnv):
         # bounded by check_math's own limits and the env pool's step timeout
         if self.reward_mode == "inline" or not may_start_processes():
             return as_result(self.reward_fn(action, self.row))
+        left = remaining_s()  # served: verification ends by the server's step timeout too
+        timeout = self.verify_timeout if left is None else min(self.verify_timeout, left)
         try:
-            return as_result(reward_pool().call_sync(self.reward_fn, action, self.row, timeout=self.verify_timeout))
+            return as_result(reward_pool().call_sync(self.reward_fn, action, self.row, timeout=timeout))
         except CallTimeout:
             return RewardResult(0.0, {"correct": False, "error": "timeout"})
         except (WorkerDied, RemoteError) as e:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from areal_agents.config import EnvConfig, EvalConfig, config_to_dict
+from areal_agents.data.sources import datasets_in
 from areal_agents.envs.runtime.backends import EnvBackend, open_env_backend
 from areal_agents.rollout.held_out import distinct_seeds
 
@@ -31,7 +32,7 @@ def prepare_run_dir(run_dir: str | Path, cfg: Any) -> Path:
 async def open_checked_backend(env: EnvConfig, eval_cfg: EvalConfig, backend: EnvBackend | None = None) -> EnvBackend:
     """The configured env backend (or ``backend``, e.g. a cluster's env servers), with one train and one
     eval env reset now so mistakes fail early."""
-    backend = backend or open_env_backend(env)
+    backend = backend or open_env_backend(env, datasets_in(eval_cfg.env_kwargs))
     try:
         await backend.check()
         await backend.check(**eval_cfg.env_kwargs)

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import time
 import warnings
 
 import gymnasium as gym
@@ -10,6 +11,7 @@ from gymnasium.utils.env_checker import check_env
 
 import areal_agents  # noqa: F401
 from areal_agents.data.builtin import BUILTIN
+from areal_agents.envs.runtime.budget import call_deadline
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 LEAP = "y = int(input())\nprint(366 if (y % 4 == 0 and y % 100 != 0) or y % 400 == 0 else 365)\n"
@@ -89,3 +91,17 @@ def test_code_env_through_the_env_server_in_worker_processes():
     with EnvServerProcess(mode="process", workers=2) as server:
         _, reward, terminated, _, info = asyncio.run(play(server.url))
     assert (reward, terminated) == (1.0, True) and info["passed"] == info["total"]
+
+
+def test_a_served_step_ends_by_the_servers_deadline_whatever_timeout_s_asks():
+    """Served, a client's ``timeout_s=90`` is cut to the server's step timeout: the infinite loop is killed
+    then, as a timeout verdict, and the thread running the step is free again (the issue's 504s)."""
+    env = gym.make("areal_agents/Code-v0", timeout_s=90, max_runs=0).unwrapped
+    env.reset(seed=0)
+    start = time.monotonic()
+    with call_deadline(2.0):
+        _, reward, terminated, _, info = env.step("```python\nwhile True:\n    pass\n```")
+    assert (reward, terminated) == (0.0, True) and set(info["statuses"]) == {"timeout"}, info
+    assert time.monotonic() - start < 60  # a generous liveness bound: the loop's own limit was 90 s
+    with pytest.raises(ValueError, match="timeout_s"):
+        gym.make("areal_agents/Code-v0", timeout_s="90")

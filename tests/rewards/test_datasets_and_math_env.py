@@ -8,6 +8,7 @@ from gymnasium.utils.env_checker import check_env
 
 import areal_agents  # noqa: F401
 from areal_agents.data import BaseDataset, load_task_dataset
+from areal_agents.data.base import raw_rows
 from areal_agents.errors import ArealAgentsError
 from areal_agents.rewards.math_verifier import MathVerifyConfig
 
@@ -105,3 +106,41 @@ def test_math_env_inline_step_is_bounded_on_a_hostile_answer(finishes_within):
     _, reward, terminated, _, info = finishes_within(30.0, env.step, "\\boxed{10^{10^{10^{10^{10}}}}}")
     assert (reward, terminated, info["correct"], info["method"]) == (0.0, True, False, "timeout")
     assert "timeout_s=0.5" in info["reason"]
+
+
+def test_math_env_in_process_loads_any_file_its_user_names(tmp_path):
+    """The restriction is for an env server's clients: a user's own (local) config names any JSONL file."""
+    path = tmp_path / "anywhere" / "mine.jsonl"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"problem": "What is 6*7?", "answer": "42"}) + "\n")
+    env = gym.make("areal_agents/Math-v0", dataset=str(path), reward_mode="inline")
+    obs, _ = env.reset(seed=0)
+    assert obs.startswith("What is 6*7?") and env.step("\\boxed{42}")[1] == 1.0
+
+
+@pytest.mark.parametrize("template", ["{prompt:>300000000}", "{prompt}{prompt}", "{prompt.__class__}", "no field"])
+def test_math_env_prompt_template_is_plain_and_bounded(template):
+    with pytest.raises(ValueError, match="prompt_template"):
+        gym.make("areal_agents/Math-v0", dataset="aime24", prompt_template=template)
+
+
+def test_every_spelling_of_a_file_is_one_shared_dataset(tmp_path, monkeypatch):
+    """The issue's 20 spellings of one path each kept a copy (RSS 0.5 -> 1.9 GB): now they are one."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "p", "answer": "1"}) + "\n")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    spellings = ["rows.jsonl", "./rows.jsonl", str(path), f"{tmp_path}/sub/../rows.jsonl", f"{tmp_path}//rows.jsonl"]
+    first = load_task_dataset(spellings[0])
+    assert all(load_task_dataset(s) is first for s in spellings)
+    assert len({id(raw_rows(s)) for s in spellings}) == 1
+
+
+def test_a_failed_load_is_not_kept(tmp_path):
+    """A load that fails (here: no such prompt key) leaves nothing behind: the next load reads the file anew."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"question": "old", "answer": "1"}) + "\n")
+    with pytest.raises(ArealAgentsError, match="no key 'prompt'"):
+        load_task_dataset(str(path))
+    path.write_text(json.dumps({"prompt": "new", "answer": "2"}) + "\n")
+    assert load_task_dataset(str(path))[0]["prompt"] == "new"

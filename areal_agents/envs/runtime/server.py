@@ -5,7 +5,8 @@
 Each session is one episode of a gymnasium env, run by a `LocalEnvPool` (threads by default, worker
 processes with ``--mode process``). Steps have a timeout; idle sessions expire; the number of open
 sessions is capped. An env that raises, hangs or kills its worker ends its own episode with a typed
-error record; the server and the other sessions carry on.
+error record; the server and the other sessions carry on. A client's env loads only the datasets the
+operator allowed at start (``--dataset``, ``--data-dir``, the bundled sets) and imports only ``--module``s.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
+from areal_agents.data.sources import ServedData, export_to_workers, serving
 from areal_agents.envs.registry import describe_envs
+from areal_agents.envs.runtime.budget import call_deadline
 from areal_agents.envs.runtime.pool import LocalEnvPool, PooledEnv, PoolMode
 from areal_agents.envs.runtime.protocol import (
     PROTOCOL_VERSION,
@@ -57,6 +60,8 @@ class ServerConfig:
     max_action_chars: int = 65536
     max_body_bytes: int = 8 * 1024 * 1024
     modules: list[str] = field(default_factory=list)
+    datasets: list[str] = field(default_factory=list)  # NAME=PATH, PATH or a hub id: what clients may load
+    data_dirs: list[str] = field(default_factory=list)  # clients may load JSONL files under these, too
 
 
 class HTTPError(Exception):
@@ -115,6 +120,7 @@ class EnvServer:
 
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
+        self.served = ServedData.from_args(cfg.datasets, cfg.data_dirs)
         self.pool = LocalEnvPool(cfg.mode, cfg.workers, cfg.step_timeout, cfg.modules)
         self.sessions: dict[str, Session] = {}
         self.opening = 0  # creations between the cap check and their session's registration
@@ -145,7 +151,9 @@ class EnvServer:
             )
         self.opening += 1  # the place is taken before the first await, so concurrent creations see it
         try:
-            with only_modules(self.cfg.modules):  # a request imports nothing, not even through kwargs
+            # a request imports nothing and opens no file the operator did not allow, not even through kwargs;
+            # its env's own work stops at the step timeout (`call_deadline`)
+            with only_modules(self.cfg.modules), serving(self.served), call_deadline(self.cfg.step_timeout):
                 env = self._make(req)
                 observation, info = await self._reset(env, req)
             sid = uuid.uuid4().hex
@@ -209,7 +217,8 @@ class EnvServer:
         session.busy = True
         start = time.perf_counter()
         try:
-            observation, reward, terminated, truncated, info = await session.env.astep(action)
+            with serving(self.served), call_deadline(self.cfg.step_timeout):
+                observation, reward, terminated, truncated, info = await session.env.astep(action)
         except EnvError as e:  # the episode ends with a typed record; nothing else is affected
             self.metrics.errors[e.kind] += 1
             await self._close(sid, "sessions_failed")
@@ -403,11 +412,18 @@ def build_app(server: EnvServer) -> FastAPI:
     return app
 
 
+def dedicated_server(cfg: ServerConfig) -> EnvServer:
+    """The env server of a process that exists to serve it (serve-env, an env-server actor): its allowed
+    datasets hold for the whole process, so its ``--mode process`` workers load nothing else either."""
+    export_to_workers(ServedData.from_args(cfg.datasets, cfg.data_dirs))
+    return EnvServer(cfg)
+
+
 def serve(cfg: ServerConfig) -> None:
     """Run the server until interrupted (``areal-agents serve-env``)."""
     import uvicorn
 
-    server = EnvServer(cfg)
+    server = dedicated_server(cfg)
     app = build_app(server)
     print(f"serving envs on http://{cfg.host}:{cfg.port} (mode {cfg.mode}, {cfg.workers} workers)", flush=True)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
