@@ -49,8 +49,10 @@ class LoraGroup:
     def sync(self, name: str) -> LoraSync:
         return LoraSync(self, name)
 
-    def engine_version(self) -> int:
-        return min(self.versions.values())
+    def engine_version(self, name: str | None = None, version: int | None = None) -> int:
+        """The oldest adapter's version (with ``name`` at ``version``, as after a push that succeeds)."""
+        versions = self.versions if name is None else {**self.versions, name: version}
+        return min(versions.values())
 
 
 class AdapterView:
@@ -97,23 +99,26 @@ class LoraSync:
         self.last_push: dict[str, float] = {}
 
     async def push(self, source: AdapterSource, version: int | None = None) -> int:
-        """Load the source's adapter as this policy's version ``version`` (default: its last + 1)."""
+        """Load the source's adapter as this policy's version ``version`` (default: its last + 1). A refused
+        adapter leaves the served one and every version as they were."""
         start = time.perf_counter()
         group, engine = self.group, self.group.engine
         if version is None:
             version = group.versions.get(self.name, engine.get_version()) + 1
-        group.versions[self.name] = version
         config = source.adapter_config()
         if config is None:
             raise ConfigError(f"policy {self.name!r}: LoraSync pushes adapters, and this policy trains full weights")
+        engine_version = group.engine_version(self.name, version)
         if hasattr(engine, "set_lora_adapter"):  # in this process (or its own, over a pipe): the tensors
             tensors = await source.tensors()
-            await engine.set_lora_adapter(self.name, tensors, config, group.engine_version())
+            await engine.set_lora_adapter(self.name, tensors, config, engine_version)
+            group.versions[self.name] = version
             self.last_push = timed(start, tensor_bytes(tensors))
             return version
         path = self._adapter_dir(version)
         await source.save_weights(path)
-        await engine.load_lora_adapter(self.name, str(path), group.engine_version())
+        await engine.load_lora_adapter(self.name, str(path), engine_version)
+        group.versions[self.name] = version
         self._prune(version)
         self.last_push = timed(start, sum(f.stat().st_size for f in path.glob("*.safetensors")))
         return version

@@ -96,8 +96,9 @@ class LoraAdapter:
         dtype: torch.dtype | None = None,
     ) -> LoraAdapter:
         """The adapter from PEFT's state dict (``get_peft_model_state_dict`` keys) and adapter config; its
-        tensors are copies on ``device`` in ``dtype`` (default: the weights'). `EngineError` names the
-        adapter and the key or module that does not fit the model (``linears``: its linears by name)."""
+        tensors are copies on ``device`` in ``dtype`` (default: the weights'), each checked (floating point,
+        finite in ``dtype``) before the adapter exists, so a refused one replaces nothing. `EngineError` names
+        the adapter and the key or module that does not fit the model (``linears``: its linears by name)."""
         where = f"LoRA adapter {name!r}"
         lora_alpha, use_rslora = _check_config(where, config)
         pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -105,7 +106,7 @@ class LoraAdapter:
             match = _KEY.match(key)
             if match is None or not isinstance(tensor, torch.Tensor):
                 raise EngineError(
-                    f"{where}: {key!r} is not a LoRA matrix (expected keys such as "
+                    f"{where}: {_short(key)} is not a LoRA matrix (expected keys such as "
                     "'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'; only lora_A/lora_B of "
                     "linear layers are served)"
                 )
@@ -118,6 +119,9 @@ class LoraAdapter:
             r = a.shape[0]
             scaling = lora_alpha / (math.sqrt(r) if use_rslora else r)
             a, b = (t.detach().to(device=device, dtype=dtype or t.dtype, copy=True) for t in (a, b))
+            for part, t in (("lora_A", a), ("lora_B", b)):
+                if not torch.isfinite(t).all():
+                    raise EngineError(f"{where}: {module!r} {part} has NaN or infinite values")
             modules[module] = LoraModule(a, b, scaling)
         return cls(name, modules)
 
@@ -136,27 +140,31 @@ def read_adapter_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
             )
     try:
         config = json.loads(config_file.read_text())
-    except ValueError as e:
-        raise EngineError(f"{config_file}: not valid JSON: {e}") from e
+    except (ValueError, UnicodeDecodeError) as e:  # said without the file's text
+        at = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+        raise EngineError(f"{config_file}: not valid JSON{at}") from None
     if not isinstance(config, dict):
         raise EngineError(f"{config_file}: expects a JSON object, got {type(config).__name__}")
-    return load_file(str(weights_file)), config
+    try:
+        return load_file(str(weights_file)), config
+    except Exception:  # noqa: BLE001  (safetensors' own message may quote the file's header)
+        raise EngineError(f"{weights_file}: not a readable safetensors file (truncated or corrupt)") from None
 
 
 def _check_config(where: str, config: Mapping[str, Any]) -> tuple[float, bool]:
     """``(lora_alpha, use_rslora)`` of an adapter config; `EngineError` on options it cannot serve."""
     if not isinstance(config, Mapping):
-        raise EngineError(f"{where}: the adapter config must be a dict (adapter_config.json), got {config!r}")
+        raise EngineError(f"{where}: the adapter config must be a dict (adapter_config.json), got {_short(config)}")
     peft_type = str(config.get("peft_type", "LORA")).upper().removeprefix("PEFTTYPE.")
     if peft_type != "LORA":
-        raise EngineError(f"{where}: peft_type {config.get('peft_type')!r} is not LoRA")
+        raise EngineError(f"{where}: peft_type {_short(config.get('peft_type'))} is not LoRA")
     for key, neutral in _UNSUPPORTED.items():
         value = config.get(key, neutral)
         if value not in (neutral, None) and value != {} and value != []:
-            raise EngineError(f"{where}: adapter_config {key}={value!r} is not supported by HFEngine")
+            raise EngineError(f"{where}: adapter_config {key}={_short(value)} is not supported by HFEngine")
     alpha = config.get("lora_alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise EngineError(f"{where}: adapter_config lora_alpha expects a number, got {alpha!r}")
+        raise EngineError(f"{where}: adapter_config lora_alpha expects a number, got {_short(alpha)}")
     return float(alpha), bool(config.get("use_rslora", False))
 
 
@@ -167,13 +175,15 @@ def _check_module(
     linear = linears.get(module)
     if linear is None:
         raise EngineError(
-            f"{where}: targets {module!r}, which is not a linear layer of the served model "
+            f"{where}: targets {_short(module)}, which is not a linear layer of the served model "
             "(an adapter trained on another model?)"
         )
     if set(parts) != {"A", "B"}:
         missing = "lora_B" if "A" in parts else "lora_A"
         raise EngineError(f"{where}: {module!r} has no {missing} weight")
     a, b = parts["A"], parts["B"]
+    if not (a.is_floating_point() and b.is_floating_point()):
+        raise EngineError(f"{where}: {module!r} lora_A is {a.dtype} and lora_B {b.dtype}: expects floating point")
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
         raise EngineError(
             f"{where}: {module!r} lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not [r, in] and [out, r]"
@@ -184,6 +194,12 @@ def _check_module(
             f"{linear.in_features} -> {linear.out_features} (an adapter trained on another model?)"
         )
     return a, b
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut at ``limit`` characters: a value from a client's file is named, not quoted at length."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
