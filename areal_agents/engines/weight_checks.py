@@ -154,7 +154,9 @@ def read_checkpoint(spec: WeightSpec, path: str | Path, where: str) -> dict[str,
     for file in files:
         with _opened(file, where) as f:
             for name in [n for n, held in holds.items() if held == file]:
-                staged[name] = _read(f, name, file, where).to(spec.dtypes[name])
+                t = _read(f, name, file, where)
+                problems.add(spec.mismatch(name, tuple(t.shape), t.dtype))  # the file may have changed since
+                staged[name] = t.to(spec.dtypes[name])
                 problems.add(None if finite(staged[name], staged[name].dtype) else _nonfinite(name))
     problems.check()
     return spec.complete(staged)

@@ -184,6 +184,27 @@ def test_a_refused_checkpoint_leaves_the_served_weights_and_version_as_they_were
     assert SECRET not in reply["message"] and str(tmp_path) in reply["message"]
 
 
+def test_the_engine_refuses_each_bad_checkpoint_before_loading_any_of_it(tiny_dir, new_state, tmp_path):
+    """The same refusals in process, without the server: `HFEngine.update_weights_from_disk` itself."""
+    engine = HFEngine(load_model(tiny_dir), eos_token_ids=[], num_threads=1)
+
+    async def run():
+        before = await engine_greedy(engine)
+        for i, (case, (write, said)) in enumerate(BAD_CHECKPOINTS.items()):
+            path = tmp_path / case.replace(" ", "_")
+            path.mkdir()
+            write(moved(new_state, seed=i), path)
+            with pytest.raises(EngineError, match="update_weights_from_disk: ") as refused:
+                await engine.update_weights_from_disk(str(path), version=5)
+            assert await engine_greedy(engine) == before, case
+            assert said in str(refused.value) and SECRET not in str(refused.value), case
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.close()
+
+
 @pytest.mark.slow
 def test_a_good_checkpoint_after_refused_ones_loads_whole(served, new_state, tmp_path):
     """The bad cases above are other weights than the served ones: the same weights, written whole, load."""
