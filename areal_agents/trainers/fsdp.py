@@ -13,6 +13,7 @@ resumes on any number of ranks, one included (the unsharded trainer).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -101,11 +102,17 @@ def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """A `full_optimizer_state` (or an unsharded ``optimizer.state_dict()``) into ``optimizer``'s shards."""
+    """A `full_optimizer_state` (or an unsharded ``optimizer.state_dict()``) into ``optimizer``'s shards, as
+    this rank's own copy: torch keeps a loaded ``step`` tensor as given, and the ranks' states arrive sharing
+    one storage (a torch.multiprocessing pipe sends every rank the same shared memory), so N ranks stepping
+    the given tensors would count each step N times."""
+    state = copy.deepcopy(state)
     names = _names(module, optimizer)
     groups = [group | {"params": [names[i] for i in group["params"]]} for group in state["param_groups"]]
     named = {"state": {names[i]: v for i, v in state["state"].items()}, "param_groups": groups}
     set_optimizer_state_dict(module, optimizer, named, options=StateDictOptions(full_state_dict=True))
+    for group, given in zip(optimizer.param_groups, state["param_groups"]):  # as given: DCP makes tuples lists
+        group.update((key, value) for key, value in given.items() if key != "params")  # (AdamW's betas)
 
 
 def _names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
