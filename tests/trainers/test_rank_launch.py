@@ -36,6 +36,10 @@ def test_two_rank_processes_train_push_and_checkpoint_as_one_process(tiny_dir, t
         state = policy.state_dict()
         policy.load_state_dict(state)  # every rank takes the full state back into its shards
         assert policy.state_dict()["optimizer"]["state"][0]["exp_avg"].equal(state["optimizer"]["state"][0]["exp_avg"])
+        # and trains on from it as the single process does: each rank counts its own steps (the ranks got the
+        # state through one shared memory: stepping it as given would count each step twice)
+        asyncio.run(policy.update(trajectories, torch.Generator().manual_seed(6)))
+        resumed = policy.state_dict()
     finally:
         policy.close()
         asyncio.run(policy.engine.aclose())
@@ -50,6 +54,14 @@ def test_two_rank_processes_train_push_and_checkpoint_as_one_process(tiny_dir, t
     # the train state is the single-process layout: the unsharded trainer loads it as it is
     here.load_state_dict(state)
     assert state["scheduler"]["last_epoch"] == 2
+    here.train_step(trajectories, torch.Generator().manual_seed(6))
+    want = here.state_dict()
+    assert resumed["scheduler"] == want["scheduler"] and resumed["scheduler"]["last_epoch"] == 4
+    assert resumed["optimizer"]["state"].keys() == want["optimizer"]["state"].keys()
+    for i, s in want["optimizer"]["state"].items():
+        assert float(resumed["optimizer"]["state"][i]["step"]) == float(s["step"]) == 4, i  # 2 updates x 2 minibatches
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(resumed["optimizer"]["state"][i][key], s[key], rtol=1e-4, atol=1e-8, msg=key)
 
 
 def test_each_rank_gets_torchruns_environment():

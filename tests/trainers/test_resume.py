@@ -1,5 +1,6 @@
-"""`train --resume`: redone steps replace their earlier records, and a changed config is named and refused
-unless it changes only the run's length, checkpointing, evaluation or logging (or --allow-config-change)."""
+"""`train --resume`: redone steps replace their earlier records, a changed config is named and refused
+unless it changes only the run's length, checkpointing, evaluation or logging (or --allow-config-change), and a
+run of two FSDP2 ranks resumes into the optimizer state of the run that never stopped."""
 
 import json
 import shutil
@@ -10,6 +11,7 @@ from rl_configs import write_rl_config
 
 from areal_agents.cli import main
 from areal_agents.config import TrainConfig, config_to_dict, load_config
+from areal_agents.models import load_model
 from areal_agents.trainers.resume import config_changes, forget_after
 
 
@@ -39,6 +41,53 @@ def test_redone_steps_replace_their_records(tmp_path, tiny_dir, capsys):
     assert sorted(p.name for p in (run / "trajectories").iterdir()) == ["step_1.jsonl", "step_2.jsonl"]
     assert scalar_steps(run, "rollout/reward_mean") == scalar_steps(run, "engine/version") == [1, 2, 3]
     assert scalar_steps(run, "eval/accuracy") == [0, 3]
+
+
+def _assert_same_optimizer(got: dict, want: dict, what: str) -> None:
+    """Every parameter's AdamW state: its step count exactly, its moments to float noise (the ranks' sums may
+    add in another order from run to run), and the groups' rates."""
+    assert got["param_groups"] == want["param_groups"], what
+    assert got["state"].keys() == want["state"].keys(), what
+    for i, s in want["state"].items():
+        assert torch.equal(got["state"][i]["step"], s["step"]), f"{what}: parameter {i}'s step"
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got["state"][i][key], s[key], rtol=1e-4, atol=1e-8, msg=f"{what} {i} {key}")
+
+
+@pytest.mark.slow
+def test_a_two_rank_run_resumed_ends_as_the_run_that_never_stopped(tmp_path, tiny_dir):
+    """ppo.nproc_per_node=2: a run of 3 steps stopped after step 1 and resumed ends with the optimizer state
+    (every parameter's step, exp_avg and exp_avg_sq; the critic's too), the schedule and the weights of the same
+    run uninterrupted. The rollouts are the same in both: synchronous (max_staleness 0), every request sampled
+    from one seed. The untrained tiny model scores 0, so GAE with a reward bias (returns 1, values 0) and no
+    whitening gives every token an advantage: a gradient to step with."""
+    rl = write_rl_config(tmp_path, tiny_dir)
+    args = [
+        "train", str(rl), "ppo.nproc_per_node=2", "rollout.max_staleness=0",
+        "rollout.agent=seeded_agent:SeededChatAgent", "ppo.advantage=gae", "ppo.reward_bias=1",
+        "ppo.whiten_advantages=false", "save_every=1", "keep_checkpoints=0", "eval.num_problems=2", "--no-progress",
+    ]  # fmt: skip
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert main([*args, f"run_dir={whole}", "steps=3"]) == 0
+    assert main([*args, f"run_dir={cut}", "steps=1"]) == 0
+    assert main([*args, f"run_dir={cut}", "steps=3", "--resume"]) == 0
+
+    for step in (2, 3):
+        ckpt = f"checkpoints/step_{step}"
+        want = torch.load(whole / ckpt / "trainer_state.pt", weights_only=False)
+        got = torch.load(cut / ckpt / "trainer_state.pt", weights_only=False)
+        assert any(s["exp_avg"].abs().max() > 0 for s in want["optimizer"]["state"].values())  # it trained
+        assert {float(s["step"]) for s in want["optimizer"]["state"].values()} == {step}  # one step a step
+        _assert_same_optimizer(got["optimizer"], want["optimizer"], f"step {step}: policy")
+        _assert_same_optimizer(got["critic_optimizer"], want["critic_optimizer"], f"step {step}: critic")
+        assert got["scheduler"] == want["scheduler"]
+        weights = {f"model.{k}": v for k, v in load_model(cut / ckpt / "model").state_dict().items()}
+        expected = {f"model.{k}": v for k, v in load_model(whole / ckpt / "model").state_dict().items()}
+        weights |= {f"critic.{k}": v for k, v in got["critic"].items()}
+        expected |= {f"critic.{k}": v for k, v in want["critic"].items()}
+        assert weights.keys() == expected.keys()
+        for k, w in expected.items():
+            torch.testing.assert_close(weights[k], w, rtol=1e-4, atol=1e-7, msg=f"step {step}: {k}")
 
 
 def test_a_resume_with_a_changed_config_names_the_keys_and_needs_allow_config_change(tmp_path, tiny_dir, capsys):
