@@ -147,3 +147,20 @@ def test_check_env_passes_on_math_and_code_from_an_unguarded_script(tmp_path):
     assert out.count("PROGRAM-RAN") == 1, out
     assert "CHECKED areal_agents/Math-v0" in out and "CHECKED areal_agents/Code-v0" in out
     assert "REWARDS 1.0" in out
+
+
+@pytest.mark.slow
+def test_training_from_an_unguarded_script_with_engine_and_trainer_processes_runs_it_once(tmp_path, tiny_dir):
+    from test_cli import write_configs
+
+    _, rl = write_configs(tmp_path, tiny_dir)
+    args = ["train", str(rl), "rollout.max_staleness=1", "engine.own_process=true", "ppo.trainer=process"]
+    program = f"""
+print("PROGRAM-RAN", flush=True)
+from areal_agents.cli import main
+print("EXIT", main({[*args, "--no-progress"]!r}), flush=True)
+"""
+    (tmp_path / "train.py").write_text(program)
+    out = _run(["train.py"], tmp_path)
+    assert out.count("PROGRAM-RAN") == 1 and "EXIT 0" in out, out
+    assert json.loads((tmp_path / "rl" / "summary.json").read_text())["engine_version"] == 2
