@@ -127,7 +127,7 @@ def read_checkpoint(spec: WeightSpec, path: str | Path, where: str) -> dict[str,
     dtypes on the CPU. Staged on the CPU rather than beside the live weights: a second copy of a 7B model
     costs host memory, not accelerator memory, and the copy in place under the pause cannot fail halfway."""
     root = Path(path)
-    where = f"{where}: {str(root)!r}"
+    where = f"{where}: {_short(str(root), 500)}"
     files, weight_map = _checkpoint_files(root, where)
     holds: dict[str, Path] = {}  # every key to read -> its file
     problems = _Problems(where)
@@ -213,14 +213,16 @@ def _checkpoint_files(root: Path, where: str) -> tuple[list[Path], dict[str, str
     if index.is_file():
         weight_map = _weight_map(index, where)
         files = sorted({root / shard for shard in weight_map.values()})
+        gone = [f.name for f in files if not f.is_file()]
+        named, missing, expected = gone[:_NAMED], len(gone), len(files)
     else:
         weight_map, files = None, sorted(root.glob("*.safetensors"))
         if not files:
             raise _refused(where, "no *.safetensors in it")
-        files += _numbered_missing(root, files)
-    missing = [f.name for f in files if not f.is_file()]
+        named, missing, expected = _numbered_missing(files)
     if missing:
-        raise _refused(where, f"missing shard {_listed(missing)} (of {len(files)})")
+        more = f" and {missing - len(named)} more" if missing > len(named) else ""
+        raise _refused(where, f"missing shard {', '.join(named)}{more} (of {expected})")
     return files, weight_map
 
 
@@ -242,16 +244,21 @@ def _weight_map(index: Path, where: str) -> dict[str, str]:
     return weight_map
 
 
-def _numbered_missing(root: Path, files: list[Path]) -> list[Path]:
-    """Without an index: the files of a numbered set (``model-00002-of-00003.safetensors``) that are not there."""
-    sets: dict[tuple[str, str], int] = {}
+def _numbered_missing(files: list[Path]) -> tuple[list[str], int, int]:
+    """Without an index, the gaps in numbered sets (``model-00002-of-00003.safetensors``): the first few
+    missing files' names, how many are missing, and how many files there should be."""
+    sets: dict[tuple[str, str], set[int]] = {}
     for f in files:
         match = _SHARD.match(f.name)
         if match:
-            sets[(match["stem"], match["n"])] = int(match["n"])
-    expected = {root / f"{stem}-{i:0{len(n)}d}-of-{n}.safetensors" for (stem, n), count in sets.items()
-                for i in range(1, count + 1)}  # fmt: skip
-    return sorted(expected - set(files))
+            sets.setdefault((match["stem"], match["n"]), set()).add(int(match["i"]))
+    named, missing, expected = [], 0, len(files)
+    for (stem, n), present in sets.items():
+        gap = max(0, int(n) - len(present))
+        missing, expected = missing + gap, expected + gap
+        gaps = (i for i in range(1, int(n) + 1) if i not in present)  # only the first few: never the whole range
+        named += [f"{stem}-{i:0{len(n)}d}-of-{n}.safetensors" for _, i in zip(range(_NAMED - len(named)), gaps)]
+    return named, missing, expected
 
 
 def _opened(file: Path, where: str) -> Any:
@@ -323,11 +330,6 @@ def _refused(where: str, problem: str) -> EngineError:
 
 def _nonfinite(name: str) -> str:
     return f"{_key(name)} has NaN or infinite values"
-
-
-def _listed(names: list[str]) -> str:
-    more = f" and {len(names) - _NAMED} more" if len(names) > _NAMED else ""
-    return ", ".join(names[:_NAMED]) + more
 
 
 def _key(name: str) -> str:
