@@ -1,8 +1,8 @@
 """`WorkerPool`: run picklable calls in worker processes with a per-call timeout.
 
 One bad call cannot hurt the others: a call that overruns its timeout has its worker killed and
-replaced, and a worker that dies fails only the call it was running. Used for CPU-heavy env steps and,
-later, reward verification.
+replaced, and a worker that dies fails only the call it was running. Used for env steps in processes,
+reward scoring and math verification; `spawn_child` starts the engine and trainer processes the same way.
 
     pool = WorkerPool(workers=2)
     result = await pool.call(math.factorial, 20, timeout=5.0)
@@ -75,7 +75,8 @@ def _defined_in_main(obj: type | types.FunctionType) -> str:
 
 
 class _MainRefusingPickler(reduction.ForkingPickler):
-    """Pickles as multiprocessing does, raising `WorkerImportError` at a function or class of ``__main__``."""
+    """Pickles as multiprocessing does (as fast: the hook sees instances, classes and functions, not the
+    built-in containers and strings), raising `WorkerImportError` at a function or class of ``__main__``."""
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
@@ -83,30 +84,12 @@ class _MainRefusingPickler(reduction.ForkingPickler):
         return NotImplemented
 
 
-def _refuse_main(obj: Any) -> None:
-    """`WorkerImportError` if ``obj`` refers to a function or class of ``__main__`` (a slower pickling, run
-    only when the plain one failed or its bytes hold the name, which can also be mere text)."""
-    _MainRefusingPickler(io.BytesIO()).dump(obj)
-
-
-def _dump(obj: Any, file: io.BytesIO) -> None:
-    """``obj`` pickled into ``file`` as multiprocessing does; `WorkerImportError` if a worker could not load it."""
-    start = file.tell()
-    try:
-        reduction.dump(obj, file)
-    except Exception:
-        _refuse_main(obj)  # e.g. a lambda of __main__, which pickle cannot even look up: name it
-        raise
-    if file.getvalue().find(b"__main__", start) >= 0:
-        _refuse_main(obj)
-
-
-def dumps(obj: Any) -> bytes:
-    """``obj`` pickled for a worker process, as `Connection.send` would; `WorkerImportError` if a worker
-    could not load it."""
+def dumps(obj: Any) -> memoryview:
+    """``obj`` pickled for a worker process, as `Connection.send` would; `WorkerImportError` if it names a
+    function or class of ``__main__``."""
     file = io.BytesIO()
-    _dump(obj, file)
-    return file.getvalue()
+    _MainRefusingPickler(file).dump(obj)
+    return file.getbuffer()
 
 
 class _SpawnWithoutMain(popen_spawn_posix.Popen):
@@ -126,10 +109,9 @@ class _SpawnWithoutMain(popen_spawn_posix.Popen):
         context.set_spawning_popen(self)
         try:
             reduction.dump(prep_data, fp)
-            _dump(process_obj, fp)
+            _MainRefusingPickler(fp).dump(process_obj)
         finally:
             context.set_spawning_popen(None)
-        self._fds = list(dict.fromkeys(self._fds))  # a check's second pickling passed the pipe ends again
         parent_r = child_w = child_r = parent_w = None
         try:
             parent_r, child_w = os.pipe()
