@@ -19,10 +19,10 @@ LIMITS = {"max_sessions": 16, "max_body_bytes": 65536, "max_action_chars": 1000,
 
 
 @contextlib.contextmanager
-def serving(server_class: type[EnvServer]):
-    """``server_class`` behind the real app, on a free port in this process; its URL."""
+def serving(server_class: type[EnvServer], wrap=lambda app: app):
+    """``server_class`` behind the real app (wrapped by ``wrap``), on a free port in this process; its URL."""
     port = free_port()
-    with serving_app(build_app(server_class(ServerConfig(port=port, workers=4, **LIMITS))), port) as url:
+    with serving_app(wrap(build_app(server_class(ServerConfig(port=port, workers=4, **LIMITS)))), port) as url:
         yield url
 
 
@@ -195,6 +195,28 @@ def test_a_broken_rule_fails_its_check(server_class, failing):
     with serving(server_class) as url:  # three turns: a step that should not have happened shows
         report = check_env_server(url, env_id=ARITHMETIC, kwargs={"max_turns": 3})
     assert report.failed == failing, report.lines()
+
+
+def one_request_at_a_time(app):
+    """``app`` serving one request at a time, from its start to its reply, as a server with one request thread
+    does (uvicorn reads headers before the app sees a request, so it is a slow body that holds the others)."""
+    lock = asyncio.Lock()
+
+    async def serve(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        async with lock:
+            await app(scope, receive, send)
+
+    return serve
+
+
+def test_a_server_that_slow_clients_stall_fails_the_slow_client_check():
+    with serving(EnvServer, wrap=one_request_at_a_time) as url:
+        report = check_env_server(url, env_id=ARITHMETIC, kwargs={"max_turns": 3})
+    assert report.failed == ["slow clients do not stall the server"], report.lines()
+    (line,) = [line for line in report.lines() if line.startswith("FAIL slow clients")]
+    assert "GET /health on a new connection got no 200 within 1 s" in line
 
 
 def test_without_limits_in_health_nothing_else_is_checked():

@@ -9,7 +9,7 @@ It plays episodes of one env with one fixed action, so that env's episodes must 
 of that action. Limits come from ``/health``; the session cap is tested by filling it when it is at most
 ``session_probe_limit``, idle expiry by waiting when the timeout is at most 5 s. Run it against a server
 nobody else uses: it counts open sessions. Not checked (they need a slow or failing env): ``session_busy``,
-step timeouts, env failures.
+step timeouts, env failures; nor how long a server lets a slow request go on (only that it serves others).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from areal_agents.envs.runtime.conformance_probe import (
     check_step_result,
     expect_error,
     expect_ok,
+    slow_clients,
+    status_on_new_connection,
     trajectory_step,
 )
 from areal_agents.envs.runtime.protocol import PROTOCOL_VERSION, Limits
@@ -44,6 +46,9 @@ LARGEST_BODY_SENT = 64 * 1024 * 1024  # a body limit above this is not probed (t
 CONCURRENT_SESSIONS = 32
 IDLE_PROBE_LIMIT_S = 5  # idle expiry is checked when the server's timeout is this short
 MAX_CONNECTIONS = 32  # a modest client's: within a thread-per-connection server's pool (sdk/cpp's)
+SLOW_CLIENTS = 32  # connections sending a byte a second while /health is asked
+HEALTH_WITHIN_S = 1.0
+HEALTH_POLLS = 4  # one late answer is a loaded machine's; a stalled server misses them all
 
 
 @dataclass
@@ -127,6 +132,7 @@ async def check_idle_expiry(p: Probe) -> None:
     idle = p.limits["idle_timeout_s"]
     if idle > IDLE_PROBE_LIMIT_S:
         raise NotTestable(f"idle_timeout_s is {idle}; start the server with an idle timeout of at most 5 s to check it")
+    await p.close_leftovers()  # else one expiring first would look like this one's expiry
     sid = (await p.create(seed=0))["session_id"]
     before = await p.sessions_open()
     deadline = asyncio.get_running_loop().time() + 2 * idle + 3
@@ -332,6 +338,27 @@ async def check_unknown_path(p: Probe) -> None:
         raise Violation(f"an unknown path: expected 404, got {reply.describe()}")
 
 
+async def check_slow_clients(p: Probe) -> None:
+    """32 connections sending their requests a byte a second (half in their headers, half in their bodies) leave
+    /health answering a new connection within a second: slow clients must not hold what other clients need."""
+    late = []
+    async with slow_clients(p.url, SLOW_CLIENTS, interval=1.0):
+        await asyncio.sleep(0.5)  # each has sent its first byte: the server is reading them all
+        for _ in range(HEALTH_POLLS):
+            started = asyncio.get_running_loop().time()
+            status = await status_on_new_connection(p.url, "/health", HEALTH_WITHIN_S)
+            if status != 200:
+                late.append("no answer" if status is None else f"HTTP {status}")
+            await asyncio.sleep(max(0.0, started + 0.25 - asyncio.get_running_loop().time()))
+    if len(late) > 1:
+        raise Violation(
+            f"while {SLOW_CLIENTS} connections sent requests a byte a second, GET /health on a new connection got "
+            f"no 200 within {HEALTH_WITHIN_S:.0f} s {len(late)} times of {HEALTH_POLLS} ({', '.join(late)}); "
+            "a server must time out slow headers and bodies, and serve other requests meanwhile"
+        )
+    expect_ok(await p.request("GET", "/health"), "GET /health once the slow clients left")
+
+
 async def check_json_replies(p: Probe) -> None:
     """Every reply the suite received said Content-Type: application/json (run last)."""
     if p.not_json:
@@ -357,6 +384,7 @@ CHECKS: list[tuple[str, Callable[[Probe], Awaitable[None]]]] = [
     ("session cap (429)", check_session_cap),
     ("concurrent sessions", check_concurrent_sessions),
     ("unknown path (404)", check_unknown_path),
+    ("slow clients do not stall the server", check_slow_clients),
     ("idle sessions expire", check_idle_expiry),
     ("JSON replies", check_json_replies),
 ]

@@ -1,12 +1,16 @@
-"""The conformance suite's HTTP side: one `Probe` per run (a client, the server's limits, the env under test)
-and the shape checks every reply goes through. The checks themselves are in `conformance`."""
+"""The conformance suite's HTTP side: one `Probe` per run (a client, the server's limits, the env under test),
+the shape checks every reply goes through, and raw connections for what a well-behaved client never does
+(slow clients). The checks themselves are in `conformance`."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -45,6 +49,7 @@ class Probe:
     limits: dict[str, Any] = field(default_factory=dict)
     client: aiohttp.ClientSession | None = None
     not_json: list[str] = field(default_factory=list)  # replies whose Content-Type was not JSON
+    opened: set[str] = field(default_factory=set)  # sessions the suite created and has not closed
 
     async def request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None) -> Reply:
         """One request; ``raw`` sends those bytes as the body as they are (malformed JSON, oversized bodies)."""
@@ -68,6 +73,10 @@ class Probe:
             body = json.loads(text) if text else None
         except ValueError:
             body = None
+        if method == "POST" and path == "/v1/sessions" and response.status == 200 and isinstance(body, dict):
+            self.opened.add(str(body.get("session_id")))
+        elif method == "DELETE":
+            self.opened.discard(path.rsplit("/", 1)[-1])
         return Reply(response.status, body, text, content_type)
 
     # -- the requests the checks make most ---------------------------------------------------------
@@ -94,6 +103,11 @@ class Probe:
 
     async def close(self, sid: str) -> Reply:
         return await self.request("DELETE", f"/v1/sessions/{sid}")
+
+    async def close_leftovers(self) -> None:
+        """Closes the sessions that checks which failed midway left open."""
+        for sid in list(self.opened):
+            await self.close(sid)
 
     async def sessions_open(self) -> int:
         return expect_ok(await self.request("GET", "/health"), "GET /health")["sessions_open"]
@@ -147,6 +161,81 @@ def check_step_result(result: Any, sid: str, what: str, *, failed: bool = False)
 def trajectory_step(result: dict[str, Any]) -> tuple:
     """What must repeat when an episode is replayed with the same seed and actions."""
     return (result["observation"], float(result["reward"]), result["terminated"], result["truncated"], result["info"])
+
+
+# -- raw connections -----------------------------------------------------------------------------------------
+
+# Requests that never finish within a check: a GET still in its headers, and a POST whose headers are complete
+# and whose body (4096 bytes declared) is still coming.
+SLOW_HEADERS = (b"", b"GET /health HTTP/1.1\r\nHost: conformance\r\nX-Slow: " + b"y" * 4096)
+SLOW_BODY = (
+    b"POST /v1/sessions HTTP/1.1\r\nHost: conformance\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 4096\r\n\r\n",
+    b'{"env_id": "' + b"y" * 4084,
+)
+
+
+@contextlib.asynccontextmanager
+async def slow_clients(url: str, n: int, interval: float) -> AsyncIterator[None]:
+    """``n`` connections to the server at ``url``, each sending a request a byte every ``interval`` s (half still
+    in their headers, half in their bodies) until the block ends or the server cuts them off; then closed."""
+    host, port = _address(url)
+    tasks = [asyncio.create_task(trickle(host, port, *(SLOW_HEADERS, SLOW_BODY)[i % 2], interval)) for i in range(n)]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def trickle(host: str, port: int, head: bytes, rest: bytes, interval: float) -> bytes | None:
+    """Sends ``head``, then ``rest`` a byte every ``interval`` s until the server answers or closes the connection:
+    what it sent (up to its close, or 5 s), b"" when it closed or reset the connection without a word, None when
+    all was sent and it did neither."""
+    reader, writer = await asyncio.open_connection(host, port)
+    received = None
+    try:
+        writer.write(head)
+        for i in range(len(rest)):
+            writer.write(rest[i : i + 1])
+            await writer.drain()
+            with contextlib.suppress(TimeoutError):
+                received = await asyncio.wait_for(reader.read(65536), interval)
+                break
+        if received:
+            async with asyncio.timeout(5):
+                received += await reader.read()
+    except OSError:  # reset by the server
+        received = received or b""
+    except TimeoutError:  # a reply that does not end
+        pass
+    finally:
+        writer.close()
+    return received
+
+
+async def status_on_new_connection(url: str, path: str, within: float) -> int | None:
+    """The status of ``GET path`` sent on a connection of its own (as a new client's), or None when its status
+    line did not come within ``within`` s."""
+    host, port = _address(url)
+    try:
+        async with asyncio.timeout(within):
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+                line = await reader.readline()
+            finally:
+                writer.close()
+    except (TimeoutError, OSError):
+        return None
+    parts = line.split()
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+
+
+def _address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 80
 
 
 def _kind_name(kind: Any) -> str:
