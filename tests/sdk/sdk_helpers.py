@@ -1,11 +1,13 @@
-"""What both SDKs' tests do: run a server subprocess (healthy, or the test fails showing what it said), and train
-two RL steps against an env server."""
+"""What both SDKs' tests do: run a server subprocess (healthy, or the test fails showing what it said), send it
+requests a byte at a time, and train two RL steps against an env server."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +15,19 @@ from pathlib import Path
 import pytest
 
 from areal_agents.cli import main
+from areal_agents.envs.runtime.conformance_probe import trickle
 from areal_agents.net import wait_healthy
+
+# (where a slow request is stuck, what its client sends at once, what it then sends a byte at a time)
+SLOW_REQUESTS = [
+    ("request line", b"", b"GET /health?" + b"x" * 100 + b" HTTP/1.1\r\nHost: t\r\n\r\n"),
+    ("headers", b"GET /health HTTP/1.1\r\nHost: t\r\n", b"X-Slow: " + b"y" * 100 + b"\r\n\r\n"),
+    (
+        "body",
+        b"POST /v1/sessions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 112\r\n\r\n",
+        b'{"env_id": "' + b"z" * 98 + b'"}',
+    ),
+]
 
 
 @contextmanager
@@ -42,6 +56,21 @@ def stop(process: subprocess.Popen) -> None:
             process.wait(timeout=10)
     if process.stdout:
         process.stdout.close()
+
+
+def slow_requests(url: str, copies: int, every: float = 0.2) -> list[tuple[str, bytes | None, float]]:
+    """Each of SLOW_REQUESTS on ``copies`` connections at once, a byte every ``every`` s (so no read waits long):
+    (where it was stuck, what the server sent back (b"": closed without a word), seconds until it did)."""
+    host, port = url.removeprefix("http://").split(":")
+
+    async def one(what: str, head: bytes, rest: bytes) -> tuple[str, bytes | None, float]:
+        started = time.monotonic()
+        return what, await trickle(host, int(port), head, rest, every), time.monotonic() - started
+
+    async def all_at_once() -> list[tuple[str, bytes | None, float]]:
+        return await asyncio.gather(*(one(*request) for request in SLOW_REQUESTS for _ in range(copies)))
+
+    return asyncio.run(all_at_once())
 
 
 def train_two_steps(url: str, env_id: str, kwargs: dict, model: Path, run_dir: Path, eval_problems: int = 4) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from sdk_helpers import server_process, train_two_steps
+from sdk_helpers import server_process, slow_requests, train_two_steps
 
 from areal_agents.envs import make_env
 from areal_agents.models import load_tokenizer
@@ -158,6 +158,7 @@ def test_port_zero_picks_a_free_port_and_prints_it(build):
         (["--idle-timeout", "-1"], "--idle-timeout"),
         (["--threads"], "--threads"),
         (["--max-sesions", "4"], "--max-sesions"),
+        (["--read-timeout", "0.5"], "--read-timeout"),
     ],
 )
 def test_a_bad_flag_exits_non_zero_naming_it(build, args, named):
@@ -388,6 +389,45 @@ def test_more_connections_than_the_old_thread_count_are_all_served(guess_server)
     finally:
         for connection in connections:
             connection.close()
+
+
+@pytest.fixture(scope="module")
+def quick_deadline_server(faulty_binary):
+    """A server with --read-timeout 1 and 4 threads."""
+    server = CppServer(faulty_binary, "--read-timeout", "1", "--threads", "4")
+    yield server
+    server.stop()
+
+
+def test_slow_requests_are_cut_off_at_the_read_timeout_with_a_408(quick_deadline_server):
+    """A byte every 0.2 s, in the request line, the headers or the body, never lets a read time out; the request's
+    deadline does, also for more slow clients than threads (those waiting for one get theirs in turn)."""
+    url = quick_deadline_server.url
+    for what, reply, seconds in slow_requests(url, copies=2):
+        assert reply is not None and reply.startswith(b"HTTP/1.1 408 "), (what, reply)
+        assert b'"type":"request_timeout"' in reply and b"--read-timeout" in reply, (what, reply)
+        assert seconds < 10, (what, seconds)  # long before its 20 s of bytes were sent
+    assert requests.get(f"{url}/health", timeout=10).json()["status"] == "ok"
+
+
+def test_a_step_longer_than_the_read_timeout_is_answered(quick_deadline_server):
+    """The deadline is for reading a request, not for running it: a 3 s step under a 1 s --read-timeout."""
+    sid = faulty_session(quick_deadline_server.url, "slow")
+    reply = step(quick_deadline_server.url, sid, "x")
+    assert reply.status_code == 200 and reply.json()["observation"] == "ok", reply.text
+
+
+def test_headers_over_64_kib_are_a_431_and_the_connection_ends(guess_server):
+    """Headers came without bound (200,000 lines were read into memory); now a request line and headers may have
+    64 KiB together."""
+    host, port = guess_server.url.removeprefix("http://").split(":")
+    headers = b"".join(b"X-Pad-%d: %s\r\n" % (i, b"y" * 1000) for i in range(70))
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        connection.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n" + headers + b"\r\n")
+        reply = read_until(connection, b"}}")
+        assert connection.recv(100) == b""  # closed
+    assert reply.startswith(b"HTTP/1.1 431 ") and b'"type":"headers_too_large"' in reply, reply
+    assert requests.get(f"{guess_server.url}/health", timeout=10).json()["status"] == "ok"
 
 
 # -- training against it ----------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sdk_helpers import server_process, train_two_steps
+from sdk_helpers import server_process, slow_requests, train_two_steps
 
 from areal_agents.envs import make_env
 from areal_agents.models import load_tokenizer
@@ -217,8 +217,21 @@ def test_stop_closes_every_env_a_busy_one_when_its_step_returns(classes):
     assert events == ["step started", "closed idle", "stop returned", "step ended", "closed busy"]
 
 
+def test_slow_requests_have_their_connection_closed_at_the_read_timeout(classes):
+    """A byte every 0.2 s, in the request line, the headers or the body, holds a request thread only until the
+    request's deadline (--read-timeout 1), also with more slow clients than threads; a 3 s step is not cut."""
+    with java_server(classes, "ProbeEnvs", "--read-timeout", "1", "--threads", "4") as url:
+        cut = slow_requests(url, copies=2)
+        sid = httpx.post(f"{url}/v1/sessions", json={"env_id": "test/Echo-v0"}).json()["session_id"]
+        slow_step = httpx.post(f"{url}/v1/sessions/{sid}/step", json={"action": "sleep 3000"}, timeout=30)
+    for what, reply, seconds in cut:
+        assert reply == b"" and seconds < 10, (what, reply, seconds)  # closed, long before its 20 s of bytes
+    assert slow_step.status_code == 200 and slow_step.json()["observation"] == "sleep 3000", slow_step.text
+
+
 def test_bad_flags_exit_2_naming_the_flag(classes):
-    for args, flag in ((["--prot", "1"], "--prot"), (["--port", "http"], "--port"), (["--idle-timeout=-1"], "--idle")):
+    flags = [(["--prot", "1"], "--prot"), (["--port", "http"], "--port"), (["--idle-timeout=-1"], "--idle")]
+    for args, flag in [*flags, (["--read-timeout", "1.5"], "--read-timeout")]:
         out = java(classes, "GridPuzzle", *args, timeout=30)
         assert out.returncode == 2, out
         assert flag in out.stderr and out.stderr.count("\n") == 1, out.stderr
