@@ -7,13 +7,16 @@ subprocesses), ``sglang`` (``python -m sglang.launch_server`` on GPUs, from ``en
 gets its share of ``engine.gpus`` as ``CUDA_VISIBLE_DEVICES`` (disaggregated) or, with none named, sees the
 trainer's GPUs (colocated); ``engine.dtype=auto`` is bfloat16 on a GPU (`engine_dtype`). Servers this
 process started are waited for (``/health``), restarted with the run's current weights when one dies or
-reports its engine failed (`Supervisor`), and stopped when the run ends or the process exits.
+reports its engine failed (`Supervisor`), and stopped when the run ends or the process exits. A run's
+serve-model servers (`open_engine`) get an admin key, ``AREAL_ADMIN_KEY`` or a generated one, in their
+environment (off the command line), and the run's client and supervisor send it (`engines.server_control`).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -26,8 +29,9 @@ from typing import Any
 
 from areal_agents import net
 from areal_agents.config import EngineConfig
+from areal_agents.engines.server_control import ADMIN_KEY_ENV
 from areal_agents.engines.sglang.server import sglang_command, sglang_python
-from areal_agents.engines.supervisor import Supervisor
+from areal_agents.engines.supervisor import Supervisor, spawn_server
 from areal_agents.engines.vllm.server import checkpoint_dtype, vllm_command, vllm_python
 from areal_agents.errors import ConfigError, EngineError
 from areal_agents.net import free_port, log_tail
@@ -42,6 +46,7 @@ class ServerGroup:
     logs: list[Path] = field(default_factory=list)
     supervisor: Any = None  # a `Supervisor` restarting the servers this process started (stopped first)
     scratch: list[Path] = field(default_factory=list)  # the servers' own temporary files, deleted at stop
+    admin_key: str | None = None  # the key the servers this process started want on their control routes
 
     def stop(self) -> None:
         if self.supervisor is not None:
@@ -109,6 +114,8 @@ def server_command(
         )
     restart = ["--tokenizer-path", tokenizer_path] if tokenizer_path else []
     restart += ["--weight-version", weight_version] if weight_version is not None else []
+    if cfg.max_lora_rank > 0:  # the run's adapters (`lora_serving`); else serve-model's own caps
+        restart += ["--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", str(cfg.max_loras)]
     return with_env(placement, [
         sys.executable, "-m", "areal_agents.cli", "serve-model", "--model-path", model_path, "--host", host,
         "--port", str(port), "--dtype", dtype, "--max-running-requests", str(cfg.max_running_requests),
@@ -178,14 +185,17 @@ def launch_servers(
     log_dir: str | Path | None = None,
     weights_dir: str | Path | None = None,
     supervise: bool = True,
+    admin_key: str | None = None,
 ) -> ServerGroup:
     """Start ``cfg.num_servers`` servers of ``cfg.backend`` for ``model_path`` and wait until all are healthy;
-    with ``supervise``, a `Supervisor` restarts them with the weights last pushed to ``weights_dir``."""
+    with ``supervise``, a `Supervisor` restarts them with the weights last pushed to ``weights_dir``.
+    ``admin_key``: serve-model's ``--admin-key``, given to each server in its environment (`ADMIN_KEY_ENV`)."""
     since = time.time()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="areal-servers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    group = ServerGroup([])
+    group = ServerGroup([], admin_key=admin_key)
     atexit.register(group.stop)
+    env = {**os.environ, ADMIN_KEY_ENV: admin_key} if admin_key else None  # None: this process's environment
     scratch = [
         Path(tempfile.mkdtemp(prefix="areal-vllm-")) for _ in range(cfg.num_servers if cfg.backend == "vllm" else 0)
     ]
@@ -196,7 +206,7 @@ def launch_servers(
             command = server_command(cfg, model_path, dtype, port, i, scratch=scratch[i] if scratch else None)
             log = log_dir / f"{cfg.backend}-{i}.log"
             with open(log, "wb") as out:
-                proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
             group.addresses.append(f"http://{cfg.host}:{port}")
             group.procs.append(proc)
             group.logs.append(log)
@@ -216,7 +226,8 @@ def launch_servers(
         weights = Path(weights_dir) if weights_dir else None
         group.supervisor = Supervisor(
             group, command_for, model_path, weights, startup_timeout_s=cfg.startup_timeout_s, since=since,
-            failing_s=failing_s(cfg.backend),
+            failing_s=failing_s(cfg.backend), admin_key=admin_key,
+            spawn=lambda command, log: spawn_server(command, log, env=env),
         ).start()  # fmt: skip
     return group
 
@@ -269,17 +280,22 @@ def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path
         share = cfg.weight_sync == "in_process"
         return HFEngine(load_model(model_path, dtype), share_weights=share, **kwargs), None
     if cfg.urls:
-        servers = ServerGroup(list(cfg.urls))
+        servers = ServerGroup(list(cfg.urls))  # their admin key, if any: AREAL_ADMIN_KEY
     else:
+        # serve-model's control routes take the run's own key: no other client pauses or reloads them
+        key = (os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24)) if cfg.backend == "serve-model" else None
         servers = launch_servers(
-            cfg, model_path, dtype, log_dir=run_dir / "servers", weights_dir=run_dir / "engine_weights"
+            cfg, model_path, dtype, log_dir=run_dir / "servers", weights_dir=run_dir / "engine_weights", admin_key=key
         )
-    return engine_client(cfg, servers.addresses, run_dir / "engine_weights"), servers
+    return engine_client(cfg, servers.addresses, run_dir / "engine_weights", servers.admin_key), servers
 
 
-def engine_client(cfg: EngineConfig, addresses: list[str], weights_dir: Path | None = None):
+def engine_client(
+    cfg: EngineConfig, addresses: list[str], weights_dir: Path | None = None, admin_key: str | None = None
+):
     """The client of ``addresses`` (`VLLMEngine` for ``engine.backend=vllm``, else `SGLangEngine`) with the
-    config's timeout, retries and pause mode (``weights_dir``: where weight updates are written)."""
+    config's timeout, retries and pause mode (``weights_dir``: where weight updates are written; ``admin_key``:
+    the servers' admin key, default ``AREAL_ADMIN_KEY``)."""
     from areal_agents.engines.sglang.client import SGLangEngine  # noqa: PLC0415
     from areal_agents.engines.vllm.client import VLLMEngine  # noqa: PLC0415
 
@@ -290,4 +306,5 @@ def engine_client(cfg: EngineConfig, addresses: list[str], weights_dir: Path | N
         request_timeout_s=cfg.request_timeout_s,
         max_retries=cfg.max_retries,
         pause_mode=cfg.pause_mode,
+        admin_key=admin_key,
     )

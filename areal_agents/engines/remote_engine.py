@@ -25,6 +25,9 @@ Rotation: a server taken out (`take_out`, e.g. by `BroadcastSync` when it failed
 requests, nor pauses and weight loads, until `put_back`; its episodes move to the others. Weights a
 broadcast pushed are lost when a server restarts, so after `guard_restarts` a server that stops answering a
 generate, or that the launcher's `Supervisor` restarted, leaves the rotation until a push reaches it again.
+
+An admin key (``admin_key``, else ``AREAL_ADMIN_KEY``) goes with every request, for serve-model's control routes
+(`engines.server_control`); a server whose /health says paused counts as healthy (alive: updates pause them all).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from typing import Any, ClassVar
 import aiohttp
 
 from areal_agents.engines.remote_lora import PauseMode, RemoteLora
+from areal_agents.engines.server_control import admin_headers, admin_key_from_env, health_state
 from areal_agents.engines.weight_sync import write_weights
 from areal_agents.errors import EngineError, RequestError
 from areal_agents.types import GenRequest, GenResponse
@@ -91,6 +95,7 @@ class RemoteEngine(RemoteLora, abc.ABC):
         version: int = 0,
         max_sticky_episodes: int = 100_000,
         pause_mode: PauseMode = "abort",
+        admin_key: str | None = None,
     ) -> None:
         if not addresses:
             raise EngineError(f"{type(self).__name__} needs at least one server address")
@@ -117,6 +122,7 @@ class RemoteEngine(RemoteLora, abc.ABC):
         self._supervisor: Any = None  # a `Supervisor` whose restarts take servers out, after `guard_restarts`
         self._restarts_seen = 0
         self.adapters: dict[str, str] = {}  # LoRA adapters this client loaded: name -> directory
+        self.admin_key = admin_key_from_env(admin_key)  # sent with every request (the control routes want it)
 
     # ---- what a subclass says about its servers' API -------------------------------------------
 
@@ -360,7 +366,9 @@ class RemoteEngine(RemoteLora, abc.ABC):
     def _client(self) -> aiohttp.ClientSession:
         self._ensure_primitives()
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), headers=admin_headers(self.admin_key)
+            )
         return self._session
 
     async def _all(self, path: str, body: dict | None, params: dict | None = None, *, text: bool = False) -> list[Any]:
@@ -446,10 +454,11 @@ class RemoteEngine(RemoteLora, abc.ABC):
         return True
 
     async def _healthy(self, url: str) -> bool:
+        """Whether ``url``'s /health says it is up: ok, or paused on purpose (`health_state`)."""
         try:
             async with self._client().get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
-                return r.status == 200
-        except (TimeoutError, aiohttp.ClientError, ConnectionError):
+                return r.status == 200 or health_state(r.status, await r.json(content_type=None)) == "paused"
+        except (TimeoutError, aiohttp.ClientError, ConnectionError, ValueError):
             return False
 
     async def _abort(self, url: str, rid: str) -> None:

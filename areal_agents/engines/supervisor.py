@@ -1,6 +1,9 @@
 """Keep the model servers a run launched up: `Supervisor` restarts one whose process ended, whose /health
 answers 503 (serve-model: its decode loop failed or is stuck) or that stops answering, on the same
 address, serving the run's current weights under their weight_version before it takes requests again.
+A server whose /health says it is paused (serve-model's 503 with ``"status": "paused"``: a trainer's weight
+update, or a client's /pause_generation) is alive and left alone; one paused longer than ``paused_warn_s``
+is reported once (`paused` holds since when each is paused).
 
 The run's current weights are the newest complete ``engine_weights/vN`` written since the launch (what
 `SGLangEngine.update_weights` pushes), or else what the servers last reported (/get_model_info: the
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from areal_agents.engines.server_control import admin_headers, admin_key_from_env, health_state
 from areal_agents.net import wait_healthy
 
 if TYPE_CHECKING:
@@ -80,6 +84,8 @@ class Supervisor:
     max_restarts: int = 3  # per server within `restart_window_s`; past that it is left down (and said so)
     restart_window_s: float = 600.0
     since: float = field(default_factory=time.time)  # weights written before this are an earlier run's
+    admin_key: str | None = field(default_factory=admin_key_from_env)  # the servers' --admin-key (its catch-up load)
+    paused_warn_s: float = 600.0  # a server paused this long is reported (once per pause)
 
     def __post_init__(self) -> None:
         self.restarts: list[Restart] = []
@@ -89,6 +95,8 @@ class Supervisor:
         self._answered = [time.monotonic()] * len(self.group.addresses)
         self._failing: dict[int, float] = {}  # server -> when its current run of 503s began
         self._given_up: set[int] = set()
+        self.paused: dict[int, float] = {}  # server -> time.monotonic() since when its /health says paused
+        self._warned: set[int] = set()
 
     def start(self) -> Supervisor:
         self._thread = threading.Thread(target=self._watch, name="server-supervisor", daemon=True)
@@ -126,12 +134,24 @@ class Supervisor:
             self._restart(i, f"its process exited with code {proc.returncode}")
             return
         status, body = _get(url, "/health")
-        now = time.monotonic()
-        if status != 503:
+        now, state = time.monotonic(), health_state(status, body)
+        if status != 503 or state == "paused":
             self._failing.pop(i, None)
-        if status == 200:
+        if state != "paused":
+            self.paused.pop(i, None)
+            self._warned.discard(i)
+        if state == "ok":
             self._answered[i] = now
             self._note_reported(url)
+        elif state == "paused":  # alive, generating nothing on purpose: never restarted for it
+            self._answered[i] = now
+            since = self.paused.setdefault(i, now)
+            if now - since >= self.paused_warn_s and i not in self._warned:
+                self._warned.add(i)
+                _say(
+                    f"model server {url} has been paused for {now - since:.0f}s (/pause_generation): nothing "
+                    "generates there until /continue_generation"
+                )
         elif status == 503:
             if now - self._failing.setdefault(i, now) >= self.failing_s:
                 self._restart(i, f"/health answered 503: {_message(body)}")
@@ -174,7 +194,7 @@ class Supervisor:
             newer = self.current()
             if newer.rank > served.rank:  # pushed while it started: catch up before the next step
                 body = {"model_path": newer.path, "weight_version": newer.version, "abort_all_requests": False}
-                _post(url, "/update_weights_from_disk", body)
+                _post(url, "/update_weights_from_disk", body, headers=admin_headers(self.admin_key))
 
     def _wait_healthy(self, i: int) -> bool:
         proc = self.group.procs[i]
@@ -186,10 +206,11 @@ class Supervisor:
         )  # False: it died (the next check restarts it again), timed out, or the supervisor stopped
 
 
-def spawn_server(command: list[str], log: Path) -> subprocess.Popen:
-    """Start a server in a session of its own (so its process group can be stopped), appending to ``log``."""
+def spawn_server(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a server in a session of its own (so its process group can be stopped), appending to ``log``
+    (``env``: its environment, default this process's)."""
     with open(log, "ab") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> tuple[str, float]:
@@ -263,9 +284,12 @@ def _get(url: str, path: str, timeout_s: float = 5.0) -> tuple[int | None, Any]:
     return _call(urllib.request.Request(url + path), timeout_s)
 
 
-def _post(url: str, path: str, body: dict, timeout_s: float = 600.0) -> tuple[int | None, Any]:
+def _post(
+    url: str, path: str, body: dict, timeout_s: float = 600.0, headers: dict[str, str] | None = None
+) -> tuple[int | None, Any]:
     data = json.dumps(body).encode()
-    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    request = urllib.request.Request(url + path, data=data, headers=headers)
     return _call(request, timeout_s)
 
 
