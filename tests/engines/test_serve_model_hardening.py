@@ -237,12 +237,16 @@ def test_a_failing_decode_step_is_redone_row_by_row_simulated_fault(tiny_dir):
 
 
 def test_non_finite_logits_fail_that_request_only(tiny_dir):
-    """A temperature so small that logits / T overflows: its row cannot be sampled (a real fault)."""
+    """A temperature so small that logits / T overflows: its row cannot be sampled (a real fault). The request
+    checks refuse such a temperature (a 400 over HTTP); one that skipped them (``checked=True``) fails alone."""
     engine = HFEngine(load_model(tiny_dir), admission_window_s=0.05)
 
     async def run():
         good = [engine.agenerate(GenRequest(f"g{i}", [5, i], SamplingParams(6, ignore_eos=True))) for i in range(3)]
-        bad = engine.agenerate(GenRequest("tiny-t", [5, 9], SamplingParams(6, temperature=1e-40)))
+        tiny = GenRequest("tiny-t", [5, 9], SamplingParams(6, temperature=1e-40))
+        with pytest.raises(RequestError, match="sampling.temperature: expects 0 .greedy. or a finite number"):
+            await engine.agenerate(tiny)
+        bad = engine.generate_once(tiny, checked=True)
         return await asyncio.gather(*good, bad, return_exceptions=True)
 
     try:

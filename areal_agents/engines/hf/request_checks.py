@@ -23,6 +23,10 @@ from typing import Any
 from areal_agents.errors import RequestError, did_you_mean  # RequestError re-exported: the checks raise it
 from areal_agents.types import GenRequest
 
+SAMPLING_EPS = 1e-6  # the smallest temperature (other than 0) and top_p: the sampler computes in float32
+MAX_TOP_K = 1 << 30  # SGLang's "all tokens"; larger values are not int64-safe in every path
+SEED_BOUND = 1 << 63  # a request's seed fits an int64
+
 
 @dataclass(frozen=True)
 class RequestLimits:
@@ -55,18 +59,21 @@ def check_request(
     parameters and the adapter by (serve-model: ``input_ids[2]``, ``sampling_params``, ``lora_path``);
     ``adapters``: the LoRA adapters the engine holds (a request's ``lora_name`` must be one).
     """
-    check_token_ids(request.input_ids, limits, ids_field)
-    sp = request.sampling
-    _check_sampling(sp, params_field)
-    check_adapter(request.lora_name, adapters, lora_field)
-    n = len(request.input_ids)
-    if limits.context is None:
-        return request
-    if n >= limits.context:
+    ids = request.input_ids
+    if not isinstance(ids, list) or not ids:
+        raise RequestError(f"{ids_field}: expects a non-empty list of token ids, got {_short(ids)}")
+    n = len(ids)
+    if limits.context is not None and n >= limits.context:  # before the token loop: a huge prompt fails at once
         raise RequestError(
             f"{ids_field}: the prompt has {n} tokens; the model's context is {limits.context} positions "
             f"(max_position_embeddings), so a prompt may have at most {limits.context - 1}: shorten it"
         )
+    check_token_ids(ids, limits, ids_field)
+    sp = request.sampling
+    _check_sampling(sp, params_field)
+    check_adapter(request.lora_name, adapters, lora_field)
+    if limits.context is None:
+        return request
     room = limits.context - n
     if sp.max_new_tokens <= room:
         return request
@@ -77,9 +84,10 @@ def check_token_ids(ids: Any, limits: RequestLimits, field: str) -> None:
     """``ids`` is a non-empty list of ints in ``[0, vocab_size)``, or `RequestError` names the first bad one."""
     if not isinstance(ids, list) or not ids:
         raise RequestError(f"{field}: expects a non-empty list of token ids, got {_short(ids)}")
-    for i, t in enumerate(ids):
-        if not _is_int(t):
-            raise RequestError(f"{field}[{i}]: expects a token id (an int), got {_short(t)}")
+    if not all(type(t) is int for t in ids):  # the fast check; numpy ints and the like take the slow one
+        for i, t in enumerate(ids):
+            if not _is_int(t):
+                raise RequestError(f"{field}[{i}]: expects a token id (an int), got {_short(t)}")
     lo, hi = min(ids), max(ids)
     if lo < 0 or hi >= limits.vocab_size:
         i = next(i for i, t in enumerate(ids) if not 0 <= t < limits.vocab_size)
@@ -101,19 +109,34 @@ def check_adapter(name: Any, adapters: Collection[str], field: str = "lora_name"
 
 
 def _check_sampling(sp: Any, field: str) -> None:
-    """Numbers the sampler would choke on (NaN, negative) fail here rather than in a shared decode step."""
+    """Numbers the sampler would choke on (NaN, infinite, negative, past int64, a float32 zero) fail here
+    rather than in a shared decode step."""
     if not _is_int(sp.max_new_tokens) or sp.max_new_tokens < 1:
         raise RequestError(f"{field}.max_new_tokens: expects an int >= 1, got {_short(sp.max_new_tokens)}")
-    if not (isinstance(sp.temperature, (int, float)) and sp.temperature >= 0 and not math.isnan(sp.temperature)):
-        raise RequestError(f"{field}.temperature: expects a number >= 0 (0: greedy), got {_short(sp.temperature)}")
-    if not (isinstance(sp.top_p, (int, float)) and 0 < sp.top_p <= 1):
-        raise RequestError(f"{field}.top_p: expects a number in (0, 1], got {_short(sp.top_p)}")
-    if not _is_int(sp.top_k) or sp.top_k < 0:
-        raise RequestError(f"{field}.top_k: expects an int >= 0 (0: off), got {_short(sp.top_k)}")
-    if sp.seed is not None and not _is_int(sp.seed):
-        raise RequestError(f"{field}.seed: expects an int or None, got {_short(sp.seed)}")
+    t = sp.temperature
+    if not (_is_real(t) and (t == 0 or SAMPLING_EPS <= t)):
+        raise RequestError(
+            f"{field}.temperature: expects 0 (greedy) or a finite number >= {SAMPLING_EPS} (smaller ones overflow "
+            f"the logits), got {_short(t)}"
+        )
+    if not (_is_real(sp.top_p) and SAMPLING_EPS <= sp.top_p <= 1):
+        raise RequestError(f"{field}.top_p: expects a number in [{SAMPLING_EPS}, 1], got {_short(sp.top_p)}")
+    if not _is_int(sp.top_k) or not 0 <= sp.top_k <= MAX_TOP_K:
+        raise RequestError(f"{field}.top_k: expects an int in [0, {MAX_TOP_K}] (0: off), got {_short(sp.top_k)}")
+    if sp.seed is not None and not (_is_int(sp.seed) and -SEED_BOUND <= sp.seed < SEED_BOUND):
+        raise RequestError(f"{field}.seed: expects an int in [-2**63, 2**63) or None, got {_short(sp.seed)}")
     if not all(_is_int(t) for t in sp.stop_token_ids):
         raise RequestError(f"{field}.stop_token_ids: expects a list of token ids, got {_short(sp.stop_token_ids)}")
+
+
+def _is_real(value: Any) -> bool:
+    """A finite number (an int too large for a float is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _is_int(value: Any) -> bool:
