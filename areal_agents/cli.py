@@ -167,27 +167,11 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 def cmd_serve_model(args: argparse.Namespace) -> None:
     from areal_agents.engines.model_server import ModelServerConfig, serve_model
+    from areal_agents.engines.server_control import admin_key_from_env
 
-    serve_model(
-        ModelServerConfig(
-            model_path=args.model_path,
-            tokenizer_path=args.tokenizer_path,
-            host=args.host,
-            port=args.port,
-            weight_version=args.weight_version,
-            dtype=args.dtype,
-            max_running_requests=args.max_running_requests,
-            prefix_cache_tokens=args.prefix_cache_tokens,
-            stale_kv=args.stale_kv,
-            kv_dtype=args.kv_dtype,
-            fast_decode=args.fast_decode,
-            cpu_threads=args.cpu_threads,
-            seed=args.seed,
-            tool_parser=args.tool_parser,
-            reasoning_parser=args.reasoning_parser,
-        ),
-        device=args.device,
-    )
+    # every field of the config is a flag of the same name (admin_key: from $AREAL_ADMIN_KEY when not given)
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelServerConfig)}
+    serve_model(ModelServerConfig(**{**given, "admin_key": admin_key_from_env(args.admin_key)}), device=args.device)
 
 
 def cmd_export_lora(args: argparse.Namespace) -> None:
@@ -463,6 +447,20 @@ def _add_serve_model(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="how /v1/chat/completions reads reasoning: think, harmony, none (auto: from the chat template)",
     )
+    limits = p.add_argument_group("security and limits (docs/serve-model.md)")
+    limits.add_argument(
+        "--admin-key",
+        help="control routes (pause, weights, adapters, weight groups) want 'Authorization: Bearer KEY' "
+        "(default: $AREAL_ADMIN_KEY; unset: open to every client)",
+    )
+    for flag, default, text in (
+        ("--max-n", 256, "samples one request asks for (/v1's n x prompts, a /generate batch)"),
+        ("--max-body-bytes", 16 << 20, "largest request body (413)"),
+        ("--max-json-values", 1 << 19, "JSON values a body may hold (bounds its parse)"),
+        ("--max-lora-rank", 64, "largest LoRA rank /load_lora_adapter takes"),
+        ("--max-loras", 8, "LoRA adapters held at once"),
+    ):
+        limits.add_argument(flag, type=int, default=default, help=text)
     p.set_defaults(fn=cmd_serve_model)
 
 

@@ -18,8 +18,12 @@ that request (500) and the others go on. If the engine's decode loop itself fail
 /health_generate answer 503 (the launcher restarts the server). SIGTERM stops the server within
 `EXIT_DEADLINE_S` seconds, whatever its decode thread is doing.
 
+Clients are not trusted (docs/serve-model.md, "Security and limits"): ``--admin-key`` guards the control routes,
+bodies, samples per request and adapters are capped, and a client that disconnects has its requests aborted.
+
 Modules: ``server`` (the config and the app's state: engine, tokenizer, weight version names),
-``broadcast`` (the broadcast weight update's receiving side),
+``guard`` (admin key, body caps, JSON checks, abort on disconnect), ``adapters`` (an adapter's checks before
+loading), ``broadcast`` (the broadcast weight update's receiving side),
 ``routes`` (the FastAPI app, route group by route group), ``openai_routes`` (the /v1 routes),
 ``openai_shapes`` (the OpenAI message and reply shapes, shared with the capture proxy),
 ``process`` (load the model and run uvicorn).

@@ -35,6 +35,7 @@ class BroadcastReceiver:
         self.groups: dict[str, WeightGroup] = {}
         self.staged: dict[str, Any] = {}
         self.spec = server.engine.weight_spec  # a push is complete once every tensor of it has come
+        self.joining = asyncio.Lock()  # one group init at a time (each waits for its peers up to timeout_s)
 
     async def init_group(self, body: dict) -> JSONResponse:
         missing = [k for k in INIT_FIELDS if body.get(k) is None]
@@ -43,7 +44,19 @@ class BroadcastReceiver:
         name = str(body.get("group_name", "weight_update_group"))
         backend = body.get("backend", "gloo")
         if backend != "gloo":
-            return _reply(False, f"serve-model joins weight groups over gloo (CPU), got backend {backend!r}")
+            return _reply(False, f"serve-model joins weight groups over gloo (CPU), got backend {str(backend)[:60]!r}")
+        try:  # one at a time: a join holds a thread until its peers come or timeout_s passes
+            await asyncio.wait_for(self.joining.acquire(), self.timeout_s)
+        except TimeoutError:
+            message = f"init_weights_update_group: another group init has taken over {self.timeout_s:.0f}s; try again"
+            return JSONResponse({"success": False, "message": message}, status_code=409)
+        try:
+            return await self._join(name, backend, body)
+        finally:
+            self.joining.release()
+
+    async def _join(self, name: str, backend: str, body: dict) -> JSONResponse:
+        """Join group ``name`` (leaving a group of that name first), under ``joining``."""
         self.close(name)
         try:
             group = await asyncio.to_thread(

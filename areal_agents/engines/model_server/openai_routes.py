@@ -7,12 +7,15 @@ SGLang's ``/generate``: request checks, pausing, aborts), and the reply parsed b
 template (``reasoning_content``, ``tool_calls``; ``tool_parser`` / ``reasoning_parser`` of the server's
 config override the choice). A request serve-model cannot honour is a 400 in OpenAI's error shape with
 the field named in ``param``. A ``model`` naming a loaded LoRA adapter is served with it (vLLM's convention;
-any other ``model`` is the base model), and /v1/models lists the adapters; ``seed`` seeds each sample.
+any other ``model``, the served model's id first, is the base model), and /v1/models lists the adapters;
+``seed`` seeds each sample. A request asks for at most ``--max-n`` samples (``n``, times the prompts of
+/v1/completions); a client that disconnects has its samples aborted.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,6 +26,8 @@ from fastapi.responses import JSONResponse, Response
 
 from areal_agents.chat import ReplyParser
 from areal_agents.chat.template_messages import template_message
+from areal_agents.engines.hf.request_checks import MAX_TOP_K, SAMPLING_EPS, SEED_BOUND
+from areal_agents.engines.model_server.guard import BodyError, unless_gone
 from areal_agents.engines.model_server.openai_shapes import (
     Generated,
     OpenAIRequestError,
@@ -35,6 +40,7 @@ from areal_agents.engines.model_server.openai_shapes import (
     usage,
 )
 from areal_agents.engines.model_server.server import ModelServer
+from areal_agents.engines.sglang.protocol import ProtocolError
 from areal_agents.errors import ArealAgentsError
 from areal_agents.models.families import stop_token_ids
 
@@ -80,9 +86,9 @@ class Sampling:
     seed: int | None = None  # vLLM's: the i-th sample of a prompt samples from seed + i (SGLang's sampling_seed)
 
 
-def read_sampling(body: dict[str, Any], max_tokens_default: int | None) -> Sampling:
-    """`Sampling` from ``body``; `OpenAIRequestError` names a field of the wrong type, range or one whose
-    value serve-model cannot honour."""
+def read_sampling(body: dict[str, Any], max_tokens_default: int | None, max_n: int) -> Sampling:
+    """`Sampling` from ``body`` (``n`` at most ``max_n``); `OpenAIRequestError` names a field of the wrong
+    type, range or one whose value serve-model cannot honour."""
     for key, no_op in NO_OP_FIELDS.items():
         if body.get(key) not in (None, no_op, {}, []):
             raise OpenAIRequestError(key, f"{body[key]!r} is not supported by serve-model (leave it unset)")
@@ -91,28 +97,53 @@ def read_sampling(body: dict[str, Any], max_tokens_default: int | None) -> Sampl
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     s = Sampling(
-        n=_number(body, "n", int, 1, low=1),
+        n=_number(body, "n", int, 1, low=1, high=max_n),
         max_tokens=_number(body, key, int, max_tokens_default, low=1) if max_tokens is not None else max_tokens_default,
         temperature=_number(body, "temperature", float, 1.0, low=0.0),
-        top_p=_number(body, "top_p", float, 1.0, low=0.0),
-        top_k=_number(body, "top_k", int, -1),
+        top_p=_number(body, "top_p", float, 1.0, low=0.0, high=1.0),
+        top_k=_number(body, "top_k", int, -1, low=-1, high=MAX_TOP_K),
         stop=stop_strings(body.get("stop")),
-        seed=_number(body, "seed", int, None),
+        seed=_number(body, "seed", int, None, low=-SEED_BOUND, high=SEED_BOUND - 1),
     )
-    if not 0 < s.top_p <= 1:
-        raise OpenAIRequestError("top_p", f"expects a number in (0, 1], got {s.top_p}")
+    if s.top_p < SAMPLING_EPS:
+        raise OpenAIRequestError("top_p", f"expects a number in [{SAMPLING_EPS}, 1], got {s.top_p}")
+    if 0 < s.temperature < SAMPLING_EPS:
+        raise OpenAIRequestError("temperature", f"expects 0 (greedy) or at least {SAMPLING_EPS}, got {s.temperature}")
+    if s.seed is not None and s.seed + s.n > SEED_BOUND:  # the i-th sample's seed is seed + i
+        raise OpenAIRequestError("seed", f"expects seed + n <= 2**63, got {s.seed} + {s.n}")
     return s
 
 
-def _number(body: dict[str, Any], key: str, kind: type, default: Any, low: float | None = None) -> Any:
+def _number(
+    body: dict[str, Any], key: str, kind: type, default: Any, low: float | None = None, high: float | None = None
+) -> Any:
+    """``body[key]`` as ``kind`` (int: a whole number), finite and within [low, high]; ``default`` if unset."""
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise OpenAIRequestError(key, f"expects {'an integer' if kind is int else 'a number'}, got {value!r}")
-    if low is not None and value < low:
-        raise OpenAIRequestError(key, f"expects a value >= {low}, got {value}")
-    return kind(value)
+    what = "an integer" if kind is int else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OpenAIRequestError(key, f"expects {what}, got {_short(value)}")
+    if kind is int:
+        if isinstance(value, float) and not value.is_integer():  # NaN and the infinities included
+            raise OpenAIRequestError(key, f"expects a whole finite number, got {value}")
+        number = int(value)
+    else:
+        try:
+            number = float(value)
+        except OverflowError:  # an int past any float
+            number = math.inf
+        if not math.isfinite(number):
+            raise OpenAIRequestError(key, f"expects a finite number, got {_short(value)}")
+    if (low is not None and number < low) or (high is not None and number > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise OpenAIRequestError(key, f"expects a value {bounds}, got {_short(value)}")
+    return number
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def chat_parser(server: ModelServer) -> ReplyParser:
@@ -132,9 +163,12 @@ class OpenAIServing:
 
 
 def adapter_of(server: ModelServer, body: dict[str, Any]) -> str | None:
-    """The LoRA adapter a /v1 request names as its ``model`` (vLLM's convention); None: the base model."""
+    """The LoRA adapter a /v1 request names as its ``model`` (vLLM's convention); None: the base model (the
+    served model's id always names it, whatever adapter might be loaded under it)."""
     model = body.get("model")
-    return model if isinstance(model, str) and model in server.engine.lora_adapters() else None
+    if not isinstance(model, str) or model in server.served_ids():
+        return None
+    return model if model in server.engine.lora_adapters() else None
 
 
 async def run_engine(
@@ -188,14 +222,18 @@ def render_chat(server: ModelServer, body: dict[str, Any]) -> tuple[list[int], l
         )
     except Exception as e:  # noqa: BLE001  (the template's own raise_exception, or a message it cannot render)
         raise OpenAIRequestError("messages", f"the chat template cannot render them: {e}") from e
-    return server.tokenize(text), tools
+    try:
+        return server.tokenize(text), tools
+    except ProtocolError as e:  # too long for the context
+        raise OpenAIRequestError("messages", str(e).split(": ", 1)[-1]) from None
 
 
 def tool_choice_on(body: dict[str, Any], tools: list[dict] | None) -> bool:
     """Whether replies are parsed for tool calls: tools given and ``tool_choice`` not ``none``."""
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
-        raise OpenAIRequestError("tool_choice", f"serve-model does not force calls: 'auto' or 'none', got {choice!r}")
+        message = f"serve-model does not force calls: 'auto' or 'none', got {_short(choice)}"
+        raise OpenAIRequestError("tool_choice", message)
     return bool(tools) and choice != "none"
 
 
@@ -204,11 +242,13 @@ async def chat_completion(serving: OpenAIServing, body: dict[str, Any]) -> dict[
     server = serving.server
     if not isinstance(body, dict):
         raise OpenAIRequestError(None, "the body must be a JSON object")
-    s = read_sampling(body, None)
-    want_logprobs = bool(body.get("logprobs"))
+    s = read_sampling(body, None, server.cfg.max_n)
+    want_logprobs = body.get("logprobs") or False
+    if not isinstance(want_logprobs, bool):
+        raise OpenAIRequestError("logprobs", f"expects true or false, got {_short(want_logprobs)}")
     if _number(body, "top_logprobs", int, 0, low=0) > 0:
         raise OpenAIRequestError("top_logprobs", "the engine gives the chosen tokens' logprobs only: use 0")
-    prompt, tools = render_chat(server, body)
+    prompt, tools = await server.prepare(lambda: render_chat(server, body))  # template and tokenizer: off the loop
     parse_tools = tool_choice_on(body, tools)
     parser, stop_ids = serving.parser, serving.stop_ids
     choices, n_out = [], 0
@@ -237,13 +277,21 @@ async def chat_completion(serving: OpenAIServing, body: dict[str, Any]) -> dict[
     }
 
 
-def completion_prompts(server: ModelServer, prompt: Any) -> list[list[int]]:
-    """``prompt`` of /v1/completions: a string, a list of strings, token ids, or a list of token id lists."""
+def completion_prompts(server: ModelServer, prompt: Any, n: int = 1) -> list[list[int]]:
+    """``prompt`` of /v1/completions: a string, a list of strings, token ids, or a list of token id lists; with
+    ``n`` samples each, at most ``--max-n`` samples in all (counted before any prompt is tokenized)."""
     if isinstance(prompt, str):
-        return [server.tokenize(prompt)]
+        return [_tokenized(server, prompt, "prompt")]
     if isinstance(prompt, list) and prompt:
+        count = len(prompt) if isinstance(prompt[0], (str, list)) else 1
+        if count * n > server.cfg.max_n:
+            raise OpenAIRequestError(
+                "n",
+                f"{count} prompts x n={n} asks for {count * n} samples; this server takes at most "
+                f"{server.cfg.max_n} in one request (--max-n)",
+            )
         if all(isinstance(p, str) for p in prompt):
-            return [server.tokenize(p) for p in prompt]
+            return [_tokenized(server, p, f"prompt[{i}]") for i, p in enumerate(prompt)]
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return [list(prompt)]
         if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
@@ -251,16 +299,23 @@ def completion_prompts(server: ModelServer, prompt: Any) -> list[list[int]]:
     raise OpenAIRequestError("prompt", "expects a string, a list of strings, token ids or a list of token id lists")
 
 
+def _tokenized(server: ModelServer, text: str, field: str) -> list[int]:
+    try:
+        return server.tokenize(text, field)
+    except ProtocolError as e:  # too long for the context
+        raise OpenAIRequestError(field, str(e).split(": ", 1)[-1]) from None
+
+
 async def text_completion(serving: OpenAIServing, body: dict[str, Any]) -> dict[str, Any]:
     """The ``text_completion`` object answering ``body``: ``s.n`` choices per prompt, prompt by prompt."""
     server = serving.server
     if not isinstance(body, dict):
         raise OpenAIRequestError(None, "the body must be a JSON object")
-    s = read_sampling(body, 16)  # OpenAI's default max_tokens for completions
+    s = read_sampling(body, 16, server.cfg.max_n)  # 16: OpenAI's default max_tokens for completions
     top = body.get("logprobs")
     if top is not None and _number(body, "logprobs", int, 0, low=0) > 0:
         raise OpenAIRequestError("logprobs", "the engine gives the chosen tokens' logprobs only: use 0")
-    prompts = completion_prompts(server, body.get("prompt"))
+    prompts = await server.prepare(lambda: completion_prompts(server, body.get("prompt"), s.n))
     stop_ids = serving.stop_ids
     samples = await run_engine(server, prompts, s, stop_ids, adapter_of(server, body))
     choices, n_out = [], 0
@@ -308,11 +363,13 @@ def add_openai_routes(app: FastAPI, server: ModelServer) -> None:
         raise ArealAgentsError(f"serve-model: {e}") from e
 
     async def answer(request: Request, make, prompt_field: str) -> Response:
-        raw = await request.body()
         try:
-            body = json.loads(raw) if raw.strip() else None
-        except ValueError as e:
-            return openai_error(400, f"the body is not valid JSON: {e}")
+            body = await server.parse(await request.body(), required=True)
+        except BodyError as e:
+            return openai_error(400, str(e), e.field)
+        return await unless_gone(request.receive, respond(make, body, prompt_field))  # a client gone: aborted
+
+    async def respond(make, body: Any, prompt_field: str) -> Response:
         try:
             return JSONResponse(await make(serving, body))
         except OpenAIRequestError as e:

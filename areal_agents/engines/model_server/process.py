@@ -3,6 +3,7 @@ the process within `EXIT_DEADLINE_S` seconds whatever its decode thread is doing
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -37,6 +38,7 @@ def serve_model(cfg: ModelServerConfig, device: str = "cpu") -> None:
         device=device,
     )
     app = build_app(engine, tokenizer, cfg)
+    gc.freeze()  # the model's and libraries' objects: no collection walks them again (a large body's parse runs many)
     where = f"{cfg.model_path} on {engine.placement.device}"
     print(f"serve-model: {where}, http://{cfg.host}:{cfg.port} (SGLang native API)", flush=True)
     config = uvicorn.Config(

@@ -1,15 +1,17 @@
 """serve-model's FastAPI app (`build_app`): SGLang's native routes, added group by group onto one
-`ModelServer` (generation, pause and abort; weights, LoRA adapters and versions; info, health and cache)."""
+`ModelServer` (generation, pause and abort; weights, LoRA adapters and versions; info, health and cache),
+behind `ClientGuard` (the admin key on control routes, the body size cap)."""
 
 from __future__ import annotations
 
-import json
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from areal_agents.engines.hf.engine import HFEngine
+from areal_agents.engines.model_server.guard import ClientGuard, is_admin, unless_gone
 from areal_agents.engines.model_server.openai_routes import add_openai_routes
 from areal_agents.engines.model_server.server import ModelServer, ModelServerConfig, error_response
 from areal_agents.engines.sglang.protocol import ProtocolError
@@ -25,6 +27,7 @@ def build_app(engine: HFEngine, tokenizer, cfg: ModelServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         yield
         server.broadcast.close()  # weight groups' connections, before the process exits
+        server.prep.shutdown(wait=False, cancel_futures=True)
         engine.close(timeout_s=CLOSE_TIMEOUT_S)  # a decode thread stuck in a step must not keep the process up
 
     app = FastAPI(title="areal-agents serve-model (SGLang native API)", lifespan=lifespan)
@@ -33,6 +36,11 @@ def build_app(engine: HFEngine, tokenizer, cfg: ModelServerConfig) -> FastAPI:
     async def bad_request(request: Request, exc: ProtocolError) -> JSONResponse:
         return error_response(400, str(exc))  # SGLang's shape: {"error": {"message": ...}}
 
+    @app.exception_handler(RecursionError)
+    async def too_deep(request: Request, exc: RecursionError) -> JSONResponse:
+        return error_response(400, "the body nests too deeply for serve-model to read")
+
+    app.add_middleware(ClientGuard, max_body_bytes=cfg.max_body_bytes, admin_key=cfg.admin_key)
     app.state.server = server
     add_generation_routes(app, server)
     add_weight_routes(app, server)
@@ -41,17 +49,17 @@ def build_app(engine: HFEngine, tokenizer, cfg: ModelServerConfig) -> FastAPI:
     return app
 
 
-async def json_body(request: Request, required: bool = False) -> dict:
-    """The request's JSON body (``{}`` if empty and not ``required``); `ProtocolError` (a 400) if not JSON."""
-    raw = await request.body()
-    if not raw.strip():
-        if required:
-            raise ProtocolError("a JSON body is required")
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise ProtocolError(f"the body is not valid JSON: {e}") from e
+async def json_body(server: ModelServer, request: Request, required: bool = False) -> Any:
+    """The request's JSON body (``{}`` if empty and not ``required``); `ProtocolError` (a 400) if it is not
+    JSON (`ModelServer.parse`)."""
+    return await server.parse(await request.body(), required)
+
+
+async def json_object(server: ModelServer, request: Request, required: bool = False) -> dict:
+    """`json_body`, which must be an object (a 400 naming the route otherwise)."""
+    body = await json_body(server, request, required)
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{request.url.path}: the body must be a JSON object")
     return body
 
 
@@ -61,28 +69,29 @@ def add_generation_routes(app: FastAPI, server: ModelServer) -> None:
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
-        body = await json_body(request, required=True)
-        return await server.generate(body)
+        body = await json_body(server, request, required=True)
+        return await unless_gone(request.receive, server.generate(body))  # a client gone: its requests end
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> Response:
-        mode = (await json_body(request)).get("mode", "abort")
+        mode = (await json_object(server, request)).get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
-            return error_response(400, f"mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
-        await engine.pause()
-        if mode == "abort":  # in-flight requests return now with finish_reason abort and their tokens so far
-            await engine.abort()
+            return error_response(400, f"mode must be 'abort', 'retract' or 'in_place', got {str(mode)[:60]!r}")
+        # abort: in-flight requests return now with finish_reason abort and their tokens so far
+        await server.pause(abort=mode == "abort")
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     @app.post("/continue_generation")
     async def continue_generation() -> Response:
-        await engine.resume()
+        await server.resume()
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        body = await json_body(request)
-        if body.get("abort_all"):
+        body = await json_object(server, request)
+        if body.get("abort_all"):  # everyone's requests: a control action
+            if not is_admin(request.headers.get("authorization"), server.cfg.admin_key):
+                return error_response(401, "abort_all is a control action: send the admin key (--admin-key)")
             await engine.abort()
         elif body.get("rid"):
             await engine.abort(str(body["rid"]))
@@ -97,32 +106,32 @@ def add_weight_routes(app: FastAPI, server: ModelServer) -> None:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:
-        body = await json_body(request, required=True)
+        body = await json_object(server, request, required=True)
         return await server.update_from_disk(body)
 
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
-        return await server.load_lora(await json_body(request, required=True))
+        return await server.load_lora(await json_object(server, request, required=True))
 
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
-        return await server.unload_lora(await json_body(request, required=True))
+        return await server.unload_lora(await json_object(server, request, required=True))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> Response:
-        return await server.broadcast.init_group(await json_body(request, required=True))
+        return await server.broadcast.init_group(await json_object(server, request, required=True))
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> Response:
-        return await server.broadcast.update(await json_body(request, required=True))
+        return await server.broadcast.update(await json_object(server, request, required=True))
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> Response:
-        return await server.broadcast.destroy(await json_body(request))
+        return await server.broadcast.destroy(await json_object(server, request))
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> Response:
-        body = await json_body(request, required=True)
+        body = await json_object(server, request, required=True)
         if body.get("new_version") is None:
             return error_response(400, "update_weight_version: new_version is required")
         if body.get("abort_all_requests", True):
@@ -161,8 +170,7 @@ def add_info_routes(app: FastAPI, server: ModelServer) -> None:
     @app.get("/health")
     @app.get("/health_generate")
     async def health() -> Response:
-        unhealthy = engine.health()  # decode loop failed, gone or stuck: 503, so launchers restart the server
-        return Response(status_code=200) if unhealthy is None else error_response(503, unhealthy)
+        return server.health()  # 503: decode loop failed, gone or stuck (restart it), or paused (leave it)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

@@ -1,23 +1,37 @@
-"""`ModelServer`: serve-model's state (the engine, the tokenizer, the weight_version names of engine versions)
-and the work behind /generate, /update_weights_from_disk and SGLang's /load_lora_adapter and
-/unload_lora_adapter (the broadcast routes: ``broadcast.py``);
-`ModelServerConfig`: its command line (checked when made: a bad parser name fails before the model loads)."""
+"""`ModelServer`: serve-model's state (the engine, the tokenizer, the weight_version names of engine versions,
+whether a client paused it) and the work behind /generate, /update_weights_from_disk and SGLang's
+/load_lora_adapter and /unload_lora_adapter (the broadcast routes: ``broadcast.py``);
+`ModelServerConfig`: its command line, limits included (checked when made: a bad parser name or limit fails
+before the model loads). Request bodies are parsed, checked and tokenized on one thread of their own
+(`ModelServer.prepare`), so a large one never holds the event loop (/health answers meanwhile)."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse, Response
 
 from areal_agents.chat import REASONING_PARSERS, TOOL_PARSERS
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.hf.request_checks import RequestError, check_request
+from areal_agents.engines.model_server.adapters import AdapterRefused, check_adapter_load
 from areal_agents.engines.model_server.broadcast import BroadcastReceiver
+from areal_agents.engines.model_server.guard import MAX_JSON_VALUES, parse_body
+from areal_agents.engines.server_control import paused_body
 from areal_agents.engines.sglang.protocol import ProtocolError, generate_response, parse_generate
 from areal_agents.errors import ArealAgentsError, EngineError, did_you_mean
 from areal_agents.types import GenRequest
+
+T = TypeVar("T")
+SMALL_BODY = 64 << 10  # bodies up to this are parsed on the event loop (well under a millisecond)
+# limits: positive ints, checked at start-up
+LIMITS = ("max_n", "max_body_bytes", "max_json_values", "max_lora_rank", "max_loras")
 
 
 @dataclass
@@ -37,8 +51,18 @@ class ModelServerConfig:
     seed: int = 0
     tool_parser: str = "auto"  # how /v1/chat/completions reads tool calls (auto: from the chat template)
     reasoning_parser: str = "auto"  # how it reads reasoning (auto: from the chat template)
+    max_n: int = 256  # samples one request asks for: /v1's n (x prompts), the prompts of a /generate batch
+    max_body_bytes: int = 16 << 20  # a larger request body is refused (413) while it is read
+    max_json_values: int = MAX_JSON_VALUES  # ... and one holding more JSON values than this (400), before parsing
+    admin_key: str | None = None  # set: the control routes want it ('Authorization: Bearer KEY'), else 401
+    max_lora_rank: int = 64  # /load_lora_adapter refuses adapters of a larger rank
+    max_loras: int = 8  # ... and a new one while this many are loaded
 
     def __post_init__(self) -> None:
+        for key in LIMITS:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ArealAgentsError(f"{key} (--{key.replace('_', '-')}): expects an integer >= 1, got {value!r}")
         for key, known in (("tool_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
             value, choices = getattr(self, key), ["auto", *known]
             if value not in choices:
@@ -61,6 +85,8 @@ class ModelServer:
         self.model_path = cfg.model_path
         self.lora_paths: dict[str, str] = {}  # the LoRA adapters loaded over HTTP: name -> path
         self.update_lock = asyncio.Lock()
+        self.paused_at: float | None = None  # time.monotonic() of /pause_generation, until /continue_generation
+        self.prep = ThreadPoolExecutor(1, thread_name_prefix="serve-model-prep")  # parse, check, tokenize
         self.broadcast = BroadcastReceiver(self)  # /init_weights_update_group, /update_weights_from_distributed
         # the most characters one token stands for: a text longer than context x this cannot fit, and is
         # refused before tokenizing it (megabytes of text would hold the event loop for seconds)
@@ -74,18 +100,59 @@ class ModelServer:
         version = self.engine.get_version() if version is None else version
         return self.names.get(version, str(version))
 
+    def health(self) -> Response:
+        """/health's reply: 503 with the reason when the engine cannot serve (the supervisor restarts it), 503
+        saying ``paused`` while a client has paused generation (alive: left alone), else 200."""
+        unhealthy = self.engine.health()
+        if unhealthy is not None:
+            return error_response(503, unhealthy)
+        if self.paused_at is not None:
+            return JSONResponse(paused_body(time.monotonic() - self.paused_at), status_code=503)
+        return Response(status_code=200)
+
+    async def pause(self, abort: bool) -> None:
+        """/pause_generation: stop at a step boundary (``abort``: running requests return now, as abort)."""
+        if self.paused_at is None:
+            self.paused_at = time.monotonic()
+        await self.engine.pause()
+        if abort:
+            await self.engine.abort()
+
+    async def resume(self) -> None:
+        """/continue_generation."""
+        await self.engine.resume()
+        self.paused_at = None
+
+    def served_ids(self) -> set[str]:
+        """The ids a client names the base model by (/v1/models: the model path, the launch's and the current)."""
+        return {self.cfg.model_path, self.model_path}
+
+    async def parse(self, raw: bytes, required: bool = False) -> Any:
+        """The JSON of a request body (`parse_body`: a `BodyError` names what is wrong); a large one is parsed
+        on the preparing thread."""
+        if len(raw) <= SMALL_BODY:
+            return parse_body(raw, required, self.cfg.max_json_values)
+        return await self.prepare(lambda: parse_body(raw, required, self.cfg.max_json_values))
+
+    async def prepare(self, work: Callable[[], T]) -> T:
+        """``work()`` (parse, check, tokenize a request) on the server's preparing thread, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.prep, work)
+
     def decode(self, ids: list[int], skip_special: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, field: str = "text") -> list[int]:
+        """``text``'s token ids; `ProtocolError` naming ``field`` for a text too long to fit the context."""
         context = self.engine.limits.context
         if context and len(text) > context * self.max_token_chars:
-            raise ProtocolError(f"text: {len(text)} characters cannot fit the model's context of {context} tokens")
+            raise ProtocolError(f"{field}: {len(text)} characters cannot fit the model's context of {context} tokens")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def generate(self, body: Any) -> Response:
         try:
-            requests = self.checked(body, parse_generate(body, self.tokenize))
+            requests = await self.prepare(
+                lambda: self.checked(body, parse_generate(body, self.tokenize, self.cfg.max_n))
+            )
         except (ProtocolError, RequestError) as e:
             return error_response(400, str(e))
         replies = await asyncio.gather(
@@ -135,14 +202,27 @@ class ModelServer:
         weight sync is one call: the engine's version moves on, named as the previous one until
         /update_weight_version names it. Replies ``{"success", "error_message", "loaded_adapters"}``, 400 on failure."""
         name, path = (body.get(k) if isinstance(body, dict) else None for k in ("lora_name", "lora_path"))
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            return self.lora_result(False, "load_lora_adapter: lora_name and lora_path (a directory) are required")
         async with self.update_lock:
+            cfg = self.cfg
+            try:
+                limits = {"max_rank": cfg.max_lora_rank, "max_loras": cfg.max_loras}
+                loaded = self.engine.lora_adapters()
+                await self.prepare(
+                    lambda: check_adapter_load(name, path, served=self.served_ids(), loaded=loaded, **limits)
+                )
+            except AdapterRefused as e:
+                return self.lora_result(False, f"Failed to load LoRA adapter {str(name)[:80]!r}: {e}")
             version = self.engine.get_version() + 1
             try:
                 await self.engine.load_lora_adapter(name, path, version=version)
             except Exception as e:  # noqa: BLE001  (SGLang replies success=false, 400)
-                return self.lora_result(False, f"Failed to load LoRA adapter {name!r}: {e}")
+                # the engine's reason may quote the adapter's files: the server's log has it, the client not
+                print(f"serve-model: load_lora_adapter {name!r} from {path}: {e}", file=sys.stderr, flush=True)
+                return self.lora_result(
+                    False,
+                    f"Failed to load LoRA adapter {name!r}: {path} is not an adapter this model can serve "
+                    "(modules, shapes or options it does not take; the server's log says which)",
+                )
             self.name_new_version(version, None)
             self.lora_paths[name] = path
         return self.lora_result(True)

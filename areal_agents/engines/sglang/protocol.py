@@ -71,36 +71,65 @@ class ProtocolError(ValueError):
     """A request body SGLang would reject (400), with the field named."""
 
 
-def parse_sampling(params: dict[str, Any] | None) -> SamplingParams:
-    """SGLang ``sampling_params`` -> `SamplingParams`; unknown or unsupported keys are errors."""
+def parse_sampling(params: dict[str, Any] | None, field: str = "sampling_params") -> SamplingParams:
+    """SGLang ``sampling_params`` -> `SamplingParams`; unknown or unsupported keys, and numbers that are not
+    finite or not whole where an int is due, are errors naming ``field.key``."""
     params = dict(params or {})
     for key, value in params.items():
         if key in SAMPLING_DEFAULTS:
             continue
         if key in SAMPLING_NO_OP:
             if value not in (SAMPLING_NO_OP[key], None) and value != [] and value != {}:
-                raise ProtocolError(f"sampling_params.{key}={value!r} is not supported by serve-model")
+                raise ProtocolError(f"{field}.{key}={_short(value)} is not supported by serve-model")
             continue
-        raise ProtocolError(f"Unknown sampling parameter: sampling_params.{key}")
+        raise ProtocolError(f"Unknown sampling parameter: {field}.{key[:60]}")
     p = {**SAMPLING_DEFAULTS, **params}
     if p["n"] != 1:
-        raise ProtocolError(f"sampling_params.n={p['n']!r}: serve-model generates one sample per request")
+        raise ProtocolError(f"{field}.n={_short(p['n'])}: serve-model generates one sample per request")
+    stops = p["stop_token_ids"] or []
+    if not isinstance(stops, list):
+        raise ProtocolError(f"{field}.stop_token_ids: expects a list of token ids, got {_short(stops)}")
+    return SamplingParams(
+        max_new_tokens=_whole(p["max_new_tokens"], f"{field}.max_new_tokens"),
+        temperature=_real(p["temperature"], f"{field}.temperature"),
+        top_p=_real(p["top_p"], f"{field}.top_p"),
+        top_k=max(_whole(p["top_k"], f"{field}.top_k"), 0),  # SGLang's -1: off
+        stop_token_ids=[_whole(t, f"{field}.stop_token_ids[{i}]") for i, t in enumerate(stops)],
+        ignore_eos=bool(p["ignore_eos"]),
+        seed=_seed(p["sampling_seed"], f"{field}.sampling_seed"),
+    )
+
+
+def _whole(value: Any, field: str) -> int:
+    """``value`` as an int: an int, or a float with no fraction (SGLang's JSON may say 16.0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"{field}: expects an integer, got {_short(value)}")
+    if isinstance(value, float) and not value.is_integer():  # NaN and the infinities included
+        raise ProtocolError(f"{field}: expects an integer, got {_short(value)}")
+    return int(value)
+
+
+def _real(value: Any, field: str) -> float:
+    """``value`` as a finite float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"{field}: expects a number, got {_short(value)}")
     try:
-        return SamplingParams(
-            max_new_tokens=int(p["max_new_tokens"]),
-            temperature=float(p["temperature"]),
-            top_p=float(p["top_p"]),
-            top_k=max(int(p["top_k"]), 0),
-            stop_token_ids=[int(t) for t in (p["stop_token_ids"] or [])],
-            ignore_eos=bool(p["ignore_eos"]),
-            seed=_seed(p["sampling_seed"]),
-        )
-    except (TypeError, ValueError, OverflowError) as e:
-        raise ProtocolError(f"sampling_params: {e}") from e
+        out = float(value)
+    except OverflowError:
+        out = math.inf
+    if not math.isfinite(out):
+        raise ProtocolError(f"{field}: expects a finite number, got {_short(value)}")
+    return out
 
 
-def parse_generate(body: dict[str, Any], tokenize) -> list[tuple[GenRequest, dict]]:
-    """A /generate body -> one (request, options) per prompt; a batch is a list of ``input_ids`` or texts."""
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def parse_generate(body: dict[str, Any], tokenize, max_prompts: int | None = None) -> list[tuple[GenRequest, dict]]:
+    """A /generate body -> one (request, options) per prompt; a batch is a list of ``input_ids`` or texts (at
+    most ``max_prompts``, counted before any is tokenized)."""
     if not isinstance(body, dict):
         raise ProtocolError("the /generate body must be a JSON object")
     for key, value in body.items():  # other keys are ignored, as SGLang's request dataclass does
@@ -108,19 +137,20 @@ def parse_generate(body: dict[str, Any], tokenize) -> list[tuple[GenRequest, dic
             raise ProtocolError(f"{key} is not supported by serve-model")
     if body.get("stream"):
         raise ProtocolError("stream=true is not supported by serve-model")
-    top = body.get("top_logprobs_num") or 0
-    if not isinstance(top, (int, float)) or top > 0:
+    if _whole(body.get("top_logprobs_num") or 0, "top_logprobs_num") > 0:
         raise ProtocolError("top_logprobs_num is not supported by serve-model")
     if (body.get("text") is None) == (body.get("input_ids") is None):
         raise ProtocolError("give exactly one of text and input_ids")
     if body.get("input_ids") is not None:
         batch, prompts = _prompt_ids(body["input_ids"])
+        _check_batch("input_ids", len(prompts), max_prompts)
     else:
         texts = body["text"]
         batch = isinstance(texts, list)
         if not all(isinstance(t, str) for t in (texts if batch else [texts])) or (batch and not texts):
             raise ProtocolError("text must be a string or a non-empty list of strings")
-        prompts = [tokenize(t) for t in (texts if batch else [texts])]
+        _check_batch("text", len(texts) if batch else 1, max_prompts)
+        prompts = [tokenize(t, f"text[{i}]") for i, t in enumerate(texts)] if batch else [tokenize(texts, "text")]
     params = body.get("sampling_params") or {}
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     if len(per_prompt) != len(prompts):
@@ -141,11 +171,16 @@ def parse_generate(body: dict[str, Any], tokenize) -> list[tuple[GenRequest, dic
         "batch": batch,
     }
     out = []
-    for rid, prompt, sp, lora in zip(rids, prompts, per_prompt, loras):
-        sampling = parse_sampling(sp)
+    for i, (rid, prompt, sp, lora) in enumerate(zip(rids, prompts, per_prompt, loras)):
+        sampling = parse_sampling(sp, f"sampling_params[{i}]" if isinstance(params, list) else "sampling_params")
         request = GenRequest(str(rid), list(prompt), sampling, lora_name=lora)
         out.append((request, {**options, "sampling_params": sp or {}}))
     return out
+
+
+def _check_batch(field: str, n: int, max_prompts: int | None) -> None:
+    if max_prompts is not None and n > max_prompts:
+        raise ProtocolError(f"{field}: a batch of {n} prompts; this server takes at most {max_prompts} (--max-n)")
 
 
 def _lora_names(lora_path: Any, n: int) -> list[str | None]:
@@ -160,11 +195,11 @@ def _lora_names(lora_path: Any, n: int) -> list[str | None]:
     return names
 
 
-def _seed(value: Any) -> int | None:
+def _seed(value: Any, field: str) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ProtocolError(f"sampling_params.sampling_seed: expects an integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not -(1 << 63) <= value < 1 << 63:
+        raise ProtocolError(f"{field}: expects an integer in [-2**63, 2**63), got {_short(value)}")
     return value
 
 
