@@ -69,7 +69,8 @@ async def evaluate(
     failed episode counts as unsuccessful (``episodes_failed`` counts them), and when none completed this
     raises `RunHalted` rather than report an accuracy of 0."""
     failures = failures if failures is not None else FailureLog()
-    mark = failures.totals.copy()
+    ledger = ledger if ledger is not None else RolloutLedger()
+    mark, failed_before, accepted_before = failures.totals.copy(), ledger.failures, ledger.accepted
     groups = await run_groups(
         agent, make_env, seeds, n_samples, max_concurrent=max_concurrent, ledger=ledger, tag="eval",
         max_retries=max_retries, failures=failures,
@@ -79,8 +80,8 @@ async def evaluate(
         firsts = [t for t in g if t.metadata.get("segment", 0) == 0 and t.agent_id == g[0].agent_id] if g else []
         episodes.append([*firsts, *[None] * (n_samples - len(firsts))])
     flat = [t for e in episodes for t in e]
-    failed = sum(t is None for t in flat)
-    if flat and failed == len(flat):
+    failed = ledger.failures - failed_before
+    if failed and ledger.accepted == accepted_before:
         failures.flush()
         causes = failures.describe(failures.since(mark)) or "see the log"
         raise RunHalted(f"held-out eval: none of its {plural(len(flat), 'episode')} completed: {causes}")

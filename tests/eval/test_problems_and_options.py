@@ -9,7 +9,7 @@ import pytest
 from areal_agents.config import load_config
 from areal_agents.data.base import raw_rows
 from areal_agents.envs.runtime.pool import LocalEnvPool
-from areal_agents.errors import ConfigError
+from areal_agents.errors import ConfigError, RunHalted
 from areal_agents.eval.options import EvalOptions, with_flags
 from areal_agents.eval.problems import AtProblem, load_problems
 from areal_agents.eval.runner import eval_settings, evaluate_dataset
@@ -126,8 +126,9 @@ def test_eval_samples_run_through_the_episode_runner_with_retries(tmp_path, toke
     summary = asyncio.run(evaluate_dataset(settings, FlakyEngine(tokenizer), tokenizer, tmp_path, progress=False))
     assert summary["samples"] == 2 and summary["failed_samples"] == 0
     no_retry = eval_settings(None, env_id="areal_agents/Arithmetic-v0", num_problems=2, max_new_tokens=8, max_retries=0)
-    summary = asyncio.run(evaluate_dataset(no_retry, FlakyEngine(tokenizer), tokenizer, tmp_path / "b", progress=False))
-    assert summary["failed_samples"] == 2 and summary["episodes"]["engine_failed"] == 2
+    with pytest.raises(RunHalted, match=r"eval: none of its 2 samples completed: engine_failed ×2 \(EngineError: 503"):
+        asyncio.run(evaluate_dataset(no_retry, FlakyEngine(tokenizer), tokenizer, tmp_path / "b", progress=False))
+    assert "EngineError: 503" in (tmp_path / "b" / "failures.log").read_text()  # not an accuracy of 0
 
 
 def test_eval_options_load_typed_and_name_unknown_keys(tmp_path):
