@@ -40,6 +40,7 @@ def test_two_rank_processes_train_push_and_checkpoint_as_one_process(tiny_dir, t
         # state through one shared memory: stepping it as given would count each step twice)
         asyncio.run(policy.update(trajectories, torch.Generator().manual_seed(6)))
         resumed = policy.state_dict()
+        trained_on = {k: v.clone() for k, v in policy.model.state_dict().items()}
     finally:
         policy.close()
         asyncio.run(policy.engine.aclose())
@@ -62,6 +63,8 @@ def test_two_rank_processes_train_push_and_checkpoint_as_one_process(tiny_dir, t
         assert float(resumed["optimizer"]["state"][i]["step"]) == float(s["step"]) == 4, i  # 2 updates x 2 minibatches
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(resumed["optimizer"]["state"][i][key], s[key], rtol=1e-4, atol=1e-8, msg=key)
+    for key, value in here.model.state_dict().items():
+        torch.testing.assert_close(trained_on[key], value, rtol=0, atol=1e-5, msg=key)
 
 
 def test_each_rank_gets_torchruns_environment():
