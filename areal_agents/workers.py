@@ -356,10 +356,11 @@ class WorkerPool:
     def close(self) -> None:
         self._closed = True
         for slot in self._slots:
-            process, conn = slot.process, slot.conn
+            process, conn = slot.process, slot.conn  # a call's thread may be replacing them
             if process is not None:
                 process.kill()
                 process.join(timeout=5)
+            if conn is not None:
                 conn.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
 
