@@ -93,8 +93,8 @@ def dumps(obj: Any) -> memoryview:
 
 
 class _SpawnWithoutMain(popen_spawn_posix.Popen):
-    """multiprocessing's ``spawn`` start (``popen_spawn_posix.Popen._launch`` of CPython 3.11-3.14) with one
-    change: the child is not told to import the parent's main module, which would run a user's script
+    """multiprocessing's ``spawn`` start (``popen_spawn_posix.Popen._launch``, as CPython 3.11 writes it) with
+    one change: the child is not told to import the parent's main module, which would run a user's script
     again (or fail, from stdin). The process object is refused if it refers to ``__main__``."""
 
     def _launch(self, process_obj: Any) -> None:
