@@ -70,7 +70,7 @@ def check_request(
         )
     check_token_ids(ids, limits, ids_field)
     sp = request.sampling
-    _check_sampling(sp, params_field)
+    check_sampling(sp, params_field)
     check_adapter(request.lora_name, adapters, lora_field)
     if limits.context is None:
         return request
@@ -108,9 +108,10 @@ def check_adapter(name: Any, adapters: Collection[str], field: str = "lora_name"
     )
 
 
-def _check_sampling(sp: Any, field: str) -> None:
+def check_sampling(sp: Any, field: str) -> None:
     """Numbers the sampler would choke on (NaN, infinite, negative, past int64, a float32 zero) fail here
-    rather than in a shared decode step."""
+    rather than in a shared decode step: `RequestError` naming ``field.key``. ``sp``: a `SamplingParams`, or
+    anything with its attributes (serve-model checks a request's values before it makes one)."""
     if not _is_int(sp.max_new_tokens) or sp.max_new_tokens < 1:
         raise RequestError(f"{field}.max_new_tokens: expects an int >= 1, got {_short(sp.max_new_tokens)}")
     t = sp.temperature

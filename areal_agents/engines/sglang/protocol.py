@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import math
 import uuid
+from types import SimpleNamespace
 from typing import Any
 
+from areal_agents.engines.hf.request_checks import RequestError, check_sampling
 from areal_agents.engines.remote_engine import GenerateReply
 from areal_agents.types import GenRequest, GenResponse, SamplingParams
 
@@ -89,15 +91,20 @@ def parse_sampling(params: dict[str, Any] | None, field: str = "sampling_params"
     stops = p["stop_token_ids"] or []
     if not isinstance(stops, list):
         raise ProtocolError(f"{field}.stop_token_ids: expects a list of token ids, got {_short(stops)}")
-    return SamplingParams(
-        max_new_tokens=_whole(p["max_new_tokens"], f"{field}.max_new_tokens"),
-        temperature=_real(p["temperature"], f"{field}.temperature"),
-        top_p=_real(p["top_p"], f"{field}.top_p"),
-        top_k=max(_whole(p["top_k"], f"{field}.top_k"), 0),  # SGLang's -1: off
-        stop_token_ids=[_whole(t, f"{field}.stop_token_ids[{i}]") for i, t in enumerate(stops)],
-        ignore_eos=bool(p["ignore_eos"]),
-        seed=_seed(p["sampling_seed"], f"{field}.sampling_seed"),
-    )
+    values = {
+        "max_new_tokens": _whole(p["max_new_tokens"], f"{field}.max_new_tokens"),
+        "temperature": _real(p["temperature"], f"{field}.temperature"),
+        "top_p": _real(p["top_p"], f"{field}.top_p"),
+        "top_k": max(_whole(p["top_k"], f"{field}.top_k"), 0),  # SGLang's -1: off
+        "stop_token_ids": [_whole(t, f"{field}.stop_token_ids[{i}]") for i, t in enumerate(stops)],
+        "ignore_eos": bool(p["ignore_eos"]),
+        "seed": _seed(p["sampling_seed"], f"{field}.sampling_seed"),
+    }
+    try:
+        check_sampling(SimpleNamespace(**values), field)  # the ranges, named (SamplingParams says only "Expects")
+    except RequestError as e:
+        raise ProtocolError(str(e)) from None
+    return SamplingParams(**values)
 
 
 def _whole(value: Any, field: str) -> int:
