@@ -48,7 +48,7 @@ IDLE_PROBE_LIMIT_S = 5  # idle expiry is checked when the server's timeout is th
 MAX_CONNECTIONS = 32  # a modest client's: within a thread-per-connection server's pool (sdk/cpp's)
 SLOW_CLIENTS = 32  # connections sending a byte a second while /health is asked
 HEALTH_WITHIN_S = 1.0
-HEALTH_POLLS = 4  # one late answer is a loaded machine's; a stalled server misses them all
+HEALTH_POLLS = 3  # one late answer is a loaded machine's; a stalled server misses them all
 
 
 @dataclass
@@ -343,13 +343,13 @@ async def check_slow_clients(p: Probe) -> None:
     /health answering a new connection within a second: slow clients must not hold what other clients need."""
     late = []
     async with slow_clients(p.url, SLOW_CLIENTS, interval=1.0):
-        await asyncio.sleep(0.5)  # each has sent its first byte: the server is reading them all
+        await asyncio.sleep(0.3)  # each has sent its first byte: the server is reading them all
         for _ in range(HEALTH_POLLS):
             started = asyncio.get_running_loop().time()
             status = await status_on_new_connection(p.url, "/health", HEALTH_WITHIN_S)
             if status != 200:
                 late.append("no answer" if status is None else f"HTTP {status}")
-            await asyncio.sleep(max(0.0, started + 0.25 - asyncio.get_running_loop().time()))
+            await asyncio.sleep(max(0.0, started + 0.2 - asyncio.get_running_loop().time()))
     if len(late) > 1:
         raise Violation(
             f"while {SLOW_CLIENTS} connections sent requests a byte a second, GET /health on a new connection got "

@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -57,7 +58,7 @@ class DeadlineStream final : public httplib::Stream {
   bool wrote() const { return wrote_; }
 
   bool is_readable() const override { return buffered() > 0 || wait(POLLIN, deadline_); }
-  bool is_writable() const override { return wait(POLLOUT, Clock::now() + write_timeout_); }
+  bool is_writable() const override { return wait(POLLOUT, Clock::now() + write_timeout_, false); }
 
   ssize_t read(char* ptr, std::size_t size) override {
     if (buffered() == 0) {
@@ -100,10 +101,11 @@ class DeadlineStream final : public httplib::Stream {
  private:
   std::size_t buffered() const { return end_ - begin_; }
 
-  // poll() for `events` until `until`, in slices so that a stopping server is noticed; false on timeout or stop.
-  bool wait(short events, Clock::time_point until) const {
+  // poll() for `events` until `until`, in slices so that a stopping server is noticed (unless `stop_ends_it` is
+  // false: a reply being written still goes out); false on timeout or stop.
+  bool wait(short events, Clock::time_point until, bool stop_ends_it = true) const {
     using std::chrono::milliseconds;
-    while (listening_ != INVALID_SOCKET) {
+    while (!stop_ends_it || listening_ != INVALID_SOCKET) {
       auto left = std::chrono::ceil<milliseconds>(until - Clock::now()).count();
       if (left <= 0) return false;
       pollfd fd{sock_, events, 0};
