@@ -59,6 +59,43 @@ def model_shots(rng: random.Random, n: int, vocab: int, prompt: list[int]) -> li
         for p in bad_params
     ]
     malformed += [single("junk_field", "POST", "/generate", body={"input_ids": junk(rng), "text": junk(rng)})]
+    # issue 42: the /v1 routes too; non-finite and out-of-range numbers, deep nesting, lone surrogates, more
+    # samples than --max-n, bodies over --max-body-bytes and --max-json-values
+    chat = {"messages": [{"role": "user", "content": "12+34="}], "max_tokens": 3, "temperature": 0}
+    completion = {"prompt": "12+34=", "max_tokens": 3}
+    valid += [
+        single("chat", "POST", "/v1/chat/completions", True, body=chat),
+        single("completion", "POST", "/v1/completions", True, body=completion),
+    ]
+    nan, inf, deep = float("nan"), float("inf"), b'{"input_ids": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    for route, path, base, keys in (
+        ("chat", "/v1/chat/completions", chat, ("n", "max_tokens", "seed", "top_k", "top_logprobs", "logprobs")),
+        ("completion", "/v1/completions", completion, ("n", "max_tokens", "seed", "top_k", "logprobs")),
+    ):
+        malformed += [
+            single(f"{route}_{key}_not_finite", "POST", path, body={**base, key: v}) for key in keys for v in (nan, inf)
+        ]
+        malformed += [
+            single(f"{route}_top_p_tiny", "POST", path, body={**base, "top_p": 1e-300}),
+            single(f"{route}_top_k_huge", "POST", path, body={**base, "top_k": 10**20}),
+            single(f"{route}_n_over_max", "POST", path, body={**base, "n": 10**6}),
+            single(f"{route}_deep", "POST", path, raw=deep),
+        ]
+    numbers = [{"max_new_tokens": nan}, {"top_k": inf}, {"top_k": 10**20}, {"top_p": 1e-300}, {"temperature": 1e-300}]
+    numbers += [{"sampling_seed": nan}, {"stop_token_ids": [nan]}]
+    malformed += [
+        single("generate_bad_number", "POST", "/generate", body={"input_ids": prompt, "sampling_params": p})
+        for p in numbers
+    ]
+    malformed += [
+        single("generate_deep", "POST", "/generate", raw=deep),
+        single("generate_lone_surrogate", "POST", "/generate", raw=b'{"text": "12\\ud800+3="}'),
+        single("chat_lone_surrogate", "POST", "/v1/chat/completions",
+               raw=b'{"messages": [{"role": "user", "content": "\\udfff"}]}'),
+        single("generate_batch_over_max_n", "POST", "/generate", body={"input_ids": [prompt] * 300}),
+        single("body_34mb", "POST", "/generate", raw=b'{"input_ids": [' + b",".join([b"5"] * (17 << 20)) + b"]}"),
+        single("json_values_over_max", "POST", "/v1/completions", raw=b'{"prompt": [' + b"1," * (1 << 19) + b"1]}"),
+    ]  # fmt: skip
     return mix(rng, valid, malformed, n)
 
 
