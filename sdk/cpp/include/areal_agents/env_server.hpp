@@ -105,9 +105,7 @@ class EnvServer {
   explicit EnvServer(ServerOptions options = {})
       : options_(std::move(options)),
         http_(std::chrono::seconds(options_.read_timeout_s), kMaxHeaderBytes,
-              [this](const httplib::Request& req, httplib::Response& res) {
-                detail::reply(res, res.status, detail::error_body(detail::error_type_for(res.status), refusal(req, res.status)));
-              }) {
+              [this](const httplib::Request& req, httplib::Response& res) { refuse(req, res); }) {
     install_routes();
   }
   ~EnvServer() { stop(); }
@@ -202,14 +200,15 @@ class EnvServer {
     }));
   }
 
-  // The message of a refusal the server makes itself: what cpp-httplib refuses, or a request cut off.
-  std::string refusal(const httplib::Request& req, int status) const {
-    if (status == 408) return late_message();
-    if (status == 431) return "request line and headers over " + std::to_string(kMaxHeaderBytes) + " bytes";
-    if (status == 413) return too_large_message();
-    if (status == 414) return "request URI too long";
-    std::string what = req.method.empty() ? "a malformed request" : req.method + " " + req.path;
-    return "HTTP " + std::to_string(status) + " for " + what;
+  // A refusal the server makes itself (what cpp-httplib refuses, or a request cut off), in the protocol's shape.
+  void refuse(const httplib::Request& req, httplib::Response& res) const {
+    std::string message = "HTTP " + std::to_string(res.status) + " for " +
+                          (req.method.empty() ? "a malformed request" : req.method + " " + req.path);
+    if (res.status == 408) message = late_message();
+    if (res.status == 431) message = "request line and headers over " + std::to_string(kMaxHeaderBytes) + " bytes";
+    if (res.status == 413) message = too_large_message();
+    if (res.status == 414) message = "request URI too long";
+    detail::reply(res, res.status, detail::error_body(detail::error_type_for(res.status), message));
   }
 
   std::string late_message() const {
