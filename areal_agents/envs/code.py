@@ -79,6 +79,10 @@ def load_code_dataset(dataset: str, split: str | None) -> tuple[str, BaseDataset
     return data.format, data
 
 
+# a sandbox run's address space: a client of serve-env names it, so it is bounded (the run is killed past it)
+MIN_MEMORY_MB, MAX_MEMORY_MB = 64, 8192
+
+
 class WithinCall:
     """A sandbox whose runs end by the current served call's deadline (`remaining_s`): each run's timeout is
     cut to the time left, and a run with none left is a timeout without running."""
@@ -130,6 +134,8 @@ class CodeEnv(TextEnv):
             raise ValueError(f"Expects max_runs to be an int >= 0, got {max_runs!r}")
         if not isinstance(timeout_s, int | float) or not timeout_s > 0:
             raise ValueError(f"Expects timeout_s to be a number > 0, got {timeout_s!r}")
+        if not isinstance(memory_mb, int) or not MIN_MEMORY_MB <= memory_mb <= MAX_MEMORY_MB:
+            raise ValueError(f"Expects memory_mb to be an int in [{MIN_MEMORY_MB}, {MAX_MEMORY_MB}], got {memory_mb!r}")
         self._data_args = (dataset, split)
         self.format, self.data = load_code_dataset(dataset, split)
         self.max_turns, self.max_runs, self.partial_reward = max_turns, max_runs, partial_reward

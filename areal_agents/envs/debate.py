@@ -28,6 +28,8 @@ from typing import Any, Literal
 from areal_agents.envs.multi_agent import Dicts, MultiAgentTextEnv
 from areal_agents.envs.templates import check_template
 
+# a step's observations hold every agent's answer for every agent: bounded, as a client of serve-env names them
+MAX_AGENTS, MAX_ANSWER_CHARS = 16, 65536
 ROUND_PROMPT = "The other agents answered:\n{answers}\nKeep or correct your answer.\n{question}"
 
 
@@ -48,8 +50,10 @@ class DebateEnv(MultiAgentTextEnv):
         right_against_majority_reward: float = 0.0,
         max_answer_chars: int = 2000,
     ) -> None:
-        if not isinstance(num_agents, int) or num_agents < 2:
-            raise ValueError(f"num_agents: expects an int >= 2, got {num_agents!r}")
+        if not isinstance(num_agents, int) or not 2 <= num_agents <= MAX_AGENTS:
+            raise ValueError(f"num_agents: expects an int in [2, {MAX_AGENTS}], got {num_agents!r}")
+        if not isinstance(max_answer_chars, int) or not 1 <= max_answer_chars <= MAX_ANSWER_CHARS:
+            raise ValueError(f"max_answer_chars: expects an int in [1, {MAX_ANSWER_CHARS}], got {max_answer_chars!r}")
         if not isinstance(rounds, int) or rounds < 1:
             raise ValueError(f"rounds: expects an int >= 1, got {rounds!r}")
         if visibility not in ("all", "ring"):

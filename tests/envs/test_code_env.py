@@ -26,6 +26,12 @@ def index_of(qid, name="lcb_v5_subset"):
     return next(i for i, r in enumerate(rows(name)) if r["question_id"] == qid)
 
 
+@pytest.mark.parametrize("memory_mb", [10**7, 1, 512.5, "1024"])
+def test_a_sandbox_memory_outside_its_bounds_is_refused(memory_mb):
+    with pytest.raises(ValueError, match=r"memory_mb to be an int in \[64, 8192\]"):
+        gym.make("areal_agents/Code-v0", dataset="mbpp", memory_mb=memory_mb)
+
+
 def test_run_then_submit_stdin_problem():
     env = gym.make("areal_agents/Code-v0", dataset="lcb_v5_subset", max_turns=4, max_runs=1)
     obs, info = env.reset(options={"index": index_of("abc365_a")})

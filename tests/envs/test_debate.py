@@ -72,6 +72,8 @@ def test_the_task_seed_fixes_the_question():
     "kwargs, message",
     [
         ({"num_agents": 1}, "num_agents"),
+        ({"num_agents": 100_000}, r"num_agents: expects an int in \[2, 16\]"),  # a client sizes each step by it
+        ({"max_answer_chars": 10**9}, "max_answer_chars"),
         ({"rounds": 0}, "rounds"),
         ({"visibility": "some"}, "visibility"),
         ({"round_prompt": "no placeholder"}, "round_prompt"),
