@@ -125,8 +125,12 @@ class MathEnv(TextEnv):
             return as_result(self.reward_fn(action, self.row))
         left = remaining_s()  # served: verification ends by the server's step timeout too
         timeout = self.verify_timeout if left is None else min(self.verify_timeout, left)
+        args = (self.reward_fn, action, self.row)
         try:
-            return as_result(reward_pool().call_sync(self.reward_fn, action, self.row, timeout=timeout))
+            try:
+                return as_result(reward_pool().call_sync(*args, timeout=timeout))
+            except WorkerDied:  # killed from outside, or by this text: a new worker scores it once more
+                return as_result(reward_pool().call_sync(*args, timeout=timeout))
         except CallTimeout:
             return RewardResult(0.0, {"correct": False, "error": "timeout"})
         except (WorkerDied, RemoteError) as e:

@@ -96,3 +96,16 @@ def test_a_reward_service_whose_workers_cannot_start_raises():
             asyncio.run(service.score_batch(MathReward(), [("\\boxed{1}", {"answer": "1"})] * 3))
     finally:
         asyncio.run(service.aclose())
+
+
+@pytest.mark.slow
+def test_a_math_env_whose_reward_worker_died_scores_the_answer_again(tmp_path):
+    import gymnasium as gym
+
+    import areal_agents  # noqa: F401  (registers Math-v0)
+
+    env = gym.make("areal_agents/Math-v0").unwrapped
+    env.reset(seed=0)
+    env.reward_fn = DiesOnce(str(tmp_path / "died"))  # its first worker dies under it: no fault of the answer
+    _, reward, terminated, _, info = env.step("42")
+    assert (reward, terminated) == (1.0, True) and "error" not in info and (tmp_path / "died").exists()
