@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from areal_agents.config import EngineConfig, TrainConfig
 from areal_agents.data.sources import datasets_in
 from areal_agents.engines.local_servers import ServerGroup, engine_client
 from areal_agents.engines.lora_sync import LoraGroup
+from areal_agents.engines.server_control import ADMIN_KEY_ENV
 from areal_agents.engines.weight_sync import open_weight_sync
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ConfigError
@@ -150,7 +152,10 @@ def connect(cfg: TrainConfig) -> bool:
         return False
     # the driver's import path, so `module:Class` in the config resolves in the actors too (shared files)
     path = os.pathsep.join([os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
-    runtime_env = {"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}}
+    # the run's admin key: its serve-model actors (on node addresses) want it on their control routes, and its
+    # driver, rollout workers and supervisors send it (AREAL_ADMIN_KEY, or one made for this run)
+    key = os.environ[ADMIN_KEY_ENV] = os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24)
+    runtime_env = {"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", ADMIN_KEY_ENV: key}}
     common = {"runtime_env": runtime_env, "logging_level": logging.WARNING, "log_to_driver": True}
     if cfg.ray.address:
         try:
