@@ -6,13 +6,12 @@ Replay a failure with the printed seed: ``CHAOS_SEED=N CHAOS_REQUESTS=M pytest t
 """
 
 import asyncio
-import gc
 import os
 import random
 import sys
 
 import pytest
-from chaos_fuzz import fire, junk, mix, report, rss_kb, single, start_server, stops_on_sigterm
+from chaos_fuzz import fire, junk, mix, own_rss_kb, report, rss_kb, single, start_server, stops_on_sigterm
 
 from areal_agents.net import free_port
 
@@ -120,6 +119,9 @@ def env_shots(rng: random.Random, n: int) -> list:
     def create(kind, **body):
         return single(kind, "POST", "/v1/sessions", body={"env_id": "areal_agents/Arithmetic-v0", **body})
 
+    def served(kind, env, **kwargs):  # kwargs a hostile client sizes or points at the server's files with
+        return single(kind, "POST", "/v1/sessions", body={"env_id": f"areal_agents/{env}", "kwargs": kwargs})
+
     valid = [episode, single("envs", "GET", "/v1/envs", True), single("health", "GET", "/health", True)]
     malformed = [
         create("unknown_env", env_id="nope/Nothing-v0"),
@@ -134,6 +136,12 @@ def env_shots(rng: random.Random, n: int) -> list:
         single("batch_junk", "POST", "/v1/step", body={"steps": [{"session_id": 5}]}),
         single("oversized_body", "POST", "/v1/sessions", raw=b'{"env_id": "' + b"x" * (9 << 20) + b'"}'),
         single("unknown_route", "GET", "/v2/nothing"),
+        served("dataset_a_server_file", "Math-v0", dataset="/etc/passwd", prompt_key="root"),
+        served("dataset_dotted_path", "Math-v0", dataset=f"/tmp/{'./' * rng.randint(1, 20)}../etc/hostname"),
+        served("template_width", "Math-v0", prompt_template="{prompt:>300000000}"),
+        served("template_attribute", "Math-v0", prompt_template="{prompt.__class__}"),
+        served("sandbox_memory", "Code-v0", memory_mb=10**7),
+        served("debate_agents", "Debate-v0", num_agents=100_000),
     ]
     return mix(rng, valid, malformed, n)
 
@@ -148,7 +156,7 @@ def test_serve_model_survives_chaos(tiny_dir, tokenizer):
             [{"role": "user", "content": "12+34="}], add_generation_prompt=True, return_dict=False
         )
         vocab = len(tokenizer)
-        warm = asyncio.run(fire(base, model_shots(rng, 200, vocab, prompt)))
+        warm = asyncio.run(fire(base, model_shots(rng, 500, vocab, prompt)))  # allocators settle
         before = rss_kb(proc.pid)
         tally = asyncio.run(fire(base, model_shots(rng, REQUESTS, vocab, prompt)))
         after = rss_kb(proc.pid)
@@ -226,11 +234,9 @@ def test_chat_proxy_survives_chaos(tiny_dir, tokenizer):
         base = f"http://{proxy.host}:{proxy.port}"
         try:
             warm = await fire(base, shots(sessions, 600))  # this process's allocators grow for a while
-            gc.collect()
-            before = rss_kb(os.getpid())
+            before = own_rss_kb()
             tally = await fire(base, shots(sessions, REQUESTS))
-            gc.collect()
-            after = rss_kb(os.getpid())
+            after = own_rss_kb()
         finally:
             await asyncio.wait_for(proxy.stop(), 10)
             await engine.aclose()
