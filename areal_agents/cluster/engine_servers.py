@@ -6,6 +6,8 @@ when it goes."""
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import signal
 import subprocess
 import tempfile
@@ -17,6 +19,7 @@ import ray
 
 from areal_agents.config import EngineConfig
 from areal_agents.engines.local_servers import ServerGroup, failing_s, server_command, wait_healthy
+from areal_agents.engines.server_control import ADMIN_KEY_ENV
 from areal_agents.engines.supervisor import Supervisor
 from areal_agents.errors import ConfigError
 from areal_agents.net import free_port
@@ -27,18 +30,26 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _spawn(command: list[str], log: Path) -> subprocess.Popen:
+def _spawn(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(log, "ab") as out:
         return subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent, env=env
         )
 
 
 @ray.remote
 class EngineServerActor:
     def __init__(
-        self, cfg: EngineConfig, model_path: str, dtype: str, log_dir: str, index: int, weights_dir: str | None
+        self,
+        cfg: EngineConfig,
+        model_path: str,
+        dtype: str,
+        log_dir: str,
+        index: int,
+        weights_dir: str | None,
+        admin_key: str | None = None,
     ) -> None:
+        """``admin_key``: the run's key, which serve-model wants on its control routes (in its environment)."""
         since = time.time()
         host = ray.util.get_node_ip_address()
         port = free_port(host)
@@ -50,7 +61,9 @@ class EngineServerActor:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_bytes(b"")
         scratch = Path(tempfile.mkdtemp(prefix="areal-vllm-")) if cfg.backend == "vllm" else None  # its sockets
-        proc = _spawn(server_command(cfg, model_path, dtype, port, 0, scratch=scratch), log)
+        env = {**os.environ, ADMIN_KEY_ENV: admin_key} if admin_key else None
+        spawn = functools.partial(_spawn, env=env)
+        proc = spawn(server_command(cfg, model_path, dtype, port, 0, scratch=scratch), log)
         self.group = ServerGroup([f"http://{host}:{port}"], [proc], [log], scratch=[scratch] if scratch else [])
         try:
             wait_healthy(self.group, cfg.startup_timeout_s)
@@ -65,8 +78,8 @@ class EngineServerActor:
 
         weights = Path(weights_dir) if weights_dir else None
         self.group.supervisor = Supervisor(
-            self.group, command_for, model_path, weights, spawn=_spawn, startup_timeout_s=cfg.startup_timeout_s,
-            since=since, failing_s=failing_s(cfg.backend),
+            self.group, command_for, model_path, weights, spawn=spawn, startup_timeout_s=cfg.startup_timeout_s,
+            since=since, failing_s=failing_s(cfg.backend), admin_key=admin_key,
         ).start()  # fmt: skip
 
     def url(self) -> str:
@@ -108,6 +121,7 @@ class EngineServers:
         cpus: float,
         gpus: float,
         weights_dir: Path | None = None,
+        admin_key: str | None = None,
     ):
         """``weights_dir``: where the run writes weight updates (default: ``engine_weights`` beside ``log_dir``);
         ``gpus``: what each server actor reserves (``ray.engine_server_gpus``, checked by `check_server_gpus`)."""
@@ -115,7 +129,7 @@ class EngineServers:
         options = {"num_cpus": cpus, "num_gpus": gpus}
         weights = str(weights_dir or Path(log_dir).parent / "engine_weights")
         self.actors = [
-            EngineServerActor.options(**options).remote(cfg, model_path, dtype, str(log_dir), i, weights)
+            EngineServerActor.options(**options).remote(cfg, model_path, dtype, str(log_dir), i, weights, admin_key)
             for i in range(cfg.num_servers)
         ]
         self.addresses = ray.get([a.url.remote() for a in self.actors])

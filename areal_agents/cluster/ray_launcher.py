@@ -58,6 +58,10 @@ class RayLauncher:
         self.env_servers: EnvServers | None = None
         self.workers: RolloutWorkers | None = None
         self.lora_group: LoraGroup | None = None  # the base model's servers, serving every policy's adapter
+        # the run's admin key: its serve-model actors (on node addresses) want it on their control routes; the
+        # driver's clients and the rollout workers send it (AREAL_ADMIN_KEY, or one made for this run)
+        self.admin_key = os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24)
+        self.servers_key: str | None = None  # what the servers' clients send: the run's key, or (engine.urls) none
 
     def start(self) -> None:
         """Join or start the cluster, check the resource requests, start the env servers."""
@@ -86,7 +90,9 @@ class RayLauncher:
             engine, sync, servers = self.lora_group.view(name), self.lora_group.sync(name), None
         else:
             e, servers = self._servers(init_path if spec.lora is not None else model_path, spec.dtype)
-            engine = engine_client(e, servers.addresses, self.run_dir / "engine_weights")
+            launched = isinstance(servers, EngineServers) and e.backend == "serve-model"
+            self.servers_key = self.admin_key if launched else None  # None: AREAL_ADMIN_KEY, if any
+            engine = engine_client(e, servers.addresses, self.run_dir / "engine_weights", self.servers_key)
             if spec.lora is not None:
                 self.lora_group = LoraGroup(engine)
                 engine, sync = self.lora_group.view(name), self.lora_group.sync(name)
@@ -111,8 +117,9 @@ class RayLauncher:
         if e.backend == "hf":  # the same HF engine, behind the SGLang protocol, so workers can reach it
             e = dataclasses.replace(e, backend="serve-model")
         servers = EngineServers(
-            e, model_path, dtype, self.run_dir / "servers", r.engine_server_cpus, r.engine_server_gpus
-        )
+            e, model_path, dtype, self.run_dir / "servers", r.engine_server_cpus, r.engine_server_gpus,
+            admin_key=self.admin_key if e.backend == "serve-model" else None,
+        )  # fmt: skip
         return e, servers
 
     def env_backend(self) -> EnvBackend:
@@ -121,7 +128,8 @@ class RayLauncher:
     def episode_runner(self, policy: TrainablePolicy) -> EpisodeFn:
         """Episodes on the rollout workers, against ``policy``'s model servers."""
         if self.workers is None:
-            self.workers = RolloutWorkers.launch(self.cfg, policy.engine.addresses, self.env_servers)
+            addresses = policy.engine.addresses
+            self.workers = RolloutWorkers.launch(self.cfg, addresses, self.env_servers, self.servers_key)
         return self.workers.run_episode
 
     def stats(self) -> dict:
@@ -152,10 +160,7 @@ def connect(cfg: TrainConfig) -> bool:
         return False
     # the driver's import path, so `module:Class` in the config resolves in the actors too (shared files)
     path = os.pathsep.join([os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
-    # the run's admin key: its serve-model actors (on node addresses) want it on their control routes, and its
-    # driver, rollout workers and supervisors send it (AREAL_ADMIN_KEY, or one made for this run)
-    key = os.environ[ADMIN_KEY_ENV] = os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24)
-    runtime_env = {"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", ADMIN_KEY_ENV: key}}
+    runtime_env = {"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}}
     common = {"runtime_env": runtime_env, "logging_level": logging.WARNING, "log_to_driver": True}
     if cfg.ray.address:
         try:

@@ -38,9 +38,11 @@ log = logging.getLogger(__name__)
 class RolloutWorker:
     """Runs episodes of the run's agent against the model servers and the env servers."""
 
-    def __init__(self, cfg: TrainConfig, engine_urls: list[str], env_servers: EnvServers) -> None:
+    def __init__(
+        self, cfg: TrainConfig, engine_urls: list[str], env_servers: EnvServers, admin_key: str | None = None
+    ) -> None:
         quiet_transformers()
-        self.engine = engine_client(cfg.engine, engine_urls)
+        self.engine = engine_client(cfg.engine, engine_urls, admin_key=admin_key)  # the servers' key
         self.agent = make_rollout_agent(cfg.rollout, adapter_views(cfg, self.engine), load_tokenizer(cfg.model.path))
         self.envs = EnvBackend(cfg.env, env_servers.pool())
         self.episode = local_episode(self.agent, self.envs.make)
@@ -94,11 +96,13 @@ class RolloutWorkers:
         self._pending: dict[str, list[tuple[int, str, asyncio.Future]]] = {}  # group -> episodes this tick
 
     @classmethod
-    def launch(cls, cfg: TrainConfig, engine_urls: list[str], env_servers: EnvServers) -> RolloutWorkers:
+    def launch(
+        cls, cfg: TrainConfig, engine_urls: list[str], env_servers: EnvServers, admin_key: str | None = None
+    ) -> RolloutWorkers:
         options = {"num_cpus": cfg.ray.rollout_worker_cpus, "max_restarts": cfg.ray.max_restarts}
         options["max_concurrency"] = max(1000, cfg.rollout.max_concurrent_rollouts)
         actors = [
-            RolloutWorker.options(**options).remote(cfg, engine_urls, env_servers)
+            RolloutWorker.options(**options).remote(cfg, engine_urls, env_servers, admin_key)
             for _ in range(cfg.ray.rollout_workers)
         ]
         ray.get([a.pid.remote() for a in actors], timeout=cfg.engine.startup_timeout_s)  # built, or the reason

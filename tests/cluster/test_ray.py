@@ -4,10 +4,13 @@ survives a killed env server and a killed rollout worker (real SIGKILLs) with a 
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -46,6 +49,18 @@ def train(args: list[str], cwd: Path = ROOT) -> subprocess.Popen:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     cmd = [sys.executable, "-m", "areal_agents.cli", "train", str(RECIPE), *args, "--no-progress"]
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def control_without_the_key(run: Path) -> int:
+    """The status a serve-model actor of ``run`` answers a /pause_generation without the run's admin key."""
+    log = (run / "servers" / "serve-model-0.log").read_text()
+    url = re.search(r"serve-model: .*?(http://\S+) ", log).group(1)
+    request = urllib.request.Request(url + "/pause_generation", data=b"{}", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def balanced(ledger: dict) -> bool:
@@ -150,6 +165,7 @@ def test_run_survives_a_killed_env_server_and_rollout_worker(tiny_dir, tmp_path)
         while not (run / "trajectories" / "step_1.jsonl").exists():  # rollouts of later steps are running
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
             time.sleep(0.05)
+        assert control_without_the_key(run) == 401  # the run's servers, on the node's address, want its key
         killed = {}
         for name in ("EnvServerActor", "RolloutWorker"):
             pids = actor_pids(name)
