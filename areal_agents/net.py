@@ -1,4 +1,5 @@
-"""Network helpers the servers and their launchers share: a free port, the /health probe and wait, a log's tail."""
+"""Network helpers the servers and their launchers share: a free port, the /health probe and wait, a log's tail,
+the request-body cap of the servers (`BodyLimit`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -52,3 +54,43 @@ def log_tail(path: Path, lines: int = 20) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+class BodyLimit:
+    """ASGI middleware of the servers: a request body over ``max_bytes`` is refused while it is read, with
+    the response ``refuse(max_bytes)`` builds (a 413 in the server's error shape). A declared Content-Length
+    over the limit is refused at once; any other body (chunked, or a wrong length) is read up to the limit and
+    then handed to the app whole, so no more than the limit is ever held, however the body was sent.
+
+        app.add_middleware(BodyLimit, max_bytes=8 << 20, refuse=lambda n: JSONResponse({...}, 413))
+    """
+
+    def __init__(self, app: Any, max_bytes: int, refuse: Callable[[int], Any]) -> None:
+        self.app, self.max_bytes, self.refuse = app, max_bytes, refuse
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self.refuse(self.max_bytes)(scope, receive, send)
+        chunks, seen, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away: nobody to answer
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.max_bytes:
+                return await self.refuse(self.max_bytes)(scope, receive, send)
+            more = message.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: the disconnect, when it comes
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)

@@ -24,6 +24,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from areal_agents.engines.sglang.protocol import ProtocolError
+from areal_agents.net import BodyLimit
 
 # Routes that change what the server serves or whether it serves: the admin key guards them when one is set.
 # (/abort_request guards its abort_all in the route: aborting one's own request by rid stays open.)
@@ -71,16 +72,16 @@ def is_admin(authorization: str | None, admin_key: str | None) -> bool:
 
 
 class ClientGuard:
-    """ASGI middleware: the admin key on control routes, and the body size cap enforced while reading."""
+    """ASGI middleware: the admin key on control routes, then the body size cap enforced while reading
+    (`BodyLimit`)."""
 
     def __init__(self, app: Any, max_body_bytes: int, admin_key: str | None = None) -> None:
-        self.app, self.max_body_bytes, self.admin_key = app, max_body_bytes, admin_key
+        self.app, self.admin_key = app, admin_key
+        self.limited = BodyLimit(app, max_body_bytes, refuse=_too_large)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.lower(): v for k, v in scope.get("headers") or []}
-        if scope["path"] in CONTROL_ROUTES:
+        if scope["type"] == "http" and scope["path"] in CONTROL_ROUTES:
+            headers = {k.lower(): v for k, v in scope.get("headers") or []}
             auth = headers.get(b"authorization", b"").decode("latin-1")
             if not is_admin(auth, self.admin_key):
                 message = (
@@ -88,33 +89,11 @@ class ClientGuard:
                     "as 'Authorization: Bearer KEY'"
                 )
                 return await guard_error(401, message)(scope, receive, send)
-        length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            return await self._too_large(scope, receive, send)
-        chunks, seen, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away: nobody to answer
-            chunks.append(message.get("body", b""))
-            seen += len(chunks[-1])
-            if seen > self.max_body_bytes:
-                return await self._too_large(scope, receive, send)
-            more = message.get("more_body", False)
-        body, replayed = b"".join(chunks), False
+        await self.limited(scope, receive, send)
 
-        async def replay() -> dict:
-            nonlocal replayed
-            if replayed:
-                return await receive()  # after the body: the disconnect, when it comes (`unless_gone`)
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, replay, send)
-
-    async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
-        message = f"the request body is over {self.max_body_bytes} bytes (--max-body-bytes)"
-        await guard_error(413, message)(scope, receive, send)
+def _too_large(max_body_bytes: int) -> JSONResponse:
+    return guard_error(413, f"the request body is over {max_body_bytes} bytes (--max-body-bytes)")
 
 
 def parse_body(raw: bytes, required: bool = False, max_values: int = MAX_JSON_VALUES) -> Any:

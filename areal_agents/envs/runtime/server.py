@@ -45,6 +45,7 @@ from areal_agents.envs.runtime.protocol import (
 )
 from areal_agents.errors import ArealAgentsError, EnvError, UnknownEnvError
 from areal_agents.importing import only_modules
+from areal_agents.net import BodyLimit
 from areal_agents.workers import RemoteError
 
 
@@ -310,47 +311,8 @@ def _error(status: int, type_: str, message: str) -> Response:
     return _json({"error": {"type": type_, "message": message}}, status)
 
 
-class BodyLimit:
-    """ASGI middleware: refuse request bodies over ``max_bytes`` with 413 before parsing them.
-
-    A declared Content-Length over the limit is refused at once; any other body (chunked, or a wrong
-    length) is read up to the limit and then handed to the app whole, so the limit never depends on how
-    the body was sent."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
-            return await self._reject(scope, receive, send)
-        chunks, seen, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away: nobody to answer
-            chunks.append(message.get("body", b""))
-            seen += len(chunks[-1])
-            if seen > self.max_bytes:
-                return await self._reject(scope, receive, send)
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if replayed:
-                return await receive()  # after the body: a disconnect, when it comes
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _reject(self, scope: dict, receive: Any, send: Any) -> None:
-        response = _error(413, "payload_too_large", f"request body over {self.max_bytes} bytes (--max-body-bytes)")
-        await response(scope, receive, send)
+def _too_large(max_bytes: int) -> Response:
+    return _error(413, "payload_too_large", f"request body over {max_bytes} bytes (--max-body-bytes)")
 
 
 def build_app(server: EnvServer) -> FastAPI:
@@ -364,7 +326,7 @@ def build_app(server: EnvServer) -> FastAPI:
         await server.aclose()
 
     app = FastAPI(title="areal-agents env-step server", version="v1", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=server.cfg.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=server.cfg.max_body_bytes, refuse=_too_large)
     errors = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 409: {"model": ErrorResponse}}
 
     @app.exception_handler(HTTPError)
