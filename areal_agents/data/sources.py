@@ -14,13 +14,12 @@ same message whether or not such a file exists, so a client learns nothing of th
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -134,14 +133,20 @@ class ServedData:
 _serving: contextvars.ContextVar[ServedData | None] = contextvars.ContextVar("served_data", default=None)
 
 
-@contextlib.contextmanager
-def serving(allowed: ServedData) -> Iterator[None]:
-    """Within this block (an env server making a client's env) datasets resolve through ``allowed`` alone."""
-    token = _serving.set(allowed)
-    try:
-        yield
-    finally:
-        _serving.reset(token)
+class serving:  # noqa: N801  (used as a function: ``with serving(allowed):``)
+    """Within this block (an env server making or stepping a client's env) datasets resolve through ``allowed``
+    alone. A class, not a generator: the env server enters one around every step."""
+
+    __slots__ = ("allowed", "token")
+
+    def __init__(self, allowed: ServedData) -> None:
+        self.allowed = allowed
+
+    def __enter__(self) -> None:
+        self.token = _serving.set(self.allowed)
+
+    def __exit__(self, *exc: object) -> None:
+        _serving.reset(self.token)
 
 
 def export_to_workers(allowed: ServedData) -> None:

@@ -12,22 +12,26 @@ does not, and is killed at the timeout instead (its sandboxes die with it).
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import time
-from collections.abc import Iterator
 
 _deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("env_call_deadline", default=None)
 
 
-@contextlib.contextmanager
-def call_deadline(seconds: float | None) -> Iterator[None]:
-    """Within this block, `remaining_s` counts down from ``seconds`` (None: no deadline)."""
-    token = _deadline.set(None if seconds is None else time.monotonic() + seconds)
-    try:
-        yield
-    finally:
-        _deadline.reset(token)
+class call_deadline:  # noqa: N801  (used as a function: ``with call_deadline(60.0):``)
+    """Within this block, `remaining_s` counts down from ``seconds`` (None: no deadline). A class, not a
+    generator: the env server enters one around every step, and a generator's context manager costs more."""
+
+    __slots__ = ("seconds", "token")
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+
+    def __enter__(self) -> None:
+        self.token = _deadline.set(None if self.seconds is None else time.monotonic() + self.seconds)
+
+    def __exit__(self, *exc: object) -> None:
+        _deadline.reset(self.token)
 
 
 def remaining_s() -> float | None:
