@@ -146,6 +146,33 @@ def test_readme_python_blocks_compile_and_links_resolve():
         assert anchor in headings, f"README links to a missing heading of docs/benchmarks.md: #{anchor}"
 
 
+def _readme_imports() -> str:
+    python = "\n".join(body for lang, body in blocks(README.read_text()) if lang == "python")
+    return "\n".join(line for line in python.splitlines() if re.match(r"(from \S+ )?import ", line))
+
+
+def test_readme_imports_only_current_paths():
+    """Fast twin of the slow session's check: importing what the README imports warns of no moved path."""
+    imports = _readme_imports()
+    assert "from areal_agents" in imports, imports
+    done = subprocess.run(
+        [sys.executable, "-c", _SESSION], input=imports, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, f"README imports raise a DeprecationWarning:\n{done.stderr[-3000:]}"
+
+
+def test_the_session_fails_on_an_old_module_path():
+    done = subprocess.run(
+        [sys.executable, "-c", _SESSION],
+        input="from areal_agents.trainers.setup import make_optimizer",
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1 and "areal_agents.trainers.setup moved to" in done.stderr, done.stderr
+
+
 def test_the_expected_output_matcher():
     want = "held-out greedy accuracy (200 problems): after SFT 70.0% -> after RL 88.5% (+18.5 points)"
     got = "noise\nheld-out greedy accuracy (200 problems): after SFT 66.5% -> after RL  91.0% (+24.5 points)\n"
@@ -186,12 +213,22 @@ def _serve(line: str, env: dict[str, str]) -> None:
             proc.wait()
 
 
+# The README's Python runs as one session that fails on a DeprecationWarning a README line raised: one
+# attributed to a README line, or one of ours (an old module path the README imports).
 _SESSION = r"""
-import ast, asyncio, sys
-code = compile(sys.stdin.read(), "README python blocks", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-result = eval(code, {"__name__": "__main__"})
-if result is not None:
-    asyncio.run(result)
+import ast, asyncio, sys, warnings
+NAME = "README python blocks"
+code = compile(sys.stdin.read(), NAME, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    result = eval(code, {"__name__": "__main__"})
+    if result is not None:
+        asyncio.run(result)
+ours = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+ours = [w for w in ours if w.filename == NAME or str(w.message).startswith("areal_agents.")]
+for w in ours:
+    print(f"README DeprecationWarning: {w.filename}:{w.lineno}: {w.message}", file=sys.stderr)
+sys.exit(1 if ours else 0)
 """
 
 
