@@ -18,7 +18,7 @@
 # Otherwise, on a machine without an NVIDIA GPU, the CPU build from PyTorch's own index (PyPI's default
 # Linux build bundles CUDA: several GB); if that index is unreachable, the default index (pip's own
 # configuration: on the project's dev machines, a local CPU wheel). On an NVIDIA machine, the default
-# index's build (CUDA). Sourcing this file defines the functions without running anything (tests use it).
+# index's build (CUDA). It prints which torch it took, from where (the wheel's URL) and why. Sourcing this file defines the functions without running anything (tests use it).
 set -euo pipefail
 
 VENV=${VENV:-.venv}
@@ -53,26 +53,55 @@ sys.exit(v < (2, 6))' >/dev/null 2>&1; then
   fi
 }
 
+# Prints the URL pip installed torch from (its --report FILE), or nothing (already there, or no report).
+torch_source() {
+  "$VENV/bin/python" - "$1" 2>/dev/null <<'PY' || true
+import json, sys
+for item in json.load(open(sys.argv[1])).get("install", []):
+    if item["metadata"]["name"].lower() == "torch":
+        print(item["download_info"]["url"])
+PY
+}
+
+# Says which torch .venv has, where it came from and why: a run's speed and size depend on it.
+say_torch() {
+  local report=$1 why=$2 found source
+  found=$("$VENV/bin/python" -c 'import torch; print(torch.__version__, torch.version.cuda or "")' 2>/dev/null || true)
+  source=$(torch_source "$report")
+  echo "setup: torch ${found%% *} from ${source:-$VENV}: $why"
+  if [ -n "${found#* }" ] && [ "${found#* }" != "$found" ] && ! has_nvidia_gpu; then
+    echo "setup: warning: this torch is a CUDA ${found#* } build on a machine without an NVIDIA GPU" \
+      "(several GB it cannot use); for the CPU build: $VENV/bin/pip install torch --index-url $TORCH_CPU_INDEX" >&2
+  fi
+}
+
 install_torch() {
-  local plan
+  local plan report why
   plan=$(torch_plan)
+  report=$(mktemp)
   case "$plan" in
-    keep) ;;
+    keep) why="already there (>= 2.6) and kept: setup never replaces a torch you installed" ;;
     cpu-index)
       # Fail fast where the index is unreachable (a closed network, a PyPI-only mirror).
-      if ! pip_install --index-url "$TORCH_CPU_INDEX" --timeout 10 --retries 0 "torch==$TORCH_VERSION"; then
+      if pip_install --report "$report" --index-url "$TORCH_CPU_INDEX" --timeout 10 --retries 0 "torch==$TORCH_VERSION"; then
+        why="PyTorch's CPU index, as no NVIDIA GPU is here (PyPI's default Linux build bundles CUDA)"
+      else
         echo "setup: PyTorch's CPU index ($TORCH_CPU_INDEX) failed; installing torch==$TORCH_VERSION" \
           "from the default index" >&2
-        pip_install "torch==$TORCH_VERSION"
+        pip_install --report "$report" "torch==$TORCH_VERSION"
+        why="the default index of pip's configuration, as PyTorch's CPU index ($TORCH_CPU_INDEX) was unreachable"
       fi
       ;;
     default)
       echo "setup: NVIDIA GPU found: installing torch==$TORCH_VERSION from the default index (its CUDA build)." \
         "For another CUDA version, install torch into $VENV first (pip install torch --index-url" \
         "https://download.pytorch.org/whl/cuXYZ); setup keeps it." >&2
-      pip_install "torch==$TORCH_VERSION"
+      pip_install --report "$report" "torch==$TORCH_VERSION"
+      why="the default index, as an NVIDIA GPU is here (its CUDA build)"
       ;;
   esac
+  say_torch "$report" "$why"
+  rm -f "$report"
 }
 
 # Prints the pip requirement of vLLM for this machine.
@@ -139,6 +168,10 @@ main() {
       --with-vllm) with_vllm=1 ;;
       --with-sglang) with_sglang=1 ;;
       --with-sdks) with_sdks=1 ;;
+      -h | --help)
+        echo "usage: bash scripts/setup.sh [--with-vllm] [--with-sglang] [--with-sdks]"
+        awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"
+        return 0 ;;
       *) echo "setup: unknown argument $arg (expected --with-vllm, --with-sglang or --with-sdks)" >&2; return 2 ;;
     esac
   done

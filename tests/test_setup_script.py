@@ -30,7 +30,7 @@ def run_setup_fn(tmp_path: Path, venv: Path, fn: str, gpu: bool) -> subprocess.C
     """Source setup.sh and call ``fn`` with a PATH that has (or lacks) an nvidia-smi."""
     bin_dir = tmp_path / "path"
     bin_dir.mkdir(exist_ok=True)
-    for tool in ("grep", "cat", "sh", "env"):
+    for tool in ("grep", "cat", "sh", "env", "mktemp", "rm"):
         (bin_dir / tool).unlink(missing_ok=True)
         (bin_dir / tool).symlink_to(shutil.which(tool))
     if gpu:
@@ -78,6 +78,35 @@ def test_unreachable_cpu_index_falls_back_to_the_default_index(tmp_path):
     assert "--index-url" in first
     assert "--index-url" not in second and "torch==" in second
     assert "CPU index" in out.stderr
+
+
+def test_setup_says_where_torch_came_from_and_why(tmp_path):
+    """The CPU index was unreachable and pip's configuration served torch (here: a local wheel folder): setup
+    names the wheel pip installed (from pip's --report) and the reason; a CUDA build on a CPU machine warns."""
+    venv = fake_venv(tmp_path, torch_importable=False, cpu_index_works=False)
+    wheel = "file:///opt/wheels/torch-2.13.0%2Bcpu-cp311-cp311-linux_x86_64.whl"
+    report = f'{{"install": [{{"metadata": {{"name": "torch"}}, "download_info": {{"url": "{wheel}"}}}}]}}'
+    pip = (venv / "bin" / "pip").read_text().replace(
+        "exit 0\n", f'for a in "$@"; do [ "$prev" = --report ] && echo \'{report}\' > "$a"; prev=$a; done\nexit 0\n'
+    )
+    (venv / "bin" / "pip").write_text(pip)
+    describe = "2.13.0+cpu"
+    (venv / "bin" / "python").write_text(
+        f'#!/bin/sh\n[ "$1" = - ] && exec {sys.executable} "$@"\n'
+        f'case "$2" in *torch.version.cuda*) echo "{describe} "; exit 0;; esac\nexit 1\n'
+    )
+    out = run_setup_fn(tmp_path, venv, "install_torch", gpu=False)
+    assert out.returncode == 0, out.stderr
+    assert f"setup: torch 2.13.0+cpu from {wheel}: the default index of pip's configuration, as PyTorch's CPU index" in (
+        out.stdout
+    ), out.stdout
+    assert "unreachable" in out.stdout and "warning" not in out.stderr
+    (venv / "bin" / "python").write_text(  # a CUDA build on this CPU machine
+        f'#!/bin/sh\n[ "$1" = - ] && exec {sys.executable} "$@"\n'
+        'case "$2" in *torch.version.cuda*) echo "2.13.0 12.8"; exit 0;; esac\nexit 1\n'
+    )
+    out = run_setup_fn(tmp_path, venv, "install_torch", gpu=False)
+    assert "setup: torch 2.13.0 from" in out.stdout and "CUDA 12.8 build on a machine without an NVIDIA GPU" in out.stderr
 
 
 def test_gpu_machine_takes_the_default_index_and_a_kept_torch_installs_nothing(tmp_path):
