@@ -173,12 +173,14 @@ async def _train_loop(cfg, tokenizer, policies, launcher, backend, agents, run_d
             greedy, make_env, eval_seeds, r.max_concurrent_rollouts, n, max_retries=retries, failures=failures
         )
         metrics.log(step, prefixed("eval", result))
+        run.record_accuracy(step, result["accuracy"])  # the curve; a checkpoint of this step keeps it
+        saver.snap["accuracy_curve"] = list(run.accuracy_curve)
         return result["accuracy"]
 
     start = time.perf_counter()
     try:  # a run that cannot make progress (RunHalted) stops, keeping its last finished step
         if run.accuracy_before is None:
-            run.accuracy_before = await run_eval(0)
+            await run_eval(0)
         print(f"held-out greedy accuracy before RL: {run.accuracy_before:.1%} ({plural(len(eval_seeds), 'problem')})")
         # a local trainer can start on a batch's finished groups while its last generate (the same gradient)
         stream = cfg.ppo.stream_updates and r.max_staleness > 0 and streamable(cfg.ppo)
@@ -232,8 +234,9 @@ async def _train_loop(cfg, tokenizer, policies, launcher, backend, agents, run_d
     return write_summary(
         run_dir,
         accuracy={"before": run.accuracy_before, "after": after},
+        curve=run.accuracy_curve,
         eval_problems=len(eval_seeds),
-        steps=saver.done,
+        steps=(run.first_step, saver.done),
         version=main.engine.get_version(),
         wall=time.perf_counter() - start,
         totals=log.totals,

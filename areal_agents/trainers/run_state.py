@@ -1,5 +1,5 @@
 """What an RL run's checkpoint holds besides each policy's weights and train state (`RunState`: the data
-position, the sampling generator, the episode ledger, the accuracy before training, the policy version),
+position, the sampling generator, the episode ledger, the held-out accuracy curve so far, the policy version),
 and how a run's checkpoint is written (`save_run`) and read back (`RunState.restore`).
 
 Layout inside ``checkpoints/step_N/`` (see `areal_agents.trainers.checkpoint`): ``model/`` and the train
@@ -14,7 +14,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,14 @@ class RunState:
     generator: torch.Generator
     ledger: RolloutLedger
     accuracy_before: float | None = None  # measured before step 1 (None: not yet)
+    accuracy_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out accuracy), step 0 first
+
+    def record_accuracy(self, step: int, accuracy: float) -> None:
+        """A held-out evaluation after ``step`` (0: before training) joins the curve, replacing any of this
+        step or later (a resumed run's evaluation of its checkpoint's step, or of a shorter run's end)."""
+        if step == 0:
+            self.accuracy_before = accuracy
+        self.accuracy_curve = [p for p in self.accuracy_curve if p[0] < step] + [(step, accuracy)]
 
     @classmethod
     def restore(cls, seed: int, state: dict[str, Any] | None) -> RunState:
@@ -49,7 +57,10 @@ class RunState:
         generator.set_state(state["generator"])
         ledger = RolloutLedger(**{k: v for k, v in state["ledger"].items() if k != "running"})
         ledger.submitted -= state["ledger"]["running"]
-        return cls(state["step"] + 1, state["data_position"], generator, ledger, state["accuracy_before"])
+        before = state["accuracy_before"]
+        # a checkpoint written before the curve was kept holds only the accuracy before training
+        curve = [tuple(p) for p in state.get("accuracy_curve", [(0, before)] if before is not None else [])]
+        return cls(state["step"] + 1, state["data_position"], generator, ledger, before, curve)
 
     def snapshot(self, data_position: int, version: int) -> dict[str, Any]:
         """What a checkpoint of the step just finished holds besides the policies."""
@@ -57,6 +68,7 @@ class RunState:
             "data_position": data_position,
             "generator": self.generator.get_state(),
             "accuracy_before": self.accuracy_before,
+            "accuracy_curve": list(self.accuracy_curve),
             "version": version,
             "ledger": self.ledger.counts(),
         }

@@ -17,4 +17,7 @@ rl = json.load(open("runs/arith/rl/summary.json"))
 print(f"\nheld-out greedy accuracy ({rl['eval_problems']} problems): "
       f"after SFT {sft['accuracy_after']:.1%} -> after RL {rl['accuracy_after']:.1%} "
       f"({100 * (rl['accuracy_after'] - sft['accuracy_after']):+.1f} points)")
+print("by RL step:  " + "  ".join(f"{step:>5}" for step, _ in rl["accuracy_curve"]))
+print("accuracy:    " + "  ".join(f"{acc:5.1%}" for _, acc in rl["accuracy_curve"]))
+print("curves: areal-agents plot runs/arith/rl  (PNGs in runs/arith/rl/plots/)")
 PY

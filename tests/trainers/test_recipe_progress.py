@@ -42,9 +42,16 @@ def test_a_short_rl_run_logs_its_last_step_and_a_resume_counts_from_its_checkpoi
     assert progress_lines(err, "rl")[-1].startswith("rl: 3/3 [")  # was 2/3: the last step left by `break`
     assert "(1 problem)" in out and "1 problem)" in out.split("after RL")[1] and "3 steps in" in out
 
-    assert main(["train", str(rl), "steps=4", "--resume"]) == 0
-    lines = progress_lines(capsys.readouterr().err, "rl")
+    assert main(["train", str(rl), "steps=4", "eval.every=2", "--resume"]) == 0
+    out, err = capsys.readouterr()
+    lines = progress_lines(err, "rl")
     assert lines[-1].startswith("rl: 4/4 [")  # steps 1-3 were done before: not 1/1
+    assert "\n1 step (step 4) in " in out  # what this invocation trained, not the run's 4 steps
+    summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["steps_this_run"] == 1
+    # the first invocation's points (before, and its end at step 3) kept; step 4 is the last: evaluated once
+    assert [step for step, _ in summary["accuracy_curve"]] == [0, 3, 4]
+    assert "held-out greedy accuracy by step: 0: " in out
 
 
 def test_a_short_sft_run_logs_its_last_step(tmp_path, tiny_dir, capsys):
