@@ -10,22 +10,10 @@ import argparse
 import dataclasses
 import os
 import sys
-import typing
 from collections.abc import Sequence
 
+from areal_agents.config.loading import config_help as _config_help  # light: every parser lists config keys
 from areal_agents.errors import ArealAgentsError
-
-
-def _config_help(cls: type, prefix: str = "") -> list[str]:
-    lines = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            lines += _config_help(hints[f.name], f"{prefix}{f.name}.")
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        lines.append(f"  {prefix}{f.name} = {default!r}    # {f.metadata.get('help', '')}")
-    return lines
 
 
 def _quiet_transformers() -> None:
@@ -47,8 +35,10 @@ def cmd_tiny_model(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from areal_agents.config import TrainConfig, load_config
+    from areal_agents.trainers.resume import claim_run_dir
 
     cfg = load_config(TrainConfig, args.config, args.overrides)
+    claim_run_dir(cfg.run_dir, "train", resume=args.resume, overwrite=args.overwrite)
     from areal_agents.cluster import open_launcher
     from areal_agents.trainers.rl_recipe import run_train
 
@@ -65,8 +55,10 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_sft(args: argparse.Namespace) -> None:
     from areal_agents.config import SFTConfig, load_config
+    from areal_agents.trainers.resume import claim_run_dir
 
     cfg = load_config(SFTConfig, args.config, args.overrides)
+    claim_run_dir(cfg.run_dir, "sft", overwrite=args.overwrite)
     from areal_agents.trainers.sft_recipe import run_sft
 
     _quiet_transformers()
@@ -122,16 +114,16 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from areal_agents.eval.options import EvalOptions, with_flags
     from areal_agents.eval.runner import print_summary, run_eval
 
-    flags = {k: v for k, v in vars(args).items() if k not in ("fn", "command", "config", "overrides", "no_progress")}
+    cli_only = ("fn", "command", "config", "overrides", "no_progress", "overwrite")
+    flags = {k: v for k, v in vars(args).items() if k not in cli_only}
     opts = with_flags(load_config(EvalOptions, args.config, args.overrides), flags)
     opts.check()
     for module in opts.modules():
         import_env_module(module)
     _quiet_transformers()
     settings, engine, progress = opts.settings(), opts.engine_config(), not args.no_progress
-    summary = run_eval(
-        settings, opts.model, opts.out_dir(), engine=engine, progress=progress, new_dir_on_mismatch=not opts.out
-    )
+    kwargs = {"progress": progress, "new_dir_on_mismatch": not opts.out, "overwrite": args.overwrite}
+    summary = run_eval(settings, opts.model, opts.out_dir(), engine=engine, **kwargs)
     out = summary["out"]  # OUT-2, ... when OUT holds another run's samples and --out was not given
     print_summary(summary, title=f"{opts.dataset or opts.env.id} ({opts.model})")
     print(f"samples: {Path(out) / 'samples.jsonl'}\nsummary: {Path(out) / 'summary.json'}")
@@ -177,6 +169,7 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
 def cmd_export_lora(args: argparse.Namespace) -> None:
     from areal_agents.trainers.lora import export_lora
 
+    _quiet_transformers()
     out = args.merge or args.adapter
     print(export_lora(args.run_dir, out, merge=bool(args.merge), policy=args.policy, base=args.base))
 
@@ -237,12 +230,14 @@ def _add_recipes(sub: argparse._SubParsersAction) -> None:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.add_argument("config", help="YAML config file")
-        p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. ppo.lr=3e-4")
+        p.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides, e.g. ppo.lr=3e-4")
         p.add_argument(
             "--no-progress", action="store_true", help="no progress output (a log file gets a progress line every 30 s)"
         )
+        start = p.add_mutually_exclusive_group()  # a run_dir that holds a run needs one of them
+        start.add_argument("--overwrite", action="store_true", help="remove run_dir's old run (checkpoints, ...) first")
         if name == "train":
-            p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run_dir")
+            start.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run_dir")
             p.add_argument(
                 "--allow-config-change",
                 action="store_true",
@@ -264,7 +259,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", default=None, help="YAML file of these options (dataset: ..., env: {id, kwargs})")
-    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. n_samples=4 env.kwargs.max_turns=2")
+    p.add_argument("overrides", nargs="*", default=[], help="overrides, e.g. n_samples=4 env.kwargs.max_turns=2")
     p.add_argument(
         "--dataset",
         default=None,
@@ -313,8 +308,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         "--out",
         default=None,
         help="output directory; a rerun of the same model and settings resumes (default runs/eval/DATASET "
-        "or ENV, or -2, -3, ... when that holds another run's samples)",
+        "or ENV, or -2, -3, ... when that holds another run's samples; an --out that does needs --overwrite)",
     )
+    p.add_argument("--overwrite", action="store_true", help="remove another eval's samples and summary from OUT first")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(fn=cmd_eval)
 

@@ -51,6 +51,19 @@ def progress_bar(
     return LineProgress(iterable, total=total, desc=desc, file=stream, interval=interval, **kwargs)
 
 
+def close_bars() -> None:
+    """Close every open bar, so its last line comes before what is printed next (a stop's messages), not
+    when the bar is collected after them."""
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+def note(message: str) -> None:
+    """Print ``message`` on stderr above any open bar (tqdm clears and redraws it around the line)."""
+    tqdm.write(message, file=sys.stderr)
+    sys.stderr.flush()
+
+
 def plural(count: int, noun: str) -> str:
     """``"1 problem"``, ``"3 problems"``: a count and a regular noun that agrees with it."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

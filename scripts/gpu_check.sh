@@ -12,6 +12,12 @@
 # (the device tool's `carry: [".whl"]`), installed with --no-deps into /tmp/site, ahead of its own packages.
 # Extra arguments go to bench/gpu_check.py (--parts ad, --cap-scale 0.5, --out DIR).
 set -uo pipefail
+# -h, --help: this usage and the comment above, and nothing run
+for arg in "$@"; do case "$arg" in -h | --help)
+    echo "usage: bash scripts/gpu_check.sh [--download-wheels | --cpu-rehearsal] [bench/gpu_check.py's arguments]"
+    awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"
+    exit 0 ;;
+esac; done
 cd "$(dirname "$0")/.."
 
 # One version each (two of one package stop the install). transformers >= pyproject's floor; the machine's

@@ -3,6 +3,12 @@
 # selection and go to pytest (e.g. `bash scripts/test.sh -k engine`; plain `pytest` skips slow tests). The
 # slowest 15 tests are listed at the end, to keep CI's hour in view.
 set -uo pipefail
+# -h, --help: this usage and the comment above, and nothing run
+for arg in "$@"; do case "$arg" in -h | --help)
+    echo "usage: bash scripts/test.sh [pytest arguments ...]"
+    awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"
+    exit 0 ;;
+esac; done
 cd "$(dirname "$0")/.."
 # vLLM in .venv-vllm (tests/engines/test_remote_engines.py); the C++/Java toolchains (tests/sdk/)
 bash scripts/setup.sh --with-vllm --with-sdks || exit 1

@@ -447,3 +447,25 @@ def test_max_train_minutes_stops_early_and_finishes_like_the_last_step(tmp_path,
     assert summary["checkpoint"].endswith("step_1") and Path(summary["checkpoint"], "model").is_dir()
     assert "stopped after step 1: max_train_minutes=0.0001" in capsys.readouterr().out
     assert main(["train", str(rl), "steps=50", "max_train_minutes=-1", "--no-progress"]) == 2
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(
+    p.relative_to(ROOT).as_posix()
+    for pattern in ("scripts/*.sh", "examples/*/*.sh", "examples/*/*.py")
+    for p in ROOT.glob(pattern)
+)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_answers_help_with_its_usage_and_runs_nothing(script, tmp_path):
+    """`bash examples/arithmetic/run.sh --help` once built the tiny model and its SFT data; now every script
+    prints its usage and exits 0 (a .sh in well under a second: it stops before its first command)."""
+    runner = ["bash"] if script.endswith(".sh") else [sys.executable]
+    started = time.monotonic()
+    done = subprocess.run(
+        [*runner, str(ROOT / script), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.lower().startswith("usage:"), done.stdout[:200]
+    assert not script.endswith(".sh") or time.monotonic() - started < 5

@@ -24,6 +24,7 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | tu
     """Build ``cls`` from a YAML file and ``a.b=c`` overrides; raise `ConfigError` naming the key."""
     data: dict[str, Any] = {}
     source = "defaults"
+    set_by: dict[str, str] = {}  # dotted key -> the override that set it, so an error names the override
     if path is not None:
         path = Path(path)
         source = str(path)
@@ -44,8 +45,26 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | tu
         where = f"in override {item!r}"
         _check_keys(cls, _nest(key.split("."), None), "", where)
         _set_nested(data, key.split("."), yaml.safe_load(raw) if raw != "" else "")
-        source = f"{source} + overrides"
-    return _build(cls, data, "", f"in {source}")
+        set_by[key] = item
+    return _build(cls, data, "", _Where(f"in {source}" + (" + overrides" if set_by else ""), set_by))
+
+
+class _Where(str):
+    """Where the config came from (``in rl.yaml + overrides``); `at` names the override that set a key."""
+
+    set_by: dict[str, str]
+
+    def __new__(cls, text: str, set_by: dict[str, str]) -> _Where:
+        where = super().__new__(cls, text)
+        where.set_by = set_by
+        return where
+
+    def at(self, key: str) -> str:
+        """``in override 'steps=abc'`` for a key an override set (or one of its parents did), else all of it."""
+        for prefix, item in reversed(self.set_by.items()):
+            if key == prefix or key.startswith(prefix + ".") or key.startswith(prefix + "["):
+                return f"in override {item!r}"
+        return str(self)
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
@@ -117,7 +136,8 @@ def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
     args = typing.get_args(tp)
 
     def bad(expected: str) -> ConfigError:
-        return ConfigError(f"config key {key!r} {where}: expects {expected}, got {value!r}")
+        at = where.at(key) if isinstance(where, _Where) else where
+        return ConfigError(f"config key {key!r} {at}: expects {expected}, got {value!r}")
 
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -172,3 +192,16 @@ def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
     if tp is Any:
         return value
     raise TypeError(f"config field {key!r} has unsupported type {tp!r}")
+
+
+def config_help(cls: type, prefix: str = "") -> list[str]:
+    """``  key = default    # help`` per field of a config dataclass (dotted into sections): `--help`'s list."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines += config_help(hints[f.name], f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        lines.append(f"  {prefix}{f.name} = {default!r}    # {f.metadata.get('help', '')}")
+    return lines

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 from areal_agents.errors import ConfigError
 
 RUN_FILE = "run.json"
+# what an eval writes in its output directory (its engine's servers and weights too); --overwrite removes these
+EVAL_FILES = (RUN_FILE, "samples.jsonl", "summary.json", "failures.log", "servers", "engine_weights")
 # files that decide what a checkpoint computes: its config, weights and tokenizer (not READMEs, logs)
 MODEL_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".py")
 
@@ -68,10 +71,16 @@ def claim(out: Path, identity: dict[str, Any]) -> None:
         previous = json.loads(record.read_text())
         diff = differences(previous, identity)
         if diff:
-            raise RunMismatch(f"{out} holds an eval of something else ({'; '.join(diff)}): give another --out")
+            raise RunMismatch(
+                f"{out} holds an eval of something else ({'; '.join(diff)}): give another --out, or pass "
+                "--overwrite to replace it"
+            )
         return
     if (out / "samples.jsonl").is_file():
-        raise RunMismatch(f"{out} holds samples of an unrecorded run (no {RUN_FILE}): give another --out")
+        raise RunMismatch(
+            f"{out} holds samples of an unrecorded run (no {RUN_FILE}): give another --out, or pass --overwrite "
+            "to replace them"
+        )
     out.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(identity, indent=2) + "\n")
 
@@ -79,3 +88,13 @@ def claim(out: Path, identity: dict[str, Any]) -> None:
 def fresh_candidates(out: Path) -> list[Path]:
     """``out``, then ``out-2``, ``out-3``, ...: where a default output directory may go instead."""
     return [out] + [out.with_name(f"{out.name}-{k}") for k in range(2, 100)]
+
+
+def clear(out: Path) -> None:
+    """Remove an earlier eval's files (`EVAL_FILES`) from ``out``, so a new run starts there from nothing."""
+    for name in EVAL_FILES:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()

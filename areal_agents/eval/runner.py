@@ -29,9 +29,9 @@ from areal_agents.envs.runtime.pool import LocalEnvPool
 from areal_agents.errors import ConfigError, RunHalted
 from areal_agents.eval.presets import Preset, resolve
 from areal_agents.eval.problems import AtProblem, Problem, load_problems
-from areal_agents.eval.provenance import RunMismatch, claim, fresh_candidates, model_digest
+from areal_agents.eval.provenance import RunMismatch, claim, clear, fresh_candidates, model_digest
 from areal_agents.eval.summary import print_summary, summarize
-from areal_agents.models.loading import load_tokenizer
+from areal_agents.models.loading import load_tokenizer, model_context, warn_prompts_over_context
 from areal_agents.progress import plural, progress_bar
 from areal_agents.rollout.episodes import EpisodeRunner, RolloutLedger
 from areal_agents.rollout.failures import FailureLog
@@ -155,7 +155,10 @@ async def evaluate_dataset(
     finally:
         await pool.aclose()
     chosen = {p.number for p in source.problems}
-    summary = summarize([r for r in done.values() if r["index"] in chosen], settings.n_samples, settings.breakdown)
+    rows = [r for r in done.values() if r["index"] in chosen]
+    summary = summarize(rows, settings.n_samples, settings.breakdown)
+    # a prompt longer than the model's context leaves no room: its samples hold no tokens (`_outcome`)
+    summary["prompts_over_context"] = len({r["index"] for r in rows if r["tokens"] == 0 and not r["completion"]})
     failed = ledger.failed + ledger.env_failed + ledger.engine_failed + ledger.worker_failed
     summary["failed_samples"] = failed  # not in samples.jsonl: a rerun runs them again
     summary["episodes"] = ledger.counts()
@@ -273,11 +276,13 @@ def run_eval(
     engine: EngineConfig | None = None,
     progress: bool = True,
     new_dir_on_mismatch: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Evaluate ``model_path`` with ``settings`` (see `eval_settings`) into ``out_dir``, resuming the
     samples there when they come from the same model, engine, settings and dataset. With
     ``new_dir_on_mismatch`` (no ``--out`` given) samples of another run send this one to ``OUT-2``, ...;
-    else they raise `RunMismatch` naming what differs. The summary's ``out`` says where it went."""
+    else they raise `RunMismatch` naming what differs. ``overwrite`` removes an earlier run's files from
+    ``out_dir`` first and starts there. The summary's ``out`` says where it went."""
     engine = engine or EngineConfig()
     tokenizer = load_tokenizer(model_path)
     identity = {
@@ -285,7 +290,9 @@ def run_eval(
         "model_hash": model_digest(model_path),
         "engine": {"backend": engine.backend, "urls": list(engine.urls)},
     }
-    candidates = fresh_candidates(Path(out_dir)) if new_dir_on_mismatch else [Path(out_dir)]
+    if overwrite:
+        clear(Path(out_dir))
+    candidates = fresh_candidates(Path(out_dir)) if new_dir_on_mismatch and not overwrite else [Path(out_dir)]
     rollout_engine, servers = open_engine(engine, model_path, "float32", run_dir=Path(out_dir), seed=settings.seed)
 
     async def main() -> dict[str, Any]:
@@ -295,7 +302,10 @@ def run_eval(
             await rollout_engine.aclose()
 
     try:
-        return asyncio.run(main())
+        summary = asyncio.run(main())
     finally:
         if servers is not None:
             servers.stop()
+    unfit, context = summary["prompts_over_context"], model_context(model_path)
+    warn_prompts_over_context(unfit, summary.get("problems", 0), context, "eval")
+    return summary

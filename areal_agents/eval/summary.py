@@ -14,7 +14,7 @@ def print_summary(summary: dict[str, Any], title: str = "") -> None:
     from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
-    table = Table(title=title or None)
+    table = Table()
     table.add_column("metric")
     table.add_column("value", justify="right")
     for k in summary:
@@ -24,6 +24,8 @@ def print_summary(summary: dict[str, Any], title: str = "") -> None:
     table.add_row("truncated", f"{100 * summary.get('truncation_rate', 0.0):.1f}%")
     table.add_row("problems / samples", f"{summary.get('problems', 0)} / {summary.get('samples', 0)}")
     console = Console()
+    if title:  # its own line: a table's title wraps to the (narrow) table, cutting a model path mid-word
+        console.print(title, markup=False, highlight=False, soft_wrap=True)
     console.print(table)
     for key, groups in summary.items():
         if key.startswith("by_"):

@@ -7,19 +7,25 @@ import json
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from areal_agents.errors import ConfigError, ModelLoadError
+from areal_agents.progress import note
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config names
 
 
 def quiet_transformers() -> None:
     """No per-load progress bars or warnings from transformers (CLI commands and Ray actors)."""
-    import transformers  # noqa: PLC0415
-
     transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights", "Writing model shards"
+    try:  # the hub's own download and upload bars (transformers' switch covers only its own)
+        from huggingface_hub.utils import disable_progress_bars  # noqa: PLC0415
+
+        disable_progress_bars()
+    except ImportError:
+        pass
 
 
 def _check_path(path: str | Path) -> Path:
@@ -29,15 +35,19 @@ def _check_path(path: str | Path) -> Path:
     if p.exists() and not p.is_dir():
         raise ModelLoadError(f"model path {p} is a file, not a directory: give the checkpoint's directory")
     if not p.is_dir():
-        raise ModelLoadError(f"model path does not exist: {p}")
+        where = "" if p.is_absolute() else f" (relative to the working directory: {p.absolute()})"
+        raise ModelLoadError(f"model path does not exist: {p}{where}")
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"model path {p} has no config.json: is it a transformers checkpoint?")
     return p
 
 
 def load_model(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
-    """``AutoModelForCausalLM.from_pretrained`` from a local directory, offline."""
+    """``AutoModelForCausalLM.from_pretrained`` from a local directory, offline; transformers' progress bars
+    off in this process (its "Loading weights" here, "Writing model shards" when a checkpoint is saved): a
+    run shows its own bars only, in worker processes and library use as in the CLI."""
     p = _check_path(path)
+    transformers.utils.logging.disable_progress_bar()
     try:
         return AutoModelForCausalLM.from_pretrained(p, dtype=DTYPES[dtype], local_files_only=True)
     except (OSError, ValueError) as e:
@@ -88,3 +98,21 @@ def check_max_new_tokens(max_new_tokens: int, path: str | Path, field: str) -> N
             f"{field}: {max_new_tokens} tokens is more than the model's context, {context} positions "
             f"(max_position_embeddings in {Path(path) / 'config.json'}); set {field} to at most {context}"
         )
+
+
+_warned: set[tuple[str, int, int]] = set()
+
+
+def warn_prompts_over_context(unfit: int, total: int, context: int | None, where: str) -> None:
+    """Say once, on stderr above any bar, that ``unfit`` of ``total`` prompts are longer than the model's
+    ``context``: an agent has no room to generate for them, so they produce no tokens, end by ``length``
+    and count as wrong, which a truncation rate alone does not tell. Nothing when all fit."""
+    if unfit <= 0 or (where, unfit, total) in _warned:
+        return
+    _warned.add((where, unfit, total))
+    size = f"{context} positions" if context else "max_position_embeddings"
+    note(
+        f"warning: {where}: {unfit} of {total} prompts do not fit the model's context ({size}): they generate "
+        "no tokens and count as wrong (finish_reason length); use a model with a longer context "
+        "(tiny-model --context N) or shorter prompts"
+    )

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from areal_agents.agents.base import Agent
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ArealAgentsError, RunHalted
+from areal_agents.models.loading import warn_prompts_over_context
 from areal_agents.progress import plural
 from areal_agents.rollout.episodes import RolloutLedger, run_groups
 from areal_agents.rollout.failures import FailureLog
@@ -85,6 +86,7 @@ async def evaluate(
         failures.flush()
         causes = failures.describe(failures.since(mark)) or "see the log"
         raise RunHalted(f"held-out eval: none of its {plural(len(flat), 'episode')} completed: {causes}")
+    warn_prompts_over_context(0 if failed else sum(not any(e) for e in episodes), len(seeds), None, "held-out eval")
     per_seed = [[bool(t.metadata.get("success", t.reward >= 1.0)) if t else False for t in e] for e in episodes]
     success = [ok for s in per_seed for ok in s]
     rewards = [t.reward if t else 0.0 for t in flat]

@@ -35,6 +35,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from areal_agents.progress import close_bars, note
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -111,17 +113,13 @@ class Interrupt:
         name = signal.Signals(signum).name
         if self.signum is not None:
             if not self.forced:
-                print(f"{name} again: stopping now, without a checkpoint", file=sys.stderr, flush=True)
+                note(f"{name} again: stopping now, without a checkpoint")
             self.forced = True
             self._cancel()
             return
         self.signum = signum
         if self._held:
-            print(
-                f"{name}: finishing this step's update, then saving a checkpoint ({name} again stops now)",
-                file=sys.stderr,
-                flush=True,
-            )
+            note(f"{name}: finishing this step's update, then saving a checkpoint ({name} again stops now)")
             return
         self._cancel()
 
@@ -141,7 +139,9 @@ class Interrupt:
             raise asyncio.CancelledError
 
     async def stop(self) -> None:
-        """After `caught`: run `on_stop` (unless a second signal forced the stop), then raise `Interrupted`."""
+        """After `caught`: close the progress bars (their last lines before the stop's), run `on_stop` (unless
+        a second signal forced the stop), then raise `Interrupted`."""
+        close_bars()
         if self.on_stop is not None and not self.forced:
             await self.on_stop()
         raise Interrupted(self.signum)

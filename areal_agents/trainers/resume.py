@@ -1,4 +1,5 @@
-"""What `train --resume` checks and cleans before it continues a run.
+"""What `train --resume` checks and cleans before it continues a run, and what a run directory must be
+to start one (`claim_run_dir`: empty, or `--resume`, or `--overwrite`).
 
 A resume continues the run its checkpoint belongs to, so it may change only how long the run goes on and
 what it records (`FREE_KEYS`); any other difference from the run's saved ``config.json`` (model, env,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,49 @@ FREE_KEYS = (
     "ray",
 )
 _ABSENT = "(absent)"
+# what `train` and `sft` write in a run directory (the run's engine servers, separate policies, plots too);
+# `--overwrite` removes these and nothing else, so no file of the old run mixes with the new one's
+RUN_FILES = (
+    "config.json",
+    "summary.json",
+    "checkpoints",
+    "tensorboard",
+    "data_order.jsonl",
+    "trajectories",
+    "failures.log",
+    "model",
+    "plots",
+    "servers",
+    "engine_weights",
+    "policies",
+)
+
+_START_FILES = ("config.json", "failures.log", "servers")
+
+
+def claim_run_dir(run_dir: str | Path, command: str, *, resume: bool = False, overwrite: bool = False) -> None:
+    """Check ``run_dir`` may take a new run of ``command`` (``train``, ``sft``) before anything is written:
+    one that holds a run needs ``resume`` (``train --resume`` continues it) or ``overwrite`` (its files,
+    `RUN_FILES`, are removed now); else `ConfigError` says which. ``run_dir`` resolves against the cwd."""
+    out = Path(run_dir)
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if not set(found) - set(_START_FILES) or resume:
+        return  # nothing, or only what a start that failed before its first step left (its config, logs)
+    if overwrite:
+        for name in found:
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        return
+    options = (
+        "--resume to continue it, --overwrite to start over" if command == "train" else "--overwrite to replace it"
+    )
+    raise ConfigError(
+        f"run_dir {out} holds a run ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}): pass {options}, "
+        "or set run_dir=... to another directory"
+    )
 
 
 def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -139,7 +139,9 @@ class StepLog:
             "reward": f"{rollout['reward_mean']:.3f}",
             "acc": f"{rollout['accuracy']:.2f}",
             "trunc": f"{rollout['truncated_fraction']:.2f}",
-            "tok_s": f"{perf['gen_tokens_per_s']:.0f}",
+            # the run so far, as the summary's generated_tokens_per_s: one step's batch may be in hand before the
+            # step starts (rollouts run ahead), and its own rate then divides by almost nothing
+            "tok_s": f"{t.generated_tokens / max(t.rollout_seconds, 1e-9):.0f}",
         }
 
     def _staleness(self, n: int) -> list[int]:

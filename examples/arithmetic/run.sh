@@ -2,13 +2,19 @@
 # The arithmetic recipe: build the tiny model, warm-start it with SFT, then train it with RL.
 # Extra arguments are config overrides for the RL step, e.g. `bash examples/arithmetic/run.sh steps=50`.
 set -euo pipefail
+# -h, --help: this usage and the comment above, and nothing run
+for arg in "$@"; do case "$arg" in -h | --help)
+    echo "usage: bash examples/arithmetic/run.sh [key=value ...]"
+    awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"
+    exit 0 ;;
+esac; done
 cd "$(dirname "$0")/../.."
 RUN=runs/arith
 
 areal-agents tiny-model --overwrite "$RUN/tiny"   # the same model each time (seeded)
 python examples/arithmetic/make_sft_data.py "$RUN/sft_data.jsonl" --n 20000
-areal-agents sft examples/arithmetic/sft.yaml
-areal-agents train examples/arithmetic/rl.yaml "$@"
+areal-agents sft examples/arithmetic/sft.yaml --overwrite
+areal-agents train examples/arithmetic/rl.yaml --overwrite "$@"
 
 python - <<'PY'
 import json

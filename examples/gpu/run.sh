@@ -3,6 +3,12 @@
 #   bash examples/gpu/run.sh [key=value ...]                       # overrides for the RL step, e.g. steps=50
 #   MODEL=/models/Qwen3-0.6B bash examples/gpu/run.sh              # start from your own local checkpoint
 set -euo pipefail
+# -h, --help: this usage and the comment above, and nothing run
+for arg in "$@"; do case "$arg" in -h | --help)
+    echo "usage: [MODEL=DIR] bash examples/gpu/run.sh [key=value ...]"
+    awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"
+    exit 0 ;;
+esac; done
 cd "$(dirname "$0")/../.."
 RUN=runs/gpu
 
@@ -13,8 +19,8 @@ else
     START="$RUN/qwen3"
 fi
 python examples/arithmetic/make_sft_data.py "$RUN/sft_data.jsonl" --n 20000
-areal-agents sft examples/gpu/sft.yaml model.path="$START"
-areal-agents train examples/gpu/rl.yaml "$@"
+areal-agents sft examples/gpu/sft.yaml --overwrite model.path="$START"
+areal-agents train examples/gpu/rl.yaml --overwrite "$@"
 
 python - <<'PY'
 import json

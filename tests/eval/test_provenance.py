@@ -45,7 +45,20 @@ def test_an_explicit_out_of_another_run_stops_and_says_what_differs(tmp_path, ti
     err = capsys.readouterr().err
     assert "holds an eval of something else" in err and "model_hash" in err and "model:" in err
     assert main([*EVAL, "--model", str(tiny_dir), "--out", out, "--temperature", "0.9"]) == 2
-    assert "sampling.temperature: 0.6 -> 0.9" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "sampling.temperature: 0.6 -> 0.9" in err and "--overwrite" in err
+    assert {s["run"]["model"] for s in samples(tmp_path / "out")} == {str(tiny_dir)}  # refused: untouched
+
+
+def test_overwrite_replaces_another_runs_samples_in_an_explicit_out(tmp_path, tiny_dir, other_model):
+    out = tmp_path / "out"
+    assert main([*EVAL, "--model", str(tiny_dir), "--out", str(out)]) == 0
+    count = len(samples(out))
+    (out / "failures.log").write_text("the old run's\n")
+    assert main([*EVAL, "--model", str(other_model), "--out", str(out), "--overwrite"]) == 0
+    assert {s["run"]["model"] for s in samples(out)} == {str(other_model)} and len(samples(out)) == count
+    assert json.loads((out / "run.json").read_text())["model"] == str(other_model)
+    assert not (out / "failures.log").exists() or "old run" not in (out / "failures.log").read_text()
 
 
 def test_more_samples_of_the_same_run_resume_and_add(tmp_path, tiny_dir):
