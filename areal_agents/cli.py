@@ -35,9 +35,10 @@ def cmd_tiny_model(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from areal_agents.config import TrainConfig, load_config
+
+    cfg = load_config(TrainConfig, args.config, args.overrides)  # config errors before importing torch
     from areal_agents.trainers.resume import claim_run_dir
 
-    cfg = load_config(TrainConfig, args.config, args.overrides)
     claim_run_dir(cfg.run_dir, "train", resume=args.resume, overwrite=args.overwrite)
     from areal_agents.cluster import open_launcher
     from areal_agents.trainers.rl_recipe import run_train
@@ -55,9 +56,10 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_sft(args: argparse.Namespace) -> None:
     from areal_agents.config import SFTConfig, load_config
+
+    cfg = load_config(SFTConfig, args.config, args.overrides)  # config errors before importing torch
     from areal_agents.trainers.resume import claim_run_dir
 
-    cfg = load_config(SFTConfig, args.config, args.overrides)
     claim_run_dir(cfg.run_dir, "sft", overwrite=args.overwrite)
     from areal_agents.trainers.sft_recipe import run_sft
 
@@ -174,9 +176,17 @@ def cmd_export_lora(args: argparse.Namespace) -> None:
     print(export_lora(args.run_dir, out, merge=bool(args.merge), policy=args.policy, base=args.base))
 
 
+class _Parser(argparse.ArgumentParser):
+    """Its description may be a function, called when its help is shown (eval's imports torch: seconds)."""
+
+    def format_help(self) -> str:
+        self.description = self.description() if callable(self.description) else self.description
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="areal-agents", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in (_add_tiny_model, _add_recipes, _add_eval, _add_tools, _add_serve_env, _add_serve_model):
         add(sub)
     return parser
@@ -248,14 +258,18 @@ def _add_recipes(sub: argparse._SubParsersAction) -> None:
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     """``eval``: its options are `EvalOptions` keys, as flags, in ``--config`` or as ``key=value``."""
-    from areal_agents.eval.options import EvalOptions
-
     text = "evaluate a model: avg@n, pass@k, maj@k on AIME, MATH-500, LiveCodeBench, ... or any env"
+
+    def description() -> str:
+        from areal_agents.eval.options import EvalOptions
+
+        keys = "\n".join(_config_help(EvalOptions))
+        return f"{text}. Config keys (in --config, as key=value, or as the flags below; flags win):\n{keys}"
+
     p = sub.add_parser(
         "eval",
         help=text,
-        description=f"{text}. Config keys (in --config, as key=value, or as the flags below; flags win):\n"
-        + "\n".join(_config_help(EvalOptions)),
+        description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", default=None, help="YAML file of these options (dataset: ..., env: {id, kwargs})")

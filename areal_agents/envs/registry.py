@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import traceback
 from typing import Any
 
@@ -84,8 +85,31 @@ def make_env(env_id: str, **kwargs: Any) -> gym.Env | MultiAgentTextEnv:
         raise ArealAgentsError(f"cannot make env {env_id!r} with kwargs {kwargs}: {e}") from None
 
 
+# reST inline markup: :role:`text` (also ~dotted.Name, label <target>), ``literal``, `interpreted`, **strong**,
+# *emphasis*; markup neither follows nor precedes a letter, a digit, ` or * (so 2*3*4 and x**2 stay).
+_REST_INLINE = re.compile(
+    r"(?<![\w`*])(?::[\w.+-]+:`(?P<role>[^`]+)`|``(?P<literal>[^`]+)``|`(?P<ref>[^`]+)`_{0,2}"
+    r"|\*\*(?P<strong>\S(?:[^*]*\S)?)\*\*|\*(?P<em>\S(?:[^*]*\S)?)\*)(?![\w`*])"
+)
+
+
+def _unmarked(match: re.Match[str]) -> str:
+    text = next(group for group in match.groups() if group is not None)
+    if match["role"] is not None or match["ref"] is not None:
+        text = re.sub(r"\s*<[^<>]+>$", "", text) or text  # `label <target>` shows its label
+        if text.startswith("~"):  # :class:`~pkg.mod.Name` shows Name
+            text = text[1:].rsplit(".", 1)[-1]
+    return text
+
+
+def plain_text(text: str) -> str:
+    """``text`` without reST inline markup, for a terminal or a JSON listing: ``a op b =``, :class:`Env`,
+    *word* become a op b =, Env, word."""
+    return _REST_INLINE.sub(_unmarked, text)
+
+
 def describe_envs(include_gymnasium: bool = False) -> list[tuple[str, str]]:
-    """``(id, first docstring line of its class)`` for registered ids, without gymnasium's own
+    """``(id, first docstring line of its class, as plain text)`` for registered ids, without gymnasium's own
     (CartPole, ...) unless ``include_gymnasium``."""
     out = []
     for env_id, spec in sorted(gym.registry.items()):
@@ -98,7 +122,7 @@ def describe_envs(include_gymnasium: bool = False) -> list[tuple[str, str]]:
             creator = spec.entry_point
             if isinstance(creator, str):
                 creator = gym.envs.registration.load_env_creator(creator)
-            description = ((creator.__doc__ or "").strip().splitlines() or [""])[0]
+            description = plain_text(((creator.__doc__ or "").strip().splitlines() or [""])[0])
         except Exception:  # an unimportable user env still gets listed
             description = "(entry point cannot be imported)"
         out.append((env_id, description))
