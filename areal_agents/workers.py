@@ -23,6 +23,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import sys
 import threading
 import traceback
 import types
@@ -201,7 +202,18 @@ def stop_child(process: Any, conn: Connection, close_message: Any, timeout: floa
     conn.close()
 
 
-def _worker_main(conn: Connection, initializer: Callable[[], Any] | None) -> None:
+def set_intra_op_threads(threads: int) -> None:
+    """This process's intra-op threads from now on: torch (OpenMP, MKL) and BLAS read the variables when they
+    load, and torch, if already loaded, is told at once (for the calling thread and threads started later)."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
+def _worker_main(conn: Connection, initializer: Callable[[], Any] | None, threads: int | None = None) -> None:
+    if threads is not None:  # before the initializer's imports: a worker is one of many sharing the cores
+        set_intra_op_threads(threads)
     if initializer is not None:
         try:
             initializer()
@@ -248,13 +260,21 @@ class WorkerPool:
     """``workers`` processes (fresh interpreters that never import ``__main__``) serving one call at a time."""
 
     def __init__(
-        self, workers: int = 2, initializer: Callable[[], Any] | None = None, name: str = "worker-pool"
+        self,
+        workers: int = 2,
+        initializer: Callable[[], Any] | None = None,
+        name: str = "worker-pool",
+        threads: int | None = None,
     ) -> None:
         """``initializer`` runs once in each new worker (e.g. heavy imports), replacements included; it must
-        live in a module. ``name`` names the workers in errors and process listings."""
+        live in a module. ``name`` names the workers in errors and process listings. ``threads``: each
+        worker's intra-op threads (torch, OpenMP, BLAS), set before its initializer; None: the libraries'
+        default, every core, in each worker."""
         if workers < 1:
             raise ValueError(f"Expects workers >= 1, got {workers}")
-        self.name = name
+        if threads is not None and threads < 1:
+            raise ValueError(f"Expects threads >= 1 or None, got {threads}")
+        self.name, self.threads = name, threads
         self._initializer = initializer
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._slots = [_Worker() for _ in range(workers)]
@@ -271,7 +291,7 @@ class WorkerPool:
             self._idle.put(slot)
 
     def _start(self, slot: _Worker) -> None:
-        slot.process, slot.conn = spawn_child(_worker_main, (self._initializer,), self.name)
+        slot.process, slot.conn = spawn_child(_worker_main, (self._initializer, self.threads), self.name)
         slot.ready = False
 
     def _stop(self, slot: _Worker) -> None:

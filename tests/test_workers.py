@@ -137,3 +137,19 @@ def test_start_child_refuses_main_targets_and_names_start_failures(interpreter):
     interpreter("/nonexistent/python3")
     with pytest.raises(Refused, match=r"could not start the child: .*no executable interpreter at /nonexistent"):
         start_child(operator.add, (), "child", Refused, "could not start the child")
+
+
+def _torch_threads() -> tuple[str | None, int]:
+    import torch  # noqa: PLC0415  (loaded in the worker after its start: it reads OMP_NUM_THREADS)
+
+    return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+
+
+def test_workers_take_the_intra_op_threads_they_are_given():
+    pool = WorkerPool(1, name="test-threads", threads=1)
+    try:
+        assert pool.call_sync(_torch_threads, timeout=120) == ("1", 1)
+    finally:
+        pool.close()
+    with pytest.raises(ValueError, match="threads >= 1"):
+        WorkerPool(1, threads=0)

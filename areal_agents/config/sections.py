@@ -189,8 +189,9 @@ class PPOConfig:
     num_minibatches: int = config_field("optimizer steps per epoch", default=1)
     micro_batch_tokens: int = config_field("token budget of one forward/backward micro-batch", default=16384)
     cpu_threads: int = config_field(
-        "CPU threads of the trainer's updates (0 = all cores, less the local hf engine's when "
-        "rollouts overlap updates: max_staleness > 0)",
+        "intra-op CPU threads of the trainer's updates (split among nproc_per_node ranks); 0 = auto: the usable "
+        "cores less one for the event loop, less the local engines' when rollouts overlap updates (max_staleness "
+        "> 0); at most OMP_NUM_THREADS",
         default=0,
     )
     trainer: Literal["thread", "process"] = config_field(
@@ -313,9 +314,10 @@ class EngineConfig:
     weight_sync_bucket_mb: int = config_field("broadcast: MiB of tensors sent in one bucket", default=512)
     max_running_requests: int = config_field("requests decoded together by the hf engine / serve-model", default=256)
     cpu_threads: int = config_field(
-        "hf engine / serve-model of an async run: the decode thread's CPU threads (0 = torch's default); one leaves "
-        "the other cores to the trainer (two full OpenMP teams slow each other down)",
-        default=1,
+        "hf engine / serve-model: the decode thread's intra-op CPU threads; 0 = auto: 1 when rollouts overlap "
+        "updates (max_staleness > 0: the trainer takes the rest), else the usable cores less one for the event "
+        "loop (shared by launched servers); at most OMP_NUM_THREADS",
+        default=0,
     )
     own_process: bool = config_field(
         "hf engine: run it in a child process with its own GIL (requests and weights over a pipe); docs/benchmarks.md",

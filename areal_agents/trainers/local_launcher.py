@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_agents.config import TrainConfig
+from areal_agents.config.placement import team_threads
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.local_servers import open_engine
 from areal_agents.engines.lora_sync import LoraGroup
@@ -25,14 +26,15 @@ from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.models.loading import load_tokenizer, pad_token_id
 from areal_agents.rollout.episodes import EpisodeFn
 from areal_agents.trainers.lora import LoraBase
-from areal_agents.trainers.policy import DEFAULT_CPU_THREADS, SHARED, Policy, load_trainable
+from areal_agents.trainers.policy import SHARED, Policy, load_trainable
 from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec, policy_starts
 from areal_agents.trainers.trainer_process import ProcessPolicy
 
 
 class LocalLauncher:
     """A `Launcher` for this machine; reads ``engine``, ``rollout.max_staleness``, ``ppo.trainer``,
-    ``ppo.nproc_per_node`` and ``ppo.cpu_threads`` of the config (the rest is the recipe's)."""
+    ``ppo.nproc_per_node`` and ``ppo.cpu_threads`` of the config (the rest is the recipe's). It places the
+    run on the cores this process may use: `engine_threads` for each engine, `trainer_threads` for the trainer."""
 
     def __init__(self, cfg: TrainConfig, run_dir: str | Path | None = None) -> None:
         self.cfg = cfg
@@ -113,9 +115,7 @@ def open_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, ru
 def open_policy_engine(name: str, cfg: TrainConfig, model_path: str, run_dir: Path) -> tuple[InferenceEngine, Any]:
     """The policy's inference engine, serving ``model_path``, and the servers behind it (or None)."""
     engine_dir = run_dir if name == SHARED else run_dir / "policies" / name
-    engine = cfg.engine
-    if engine.backend in ("hf", "serve-model") and cfg.rollout.max_staleness == 0:
-        engine = replace(engine, cpu_threads=0)  # a synchronous run never decodes beside an update: all cores
+    engine = replace(cfg.engine, cpu_threads=engine_threads(cfg))
     return open_engine(engine, model_path, cfg.model.dtype, run_dir=engine_dir, seed=cfg.seed)
 
 
@@ -128,13 +128,32 @@ def lora_serving(cfg: TrainConfig) -> TrainConfig:
     return replace(cfg, engine=replace(e, max_lora_rank=rank, max_loras=max(e.max_loras, len(loras))))
 
 
+def engine_threads(cfg: TrainConfig) -> int:
+    """Intra-op threads of each local CPU engine's decode thread: ``engine.cpu_threads``, or when 0 (auto) one
+    beside overlapping updates (max_staleness > 0: the trainer takes the rest), else the cores less the event
+    loop's, shared by the engines that decode at once (a synchronous run never decodes during an update)."""
+    if cfg.engine.cpu_threads:
+        return cfg.engine.cpu_threads
+    if cfg.rollout.max_staleness > 0:
+        return 1
+    return team_threads(sharers=local_engines(cfg) or 1)
+
+
 def trainer_threads(cfg: TrainConfig) -> int:
-    """Intra-op threads of the trainer (thread or process) when ``ppo.cpu_threads`` is 0: all cores, less
-    those of the local CPU engines (in this process, its own, or launched serve-model servers) that keep
-    decoding during updates (max_staleness > 0). Oversubscribed OpenMP teams wait on each other
-    (measured: docs/benchmarks.md, "CPU threads")."""
+    """Intra-op threads of the trainer (thread, process, or all its ranks) when ``ppo.cpu_threads`` is 0
+    (auto): the cores less the event loop's, less those of the local CPU engines (in this process, its
+    own, or launched serve-model servers) that keep decoding during updates (max_staleness > 0).
+    Oversubscribed OpenMP teams wait on each other (docs/benchmarks.md, "CPU threads" and "Threads")."""
+    team = team_threads()
+    if cfg.rollout.max_staleness == 0:
+        return team
+    return max(1, team - local_engines(cfg) * engine_threads(cfg))
+
+
+def local_engines(cfg: TrainConfig) -> int:
+    """How many engines decode on this machine's CPU cores beside the trainer: none behind ``engine.urls``
+    or SGLang's (GPUs), one in-process hf engine, else each launched server."""
     e = cfg.engine
-    if cfg.rollout.max_staleness == 0 or e.urls or e.backend == "sglang" or not e.cpu_threads:
-        return DEFAULT_CPU_THREADS
-    engines = e.num_servers if e.backend in ("serve-model", "vllm") else 1  # launched here, beside the trainer
-    return max(1, DEFAULT_CPU_THREADS - engines * e.cpu_threads)
+    if e.urls or e.backend == "sglang":
+        return 0
+    return e.num_servers if e.backend in ("serve-model", "vllm") else 1

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import PreTrainedModel
 
+from areal_agents.config.placement import team_threads
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.weight_sync import WeightSync, write_weights
 from areal_agents.errors import ConfigError
@@ -36,8 +37,6 @@ from areal_agents.trainers.policy_api import SHARED as SHARED  # the one shared 
 from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.trainers.ppo import StreamedUpdate, ppo_update
 from areal_agents.types import Trajectory
-
-DEFAULT_CPU_THREADS = torch.get_num_threads()  # torch's intra-op default in this process (all cores)
 
 
 @dataclass
@@ -131,7 +130,7 @@ class Policy:
 
     async def _in_trainer(self, call: functools.partial) -> Any:
         if self.trainer is None:
-            threads = self.spec.cpu_threads or DEFAULT_CPU_THREADS
+            threads = self.spec.cpu_threads or team_threads()  # 0: auto (a launcher fills in the run's)
             self.trainer = ThreadPoolExecutor(
                 1, f"trainer-{self.name}", initializer=torch.set_num_threads, initargs=(threads,)
             )

@@ -29,6 +29,7 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of the weights)
 from transformers import PreTrainedModel
 
+from areal_agents.config.placement import team_threads
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.weight_sync import WeightSync, write_weights
 from areal_agents.errors import ArealAgentsError
@@ -56,8 +57,7 @@ def _serve(
     """The child: load the trainable policy (with ``env``, torchrun's, as one FSDP2 rank), then answer
     calls until ``close`` (or the pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes this process
-    if spec.cpu_threads:
-        torch.set_num_threads(spec.cpu_threads)
+    torch.set_num_threads(spec.cpu_threads or team_threads())  # 0: auto (a launcher fills in the run's)
     quiet_transformers()
     seed_everything(spec.seed)
     try:
@@ -158,7 +158,7 @@ class ProcessPolicy:
             self._processes, self._conns = [process], [conn]
         else:
             self.streams = False  # each rank takes the whole batch at once
-            spec = replace(spec, cpu_threads=max(1, spec.cpu_threads // nproc) if spec.cpu_threads else 0)
+            spec = replace(spec, cpu_threads=max(1, (spec.cpu_threads or team_threads()) // nproc))  # one team each
             envs = rank_environments(nproc, engine_gpus or [])
             self._processes, self._conns, self._weights = _start_ranks(spec, name, model_path, init_path, envs)
         self._process, self._conn = self._processes[0], self._conns[0]  # rank 0: it answers

@@ -157,3 +157,21 @@ def test_a_process_pool_refuses_an_env_defined_in_main():
     finally:
         run_sync(pool.aclose())
         del gym.registry["areal_agents_testing/ScriptEnv-v0"]
+
+
+def test_env_threads_and_workers_compute_with_one_intra_op_thread():
+    import torch
+
+    pool = LocalEnvPool("thread", workers=1)
+    try:  # a thread that never set its count would take the last one any thread set (here 2)
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        assert pool.threads.submit(torch.get_num_threads).result() == 1
+        torch.set_num_threads(before)
+    finally:
+        run_sync(pool.aclose())
+    pool = LocalEnvPool("process", workers=1)
+    try:
+        assert pool.workers.threads == 1  # set in each worker before its imports (tests/test_workers.py)
+    finally:
+        run_sync(pool.aclose())

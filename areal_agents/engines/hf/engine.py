@@ -74,7 +74,8 @@ class HFEngine:
     ``device``: ``cpu``, ``cuda`` or ``auto``; ``compute_dtype``: ``auto`` (bfloat16 for a float32 model on
     CUDA, else the model's dtype), ``float32``, ``bfloat16`` or ``float16``; ``share_weights``:
     ``update_weights`` points the model at the given tensors instead of copying them (same device, same
-    dtype; see `update_weights`).
+    dtype; see `update_weights`); ``num_threads``: the decode thread's intra-op threads (None: the cores less one
+    for the event loop, `team_threads`).
     """
 
     stall_s: float = STALL_S  # `health`: busy this long without finishing a step is stuck

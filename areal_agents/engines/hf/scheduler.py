@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from areal_agents.config.placement import team_threads
 from areal_agents.engines.hf.batch_runner import BatchRunner, Outcome
 from areal_agents.engines.hf.running_batch import RunningBatch, Submission
 from areal_agents.errors import EngineError
@@ -167,8 +168,9 @@ class Scheduler:
 
     def loop(self) -> None:
         """The decode thread: take work, run a step (or only hand back aborts while paused), deliver."""
-        if self.num_threads is not None:
-            torch.set_num_threads(self.num_threads)  # this thread's OpenMP team only
+        # This thread's OpenMP team only; always set: a thread that never sets it takes whatever count
+        # another thread of the process set last (torch keeps one process-wide value for new threads).
+        torch.set_num_threads(self.num_threads or team_threads())
         runner, batch = self.runner, RunningBatch()
         try:
             runner.placement.bind_thread()  # the engine's GPU, if any, is this thread's current device

@@ -19,6 +19,7 @@ import asyncio
 import contextvars
 import importlib
 import pickle
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -34,6 +35,13 @@ PoolMode = Literal["inline", "thread", "process"]
 def _import_envs() -> None:
     """Worker start-up: the env package (and so every built-in id), before the first call's clock starts."""
     importlib.import_module("areal_agents.envs")
+
+
+def _env_thread_start(threads: int) -> None:
+    """A thread-mode env thread's torch intra-op threads (a thread that never sets them takes the count
+    another thread of the process set last, e.g. the trainer's)."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
 
 
 def _worker_make(modules: tuple[str, ...], env_id: str, kwargs: dict) -> gym.Env:
@@ -126,7 +134,9 @@ class PooledEnv:
 
 
 class LocalEnvPool:
-    """Make `PooledEnv` sessions sharing one thread pool or one `WorkerPool`."""
+    """Make `PooledEnv` sessions sharing one thread pool or one `WorkerPool`; each of its ``workers`` threads or
+    processes computes with ``worker_threads`` intra-op threads (an env is Python; N teams of every core beside
+    the engine's and the trainer's would oversubscribe them)."""
 
     def __init__(
         self,
@@ -134,6 +144,7 @@ class LocalEnvPool:
         workers: int = 4,
         step_timeout: float | None = 60.0,
         modules: tuple[str, ...] | list[str] = (),
+        worker_threads: int = 1,
     ) -> None:
         if mode not in ("inline", "thread", "process"):
             raise ValueError(f"Expects mode 'inline', 'thread' or 'process', got {mode!r}")
@@ -142,8 +153,12 @@ class LocalEnvPool:
         self.modules = tuple(m for m in modules if m)
         for m in self.modules:
             import_env_module(m)
-        self.threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") if mode == "thread" else None
-        self.workers = WorkerPool(workers, initializer=_import_envs, name="env-pool") if mode == "process" else None
+        self.threads = None
+        if mode == "thread":
+            self.threads = ThreadPoolExecutor(workers, "env", initializer=_env_thread_start, initargs=(worker_threads,))
+        self.workers = None
+        if mode == "process":  # one intra-op thread each: N workers beside the engine and the trainer
+            self.workers = WorkerPool(workers, initializer=_import_envs, name="env-pool", threads=worker_threads)
         self._idle: dict[tuple[str, str], list[Any]] = {}  # closed sessions' envs, reused by the next make
 
     def _take(self, env_id: str, kwargs: dict[str, Any]) -> Any:
