@@ -62,8 +62,12 @@ COMMANDS = {
 }
 
 
-def test_listings_help_and_config_errors_import_no_heavy_library():
-    argvs = [c.split() for c in COMMANDS]
+def test_listings_help_and_config_errors_import_no_heavy_library(tmp_path):
+    held = tmp_path / "held"  # a run_dir that holds a run: refused (no --resume or --overwrite) before torch
+    (held / "checkpoints" / "step_2").mkdir(parents=True)
+    (held / "config.json").write_text("{}")
+    commands = {**COMMANDS, f"train examples/arithmetic/rl.yaml run_dir={held}": 2}
+    argvs = [c.split() for c in commands]
     out = subprocess.run(
         [sys.executable, "-c", PROBE, json.dumps(HEAVY), json.dumps(argvs)],
         cwd=ROOT,
@@ -73,7 +77,7 @@ def test_listings_help_and_config_errors_import_no_heavy_library():
     )
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout)
-    assert {command: code for command, (code, _) in seen.items()} == COMMANDS
+    assert {command: code for command, (code, _) in seen.items()} == commands
     assert {command: heavy for command, (_, heavy) in seen.items() if heavy} == {}
 
 

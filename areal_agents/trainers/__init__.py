@@ -1,15 +1,26 @@
-"""Trainers: decoupled PPO and SFT (math in small modules, loops in the recipes)."""
+"""Trainers: decoupled PPO and SFT (math in small modules, loops in the recipes).
 
-from areal_agents.trainers.advantages import group_advantages, zero_variance_groups
-from areal_agents.trainers.ppo import ppo_update
-from areal_agents.trainers.ppo_loss import decoupled_ppo_loss
-from areal_agents.trainers.sft import conversation_to_trajectory, sft_update
+The names below load on first use, so that `areal-agents` reaches its small modules (a run directory's
+checks, say) without importing torch.
+"""
 
-__all__ = [
-    "conversation_to_trajectory",
-    "decoupled_ppo_loss",
-    "group_advantages",
-    "ppo_update",
-    "sft_update",
-    "zero_variance_groups",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "conversation_to_trajectory": "sft",
+    "decoupled_ppo_loss": "ppo_loss",
+    "group_advantages": "advantages",
+    "ppo_update": "ppo",
+    "sft_update": "sft",
+    "zero_variance_groups": "advantages",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

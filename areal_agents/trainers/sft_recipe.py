@@ -17,6 +17,7 @@ import torch
 
 from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.config import SFTConfig
+from areal_agents.config.placement import team_threads
 from areal_agents.data.jsonl import SFTExample, read_sft_jsonl
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.errors import ArealAgentsError
@@ -57,6 +58,8 @@ def _sft(cfg, conversations, backend, loop, progress):
     tokenizer = load_tokenizer(cfg.model.path)
     device = resolve_device(cfg.device)
     model = load_model(cfg.model.path, cfg.model.dtype).to(device)
+    if device.type == "cpu":  # the cores less the event loop's: a team wider than its cores waits on a busy one
+        torch.set_num_threads(team_threads())
     run_dir = prepare_run_dir(cfg.run_dir, cfg)
     seed_everything(cfg.seed)
     data = [s for example in conversations for s in _segments(example, tokenizer, cfg.chat_template_kwargs)]

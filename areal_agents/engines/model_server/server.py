@@ -47,7 +47,7 @@ class ModelServerConfig:
     stale_kv: str = "recompute"
     kv_dtype: str = "auto"  # the KV cache's dtype (auto: the model's)
     fast_decode: bool = True  # Llama-family models decode with the engine's own step (`LlamaDecodeStep`)
-    cpu_threads: int = 0  # the decode thread's intra-op threads (0: torch's default, all cores)
+    cpu_threads: int = 0  # the decode thread's intra-op threads (0: auto, the cores less one)
     seed: int = 0
     tool_parser: str = "auto"  # how /v1/chat/completions reads tool calls (auto: from the chat template)
     reasoning_parser: str = "auto"  # how it reads reasoning (auto: from the chat template)
