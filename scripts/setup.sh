@@ -84,7 +84,12 @@ install_torch() {
     cpu-index)
       # Fail fast where the index is unreachable (a closed network, a PyPI-only mirror).
       if pip_install --report "$report" --index-url "$TORCH_CPU_INDEX" --timeout 10 --retries 0 "torch==$TORCH_VERSION"; then
-        why="PyTorch's CPU index, as no NVIDIA GPU is here (PyPI's default Linux build bundles CUDA)"
+        why="the CPU build, as no NVIDIA GPU is here (PyPI's default Linux build bundles CUDA)"
+        case "$(torch_source "$report")" in
+          "") ;;  # no report: what and why, not where
+          "${TORCH_CPU_INDEX%%/whl*}"*) why="PyTorch's CPU index: $why" ;;
+          *) why="pip's own configuration (find-links, an extra index) served it beside PyTorch's CPU index: $why" ;;
+        esac
       else
         echo "setup: PyTorch's CPU index ($TORCH_CPU_INDEX) failed; installing torch==$TORCH_VERSION" \
           "from the default index" >&2
