@@ -257,12 +257,13 @@ def _add_recipes(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
-    """``eval``: its options are `EvalOptions` keys, as flags, in ``--config`` or as ``key=value``."""
+    """``eval``: its options are `EvalOptions` keys, as flags (made from the fields), in ``--config`` or as
+    ``key=value``."""
+    from areal_agents.eval.options import EvalOptions, add_flags  # light: the dataclass, not the harness
+
     text = "evaluate a model: avg@n, pass@k, maj@k on AIME, MATH-500, LiveCodeBench, ... or any env"
 
     def description() -> str:
-        from areal_agents.eval.options import EvalOptions
-
         keys = "\n".join(_config_help(EvalOptions))
         return f"{text}. Config keys (in --config, as key=value, or as the flags below; flags win):\n{keys}"
 
@@ -274,56 +275,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", default=None, help="YAML file of these options (dataset: ..., env: {id, kwargs})")
     p.add_argument("overrides", nargs="*", default=[], help="overrides, e.g. n_samples=4 env.kwargs.max_turns=2")
-    p.add_argument(
-        "--dataset",
-        default=None,
-        help="a preset (aime24, aime25, math500, gsm8k, lcb, humaneval), a bundled set (areal-agents datasets), "
-        "a JSONL path, or hf:ORG/NAME",
-    )
-    p.add_argument(
-        "--preset",
-        default=None,
-        help="settings for a path or id: aime24, aime25, math500, gsm8k, math, lcb, humaneval, code",
-    )
-    p.add_argument(
-        "--hub",
-        action="store_true",
-        default=None,
-        help="load the preset's copy from the Hugging Face hub, not the bundled one",
-    )
-    p.add_argument("--env", default=None, help="evaluate this env id instead of a dataset's (e.g. my/Env-v0)")
-    p.add_argument("--module", action="append", default=None, help="import this module first (registers env ids)")
-    p.add_argument("--env-kwargs", default=None, help="JSON object of env kwargs, e.g. '{\"max_turns\": 2}'")
-    p.add_argument(
-        "--num-problems", type=int, default=None, help="the first N problems (an env without a dataset: seeds 0..N-1)"
-    )
-    p.add_argument(
-        "--success-threshold",
-        type=float,
-        default=None,
-        help="the return that counts as success when the env reports no info['success'] (default 1.0)",
-    )
-    p.add_argument("--model", default=None, help="model directory (a transformers checkpoint)")
-    p.add_argument("--engine", choices=["hf", "serve-model", "sglang", "vllm"], default=None, help="default: hf")
-    p.add_argument("--engine-url", action="append", default=None, help="running servers of that engine")
-    p.add_argument("--vllm-python", default=None, help="vllm: the Python of an environment with vLLM")
-    p.add_argument("--sglang-python", default=None, help="sglang: the Python of an environment with SGLang")
-    p.add_argument("--n-samples", type=int, default=None, help="samples per problem (default: the preset's)")
-    p.add_argument("--temperature", type=float, default=None, help="default: the preset's")
-    p.add_argument("--top-p", type=float, default=None, help="default: the preset's")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the preset's")
-    p.add_argument("--concurrency", type=int, default=None, help="episodes in flight (default 64)")
-    p.add_argument("--seed", type=int, default=None, help="default 0")
-    p.add_argument("--max-retries", type=int, default=None, help="tries more for a sample whose env or engine failed")
-    p.add_argument("--system-prompt", default=None)
-    p.add_argument("--lcb-start", default=None, help="LiveCodeBench: problems with contest_date >= this (ISO)")
-    p.add_argument("--lcb-end", default=None, help="LiveCodeBench: ... and < this date")
-    p.add_argument(
-        "--out",
-        default=None,
-        help="output directory; a rerun of the same model and settings resumes (default runs/eval/DATASET "
-        "or ENV, or -2, -3, ... when that holds another run's samples; an --out that does needs --overwrite)",
-    )
+    add_flags(p)
     p.add_argument("--overwrite", action="store_true", help="remove another eval's samples and summary from OUT first")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(fn=cmd_eval)

@@ -91,3 +91,37 @@ def test_in_process_weight_sharing_needs_a_synchronous_thread_trainer():
         load_config(TrainConfig, None, ["engine.weight_sync=disk"])
     with pytest.raises(ConfigError, match="ppo.nproc_per_node: for local runs"):
         load_config(TrainConfig, None, ["ppo.nproc_per_node=2", "launcher=ray"])
+
+
+def test_a_fields_flag_parses_as_its_annotation_says_and_defaults_to_not_given():
+    import argparse
+    from dataclasses import dataclass
+    from typing import Literal
+
+    from areal_agents.config import config_field
+    from areal_agents.config.flags import add_field_flag
+
+    @dataclass
+    class Opts:
+        hub: bool = config_field("from the hub", default=False)
+        url: list[str] = config_field("servers", default_factory=list)
+        engine: Literal["hf", "vllm"] = config_field("the engine", default="hf")
+        top_p: float | None = config_field("nucleus", default=None)
+        note: str = config_field("100% free text", default="")
+        table: dict[str, int] = config_field("no flag for this", default_factory=dict)
+
+    parser = argparse.ArgumentParser()
+    for name in ("hub", "url", "engine", "top_p", "note"):
+        add_field_flag(parser, Opts, name)
+    assert vars(parser.parse_args([])) == dict.fromkeys(("hub", "url", "engine", "top_p", "note"))
+    given = parser.parse_args(["--no-hub", "--url", "a", "--url", "b", "--engine", "vllm", "--top-p", "0.9"])
+    assert (given.hub, given.url, given.engine, given.top_p) == (False, ["a", "b"], "vllm", 0.9)
+    assert parser.parse_args(["--hub"]).hub is True
+    text = parser.format_help()
+    assert "the engine (default hf)" in text and "servers (repeatable)" in text and "100% free text" in text
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--engine", "sglang"])  # not one of the Literal's choices
+    with pytest.raises(TypeError, match=r"Opts.table: no command-line flag"):
+        add_field_flag(parser, Opts, "table")
+    with pytest.raises(ValueError, match="expects a field of Opts, got 'nope'"):
+        add_field_flag(parser, Opts, "nope")

@@ -1,21 +1,31 @@
 """Evaluation harness: datasets (or any env's reset seeds) run through the training envs, engines and
-episode runner, scored as papers report."""
+episode runner, scored as papers report.
 
-from areal_agents.eval.metrics import maj_at_k, pass_at_k
-from areal_agents.eval.options import EvalOptions
-from areal_agents.eval.problems import Problem, ProblemSet, load_problems
-from areal_agents.eval.runner import EvalSettings, evaluate_dataset, run_eval
-from areal_agents.eval.summary import summarize
+The names below load on first use, so that `areal-agents` builds its parser from `eval.options` (the
+``eval`` flags) without importing the harness and with it torch.
+"""
 
-__all__ = [
-    "EvalOptions",
-    "EvalSettings",
-    "Problem",
-    "ProblemSet",
-    "evaluate_dataset",
-    "load_problems",
-    "maj_at_k",
-    "pass_at_k",
-    "run_eval",
-    "summarize",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "EvalOptions": "options",
+    "EvalSettings": "runner",
+    "Problem": "problems",
+    "ProblemSet": "problems",
+    "evaluate_dataset": "runner",
+    "load_problems": "problems",
+    "maj_at_k": "metrics",
+    "pass_at_k": "metrics",
+    "run_eval": "runner",
+    "summarize": "summary",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

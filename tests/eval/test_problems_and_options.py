@@ -181,3 +181,20 @@ def test_cli_eval_takes_key_value_overrides_and_names_unknown_ones(tmp_path, tin
     assert "unknown config key 'num_problem' in override 'num_problem=2'. Did you mean 'num_problems'?" in (
         capsys.readouterr().err
     )
+
+
+def test_every_eval_option_is_a_flag_that_says_what_its_field_says():
+    # The flags are made from the fields: one per field (env: --env and --env-kwargs), the field's help line.
+    import dataclasses
+
+    from areal_agents.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    flags = {a.dest: a for a in sub.choices["eval"]._actions}
+    for f in dataclasses.fields(EvalOptions):
+        if f.name == "env":
+            assert {"env", "env_kwargs"} <= set(flags)
+            continue
+        assert flags[f.name].option_strings[0] == "--" + f.name.replace("_", "-")  # a bool: and --no-NAME
+        assert flags[f.name].help.startswith(f.metadata["help"].replace("%", "%%")), f.name
+        assert flags[f.name].default is None  # not given: the file's value stays
