@@ -125,3 +125,18 @@ def test_a_fields_flag_parses_as_its_annotation_says_and_defaults_to_not_given()
         add_field_flag(parser, Opts, "table")
     with pytest.raises(ValueError, match="expects a field of Opts, got 'nope'"):
         add_field_flag(parser, Opts, "nope")
+
+
+def test_config_diff_names_each_dotted_key_that_differs_as_json():
+    from areal_agents.config import config_diff
+
+    saved = {"model": "a", "sampling": {"temperature": 0.6, "stop": ["x"]}, "window": ["2024", "2025"], "seed": 0}
+    new = {"model": "b", "sampling": {"temperature": 0.6, "stop": ["x", "y"]}, "window": ("2024", "2025"), "top": 1}
+    assert config_diff(saved, new) == [  # sorted; a tuple is the list JSON gives back; a missing key is (absent)
+        'model: "a" -> "b"',
+        'sampling.stop: ["x"] -> ["x", "y"]',
+        "seed: 0 -> (absent)",
+        "top: (absent) -> 1",
+    ]
+    assert config_diff(saved, new, ignore=["model", "sampling"]) == ["seed: 0 -> (absent)", "top: (absent) -> 1"]
+    assert config_diff({}, {"seed": 0, "top": 2}, defaults={"seed": 0, "top": 1}) == ["top: 1 -> 2"]  # old lacks

@@ -4,7 +4,7 @@ cfg = load_config(TrainConfig, "examples/arithmetic/rl.yaml", ["ppo.lr=3e-4"])
 """
 
 from areal_agents.config.fields import config_field
-from areal_agents.config.loading import config_to_dict, load_config
+from areal_agents.config.loading import config_diff, config_to_dict, load_config
 from areal_agents.config.sections import (
     EngineConfig,
     EnvConfig,
@@ -31,6 +31,7 @@ __all__ = [
     "RolloutConfig",
     "SFTConfig",
     "TrainConfig",
+    "config_diff",
     "config_field",
     "config_to_dict",
     "load_config",

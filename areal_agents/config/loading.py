@@ -8,8 +8,10 @@ exactly these messages and for ``Literal`` choices, which OmegaConf's structured
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -70,6 +72,52 @@ class _Where(str):
 def config_to_dict(cfg: Any) -> dict[str, Any]:
     """Plain-dict view of a config, for saving next to a run."""
     return dataclasses.asdict(cfg)
+
+
+_ABSENT = object()
+
+
+def config_diff(
+    old: dict[str, Any], new: dict[str, Any], *, ignore: Sequence[str] = (), defaults: dict[str, Any] | None = None
+) -> list[str]:
+    """``"dotted.key: old -> new"`` for each key whose value differs between two config dicts (as saved: a
+    resumed run's ``config.json``, an eval's ``run.json``), sorted, the values as JSON. Sections compare key
+    by key, lists as whole values; a key under one of ``ignore`` (a dotted key or a section) is skipped. A key
+    ``old`` lacks (it predates the key) has its value in ``defaults`` when given, else shows as ``(absent)``.
+
+        config_diff({"ppo": {"lr": 1e-4}, "steps": 5}, {"ppo": {"lr": 1e-3}, "steps": 9}, ignore=["steps"])
+        # ["ppo.lr: 0.0001 -> 0.001"]
+    """
+    before, after = _flat(_as_json(old)), _flat(_as_json(new))
+    base = _flat(_as_json(defaults)) if defaults is not None else {}
+    lines = []
+    for key in sorted(before.keys() | after.keys()):
+        if any(key == k or key.startswith(k + ".") for k in ignore):
+            continue
+        a, b = before.get(key, base.get(key, _ABSENT)), after.get(key, _ABSENT)
+        if a != b:
+            lines.append(f"{key}: {_show(a)} -> {_show(b)}")
+    return lines
+
+
+def _as_json(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` as it reads back from JSON (tuples are lists), so a live config compares with a saved one."""
+    return json.loads(json.dumps(data))
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}, "c": {}}`` -> ``{"a.b": 1}`` (lists stay whole values)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _show(value: Any) -> str:
+    return "(absent)" if value is _ABSENT else json.dumps(value)
 
 
 def _nest(keys: list[str], value: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from areal_agents.config import config_diff
 from areal_agents.errors import ConfigError
 
 RUN_FILE = "run.json"
@@ -50,18 +51,6 @@ def rows_digest(rows: list[Any]) -> str:
     return h.hexdigest()
 
 
-def differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """``key: old -> new`` for every (dotted) key whose value differs."""
-    out = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
-    return out
-
-
 def claim(out: Path, identity: dict[str, Any]) -> None:
     """Make ``out`` this run's directory: write ``run.json``, or check the one there matches ``identity``.
 
@@ -69,7 +58,7 @@ def claim(out: Path, identity: dict[str, Any]) -> None:
     record = out / RUN_FILE
     if record.is_file():
         previous = json.loads(record.read_text())
-        diff = differences(previous, identity)
+        diff = config_diff(previous, identity)
         if diff:
             raise RunMismatch(
                 f"{out} holds an eval of something else ({'; '.join(diff)}): give another --out, or pass "

@@ -9,8 +9,7 @@ after the last save) are dropped, so each step is written once: its redo replace
 
 Example::
 
-    changes = config_changes(json.loads((run_dir / "config.json").read_text()), config_to_dict(cfg))
-    # ["ppo.lr: 0.0001 -> 0.001"]
+    changes = check_resume_config(run_dir, cfg, allow_change=True)  # ["ppo.lr: 0.0001 -> 0.001"], or []
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from areal_agents.config import config_to_dict
+from areal_agents.config import config_diff, config_to_dict
 from areal_agents.errors import ConfigError
 
 # keys a resume may change: the run's length, checkpointing, evaluation and logging, and where the same run
@@ -38,7 +37,6 @@ FREE_KEYS = (
     "launcher",
     "ray",
 )
-_ABSENT = "(absent)"
 # what `train` and `sft` write in a run directory (the run's engine servers, separate policies, plots too);
 # `--overwrite` removes these and nothing else, so no file of the old run mixes with the new one's
 RUN_FILES = (
@@ -84,41 +82,6 @@ def claim_run_dir(run_dir: str | Path, command: str, *, resume: bool = False, ov
     )
 
 
-def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}, "c": {}}`` -> ``{"a.b": 1}`` (lists stay whole values)."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out |= _flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _free(key: str) -> bool:
-    return any(key == k or key.startswith(k + ".") for k in FREE_KEYS)
-
-
-def config_changes(saved: dict[str, Any], new: dict[str, Any], defaults: dict[str, Any] | None = None) -> list[str]:
-    """The differences outside `FREE_KEYS` between a run's saved config and a new one, as
-    ``"dotted.key: old -> new"`` lines, sorted. A key the saved config lacks (it predates the key) counts
-    as changed only if the new value differs from ``defaults`` (the config class's own)."""
-    old, cur = _flat(saved), _flat(json.loads(json.dumps(new)))
-    base = _flat(json.loads(json.dumps(defaults))) if defaults is not None else {}
-    changes = []
-    for key in sorted(old.keys() | cur.keys()):
-        if _free(key):
-            continue
-        before, after = old.get(key, base.get(key, _ABSENT)), cur.get(key, _ABSENT)
-        if before != after:
-            changes.append(f"{key}: {_show(before)} -> {_show(after)}")
-    return changes
-
-
-def _show(value: Any) -> str:
-    return value if value == _ABSENT else json.dumps(value)
-
-
 def check_resume_config(run_dir: str | Path, cfg: Any, allow_change: bool) -> list[str]:
     """Compare ``cfg`` with the run's saved ``config.json`` (none: nothing to compare); return the changes
     outside `FREE_KEYS`, allowed by ``allow_change``, else raise `ConfigError` naming them."""
@@ -129,7 +92,7 @@ def check_resume_config(run_dir: str | Path, cfg: Any, allow_change: bool) -> li
         saved = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"--resume: {path} is not valid JSON ({e}); restore it or start a new run_dir") from None
-    changes = config_changes(saved, config_to_dict(cfg), config_to_dict(type(cfg)()))
+    changes = config_diff(saved, config_to_dict(cfg), ignore=FREE_KEYS, defaults=config_to_dict(type(cfg)()))
     if changes and not allow_change:
         raise ConfigError(
             f"--resume: the config differs from the run's ({path}): {'; '.join(changes)}. Resume with the saved "

@@ -10,9 +10,9 @@ import torch
 from rl_configs import write_rl_config
 
 from areal_agents.cli import main
-from areal_agents.config import TrainConfig, config_to_dict, load_config
+from areal_agents.config import TrainConfig, config_diff, config_to_dict, load_config
 from areal_agents.models import load_model
-from areal_agents.trainers.resume import config_changes, forget_after
+from areal_agents.trainers.resume import FREE_KEYS, forget_after
 
 
 def scalar_steps(run, tag):
@@ -106,17 +106,17 @@ def test_a_resume_with_a_changed_config_names_the_keys_and_needs_allow_config_ch
     assert "--allow-config-change" in err
 
 
-def test_config_changes_names_dotted_keys_and_skips_the_free_ones():
+def test_config_diff_names_dotted_keys_and_skips_the_free_ones():
     saved = config_to_dict(TrainConfig(steps=10))
     new = config_to_dict(TrainConfig(steps=20, save_every=5, keep_checkpoints=1, max_train_minutes=3.0))
     new["eval"]["num_problems"] = 5
     new["rollout"]["dump_trajectories"] = True
-    assert config_changes(saved, new) == []  # all free
+    assert config_diff(saved, new, ignore=FREE_KEYS) == []  # all free
 
     new["env"]["kwargs"] = {"digits": 2}
     new["engine"]["backend"] = "serve-model"
     new["model"]["path"] = "other"
-    assert config_changes(saved, new) == [
+    assert config_diff(saved, new, ignore=FREE_KEYS) == [
         'engine.backend: "hf" -> "serve-model"',
         "env.kwargs.digits: (absent) -> 2",
         'model.path: "" -> "other"',
@@ -127,10 +127,10 @@ def test_a_key_newer_than_the_saved_config_counts_only_when_set_away_from_its_de
     defaults = config_to_dict(TrainConfig())
     saved = config_to_dict(TrainConfig())
     del saved["ppo"]["stream_updates"]  # a run saved before the key existed
-    assert config_changes(saved, config_to_dict(TrainConfig()), defaults) == []
+    assert config_diff(saved, config_to_dict(TrainConfig()), ignore=FREE_KEYS, defaults=defaults) == []
     changed = config_to_dict(TrainConfig())
     changed["ppo"]["stream_updates"] = False
-    assert config_changes(saved, changed, defaults) == ["ppo.stream_updates: true -> false"]
+    assert config_diff(saved, changed, ignore=FREE_KEYS, defaults=defaults) == ["ppo.stream_updates: true -> false"]
 
 
 def test_with_config_rates_changes_the_base_rate_and_keeps_the_schedule_and_moments():
