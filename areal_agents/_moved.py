@@ -40,6 +40,10 @@ MOVED: dict[str, str | tuple[str, ...]] = {
     "areal_agents.rollout.evaluate": "areal_agents.rollout.held_out",
     "areal_agents.trainers.metrics": "areal_agents.trainers.metrics_writer",
     "areal_agents.trainers.setup": ("areal_agents.trainers.optim", "areal_agents.trainers.run_start"),
+    "areal_agents.agents.template_messages": "areal_agents.agents.assistant_turns",
+    "areal_agents.engines.broadcast": "areal_agents.engines.broadcast_group",
+    "areal_agents.engines.hf.lora": "areal_agents.engines.hf.multi_lora",
+    "areal_agents.engines.hf.placement": "areal_agents.engines.hf.engine_placement",
 }
 
 

@@ -30,6 +30,18 @@ LAYERS = [
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 MAX_FUNCTION_LINES = 100
 MAX_MODULE_LINES = 500
+# File names several modules may share: a role that each of those packages has, so the folder says whose.
+# Any other name is one module's (STYLE 4: two modules of one name are a sign of a split by size), so a
+# reader, a traceback or a search never has to ask which one is meant.
+SHARED_FILE_NAMES = {
+    "__init__.py": "a package",
+    "base.py": "a package's protocol: data, sandbox, rewards, engines, envs, agents",
+    "client.py": "a serving backend's client: engines/sglang, engines/vllm",
+    "server.py": "a server's command line or app: engines/sglang, engines/vllm, engines/model_server, envs/runtime",
+    "protocol.py": "a wire format's JSON shapes: engines/sglang, envs/runtime",
+    "loading.py": "a package's loader with its errors: config (YAML and overrides), models (weights, tokenizers)",
+    "multi_agent.py": "a layer's multi-agent side: envs (MultiAgentTextEnv), agents (MultiAgentChatAgent)",
+}
 
 
 def modules() -> dict[str, Path]:
@@ -84,6 +96,16 @@ def test_no_import_goes_up_the_layers():
             if not there or LAYER[there] >= LAYER[here]:
                 wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target} ({here} may not import {there or '?'})")
     assert not wrong, "imports against the layers (docs/architecture.md):\n" + "\n".join(wrong)
+
+
+def test_no_two_modules_share_a_file_name():
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        by_name.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    clashes = [f"{name}: {', '.join(paths)}" for name, paths in shared.items() if name not in SHARED_FILE_NAMES]
+    assert not clashes, "name each module for what it holds (old paths go to _moved.MOVED):\n" + "\n".join(clashes)
+    assert not set(SHARED_FILE_NAMES) - set(shared), "SHARED_FILE_NAMES lists names no longer shared"
 
 
 def test_the_layer_check_sees_lazy_and_relative_imports(tmp_path):

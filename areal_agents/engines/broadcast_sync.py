@@ -1,11 +1,11 @@
 """`BroadcastSync`: new weights broadcast from the trainer to every server (``engine.weight_sync=broadcast``),
 in SGLang's protocol: real SGLang servers over NCCL, serve-model over gloo.
 
-The trainer is rank 0 of a group with every server's ranks (``/init_weights_update_group``; `engines.broadcast`
-makes it without touching torch.distributed's default group). A push pauses the servers, then per bucket
-(tensors up to ``bucket_bytes``, in the state dict's order) posts ``/update_weights_from_distributed``
-{names, dtypes, shapes, group_name, flush_cache, weight_version} to every server while broadcasting the
-bucket's tensors, names the version and resumes (`RemoteEngine.swap_weights`).
+The trainer is rank 0 of a group with every server's ranks (``/init_weights_update_group``;
+`engines.broadcast_group` makes it without touching torch.distributed's default group). A push pauses the
+servers, then per bucket (tensors up to ``bucket_bytes``, in the state dict's order) posts
+``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, flush_cache, weight_version} to every
+server while broadcasting the bucket's tensors, names the version and resumes (`RemoteEngine.swap_weights`).
 
 Failures: weights with a NaN or an infinity are refused before any server is paused (the servers check
 every push whole too, and keep their weights on a refusal). A server that dies or hangs mid-push fails its
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from areal_agents.engines.broadcast import WeightGroup, dtype_name, join_group, local_address, plan_buckets
+from areal_agents.engines.broadcast_group import WeightGroup, dtype_name, join_group, local_address, plan_buckets
 from areal_agents.engines.remote_engine import ServerError
 from areal_agents.engines.weight_checks import finite
 from areal_agents.engines.weight_sync import WeightSource, tensor_bytes, timed

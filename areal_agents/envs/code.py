@@ -22,17 +22,14 @@ Served (``serve-env``), every sandbox run of a reset or step ends by the server'
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from areal_agents.data.base import BaseDataset, load_task_dataset
 from areal_agents.envs.base import TextEnv
 from areal_agents.envs.runtime.budget import remaining_s
-from areal_agents.rewards.code_judge import CodeJudge, JudgeResult, decode_tests, stdout_matches
+from areal_agents.rewards.code_judge import CodeJudge, JudgeResult, decode_tests, fenced_blocks, stdout_matches
 from areal_agents.rewards.extract import strip_thinking
 from areal_agents.sandbox import ExecResult, LocalSandbox, Sandbox
-
-_BLOCK = re.compile(r"```[ \t]*([^\n`]*)\n(.*?)```", re.DOTALL)
 
 STDIN_INSTRUCTION = "Read the input from standard input, solve the problem and write the answer to standard output."
 FUNCTIONAL_INSTRUCTION = "Complete this starter code:\n```python\n{starter}\n```"
@@ -108,8 +105,10 @@ class WithinCall:
 
 
 def _last_block(text: str) -> tuple[str, str] | None:
-    blocks = _BLOCK.findall(strip_thinking(text))
-    return (blocks[-1][0].strip().lower(), blocks[-1][1]) if blocks else None
+    """``(info string, code)`` of an action's last fenced block (after any <think> block), read by the code
+    judge's parser (`fenced_blocks`); the info string lower-cased, so ```` ```Python RUN ```` runs."""
+    blocks = fenced_blocks(strip_thinking(text))
+    return (blocks[-1][0].lower(), blocks[-1][1]) if blocks else None
 
 
 class CodeEnv(TextEnv):

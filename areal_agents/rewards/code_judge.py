@@ -17,7 +17,6 @@ import base64
 import io
 import json
 import pickle
-import re
 import secrets
 import zlib
 from dataclasses import dataclass, field
@@ -27,7 +26,6 @@ from typing import Any
 from areal_agents.rewards.extract import strip_thinking
 from areal_agents.sandbox import LocalSandbox, Sandbox
 
-_LANG = re.compile(r"[ \t]*([\w+-]*)")
 # What LiveCodeBench's harness puts before LeetCode solutions, so starter code's types resolve.
 PRELUDE = (
     "from typing import *\nfrom collections import *\nfrom functools import *\nfrom itertools import *\n"
@@ -37,9 +35,10 @@ PRELUDE = (
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
-    """``(language, code)`` of each fenced block: a line opened by three backticks (the language is the
-    word after them), up to the next three backticks. Linear in the text (``str.find``, no regex
-    backtracking), so megabytes of stray fences cost milliseconds."""
+    """``(info string, code)`` of each fenced block: a line opened by three backticks, up to the next three
+    backticks. The info string is the rest of the opening line, stripped (``python``, ``python run``: its
+    first word is the language). Linear in the text (``str.find``, no regex backtracking), so megabytes of
+    stray fences cost milliseconds. The one fence parser: the code judge and `Code-v0` both read it."""
     blocks: list[tuple[str, str]] = []
     pos = 0
     while (start := text.find("```", pos)) >= 0:
@@ -49,7 +48,7 @@ def fenced_blocks(text: str) -> list[tuple[str, str]]:
         end = text.find("```", newline + 1)
         if end < 0:
             break  # no fence closes it, nor any later one
-        blocks.append((_LANG.match(text, start + 3).group(1), text[newline + 1 : end]))
+        blocks.append((text[start + 3 : newline].strip(), text[newline + 1 : end]))
         pos = end + 3
     return blocks
 

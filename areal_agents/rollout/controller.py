@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from areal_agents.agents.base import Agent
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import RunHalted
-from areal_agents.rollout.episodes import EpisodeFn, EpisodeRunner, FailureKind, RolloutLedger, local_episode
+from areal_agents.rollout.episodes import EpisodeFn, EpisodeRunner, RolloutLedger, local_episode
 from areal_agents.rollout.failures import Cause, FailureLog
 from areal_agents.types import Trajectory
 
@@ -68,8 +68,6 @@ class ControllerStats:
     groups_rejected: int = 0
     groups_dropped: int = 0  # every episode of the group failed
     groups_stale: int = 0  # finished too late: older than max_staleness when its batch was formed
-    retries: int = 0
-    worker_retries: int = 0  # episodes re-run because their rollout worker died
     staleness: list[int] = field(default_factory=list)  # per consumed trajectory: version now - oldest token
 
 
@@ -132,9 +130,8 @@ class RolloutController:
         self._unconsumed: dict[int, int] = {}  # submitted, not yet handed to the trainer (or dropped): its version
         self._episode = run_episode or local_episode(agent, make_env)
         self.failures = failures if failures is not None else FailureLog()
-        self.runner = EpisodeRunner(
-            self.ledger, max_retries=max_retries, on_retry=self._count_retry, failures=self.failures
-        )
+        # the one count of retries: runner.retries, runner.worker_retries (an episode re-run as its worker died)
+        self.runner = EpisodeRunner(self.ledger, max_retries=max_retries, failures=self.failures)
         self.max_failed_fraction = max_failed_fraction
         self._window: tuple[int, int, Counter[Cause]] | None = None  # ended, failed, causes when the batch began
         self._fatal: BaseException | None = None
@@ -175,8 +172,7 @@ class RolloutController:
                         stale_run, self.max_staleness, version,
                     )  # fmt: skip
                 self.stats.groups_accepted -= 1  # the gate lets a replacement in
-                self.ledger.accepted -= group.episodes
-                self.ledger.rejected += group.episodes
+                self.ledger.reject(group.episodes)
                 self._wakeup.set()
                 continue
             taken.append(group)
@@ -283,8 +279,7 @@ class RolloutController:
         elif self.group_filter is not None and not self.group_filter(group):
             self.stats.groups_rejected += 1
             self._unconsumed.pop(index, None)
-            self.ledger.accepted -= group.episodes
-            self.ledger.rejected += group.episodes
+            self.ledger.reject(group.episodes)
         else:
             self.stats.groups_accepted += 1
             heapq.heappush(self._ready, (index, group))
@@ -314,10 +309,6 @@ class RolloutController:
             f"rollout.max_failed_fraction={self.max_failed_fraction:g}): {causes}"
         )
         self._ready_event.set()
-
-    def _count_retry(self, kind: FailureKind) -> None:
-        self.stats.retries += 1
-        self.stats.worker_retries += kind == "worker"
 
 
 def _staleness(trajectories: list[Trajectory], version: int) -> int:

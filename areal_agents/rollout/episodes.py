@@ -61,6 +61,11 @@ class RolloutLedger:
         """Every count by name, ``running`` included (checkpoints, summaries, eval records)."""
         return {**dataclasses.asdict(self), "running": self.running}
 
+    def reject(self, episodes: int) -> None:
+        """Move ``episodes`` accepted episodes to rejected: their group was filtered out or went stale."""
+        self.accepted -= episodes
+        self.rejected += episodes
+
     def fail(self, kind: FailureKind) -> None:
         """Count an episode that ended with a failure of ``kind`` (a cluster failure cancels it; a halt, the
         run's own mistake, fails it)."""
@@ -105,7 +110,9 @@ class EpisodeRunner:
     A policy or agent failure is not retried; a refused request (`RequestError`) would be refused again,
     so it is not retried either. Failed episodes return None; each failure is reported to ``failures``
     (a `FailureLog`: rate-limited lines, one traceback per cause). A `RunHalted` (a `ClusterError`, an env
-    server's 4xx, no env server left) and cancellation propagate: the run cannot go on.
+    server's 4xx, no env server left) and cancellation propagate: the run cannot go on. ``retries`` and
+    ``worker_retries`` are the run's one count of tries run again (the controller's stats and summary.json's
+    ``episode_retries`` read them).
     """
 
     def __init__(
@@ -113,7 +120,6 @@ class EpisodeRunner:
         ledger: RolloutLedger | None = None,
         *,
         max_retries: int = 0,
-        on_retry: Callable[[FailureKind], None] | None = None,
         failures: FailureLog | None = None,
         retry_pause_s: float = 0.25,
     ) -> None:
@@ -121,7 +127,6 @@ class EpisodeRunner:
             raise ValueError(f"max_retries: expects a value >= 0, got {max_retries}")
         self.ledger = ledger if ledger is not None else RolloutLedger()
         self.max_retries = max_retries
-        self.on_retry = on_retry
         self.failures = failures if failures is not None else FailureLog()
         self.retry_pause_s = retry_pause_s  # doubled each try of an episode, up to 8x: a restarting server has time
         self.retries = 0  # tries run again, all kinds
@@ -135,7 +140,8 @@ class EpisodeRunner:
             try:
                 if attempt:  # a restarting server or engine gets a moment
                     await asyncio.sleep(self.retry_pause_s * 2 ** min(attempt - 1, 3))
-                    self._count_retry(kind)
+                    self.retries += 1
+                    self.worker_retries += kind == "worker"
                 trajectories = await episode()
             except asyncio.CancelledError:
                 self.ledger.cancelled += 1
@@ -154,12 +160,6 @@ class EpisodeRunner:
                 return None
             self.ledger.accepted += 1
             return trajectories
-
-    def _count_retry(self, kind: FailureKind) -> None:
-        self.retries += 1
-        self.worker_retries += kind == "worker"
-        if self.on_retry is not None:
-            self.on_retry(kind)
 
 
 def local_episode(agent: Agent, make_env: Callable[[], AsyncEnv]) -> EpisodeFn:

@@ -242,7 +242,7 @@ async def _train_loop(cfg, tokenizer, policies, launcher, backend, agents, run_d
         totals=log.totals,
         engine_reports=log.engine_use.reports,
         ledger=run.ledger,
-        retries=controller.stats.retries,
+        retries=controller.runner.retries,
         checkpoint=ckpt,
         launcher_stats=launcher.stats(),
     )

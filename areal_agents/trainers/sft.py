@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from areal_agents.agents.assistant_turns import assistant_turn_text, through_first_stop
 from areal_agents.agents.chat_tokens import ChatTokens
-from areal_agents.agents.template_messages import assistant_turn_text, through_first_stop
 from areal_agents.models.device import autocast
 from areal_agents.trainers.batching import make_micro_batches, token_logprobs
 from areal_agents.trainers.optim import optimizer_step

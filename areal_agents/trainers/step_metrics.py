@@ -174,7 +174,7 @@ def rollout_stats(
         "episodes_env_failed": float(ledger.env_failed),
         "episodes_engine_failed": float(ledger.engine_failed),
         "episodes_worker_failed": float(ledger.worker_failed),
-        "episode_retries": float(controller.stats.retries),
+        "episode_retries": float(controller.runner.retries),
         "episodes_rejected": float(ledger.rejected),
         "episodes_running": float(ledger.running),
         "queued_groups": float(controller.queued_groups),

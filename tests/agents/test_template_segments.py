@@ -17,9 +17,9 @@ import torch
 from test_custom_agents import masked_runs
 
 from areal_agents.agents import ChatAgent, ToolAgent
+from areal_agents.agents.assistant_turns import assistant_turn_text, through_first_stop
 from areal_agents.agents.capture import ChatCapture
 from areal_agents.agents.chat_tokens import ChatTokens
-from areal_agents.agents.template_messages import assistant_turn_text, through_first_stop
 from areal_agents.chat.template_messages import template_message
 from areal_agents.data.tool_use import TOOL_SCHEMAS, add, multiply
 from areal_agents.engines.hf.engine import HFEngine

@@ -67,7 +67,7 @@ def test_a_dead_worker_s_episodes_run_again_on_the_other(cluster):
 
     c, batch = asyncio.run(run())
     assert len(batch) == 4 and all(len(g.trajectories) == 2 for g in batch)  # nothing lost
-    assert workers.lost >= 1 and c.stats.worker_retries == workers.lost
+    assert workers.lost >= 1 and c.runner.worker_retries == workers.lost
     assert c.ledger.worker_failed == 0 and balanced(c.ledger)
 
 

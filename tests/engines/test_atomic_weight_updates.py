@@ -15,7 +15,7 @@ import pytest
 import torch
 from app_in_thread import serving_app
 
-from areal_agents.engines.broadcast import join_group
+from areal_agents.engines.broadcast_group import join_group
 from areal_agents.engines.broadcast_sync import BroadcastSync
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.model_server import ModelServerConfig, build_app

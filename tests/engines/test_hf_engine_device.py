@@ -13,7 +13,7 @@ from test_hf_engine import forward_logprobs, prompt
 
 from areal_agents.cli import build_parser
 from areal_agents.engines import HFEngine
-from areal_agents.engines.hf.placement import Placement
+from areal_agents.engines.hf.engine_placement import Placement
 from areal_agents.engines.hf.process_engine import ProcessEngine
 from areal_agents.errors import ConfigError, EngineError
 from areal_agents.models import load_model

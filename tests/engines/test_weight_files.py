@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from areal_agents.config import EngineConfig
-from areal_agents.engines.broadcast import join_group, plan_buckets, receive
+from areal_agents.engines.broadcast_group import join_group, plan_buckets, receive
 from areal_agents.engines.broadcast_sync import BroadcastSync
 from areal_agents.engines.local_servers import ServerGroup
 from areal_agents.engines.sglang.client import SGLangEngine

@@ -114,7 +114,7 @@ class RacyCap(EnvServer):
 class BatchOutOfOrder(EnvServer):
     async def step_batch(self, req):
         reply = await super().step_batch(req)
-        return {"results": reply["results"][::-1]}
+        return {"results": reply.results[::-1]}
 
 
 class CloseKeepsTheSession(EnvServer):

@@ -12,7 +12,17 @@ def test_fence_extraction_is_linear_on_megabytes(finishes_within):
     # text from each one (hours); a real block after 2 MB of prose.
     assert finishes_within(2.0, extract_code, "```a" * 250_000) is None
     assert finishes_within(2.0, extract_code, "x" * 2_000_000 + "```python\nprint(1)\n```") == "print(1)\n"
-    assert fenced_blocks("```py run\nA```\n```\nB```") == [("py", "A"), ("", "B")]
+    assert fenced_blocks("```py run\nA```\n```\nB```") == [("py run", "A"), ("", "B")]
+
+
+def test_code_env_reads_actions_with_the_judges_fence_parser(finishes_within):
+    # Code-v0's last block: (info string lower-cased, code), after any <think> block; linear like the judge's.
+    from areal_agents.envs.code import _last_block
+
+    assert _last_block("<think>```python run\nA```</think>\n```Python RUN \nB```") == ("python run", "B")
+    assert _last_block("test:\n```python run\nA```\nthen\n```python\nB\n```") == ("python", "B\n")
+    assert _last_block("no code here") is None
+    assert finishes_within(2.0, _last_block, "```a" * 250_000) is None
 
 
 class ForgingSandbox:

@@ -102,8 +102,8 @@ def test_ledger_balances_under_env_engine_and_policy_failures():
     ended = ledger.accepted + ledger.rejected + ledger.failed + ledger.env_failed + ledger.engine_failed
     assert ledger.submitted == ended + ledger.cancelled and ledger.running == 0
     assert ledger.env_failed > 0 and ledger.engine_failed > 0 and ledger.failed > 0
-    assert controller.stats.retries > 0  # env and engine failures were retried first
-    assert agent.calls == ledger.submitted + controller.stats.retries
+    assert controller.runner.retries > 0  # env and engine failures were retried first
+    assert agent.calls == ledger.submitted + controller.runner.retries
 
 
 def test_dynamic_sampling_rejects_groups_and_still_fills_the_batch():

@@ -97,12 +97,17 @@ def test_a_cluster_failure_or_cancellation_counts_cancelled_and_propagates():
     assert runner.ledger == RolloutLedger(submitted=2, cancelled=2) and runner.ledger.running == 0
 
 
-def test_on_retry_hears_each_retry_kind():
-    kinds = []
-    runner = EpisodeRunner(max_retries=2, on_retry=kinds.append)
+def test_the_runner_counts_each_retry_once_by_kind():
+    runner = EpisodeRunner(max_retries=2)
     episode, _ = failing(EnvError("timeout", "x"), WorkerLostError("x"))
     asyncio.run(runner.run(episode, "e"))
-    assert kinds == ["env", "worker"]
+    assert (runner.retries, runner.worker_retries) == (2, 1)  # an env retry, then a lost worker's
+
+
+def test_a_rejected_group_moves_its_episodes_from_accepted_to_rejected():
+    ledger = RolloutLedger(submitted=5, accepted=4, failed=1)
+    ledger.reject(3)  # a group of 3 filtered out (or gone stale)
+    assert ledger == RolloutLedger(submitted=5, accepted=1, rejected=3, failed=1) and balanced(ledger)
 
 
 def test_max_retries_must_not_be_negative():

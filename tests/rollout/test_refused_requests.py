@@ -51,7 +51,7 @@ def test_a_refused_request_is_not_retried():
         await controller.aclose()
 
     asyncio.run(scenario())
-    assert controller.stats.retries == 0 and controller.ledger.engine_failed >= 2
+    assert controller.runner.retries == 0 and controller.ledger.engine_failed >= 2
     assert agent.calls == controller.ledger.submitted  # one attempt each
 
 

@@ -16,9 +16,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from areal_agents.engines.hf.decode_step import LlamaDecodeStep
+from areal_agents.engines.hf.engine_placement import Placement, moved_weights_error, weight_versions
 from areal_agents.engines.hf.kv_buffer import GrowingLayer, kv_dtype_of
-from areal_agents.engines.hf.lora import LoraTable
-from areal_agents.engines.hf.placement import Placement, moved_weights_error, weight_versions
+from areal_agents.engines.hf.multi_lora import LoraTable
 from areal_agents.engines.hf.prefix_cache import PrefixCache
 from areal_agents.engines.hf.running_batch import (
     RunningBatch,

@@ -7,7 +7,7 @@ once, fused RMSNorm, no module hooks or output records. It saves a fixed cost a 
 small batches, less where one-token attention, bound by reading the KV cache from memory, is most of the
 step (figures: `bench/engine_decode.py`, docs/benchmarks.md). Prefill and training keep
 transformers' forward; tests check this step's tokens and logprobs against it. Rows served with LoRA
-adapters (lora.py) get their adapters' deltas on each part of the fused products (`LoraRows.add`).
+adapters (multi_lora.py) get their adapters' deltas on each part of the fused products (`LoraRows.add`).
 
 The fused weights are copies (attention and MLP weights held twice), made again when any of their
 sources changes: the step compares each parameter's identity and in-place version counter every call,
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import rotate_half
 
-from areal_agents.engines.hf.lora import LoraRows
+from areal_agents.engines.hf.multi_lora import LoraRows
 from areal_agents.engines.hf.segmented_attention import attend_segments
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # the same decoder layer; qwen3 adds per-head q/k norms

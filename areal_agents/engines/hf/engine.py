@@ -20,9 +20,9 @@ step or sampling fails that request alone. ``health()`` says whether the decode 
 /pause_generation and /abort_request do); ``generate_once`` may return such a partial response, while
 ``agenerate`` resubmits prompt + tokens so far until the request completes, as the SGLang client does.
 ``device`` puts the model, the KV cache, masks and sampling on a GPU (bfloat16 there by default;
-placement.py); ``share_weights`` makes ``update_weights`` take the trainer's tensors themselves, no copy
+engine_placement.py); ``share_weights`` makes ``update_weights`` take the trainer's tensors themselves, no copy
 (``engine.weight_sync=in_process`` on one GPU: a synchronous run only, which the engine enforces).
-LoRA adapters (lora.py) are served beside the base model, several in one batch: a request names its
+LoRA adapters (multi_lora.py) are served beside the base model, several in one batch: a request names its
 adapter (``GenRequest.lora_name``); loading or replacing one is a weight update for the rows that use it.
 A request with ``SamplingParams.seed`` samples from its own seed, whatever else shares the batch.
 
@@ -51,8 +51,8 @@ import torch
 from transformers import PreTrainedModel
 
 from areal_agents.engines.hf.batch_runner import BatchRunner
-from areal_agents.engines.hf.lora import LoraAdapter, read_adapter_dir
-from areal_agents.engines.hf.placement import Placement, shareable
+from areal_agents.engines.hf.engine_placement import Placement, shareable
+from areal_agents.engines.hf.multi_lora import LoraAdapter, read_adapter_dir
 from areal_agents.engines.hf.request_checks import RequestLimits, check_request
 from areal_agents.engines.hf.running_batch import MAX_SEGMENTS, Submission
 from areal_agents.engines.hf.scheduler import Scheduler

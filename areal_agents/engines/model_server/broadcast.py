@@ -1,5 +1,5 @@
 """serve-model's side of SGLang's broadcast weight update, over gloo: ``/init_weights_update_group`` joins
-the trainer's group (`engines.broadcast`), ``/update_weights_from_distributed`` receives one bucket, and
+the trainer's group (`engines.broadcast_group`), ``/update_weights_from_distributed`` receives one bucket, and
 ``/destroy_weights_update_group`` leaves a group. Buckets are staged until every parameter of the model
 has arrived, then loaded at once through ``HFEngine.update_weights`` (checked whole, then pause, swap,
 version, resume), so a push cut short by a dead peer or refused (a NaN, a wrong shape) never leaves half-new
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
 
-from areal_agents.engines.broadcast import WeightGroup, join_group, receive
+from areal_agents.engines.broadcast_group import WeightGroup, join_group, receive
 from areal_agents.engines.sglang.protocol import ProtocolError
 from areal_agents.engines.weight_checks import check_announced
 from areal_agents.errors import EngineError

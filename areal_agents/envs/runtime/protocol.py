@@ -9,12 +9,13 @@ whose episode is over. See docs/env-protocol.md.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 PROTOCOL_VERSION = "v1"
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class _Strict(BaseModel):
@@ -106,7 +107,15 @@ class ErrorResponse(BaseModel):
     error: ErrorRecord
 
 
+def reply(model: type[ModelT], **fields: Any) -> ModelT:
+    """A reply of the protocol, built from its type without validation: ``info`` is the env's own dict, which
+    `dumps` writes as it is (numpy values, non-string keys)."""
+    return model.model_construct(**fields)
+
+
 def _to_json_value(obj: Any) -> Any:
+    if isinstance(obj, BaseModel):  # a reply: its fields in declaration order, the wire order
+        return {name: getattr(obj, name) for name in type(obj).model_fields}
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, np.ndarray):
@@ -117,5 +126,6 @@ def _to_json_value(obj: Any) -> Any:
 
 
 def dumps(payload: Any) -> bytes:
-    """JSON with numpy values converted and anything else unknown shown as its repr (info dicts)."""
+    """JSON of a reply (a model of this module, or plain values) with numpy values converted and anything else
+    unknown shown as its repr (info dicts)."""
     return json.dumps(payload, default=_to_json_value, separators=(",", ":")).encode()

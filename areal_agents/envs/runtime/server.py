@@ -34,7 +34,9 @@ from areal_agents.envs.runtime.protocol import (
     BatchStepRequest,
     BatchStepResult,
     CreateSession,
+    EnvInfo,
     EnvList,
+    ErrorRecord,
     ErrorResponse,
     Health,
     Limits,
@@ -43,6 +45,7 @@ from areal_agents.envs.runtime.protocol import (
     StepRequest,
     StepResult,
     dumps,
+    reply,
 )
 from areal_agents.errors import ArealAgentsError, EnvError, UnknownEnvError
 from areal_agents.importing import only_modules
@@ -142,7 +145,7 @@ class EnvServer:
 
     # -- sessions ------------------------------------------------------------------------------
 
-    async def create(self, req: CreateSession) -> dict[str, Any]:
+    async def create(self, req: CreateSession) -> SessionCreated:
         open_or_opening = len(self.sessions) + self.opening
         if open_or_opening >= self.cfg.max_sessions:
             raise HTTPError(
@@ -163,7 +166,7 @@ class EnvServer:
         finally:
             self.opening -= 1
         self.metrics.counters["sessions_created"] += 1
-        return {"session_id": sid, "observation": observation, "info": info}
+        return reply(SessionCreated, session_id=sid, observation=observation, info=info)
 
     def _make(self, req: CreateSession) -> PooledEnv:
         """The env of a new session; a request may name only ids registered here or in a start-up module."""
@@ -202,7 +205,7 @@ class EnvServer:
             raise HTTPError(404, "unknown_session", f"no open session {sid!r} (closed, expired or never created)")
         return session
 
-    async def step(self, sid: str, action: str) -> dict[str, Any]:
+    async def step(self, sid: str, action: str) -> StepResult:
         session = self._get(sid)
         if len(action) > self.cfg.max_action_chars:
             raise HTTPError(
@@ -232,28 +235,29 @@ class EnvServer:
         if terminated or truncated:
             session.done = True
             self.metrics.counters["episodes_completed"] += 1
-        return {
-            "session_id": sid,
-            "observation": observation,
-            "reward": float(reward),
-            "terminated": bool(terminated),
-            "truncated": bool(truncated),
-            "info": info,
-            "error": None,
-        }
+        return reply(
+            StepResult,
+            session_id=sid,
+            observation=observation,
+            reward=float(reward),
+            terminated=bool(terminated),
+            truncated=bool(truncated),
+            info=info,
+            error=None,
+        )
 
-    async def step_batch(self, req: BatchStepRequest) -> dict[str, Any]:
+    async def step_batch(self, req: BatchStepRequest) -> BatchStepResult:
         ids = [item.session_id for item in req.steps]
         if len(set(ids)) != len(ids):
             raise HTTPError(400, "bad_request", "steps: each session may appear once per batch")
 
-        async def one(item: Any) -> dict[str, Any]:
+        async def one(item: Any) -> StepResult:
             try:
                 return await self.step(item.session_id, item.action)
             except HTTPError as e:
                 return _failed(item.session_id, e.type, e.message)
 
-        return {"results": await asyncio.gather(*(one(item) for item in req.steps))}
+        return reply(BatchStepResult, results=await asyncio.gather(*(one(item) for item in req.steps)))
 
     async def _close(self, sid: str, counter: str) -> None:
         session = self.sessions.pop(sid, None)
@@ -261,10 +265,10 @@ class EnvServer:
             self.metrics.counters[counter] += 1
             await session.env.aclose()
 
-    async def close(self, sid: str) -> dict[str, Any]:
+    async def close(self, sid: str) -> SessionClosed:
         self._get(sid)
         await self._close(sid, "sessions_closed")
-        return {"session_id": sid, "closed": True}
+        return reply(SessionClosed, session_id=sid, closed=True)
 
     async def expire_idle(self) -> int:
         cutoff = time.monotonic() - self.cfg.idle_timeout
@@ -291,17 +295,10 @@ def _clients_mistake(e: EnvError) -> bool:
     return e.kind == "env_error" and (isinstance(cause, TypeError | ValueError) or name in ("TypeError", "ValueError"))
 
 
-def _failed(sid: str, type_: str, message: str) -> dict[str, Any]:
+def _failed(sid: str, type_: str, message: str) -> StepResult:
     """A `StepResult` for a step that did not happen normally; the episode is over."""
-    return {
-        "session_id": sid,
-        "observation": "",
-        "reward": 0.0,
-        "terminated": True,
-        "truncated": False,
-        "info": {},
-        "error": {"type": type_, "message": message},
-    }
+    error = reply(ErrorRecord, type=type_, message=message)
+    return reply(StepResult, session_id=sid, observation="", reward=0.0, terminated=True, info={}, error=error)
 
 
 def _json(payload: Any, status: int = 200) -> Response:
@@ -309,7 +306,7 @@ def _json(payload: Any, status: int = 200) -> Response:
 
 
 def _error(status: int, type_: str, message: str) -> Response:
-    return _json({"error": {"type": type_, "message": message}}, status)
+    return _json(reply(ErrorResponse, error=reply(ErrorRecord, type=type_, message=message)), status)
 
 
 def _too_large(max_bytes: int) -> Response:
@@ -354,7 +351,8 @@ def build_app(server: EnvServer) -> FastAPI:
 
     @app.get("/v1/envs", response_model=EnvList)
     async def list_envs() -> Response:
-        return _json({"envs": [{"id": i, "description": d} for i, d in describe_envs()]})
+        envs = [reply(EnvInfo, id=i, description=d) for i, d in describe_envs()]
+        return _json(reply(EnvList, envs=envs))
 
     @app.post("/v1/sessions", response_model=SessionCreated, responses={**errors, 429: {"model": ErrorResponse}})
     async def create(req: CreateSession) -> Response:
