@@ -393,7 +393,12 @@ def _add_serve_model(sub: argparse._SubParsersAction) -> None:
         default=True,
         help="decode Llama-family models with the engine's own step (--no-fast-decode: transformers' forward)",
     )
-    p.add_argument("--cpu-threads", type=int, default=0, help="intra-op threads of the decode thread (0 = auto: the cores less one)")
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=0,
+        help="intra-op threads of the decode thread (0 = auto: the cores less one)",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], default="cpu", help="where the engine runs (cuda: in bfloat16)"

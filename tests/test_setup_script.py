@@ -84,8 +84,12 @@ def fake_reporting_venv(tmp_path: Path, cpu_index_works: bool, wheel: str, descr
     """`fake_venv` whose pip writes a --report naming ``wheel`` and whose python describes torch as ``describe``."""
     venv = fake_venv(tmp_path, torch_importable=False, cpu_index_works=cpu_index_works)
     report = f'{{"install": [{{"metadata": {{"name": "torch"}}, "download_info": {{"url": "{wheel}"}}}}]}}'
-    pip = (venv / "bin" / "pip").read_text().replace(
-        "exit 0\n", f'for a in "$@"; do [ "$prev" = --report ] && echo \'{report}\' > "$a"; prev=$a; done\nexit 0\n'
+    pip = (
+        (venv / "bin" / "pip")
+        .read_text()
+        .replace(
+            "exit 0\n", f'for a in "$@"; do [ "$prev" = --report ] && echo \'{report}\' > "$a"; prev=$a; done\nexit 0\n'
+        )
     )
     (venv / "bin" / "pip").write_text(pip)
     (venv / "bin" / "python").write_text(
@@ -103,7 +107,9 @@ def test_setup_names_the_source_that_served_torch(tmp_path):
     assert f"setup: torch 2.13.0+cpu from {local}: pip's own configuration (find-links" in out.stdout, out.stdout
     index = "https://download.pytorch.org/whl/cpu/torch-2.13.0%2Bcpu-cp311-cp311-linux_x86_64.whl"
     venv = fake_reporting_venv(tmp_path / "index", True, index, "2.13.0+cpu ")
-    out = run_setup_fn(tmp_path / "index", venv, "TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu install_torch", False)
+    out = run_setup_fn(
+        tmp_path / "index", venv, "TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu install_torch", False
+    )
     assert f"from {index}: PyTorch's CPU index: the CPU build" in out.stdout, out.stdout
 
 
@@ -113,13 +119,16 @@ def test_setup_says_where_torch_came_from_and_why(tmp_path):
     wheel = "file:///opt/wheels/torch-2.13.0%2Bcpu-cp311-cp311-linux_x86_64.whl"
     out = run_setup_fn(tmp_path, fake_reporting_venv(tmp_path, False, wheel, "2.13.0+cpu "), "install_torch", False)
     assert out.returncode == 0, out.stderr
-    assert f"setup: torch 2.13.0+cpu from {wheel}: the default index of pip's configuration, as PyTorch's CPU index" in (
-        out.stdout
+    assert (
+        f"setup: torch 2.13.0+cpu from {wheel}: the default index of pip's configuration, as PyTorch's CPU index"
+        in (out.stdout)
     ), out.stdout
     assert "unreachable" in out.stdout and "warning" not in out.stderr
     venv = fake_reporting_venv(tmp_path / "cuda", False, wheel, "2.13.0 12.8")  # a CUDA build on this CPU machine
     out = run_setup_fn(tmp_path / "cuda", venv, "install_torch", gpu=False)
-    assert "setup: torch 2.13.0 from" in out.stdout and "CUDA 12.8 build on a machine without an NVIDIA GPU" in out.stderr
+    assert (
+        "setup: torch 2.13.0 from" in out.stdout and "CUDA 12.8 build on a machine without an NVIDIA GPU" in out.stderr
+    )
 
 
 def test_gpu_machine_takes_the_default_index_and_a_kept_torch_installs_nothing(tmp_path):
