@@ -299,11 +299,3 @@ def _adapter(name: str, spec: TrainSpec, model_path: str, init_path: str, base: 
         raise ConfigError(f"policy {name!r}: LoRA policies share one base model ({base.path}), not {init_path}")
     return base.add(name, spec.lora, model_path if is_adapter_dir(model_path) else None)
 
-
-def __getattr__(name: str) -> Any:
-    """`open_policy`, `open_policy_engine` and `trainer_threads` live in `areal_agents.trainers.local_launcher`."""
-    if name in ("open_policy", "open_policy_engine", "trainer_threads"):
-        from areal_agents.trainers import local_launcher  # noqa: PLC0415  (it imports this module)
-
-        return getattr(local_launcher, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
