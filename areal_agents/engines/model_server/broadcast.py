@@ -11,30 +11,40 @@ instead of waiting out its timeout."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
 from areal_agents.engines.broadcast_group import WeightGroup, join_group, receive
+from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.sglang.protocol import ProtocolError
 from areal_agents.engines.weight_checks import check_announced
 from areal_agents.errors import EngineError
-
-if TYPE_CHECKING:
-    from areal_agents.engines.model_server.server import ModelServer
 
 GROUP_TIMEOUT_S = 120.0  # a broadcast this server waits in fails after this long (the trainer's is its own)
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
 
 
 class BroadcastReceiver:
-    """The weight groups this server belongs to (by name) and the tensors received of the current push."""
+    """The weight groups this server belongs to (by name) and the tensors received of the current push.
 
-    def __init__(self, server: ModelServer, timeout_s: float = GROUP_TIMEOUT_S) -> None:
-        self.server, self.timeout_s = server, timeout_s
+    It loads a complete push into ``engine`` under ``update_lock`` (the server's, held by every weight
+    change), then calls ``name_version(version, weight_version)`` with the new version and the name the
+    trainer gave it."""
+
+    def __init__(
+        self,
+        engine: HFEngine,
+        update_lock: asyncio.Lock,
+        name_version: Callable[[int, Any], None],
+        timeout_s: float = GROUP_TIMEOUT_S,
+    ) -> None:
+        self.engine, self.update_lock, self.name_version = engine, update_lock, name_version
+        self.timeout_s = timeout_s
         self.groups: dict[str, WeightGroup] = {}
         self.staged: dict[str, Any] = {}
-        self.spec = server.engine.weight_spec  # a push is complete once every tensor of it has come
+        self.spec = engine.weight_spec  # a push is complete once every tensor of it has come
         self.joining = asyncio.Lock()  # one group init at a time (each waits for its peers up to timeout_s)
 
     async def init_group(self, body: dict) -> JSONResponse:
@@ -89,10 +99,9 @@ class BroadcastReceiver:
             self.close(name)
             self.staged = {}
             return _reply(False, str(e))
-        server = self.server
-        async with server.update_lock:
+        async with self.update_lock:
             if body.get("abort_all_requests"):
-                await server.engine.abort()
+                await self.engine.abort()
             try:
                 self.staged.update(await asyncio.to_thread(receive, group, names, dtypes, shapes))
             except Exception as e:  # noqa: BLE001  (a peer gone or the timeout: this group is done)
@@ -102,12 +111,12 @@ class BroadcastReceiver:
             if self.spec.missing(self.staged):
                 return _reply(True, f"Received {len(self.staged)} of {len(self.spec.shapes)} tensors.")
             staged, self.staged = self.staged, {}  # loaded or refused whole: the next push starts afresh
-            version = server.engine.get_version() + 1
+            version = self.engine.get_version() + 1
             try:
-                await server.engine.update_weights(staged, version=version)
+                await self.engine.update_weights(staged, version=version)
             except EngineError as e:  # checked before any weight changed: the old weights and version stay
                 return _reply(False, str(e))
-            server.name_new_version(version, body.get("weight_version"))
+            self.name_version(version, body.get("weight_version"))
         return _reply(True, "Succeeded to update parameter online from distributed.")
 
     async def destroy(self, body: dict) -> JSONResponse:

@@ -87,7 +87,8 @@ class ModelServer:
         self.update_lock = asyncio.Lock()
         self.paused_at: float | None = None  # time.monotonic() of /pause_generation, until /continue_generation
         self.prep = ThreadPoolExecutor(1, thread_name_prefix="serve-model-prep")  # parse, check, tokenize
-        self.broadcast = BroadcastReceiver(self)  # /init_weights_update_group, /update_weights_from_distributed
+        # /init_weights_update_group, /update_weights_from_distributed
+        self.broadcast = BroadcastReceiver(engine, self.update_lock, self.name_new_version)
         # the most characters one token stands for: a text longer than context x this cannot fit, and is
         # refused before tokenizing it (megabytes of text would hold the event loop for seconds)
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
