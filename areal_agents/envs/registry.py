@@ -1,4 +1,5 @@
-"""Make envs by gymnasium id, with a clear error and a near-match suggestion for unknown ids."""
+"""The built-in env ids, and making envs by gymnasium id, with a clear error and a near-match suggestion for
+unknown ids."""
 
 from __future__ import annotations
 
@@ -12,6 +13,21 @@ import gymnasium as gym
 from areal_agents.envs.multi_agent import MultiAgentTextEnv
 from areal_agents.errors import ArealAgentsError, UnknownEnvError, did_you_mean
 from areal_agents.importing import module_allowed
+
+BUILTIN_ENVS = {
+    "areal_agents/Arithmetic-v0": "areal_agents.envs.arithmetic:ArithmeticEnv",
+    "areal_agents/Count-v0": "areal_agents.envs.count:CountEnv",
+    "areal_agents/Math-v0": "areal_agents.envs.math:MathEnv",
+    "areal_agents/Code-v0": "areal_agents.envs.code:CodeEnv",
+    "areal_agents/Debate-v0": "areal_agents.envs.debate:DebateEnv",
+}
+
+
+def register_builtin_envs() -> None:
+    """Register the built-in ids with gymnasium (once; their modules load when an env is made)."""
+    for env_id, entry in BUILTIN_ENVS.items():
+        if env_id not in gym.registry:
+            gym.register(id=env_id, entry_point=entry)
 
 
 def import_env_module(module: str) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import gymnasium as gym
 
-from areal_agents.envs.registry import import_env_module, make_env
+from areal_agents.envs.registry import import_env_module, make_env, register_builtin_envs
 from areal_agents.errors import ArealAgentsError, EnvError
 from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerImportError, WorkerPool
 
@@ -33,8 +33,8 @@ PoolMode = Literal["inline", "thread", "process"]
 
 
 def _import_envs() -> None:
-    """Worker start-up: the env package (and so every built-in id), before the first call's clock starts."""
-    importlib.import_module("areal_agents.envs")
+    """Worker start-up: every built-in id, before the first call's clock starts."""
+    register_builtin_envs()
 
 
 def _env_thread_start(threads: int) -> None:
@@ -45,7 +45,7 @@ def _env_thread_start(threads: int) -> None:
 
 
 def _worker_make(modules: tuple[str, ...], env_id: str, kwargs: dict) -> gym.Env:
-    importlib.import_module("areal_agents.envs")
+    register_builtin_envs()
     for m in modules:
         importlib.import_module(m)
     return make_env(env_id, **kwargs)
