@@ -28,10 +28,9 @@ from areal_agents.cluster.rollout_workers import RolloutWorkers
 from areal_agents.cluster.trainer_group import DistributedPolicy
 from areal_agents.config import EngineConfig, TrainConfig
 from areal_agents.data.sources import datasets_in
-from areal_agents.engines.local_servers import ServerGroup, engine_client
+from areal_agents.engines.local_servers import ServerGroup, engine_client, open_weight_sync
 from areal_agents.engines.lora_sync import LoraGroup
 from areal_agents.engines.server_control import ADMIN_KEY_ENV
-from areal_agents.engines.weight_sync import open_weight_sync
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ConfigError
 from areal_agents.rollout.episodes import EpisodeFn

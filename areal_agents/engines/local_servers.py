@@ -1,4 +1,5 @@
-"""Start (or connect to) the model servers a run generates with, and build its engine.
+"""Start (or connect to) the model servers a run generates with, and build its engine and the weight sync
+that feeds it (`open_weight_sync`, from ``engine.weight_sync``).
 
 ``engine.backend``: ``hf`` (in-process `HFEngine`), ``serve-model`` (our SGLang-protocol server in
 subprocesses), ``sglang`` (``python -m sglang.launch_server`` on GPUs, from ``engine.sglang_python``:
@@ -17,61 +18,23 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from areal_agents import net
 from areal_agents.config import EngineConfig
+from areal_agents.engines.broadcast_sync import BroadcastSync
 from areal_agents.engines.server_control import ADMIN_KEY_ENV
 from areal_agents.engines.sglang.server import sglang_command, sglang_python
-from areal_agents.engines.supervisor import Supervisor, spawn_server
+from areal_agents.engines.supervisor import ServerGroup, Supervisor, spawn_server
 from areal_agents.engines.vllm.server import checkpoint_dtype, vllm_command, vllm_python
+from areal_agents.engines.weight_sync import DiskSync, InProcessSync, WeightSync
 from areal_agents.errors import ConfigError, EngineError
 from areal_agents.net import free_port, log_tail
-
-
-@dataclass
-class ServerGroup:
-    """Model servers: their addresses and, for those this process started, the processes and logs."""
-
-    addresses: list[str]
-    procs: list[subprocess.Popen] = field(default_factory=list)
-    logs: list[Path] = field(default_factory=list)
-    supervisor: Any = None  # a `Supervisor` restarting the servers this process started (stopped first)
-    scratch: list[Path] = field(default_factory=list)  # the servers' own temporary files, deleted at stop
-    admin_key: str | None = None  # the key the servers this process started want on their control routes
-
-    def stop(self) -> None:
-        if self.supervisor is not None:
-            self.supervisor.stop()
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    continue
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        self.procs = []
-        for path in self.scratch:
-            shutil.rmtree(path, ignore_errors=True)
-
-    def __enter__(self) -> ServerGroup:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def server_command(
@@ -308,3 +271,46 @@ def engine_client(
         pause_mode=cfg.pause_mode,
         admin_key=admin_key,
     )
+
+
+def open_weight_sync(cfg: EngineConfig, engine: Any, servers: Any, model_dir: str, dtype: str) -> WeightSync:
+    """The `WeightSync` ``engine.weight_sync`` names for ``engine`` (``servers``: the `ServerGroup` behind it,
+    None for an engine in this process; ``model_dir``: the checkpoint whose config the servers load;
+    ``dtype``: what disk and broadcast send, `wire_dtype`). ``auto``: in_process for an engine in this
+    process, else disk."""
+    kind = cfg.weight_sync
+    if kind == "auto":
+        kind = "in_process" if servers is None else "disk"
+    if kind == "in_process":
+        if servers is not None:
+            raise ConfigError("engine.weight_sync=in_process: applies to an engine in this process, not servers")
+        return InProcessSync([engine])
+    if servers is None:
+        raise ConfigError(f"engine.weight_sync={kind}: applies to model servers; this engine runs in this process")
+    wire = wire_dtype(cfg, model_dir, dtype)
+    if kind == "disk":
+        return DiskSync([engine], dtype=wire, model_dir=model_dir)
+    if kind == "broadcast":
+        if cfg.backend == "vllm":
+            raise ConfigError("engine.weight_sync=broadcast: speaks SGLang's protocol (sglang, serve-model), not vllm")
+        return BroadcastSync(
+            [engine],
+            dtype=wire,
+            bucket_bytes=cfg.weight_sync_bucket_mb * 1024**2,
+            timeout_s=cfg.weight_sync_timeout,
+            backend="gloo" if cfg.backend == "serve-model" else "auto",  # serve-model receives on its CPU
+            tp_size=cfg.tp if cfg.backend == "sglang" else 1,
+            supervisor=getattr(servers, "supervisor", None),
+        )
+    raise ConfigError(f"engine.weight_sync: expects auto, disk, broadcast or in_process, got {kind!r}")
+
+
+def wire_dtype(cfg: EngineConfig, model_dir: str, dtype: str | None) -> str | None:
+    """The dtype new weights travel in to the servers: ``dtype``; ``auto``: the launched servers' own
+    (`engine_dtype`: bfloat16 on a GPU, so a trainer's float32 master weights go as half the bytes), except
+    serve-model on the CPU, which gets them as the trainer holds them (None)."""
+    if dtype not in ("auto", "", None):
+        return dtype
+    if cfg.backend == "serve-model" and server_device(cfg) == "cpu":
+        return None
+    return engine_dtype(cfg, model_dir, "float32")

@@ -49,8 +49,8 @@ import aiohttp
 
 from areal_agents.engines.remote_lora import PauseMode, RemoteLora
 from areal_agents.engines.server_control import admin_headers, admin_key_from_env, health_state
-from areal_agents.engines.weight_sync import write_weights
 from areal_agents.errors import EngineError, RequestError
+from areal_agents.models.weight_files import write_weights
 from areal_agents.types import GenRequest, GenResponse
 
 

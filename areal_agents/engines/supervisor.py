@@ -1,4 +1,5 @@
-"""Keep the model servers a run launched up: `Supervisor` restarts one whose process ended, whose /health
+"""The model servers a run launched (`ServerGroup`: addresses, processes, logs; ``stop()``), and keeping them
+up: `Supervisor` restarts one whose process ended, whose /health
 answers 503 (serve-model: its decode loop failed or is stuck) or that stops answering, on the same
 address, serving the run's current weights under their weight_version before it takes requests again.
 A server whose /health says it is paused (serve-model's 503 with ``"status": "paused"``: a trainer's weight
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,17 +31,51 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from areal_agents.engines.server_control import admin_headers, admin_key_from_env, health_state
 from areal_agents.net import wait_healthy
 
-if TYPE_CHECKING:
-    from areal_agents.engines.local_servers import ServerGroup
-
 # (index, model path, tokenizer path, weight_version) -> the server's command line
 CommandFor = Callable[[int, str, str, "str | None"], list[str]]
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".safetensors.index.json")
+
+
+@dataclass
+class ServerGroup:
+    """Model servers: their addresses and, for those this process started, the processes and logs."""
+
+    addresses: list[str]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+    supervisor: Any = None  # a `Supervisor` restarting the servers this process started (stopped first)
+    scratch: list[Path] = field(default_factory=list)  # the servers' own temporary files, deleted at stop
+    admin_key: str | None = None  # the key the servers this process started want on their control routes
+
+    def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs = []
+        for path in self.scratch:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def __enter__(self) -> ServerGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 @dataclass

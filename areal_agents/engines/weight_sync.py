@@ -2,7 +2,8 @@
 
 A trainer hands over a `WeightSource` (its weights, readable as tensors in this process or written to a
 directory); a `WeightSync` moves them to its engines the way those engines load weights, and bumps their
-version, so every token generated afterwards carries it. ``engine.weight_sync`` picks one (`open_weight_sync`):
+version, so every token generated afterwards carries it. ``engine.weight_sync`` picks one
+(`engines.local_servers.open_weight_sync`); the weights travel as files by `models.weight_files`:
 
 =================  =========================================================================================
 `InProcessSync`    ``engine.update_weights(state_dict, version)``: an engine in this process (or its own
@@ -28,21 +29,19 @@ Example::
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.errors import ConfigError
-
-if TYPE_CHECKING:
-    from areal_agents.config import EngineConfig
-
-SHARD_BYTES = 5 * 1024**3  # `write_weights`: at most this many bytes a shard (transformers' default)
-CONFIG_FILES = ("config.json", "generation_config.json")  # what makes a weights directory a loadable checkpoint
+from areal_agents.models.weight_files import (  # noqa: F401  (the writer's old home re-exports it)
+    CONFIG_FILES,
+    SHARD_BYTES,
+    copy_config,
+    tensor_bytes,
+    write_weights,
+)
 
 
 @runtime_checkable
@@ -142,124 +141,6 @@ class DiskSync:
             await engine.announce_version()  # fresh servers say "default", not the run's version
 
 
-def open_weight_sync(cfg: EngineConfig, engine: Any, servers: Any, model_dir: str, dtype: str) -> WeightSync:
-    """The `WeightSync` ``engine.weight_sync`` names for ``engine`` (``servers``: the `ServerGroup` behind it,
-    None for an engine in this process; ``model_dir``: the checkpoint whose config the servers load;
-    ``dtype``: what disk and broadcast send, `wire_dtype`). ``auto``: in_process for an engine in this
-    process, else disk."""
-    kind = cfg.weight_sync
-    if kind == "auto":
-        kind = "in_process" if servers is None else "disk"
-    if kind == "in_process":
-        if servers is not None:
-            raise ConfigError("engine.weight_sync=in_process: applies to an engine in this process, not servers")
-        return InProcessSync([engine])
-    if servers is None:
-        raise ConfigError(f"engine.weight_sync={kind}: applies to model servers; this engine runs in this process")
-    wire = wire_dtype(cfg, model_dir, dtype)
-    if kind == "disk":
-        return DiskSync([engine], dtype=wire, model_dir=model_dir)
-    if kind == "broadcast":
-        if cfg.backend == "vllm":
-            raise ConfigError("engine.weight_sync=broadcast: speaks SGLang's protocol (sglang, serve-model), not vllm")
-        from areal_agents.engines.broadcast_sync import BroadcastSync  # noqa: PLC0415
-
-        return BroadcastSync(
-            [engine],
-            dtype=wire,
-            bucket_bytes=cfg.weight_sync_bucket_mb * 1024**2,
-            timeout_s=cfg.weight_sync_timeout,
-            backend="gloo" if cfg.backend == "serve-model" else "auto",  # serve-model receives on its CPU
-            tp_size=cfg.tp if cfg.backend == "sglang" else 1,
-            supervisor=getattr(servers, "supervisor", None),
-        )
-    raise ConfigError(f"engine.weight_sync: expects auto, disk, broadcast or in_process, got {kind!r}")
-
-
-def wire_dtype(cfg: EngineConfig, model_dir: str, dtype: str | None) -> str | None:
-    """The dtype new weights travel in to the servers: ``dtype``; ``auto``: the launched servers' own
-    (`engine_dtype`: bfloat16 on a GPU, so a trainer's float32 master weights go as half the bytes), except
-    serve-model on the CPU, which gets them as the trainer holds them (None)."""
-    if dtype not in ("auto", "", None):
-        return dtype
-    from areal_agents.engines.local_servers import engine_dtype, server_device  # noqa: PLC0415
-
-    if cfg.backend == "serve-model" and server_device(cfg) == "cpu":
-        return None
-    return engine_dtype(cfg, model_dir, "float32")
-
-
-def write_weights(
-    state_dict: dict[str, Any], path: str | Path, dtype: str | None = None, shard_bytes: int = SHARD_BYTES
-) -> None:
-    """``state_dict`` under the directory ``path`` as servers load it (SGLang's ``/update_weights_from_disk``,
-    vLLM's ``reload_weights``, serve-model): one ``model.safetensors``, or ``model-0000i-of-0000N.safetensors``
-    shards of at most ``shard_bytes`` each with ``model.safetensors.index.json`` (``weight_map``,
-    ``total_size``). Floating-point tensors in ``dtype`` (None: as given); tied tensors are stored twice."""
-    from safetensors.torch import save_file  # noqa: PLC0415
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = _untie({k: _as(v.detach(), dtype).contiguous().cpu() for k, v in state_dict.items()})
-    shards: list[dict[str, Any]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += n
-    for old in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
-        old.unlink(missing_ok=True)  # a rewrite with another shard count leaves no stale file behind
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    index = {"metadata": {"total_size": tensor_bytes(tensors)}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
-def copy_config(model_dir: Path | None, path: Path) -> None:
-    """``model_dir``'s config files (`CONFIG_FILES`) into the weights directory ``path``, if any."""
-    if model_dir is None:
-        return
-    for name in CONFIG_FILES:
-        if (model_dir / name).is_file():
-            shutil.copyfile(model_dir / name, path / name)
-
-
-def tensor_bytes(state_dict: dict[str, Any]) -> int:
-    """Bytes of a state dict's tensors."""
-    return sum(t.numel() * t.element_size() for t in state_dict.values())
-
-
 def timed(start: float, nbytes: int) -> dict[str, float]:
     """A push's ``last_push``: seconds since ``start`` (`time.perf_counter`) and bytes moved."""
     return {"weight_sync_seconds": time.perf_counter() - start, "weight_sync_bytes": float(nbytes)}
-
-
-def _as(t: Any, dtype: str | None) -> Any:
-    import torch  # noqa: PLC0415
-
-    if dtype is None or not t.is_floating_point():
-        return t
-    target = getattr(torch, dtype, None)
-    if not isinstance(target, torch.dtype):
-        raise ConfigError(f"weight dtype: expects a torch dtype name such as bfloat16, got {dtype!r}")
-    return t.to(target)
-
-
-def _untie(tensors: dict) -> dict:
-    """safetensors refuses shared storage (tied embeddings): give each tensor its own."""
-    seen: set[int] = set()
-    out = {}
-    for name, t in tensors.items():
-        ptr = t.untyped_storage().data_ptr()
-        out[name] = t.clone() if ptr in seen else t
-        seen.add(ptr)
-    return out

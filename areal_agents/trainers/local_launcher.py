@@ -19,9 +19,8 @@ from typing import Any
 from areal_agents.config import TrainConfig
 from areal_agents.config.placement import team_threads
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.engines.local_servers import open_engine
+from areal_agents.engines.local_servers import open_engine, open_weight_sync
 from areal_agents.engines.lora_sync import LoraGroup
-from areal_agents.engines.weight_sync import open_weight_sync
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.models.loading import load_tokenizer, pad_token_id
 from areal_agents.rollout.episodes import EpisodeFn

@@ -24,10 +24,11 @@ from transformers import PreTrainedModel
 
 from areal_agents.config.placement import team_threads
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.engines.weight_sync import WeightSync, write_weights
+from areal_agents.engines.weight_sync import WeightSync
 from areal_agents.errors import ConfigError
 from areal_agents.models.device import compute_dtype, resolve_device
 from areal_agents.models.loading import load_model
+from areal_agents.models.weight_files import write_weights
 from areal_agents.trainers import fsdp
 from areal_agents.trainers.critic import ValueModel
 from areal_agents.trainers.distributed import DataParallel
@@ -298,4 +299,3 @@ def _adapter(name: str, spec: TrainSpec, model_path: str, init_path: str, base: 
     if base.path != init_path:
         raise ConfigError(f"policy {name!r}: LoRA policies share one base model ({base.path}), not {init_path}")
     return base.add(name, spec.lora, model_path if is_adapter_dir(model_path) else None)
-

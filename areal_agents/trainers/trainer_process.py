@@ -31,10 +31,11 @@ from transformers import PreTrainedModel
 
 from areal_agents.config.placement import team_threads
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.engines.weight_sync import WeightSync, write_weights
+from areal_agents.engines.weight_sync import WeightSync
 from areal_agents.errors import ArealAgentsError
 from areal_agents.models.device import resolve_device
 from areal_agents.models.loading import load_model, quiet_transformers
+from areal_agents.models.weight_files import write_weights
 from areal_agents.net import free_port
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.lora import RemoteAdapter, write_adapter

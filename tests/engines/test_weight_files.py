@@ -12,12 +12,13 @@ from safetensors.torch import load_file
 from areal_agents.config import EngineConfig
 from areal_agents.engines.broadcast_group import join_group, plan_buckets, receive
 from areal_agents.engines.broadcast_sync import BroadcastSync
-from areal_agents.engines.local_servers import ServerGroup
+from areal_agents.engines.local_servers import ServerGroup, open_weight_sync
 from areal_agents.engines.sglang.client import SGLangEngine
 from areal_agents.engines.supervisor import Restart, Served, Supervisor
 from areal_agents.engines.vllm.client import check_reloadable
-from areal_agents.engines.weight_sync import DiskSync, InProcessSync, open_weight_sync, write_weights
+from areal_agents.engines.weight_sync import DiskSync, InProcessSync
 from areal_agents.errors import ConfigError, EngineError
+from areal_agents.models.weight_files import write_weights
 from areal_agents.net import free_port
 
 

@@ -129,7 +129,7 @@ def check_reloadable(path: Path) -> None:
         raise EngineError(
             f"reload_weights: {path} has no lm_head.weight (tied to the embeddings and left out, as "
             "save_pretrained does); vLLM would keep the old lm_head. Write the weights with "
-            "areal_agents.engines.weight_sync.write_weights, which stores it."
+            "areal_agents.models.weight_files.write_weights, which stores it."
         )
 
 
