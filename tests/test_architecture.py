@@ -98,6 +98,82 @@ def test_no_import_goes_up_the_layers():
     assert not wrong, "imports against the layers (docs/architecture.md):\n" + "\n".join(wrong)
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (lazily, under ``TYPE_CHECKING`` or by a literal
+    ``import_module`` too). ``from pkg import name`` is an import of ``pkg.name`` when that is a module, else
+    of ``pkg`` (its ``__init__``). Importing ``pkg.sub`` runs ``pkg/__init__`` first, but that edge is
+    Python's, not the module's, and is not counted: otherwise every package whose ``__init__`` re-exports its
+    submodules would be a circle with each of them. A submodule that imports its own package by name (``from
+    pkg import x``, ``import_module("pkg")``) while that ``__init__`` imports it is a real circle and counts."""
+    names = modules()
+    graph = {}
+    for name, path in names.items():
+        targets = set()
+        for _, target in imported(name, path):
+            while target not in names and "." in target:
+                target = target.rpartition(".")[0]  # `pkg.name` of a name that is no module: pkg
+            if target != name:
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative): each is a
+    set of modules that import each other around a circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return sorted(cycles)
+
+
+def test_no_import_circles():
+    cycles = import_cycles(import_graph())
+    assert not cycles, "modules that import each other around a circle (move the shared piece down):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
+    )
+
+
+def test_the_circle_check_finds_a_circle_and_only_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"f"}, "f": {"e"}, "g": set()}
+    assert import_cycles(graph) == [["a", "b", "c"], ["e", "f"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
 def test_no_two_modules_share_a_file_name():
     by_name: dict[str, list[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
