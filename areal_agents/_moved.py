@@ -44,6 +44,7 @@ MOVED: dict[str, str | tuple[str, ...]] = {
     "areal_agents.engines.broadcast": "areal_agents.engines.broadcast_group",
     "areal_agents.engines.hf.lora": "areal_agents.engines.hf.multi_lora",
     "areal_agents.engines.hf.placement": "areal_agents.engines.hf.engine_placement",
+    "areal_agents.engines.weight_checks": "areal_agents.models.weight_checks",
 }
 
 

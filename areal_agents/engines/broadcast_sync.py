@@ -32,9 +32,9 @@ from urllib.parse import urlsplit
 
 from areal_agents.engines.broadcast_group import WeightGroup, dtype_name, join_group, local_address, plan_buckets
 from areal_agents.engines.remote_engine import ServerError
-from areal_agents.engines.weight_checks import finite
 from areal_agents.engines.weight_sync import WeightSource, timed
 from areal_agents.errors import ConfigError, EngineError
+from areal_agents.models.weight_checks import finite
 from areal_agents.models.weight_files import tensor_bytes
 from areal_agents.net import free_port
 

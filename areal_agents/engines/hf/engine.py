@@ -7,7 +7,7 @@ young row does not attend over the padding of the oldest row's length (`Segmente
 Requests admitted together with the same context (the episodes of a GRPO group) are prefilled once, and a
 request that extends a finished one (the next turn of an episode) prefills only its new tokens
 (`PrefixCache`). ``pause()`` stops at a step boundary; ``update_weights`` then swaps the weights (read and
-checked whole before the pause, `weight_checks`: a refused update changes nothing), which invalidates the
+checked whole before the pause, `models.weight_checks`: a refused update changes nothing), which invalidates the
 cache, so on ``resume()`` every running sequence is re-prefilled (prompt + tokens so far) and its later
 tokens carry the new version (AReaL's interruptible rollout). ``stale_kv="keep"`` keeps the old weights'
 keys and values instead (PipelineRL's in-flight weight update): no re-prefill; each token's recorded
@@ -58,8 +58,8 @@ from areal_agents.engines.hf.running_batch import MAX_SEGMENTS, Submission
 from areal_agents.engines.hf.scheduler import Scheduler
 from areal_agents.engines.hf.segmented_attention import SEGMENTED_SDPA
 from areal_agents.engines.hf.stats import EngineStats
-from areal_agents.engines.weight_checks import WeightSpec, check_state_dict, copy_into, read_checkpoint
 from areal_agents.errors import EngineError
+from areal_agents.models.weight_checks import WeightSpec, check_state_dict, copy_into, read_checkpoint
 from areal_agents.types import GenRequest, GenResponse, SamplingParams
 
 __all__ = ["MAX_SEGMENTS", "STALL_S", "EngineStats", "HFEngine", "StaleKV"]

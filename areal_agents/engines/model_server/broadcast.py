@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse
 from areal_agents.engines.broadcast_group import WeightGroup, join_group, receive
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.sglang.protocol import ProtocolError
-from areal_agents.engines.weight_checks import check_announced
 from areal_agents.errors import EngineError
+from areal_agents.models.weight_checks import check_announced
 
 GROUP_TIMEOUT_S = 120.0  # a broadcast this server waits in fails after this long (the trainer's is its own)
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
