@@ -225,18 +225,7 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
             last = step == cfg.steps or bool(cfg.max_train_minutes and spent >= 60 * cfg.max_train_minutes)
             if last:
                 controller.pause()  # the last update needs no more rollouts
-            pushed = time.perf_counter()
-            moved = await _push_weights(policies)
-            controller.notify_version()
-            end = time.perf_counter()
-            times = StepTimes(
-                start=t0,
-                rollout_end=batch.rollout_end,
-                end=end,
-                waited=batch.waited,
-                push=end - pushed,
-                pushed_bytes=moved,
-            )
+            times = await _push_weights(policies, controller, t0, batch)  # version + 1
             bar.set_postfix(**await log.record(step, trajectories, batch.stats, times), refresh=False)
             bar.update()
             saver.finished(step, position.snapshot(controller.data_position, main.engine.get_version()))
@@ -277,11 +266,20 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
     )
 
 
-async def _push_weights(policies: dict[str, TrainablePolicy]) -> float:
-    """Each policy's trained weights to its engine (version + 1); the bytes the pushes moved."""
+async def _push_weights(
+    policies: dict[str, TrainablePolicy], controller: RolloutController, start: float, batch: _TrainedBatch
+) -> StepTimes:
+    """Each policy's trained weights to its engine (version + 1), the controller told (its staleness gate
+    moves on); the times of the step that started at ``start`` and trained ``batch``."""
+    pushed = time.perf_counter()
     for policy in policies.values():
         await policy.push_weights()
-    return sum(p.weight_sync.last_push.get("weight_sync_bytes", 0.0) for p in policies.values())
+    controller.notify_version()
+    end = time.perf_counter()
+    moved = sum(p.weight_sync.last_push.get("weight_sync_bytes", 0.0) for p in policies.values())
+    return StepTimes(
+        start=start, rollout_end=batch.rollout_end, end=end, waited=batch.waited, push=end - pushed, pushed_bytes=moved
+    )
 
 
 def _controller(
