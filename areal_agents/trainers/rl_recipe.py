@@ -31,7 +31,6 @@ from transformers import PreTrainedTokenizerBase
 
 from areal_agents.agents.factory import make_rollout_agent
 from areal_agents.config import TrainConfig
-from areal_agents.engines.lora_sync import LoraSync
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ConfigError, RunHalted
 from areal_agents.models.loading import check_max_new_tokens, load_tokenizer, pad_token_id
@@ -97,12 +96,34 @@ def run_train(
             for name, start in starts.items():
                 path = str(found / model_dir(name)) if found else start.path
                 policies[name] = launcher.open_policy(name, path, start.path, replace(spec, lora=start.lora))
-            return interrupt.run(_train(cfg, tokenizer, policies, launcher, run_dir, progress, state, interrupt))
+            adapters = frozenset(name for name, start in starts.items() if start.lora is not None)
+            run = Run(cfg, tokenizer, policies, launcher, run_dir, interrupt, progress, state, adapters)
+            return interrupt.run(_train(run))
         finally:
             for policy in policies.values():
                 policy.close()
             launcher.shutdown()
             torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One RL run's parts, opened by `run_train` and handed down the loop whole."""
+
+    cfg: TrainConfig
+    tokenizer: PreTrainedTokenizerBase
+    policies: dict[str, TrainablePolicy]  # by name: the shared one (`SHARED`), or one per agent id
+    launcher: Launcher
+    run_dir: Path
+    interrupt: Interrupt
+    progress: bool  # show a progress bar
+    resumed: dict[str, Any] | None  # the trainer state of the checkpoint resumed from (None: a new run)
+    adapters: frozenset[str]  # the policies that train a LoRA adapter (their engine starts without it)
+
+    @property
+    def main(self) -> TrainablePolicy:
+        """The policy whose engine's version is the run's (all advance together)."""
+        return next(iter(self.policies.values()))
 
 
 def _checkpoint_to_resume(cfg: TrainConfig, resume: bool, allow_change: bool) -> tuple[Path | None, list[str]]:
@@ -115,34 +136,25 @@ def _checkpoint_to_resume(cfg: TrainConfig, resume: bool, allow_change: bool) ->
     return found[-1], check_resume_config(cfg.run_dir, cfg, allow_change)
 
 
-async def _train(cfg, tokenizer, policies, launcher, run_dir, progress, state, interrupt):
+async def _train(run: Run) -> dict[str, Any]:
+    cfg, policies = run.cfg, run.policies
     # a bad env id or kwargs fail here
-    backend = await open_checked_backend(cfg.env, cfg.eval, launcher.env_backend())
+    backend = await open_checked_backend(cfg.env, cfg.eval, run.launcher.env_backend())
     r = cfg.rollout
-    shared = SHARED in policies
-    engine = policies[SHARED].engine if shared else {name: p.engine for name, p in policies.items()}
+    engine = policies[SHARED].engine if SHARED in policies else {name: p.engine for name, p in policies.items()}
     agents = []  # the sampling agent, and the same agent logic decoding greedily for evaluation
     try:
-        if state is not None:
-            restore_policies(policies, state, cfg.ppo)
-        version = state["version"] if state is not None else 0
-        for policy in policies.values():  # the engines serve the checkpoint's weights under its version
-            if isinstance(policy.weight_sync, LoraSync):
-                await policy.weight_sync.push(policy, version)  # the base model's engine gets the adapter
-            elif state is not None:
-                await policy.weight_sync.announce(version)
+        await _serve_starting_weights(run)
         for sampling in (
             None,
             SamplingParams(r.max_new_tokens, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p),
         ):
-            agents.append(make_rollout_agent(r, engine, tokenizer, sampling))
-        return await _train_loop(
-            cfg, tokenizer, policies, launcher, backend, agents, run_dir, progress, state, interrupt
-        )
+            agents.append(make_rollout_agent(r, engine, run.tokenizer, sampling))
+        return await _train_loop(run, backend, *agents)
     except asyncio.CancelledError:
-        if not interrupt.caught():
+        if not run.interrupt.caught():
             raise
-        await interrupt.stop()  # the loop's handler: save the last finished step; raises Interrupted
+        await run.interrupt.stop()  # the loop's handler: save the last finished step; raises Interrupted
     finally:
         for agent in agents:
             if hasattr(agent, "aclose"):
@@ -152,18 +164,32 @@ async def _train(cfg, tokenizer, policies, launcher, run_dir, progress, state, i
             await policy.engine.aclose()
 
 
-async def _train_loop(cfg, tokenizer, policies, launcher, backend, agents, run_dir, progress, state, interrupt):
-    r, (agent, greedy) = cfg.rollout, agents
-    main = next(iter(policies.values()))  # its engine's version is the run's (all advance together)
-    run = RunState.restore(cfg.seed, state)
+async def _serve_starting_weights(run: Run) -> None:
+    """The policies' train state from the checkpoint resumed from, and the engines serving its weights under
+    its version: an engine opened on the checkpoint's model learns the version; a LoRA policy's engine,
+    opened on the base model alone, is pushed the adapter (at version 0 too, for a new run)."""
+    state = run.resumed
+    if state is not None:
+        restore_policies(run.policies, state, run.cfg.ppo)
+    version = state["version"] if state is not None else 0
+    for name, policy in run.policies.items():
+        if name in run.adapters:
+            await policy.weight_sync.push(policy, version)
+        elif state is not None:
+            await policy.weight_sync.announce(version)
+
+
+async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) -> dict[str, Any]:
+    cfg, r, policies, interrupt, main = run.cfg, run.cfg.rollout, run.policies, run.interrupt, run.main
+    position = RunState.restore(cfg.seed, run.resumed)
     eval_seeds = await held_out_seeds(backend, cfg.eval)
     # TensorBoard hides what an earlier run logged from here on (a resumed run redoes those steps)
-    metrics = MetricsWriter(run_dir / "tensorboard", purge_step=run.first_step if state is not None else 0)
-    failures = FailureLog(run_dir / "failures.log")  # failed episodes: rate-limited lines, a traceback per cause
-    episodes_at = launcher.episode_runner(main)
-    controller = _controller(cfg, agent, backend, run, main.engine.get_version, episodes_at, failures)
-    log = StepLog(metrics, controller, run.ledger, cfg.env.id, main.engine)
-    saver = _Saver(run_dir, policies, tokenizer, cfg, controller, metrics, interrupt, run.first_step - 1)
+    metrics = MetricsWriter(run.run_dir / "tensorboard", purge_step=position.first_step if run.resumed else 0)
+    failures = FailureLog(run.run_dir / "failures.log")  # failed episodes: rate-limited lines, a traceback per cause
+    episodes_at = run.launcher.episode_runner(main)
+    controller = _controller(cfg, agent, backend, position, main.engine.get_version, episodes_at, failures)
+    log = StepLog(metrics, controller, position.ledger, cfg.env.id, main.engine)
+    saver = _Saver(run, controller, metrics, saved=position.first_step - 1)
     interrupt.on_stop = saver.save_on_interrupt
 
     async def run_eval(step: int) -> float:
@@ -173,44 +199,36 @@ async def _train_loop(cfg, tokenizer, policies, launcher, backend, agents, run_d
             greedy, make_env, eval_seeds, r.max_concurrent_rollouts, n, max_retries=retries, failures=failures
         )
         metrics.log(step, prefixed("eval", result))
-        run.record_accuracy(step, result["accuracy"])  # the curve; a checkpoint of this step keeps it
-        saver.snap["accuracy_curve"] = list(run.accuracy_curve)
+        position.record_accuracy(step, result["accuracy"])  # the curve; a checkpoint of this step keeps it
+        saver.keep_curve(position.accuracy_curve)
         return result["accuracy"]
 
     start = time.perf_counter()
     try:  # a run that cannot make progress (RunHalted) stops, keeping its last finished step
-        if run.accuracy_before is None:
+        if position.accuracy_before is None:
             await run_eval(0)
-        print(f"held-out greedy accuracy before RL: {run.accuracy_before:.1%} ({plural(len(eval_seeds), 'problem')})")
+        print(
+            f"held-out greedy accuracy before RL: {position.accuracy_before:.1%} ({plural(len(eval_seeds), 'problem')})"
+        )
         # a local trainer can start on a batch's finished groups while its last generate (the same gradient)
         stream = cfg.ppo.stream_updates and r.max_staleness > 0 and streamable(cfg.ppo)
         stream = stream and all(p.streams for p in policies.values())
         await log.start()  # the engine's counters from here on: the training steps' (and their evals')
-        bar = progress_bar(total=cfg.steps, initial=saver.done, desc="rl", enabled=progress)
-        for step in range(run.first_step, cfg.steps + 1):
+        bar = progress_bar(total=cfg.steps, initial=saver.done, desc="rl", enabled=run.progress)
+        for step in range(position.first_step, cfg.steps + 1):
             t0 = time.perf_counter()
             # episodes keep running while we train (max_staleness > 0)
-            groups, per_policy, rollout_end, waited = await _take_and_train(
-                controller, policies, run.generator, interrupt, stream
-            )
-            trajectories = _trajectories(groups)
-            _record_data(run_dir, step, groups, trajectories if r.dump_trajectories else None)
+            batch = await _take_and_train(controller, policies, position.generator, interrupt, stream)
+            trajectories = _trajectories(batch.groups)
+            _record_data(run.run_dir, step, batch.groups, trajectories if r.dump_trajectories else None)
             spent = log.totals.step_seconds + time.perf_counter() - t0
             last = step == cfg.steps or bool(cfg.max_train_minutes and spent >= 60 * cfg.max_train_minutes)
             if last:
                 controller.pause()  # the last update needs no more rollouts
-            pushed = time.perf_counter()
-            for policy in policies.values():
-                await policy.push_weights()
-            controller.notify_version()
-            end = time.perf_counter()
-            moved = sum(
-                getattr(p.weight_sync, "last_push", {}).get("weight_sync_bytes", 0.0) for p in policies.values()
-            )
-            times = StepTimes(t0, rollout_end, end, waited, end - pushed, moved)
-            bar.set_postfix(**await log.record(step, trajectories, per_policy, times), refresh=False)
+            times = await _push_weights(policies, controller, t0, batch)  # version + 1
+            bar.set_postfix(**await log.record(step, trajectories, batch.stats, times), refresh=False)
             bar.update()
-            saver.done, saver.snap = step, run.snapshot(controller.data_position, main.engine.get_version())
+            saver.finished(step, position.snapshot(controller.data_position, main.engine.get_version()))
             interrupt.release()  # a signal that came while the step trained stops the run here
             if cfg.eval.every and step % cfg.eval.every == 0 and not last:
                 bar.write(f"step {step}: held-out greedy accuracy {await run_eval(step):.1%}")
@@ -229,22 +247,38 @@ async def _train_loop(cfg, tokenizer, policies, launcher, backend, agents, run_d
         failures.flush()
         await saver.save_on_halt()
         raise
-    ckpt = saver.save(saver.done, run.snapshot(controller.data_position, main.engine.get_version()))
+    ckpt = saver.save(saver.done, position.snapshot(controller.data_position, main.engine.get_version()))
     metrics.close()
     return write_summary(
-        run_dir,
-        accuracy={"before": run.accuracy_before, "after": after},
-        curve=run.accuracy_curve,
+        run.run_dir,
+        accuracy={"before": position.accuracy_before, "after": after},
+        curve=position.accuracy_curve,
         eval_problems=len(eval_seeds),
-        steps=(run.first_step, saver.done),
+        steps=(position.first_step, saver.done),
         version=main.engine.get_version(),
         wall=time.perf_counter() - start,
         totals=log.totals,
         engine_reports=log.engine_use.reports,
-        ledger=run.ledger,
+        ledger=position.ledger,
         retries=controller.runner.retries,
         checkpoint=ckpt,
-        launcher_stats=launcher.stats(),
+        launcher_stats=run.launcher.stats(),
+    )
+
+
+async def _push_weights(
+    policies: dict[str, TrainablePolicy], controller: RolloutController, start: float, batch: _TrainedBatch
+) -> StepTimes:
+    """Each policy's trained weights to its engine (version + 1), the controller told (its staleness gate
+    moves on); the times of the step that started at ``start`` and trained ``batch``."""
+    pushed = time.perf_counter()
+    for policy in policies.values():
+        await policy.push_weights()
+    controller.notify_version()
+    end = time.perf_counter()
+    moved = sum(p.weight_sync.last_push.get("weight_sync_bytes", 0.0) for p in policies.values())
+    return StepTimes(
+        start=start, rollout_end=batch.rollout_end, end=end, waited=batch.waited, push=end - pushed, pushed_bytes=moved
     )
 
 
@@ -288,38 +322,43 @@ def _controller(
 @dataclass
 class _Saver:
     """The run's checkpoints: every ``save_every`` steps or ``save_every_minutes``, at the end, and at a
-    signal (of the last finished step, ``done``, whose `RunState.snapshot` is ``snap``)."""
+    signal or a halt (of the last finished step, ``done``, told by `finished`)."""
 
-    run_dir: Path
-    policies: dict[str, TrainablePolicy]
-    tokenizer: PreTrainedTokenizerBase
-    cfg: TrainConfig
+    run: Run
     controller: RolloutController
     metrics: MetricsWriter
-    interrupt: Interrupt
     saved: int  # the newest checkpoint's step
-    snap: dict[str, Any] = field(default_factory=dict)
     last_save: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
-        # counts steps of the whole run (a resumed one starts at its checkpoint); updated at each step's end
-        self.done = min(self.saved, self.cfg.steps)  # the last step trained
+        # counts steps of the whole run (a resumed one starts at its checkpoint)
+        self.done = min(self.saved, self.run.cfg.steps)  # the last step trained
+        self.snap: dict[str, Any] = {}  # its `RunState.snapshot`
+
+    def finished(self, step: int, snap: dict[str, Any]) -> None:
+        """Step ``step`` finished (trained, weights pushed); ``snap`` is its `RunState.snapshot`."""
+        self.done, self.snap = step, snap
+
+    def keep_curve(self, curve: list[tuple[int, float]]) -> None:
+        """A held-out evaluation of the last finished step joined the accuracy curve: its checkpoint keeps it."""
+        self.snap["accuracy_curve"] = list(curve)
 
     def save(self, step: int, snap: dict[str, Any]) -> Path:
-        path = save_run(self.run_dir, step, self.policies, self.tokenizer, snap, self.cfg.keep_checkpoints)
+        run = self.run
+        path = save_run(run.run_dir, step, run.policies, run.tokenizer, snap, run.cfg.keep_checkpoints)
         self.saved = step
         return path
 
     def periodic(self, step: int) -> None:
-        every_steps = self.cfg.save_every and step % self.cfg.save_every == 0
-        minutes = self.cfg.save_every_minutes
+        every_steps = self.run.cfg.save_every and step % self.run.cfg.save_every == 0
+        minutes = self.run.cfg.save_every_minutes
         if every_steps or (minutes and time.monotonic() - self.last_save >= 60 * minutes):
             self.save(step, self.snap)
             self.last_save = time.monotonic()
 
     async def save_on_interrupt(self) -> None:
         """A signal abandoned the step in progress (untrained): checkpoint the last finished one."""
-        await self._save_last(f"stopped by {self.interrupt.name}")
+        await self._save_last(f"stopped by {self.run.interrupt.name}")
 
     async def save_on_halt(self) -> None:
         """The run cannot make progress (`RunHalted`): checkpoint the last finished step; the error says why."""
@@ -332,7 +371,7 @@ class _Saver:
             where = f"since the checkpoint of step {self.saved}" if self.saved > 0 else "yet"
             print(f"{why}: no step finished {where}, none written")
             return
-        for policy in self.policies.values():  # an abandoned streamed update's backward may still be running
+        for policy in self.run.policies.values():  # an abandoned streamed update's backward may still be running
             await policy.wait_idle()
         path = self.save(self.done, self.snap)
         print(f"{why} after step {self.done}: checkpoint {path} (--resume continues from it)")
@@ -346,25 +385,34 @@ def _record_data(run_dir: Path, step: int, groups: list[Group], dump: list[Traje
         dump_trajectories(run_dir / "trajectories" / f"step_{step}.jsonl", dump)
 
 
+@dataclass
+class _TrainedBatch:
+    """A step's batch and the updates on it."""
+
+    groups: list[Group]  # in prompt order
+    stats: dict[str, dict[str, float]]  # each policy's update stats, by name
+    rollout_end: float  # `time.perf_counter` when its last group was taken
+    waited: float  # seconds the trainer sat idle for groups
+
+
 async def _take_and_train(
     controller: RolloutController,
     policies: dict[str, TrainablePolicy],
     generator: torch.Generator,
     interrupt: Interrupt,
     stream: bool,
-) -> tuple[list[Group], dict[str, dict[str, float]], float, float]:
-    """Take a batch and update each policy on its share; the batch, each policy's stats, when its last
-    group was taken, and the seconds the trainer waited for groups."""
+) -> _TrainedBatch:
+    """Take a batch and update each policy on its share."""
     if stream:
         return await _streamed_update(controller, policies, generator, interrupt)
     t0 = time.perf_counter()
     groups = await controller.get_batch()
     interrupt.hold()  # the update starts: a signal now waits for the step's end
     t1 = time.perf_counter()
-    per_policy = {}
+    stats = {}
     for name, batch in _route(_trajectories(groups), policies).items():  # each on its own agents' data
-        per_policy[name] = await policies[name].update(batch, generator)
-    return groups, per_policy, t1, t1 - t0
+        stats[name] = await policies[name].update(batch, generator)
+    return _TrainedBatch(groups, stats, rollout_end=t1, waited=t1 - t0)
 
 
 async def _streamed_update(
@@ -372,19 +420,18 @@ async def _streamed_update(
     policies: dict[str, TrainablePolicy],
     generator: torch.Generator,
     interrupt: Interrupt,
-) -> tuple[list[Group], dict[str, dict[str, float]], float, float]:
+) -> _TrainedBatch:
     """Take a batch and train on it, feeding each policy's update the groups taken so far whenever it is
-    free (``ppo.stream_updates``): its forward/backward runs while the batch's last groups generate.
-    The batch (prompt order), each policy's stats, when its last group was taken, and the seconds the
-    trainer waited for groups."""
+    free (``ppo.stream_updates``): its forward/backward runs while the batch's last groups generate."""
     taken: asyncio.Queue[Group | None] = asyncio.Queue()
-    last, waited = [0.0], 0.0
+    last_taken, waited = 0.0, 0.0
 
     async def take() -> None:
+        nonlocal last_taken
         try:
             async for group in controller.stream_batch():
                 taken.put_nowait(group)
-            last[0] = time.perf_counter()
+            last_taken = time.perf_counter()
         finally:
             taken.put_nowait(None)  # the end, or the controller's error (re-raised by ``await feeder``)
 
@@ -408,7 +455,7 @@ async def _streamed_update(
         feeder.cancel()
     interrupt.hold()  # the optimizer steps: a signal now waits for the step's end
     stats = {name: await policy.finish_update(generator) for name, policy in policies.items()}
-    return sorted(groups, key=lambda g: g.index), stats, last[0], waited
+    return _TrainedBatch(sorted(groups, key=lambda g: g.index), stats, rollout_end=last_taken, waited=waited)
 
 
 def _trajectories(groups: list[Group]) -> list[Trajectory]:

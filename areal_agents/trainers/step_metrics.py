@@ -36,10 +36,11 @@ _TRAINER_PERF = ("model_flops", "peak_flops", "trained_tokens")  # an update's f
 _COUNTERS = ("prefix_hit_tokens", "prefill_tokens", "busy_seconds", "generated_tokens", "decode_steps")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepTimes:
     """``perf_counter`` times of one step: its start, its batch's last group in hand (``rollout_end``), its
-    weights pushed (``end``); ``waited``: seconds the trainer sat idle for rollouts."""
+    weights pushed (``end``); ``waited``: seconds the trainer sat idle for rollouts. Named, never positional:
+    four floats in a row are too easy to swap."""
 
     start: float
     rollout_end: float

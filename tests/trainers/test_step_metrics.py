@@ -28,7 +28,7 @@ def test_mfu_is_model_flops_over_training_seconds_less_the_push_against_the_peak
 
 
 def test_no_mfu_without_a_known_peak_and_nothing_on_a_cpu_run_that_reports_no_flops():
-    times = StepTimes(0.0, 1.0, 3.0, 0.0)
+    times = StepTimes(start=0.0, rollout_end=1.0, end=3.0, waited=0.0)
     assert "mfu" not in trainer_perf({"policy": {"model_flops": 1e12, "peak_flops": 0.0}}, times)
     assert trainer_perf({"policy": {"loss": 1.0}}, times) == {"weight_sync_seconds": 0.0, "weight_sync_bytes": 0.0}
 
