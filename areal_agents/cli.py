@@ -173,7 +173,8 @@ def cmd_export_lora(args: argparse.Namespace) -> None:
 
     _quiet_transformers()
     out = args.merge or args.adapter
-    print(export_lora(args.run_dir, out, merge=bool(args.merge), policy=args.policy, base=args.base))
+    given = {"policy": args.policy, "base": args.base, "overwrite": args.overwrite}
+    print(export_lora(args.run_dir, out, merge=bool(args.merge), **given))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -298,6 +299,7 @@ def _add_tools(sub: argparse._SubParsersAction) -> None:
     out.add_argument("--adapter", metavar="OUT", help="write PEFT's adapter directory here")
     p.add_argument("--policy", help="the agent whose adapter (a run with separate policies)")
     p.add_argument("--base", help="the base model's directory (default: the adapter config's)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
     p.set_defaults(fn=cmd_export_lora)
 
     p = sub.add_parser("datasets", help="list the bundled datasets (names for --dataset and env kwargs)")

@@ -195,16 +195,22 @@ class AdapterOffLM(ScoredLM):
 
 
 def export_lora(
-    run_dir: str | Path, out: str | Path, *, merge: bool, policy: str | None = None, base: str | None = None
+    run_dir: str | Path,
+    out: str | Path,
+    *,
+    merge: bool,
+    policy: str | None = None,
+    base: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write the newest checkpoint's adapter of ``run_dir`` (a run directory, or one checkpoint) to ``out``:
     merged into its base as a transformers checkpoint (``merge``), or PEFT's adapter directory alone.
     ``policy``: which agent's adapter, for a run with separate policies; ``base``: the base model's
-    directory (default: the one the adapter's config names)."""
+    directory (default: the one the adapter's config names); ``overwrite``: replace an earlier export."""
     adapter = _checkpoint_adapter(Path(run_dir), policy)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"export-lora: {out} exists and is not empty")
+        _clear_export(out, overwrite)
     tokenizer = AutoTokenizer.from_pretrained(str(adapter))
     if not merge:
         shutil.copytree(adapter, out, dirs_exist_ok=True)
@@ -220,6 +226,15 @@ def export_lora(
     merged.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     return out
+
+
+def _clear_export(out: Path, overwrite: bool) -> None:
+    """Remove an earlier export at ``out`` when ``overwrite``; anything else there is never deleted."""
+    if not overwrite:
+        raise ConfigError(f"export-lora: {out} exists and is not empty (--overwrite replaces an earlier export)")
+    if not any((out / name).is_file() for name in ("config.json", "adapter_config.json")):
+        raise ConfigError(f"export-lora: {out} holds no earlier export (no config.json); --overwrite leaves it alone")
+    shutil.rmtree(out)
 
 
 def _checkpoint_adapter(run_dir: Path, policy: str | None) -> Path:

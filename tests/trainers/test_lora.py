@@ -122,6 +122,12 @@ def test_a_run_trains_resumes_and_its_checkpoint_loads_with_peft_and_merges(tiny
     assert torch.allclose(merged, adapted, atol=1e-4)
     assert main(["export-lora", str(tmp_path / "rl"), "--adapter", str(tmp_path / "adapter")]) == 0
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    again = ["export-lora", str(tmp_path / "rl"), "--adapter", str(tmp_path / "adapter")]
+    assert main(again) == 2 and main([*again, "--overwrite"]) == 0  # an earlier export is replaced on request
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")  # not an export: --overwrite leaves it alone
+    assert main(["export-lora", str(tmp_path / "rl"), "--merge", str(tmp_path / "mine"), "--overwrite"]) == 2
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
     assert main(["export-lora", str(tiny_dir), "--merge", str(tmp_path / "x")]) == 2  # no checkpoint there
 
 
