@@ -9,7 +9,7 @@ import importlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +72,15 @@ def python_with(module: str, configured: str, key: str, hint: str) -> str:
         where = key if configured else f"this interpreter ({key} is unset)"
         raise EngineError(f"{where} ({python}) has no {module} module; {hint}")
     return python
+
+
+def lazy_exports(package: str, homes: dict[str, str]) -> Callable[[str], Any]:
+    """A package's module ``__getattr__`` that imports ``name`` from its submodule ``homes[name]`` on first
+    use, so importing the package (to build the CLI's parser, say) does not import its heavy modules."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in homes:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{homes[name]}"), name)
+
+    return __getattr__

@@ -7,8 +7,7 @@ The names below load on first use, so that `areal-agents` builds its parser from
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from areal_agents.importing import lazy_exports
 
 _HOMES = {
     "EvalOptions": "options",
@@ -25,7 +24,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+__getattr__ = lazy_exports(__name__, _HOMES)

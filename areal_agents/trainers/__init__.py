@@ -6,8 +6,7 @@ checks, say) without importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from areal_agents.importing import lazy_exports
 
 _HOMES = {
     "conversation_to_trajectory": "sft",
@@ -20,7 +19,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+__getattr__ = lazy_exports(__name__, _HOMES)
