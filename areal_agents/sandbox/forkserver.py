@@ -88,8 +88,8 @@ def _run_program(rlimits: dict[str, int], stdio: list[int]) -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # python's own default is to ignore it
     os.setsid()
     os.chdir("/sandbox")
-    for name, value in rlimits.items():
-        resource.setrlimit(getattr(resource, name), (value, value))
+    for name, value in rlimits.items():  # CPU: SIGXCPU (a timeout verdict) a second before the hard SIGKILL
+        resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
     _drop_capabilities()
     # sys.stdin/stdout/stderr wrap fds 0-2, now the run's: their buffers are empty, the server never uses them
     sys.argv = ["main.py"]

@@ -159,8 +159,8 @@ class LocalSandbox:
         limits = [(getattr(resource, k), v) for k, v in self._rlimits(timeout_s, memory_mb).items()]
 
         def preexec() -> None:  # runs in the child between fork and exec
-            for which, value in limits:
-                resource.setrlimit(which, (value, value))
+            for which, value in limits:  # CPU: SIGXCPU (a timeout) first; equal limits meant SIGKILL ("killed")
+                resource.setrlimit(which, (value, value + 1 if which == resource.RLIMIT_CPU else value))
 
         try:
             proc = subprocess.Popen(
