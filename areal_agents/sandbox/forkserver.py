@@ -80,7 +80,7 @@ def _clone_into_new_pid_namespace() -> int:
     return pid
 
 
-def _run_program(rlimits: dict[str, int], stdio: list[int]) -> None:
+def _run_program(rlimits: dict[str, list[int]], stdio: list[int]) -> None:
     """PID 1 of the run's namespaces: take stdio and limits, drop privileges, run main.py like python does."""
     for target, fd in enumerate(stdio):
         os.dup2(fd, target)
@@ -88,8 +88,8 @@ def _run_program(rlimits: dict[str, int], stdio: list[int]) -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # python's own default is to ignore it
     os.setsid()
     os.chdir("/sandbox")
-    for name, value in rlimits.items():  # CPU: SIGXCPU (a timeout verdict) a second before the hard SIGKILL
-        resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
+    for name, soft_hard in rlimits.items():  # (soft, hard), as LocalSandbox._rlimits gives them
+        resource.setrlimit(getattr(resource, name), tuple(soft_hard))
     _drop_capabilities()
     # sys.stdin/stdout/stderr wrap fds 0-2, now the run's: their buffers are empty, the server never uses them
     sys.argv = ["main.py"]

@@ -117,14 +117,17 @@ class LocalSandbox:
     async def arun(self, code: str, **kwargs) -> ExecResult:  # noqa: ANN003  (same keywords as run)
         return await asyncio.to_thread(self.run, code, **kwargs)
 
-    def _rlimits(self, timeout_s: float, memory_mb: int, extra_processes: int = 0) -> dict[str, int]:
-        return {
+    def _rlimits(self, timeout_s: float, memory_mb: int, extra_processes: int = 0) -> dict[str, tuple[int, int]]:
+        """(soft, hard) limits of a run. CPU: SIGXCPU (a timeout verdict) a second before the hard SIGKILL;
+        with both equal the kernel sends SIGKILL, and a loop whose wall-clock kill came late read as killed."""
+        cpu = int(timeout_s) + 1
+        limits = {
             "RLIMIT_AS": (memory_mb + 64) << 20,  # + room for the interpreter itself
-            "RLIMIT_CPU": int(timeout_s) + 1,
             "RLIMIT_FSIZE": self.max_file_mb << 20,
             "RLIMIT_NPROC": self.max_processes + extra_processes,
             "RLIMIT_CORE": 0,
         }
+        return {**{k: (v, v) for k, v in limits.items()}, "RLIMIT_CPU": (cpu, cpu + 1)}
 
     def _execute_warm(
         self, files: dict[str, str], stdin: str, timeout_s: float, memory_mb: int, start: float
@@ -159,8 +162,8 @@ class LocalSandbox:
         limits = [(getattr(resource, k), v) for k, v in self._rlimits(timeout_s, memory_mb).items()]
 
         def preexec() -> None:  # runs in the child between fork and exec
-            for which, value in limits:  # CPU: SIGXCPU (a timeout) first; equal limits meant SIGKILL ("killed")
-                resource.setrlimit(which, (value, value + 1 if which == resource.RLIMIT_CPU else value))
+            for which, soft_hard in limits:
+                resource.setrlimit(which, soft_hard)
 
         try:
             proc = subprocess.Popen(
