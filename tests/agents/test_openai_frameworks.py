@@ -227,14 +227,15 @@ async def agents_round_trip(base_url: str, api_key: str = "none"):
         calls.append(city)
         return RESULT
 
-    agent = Agent(
-        name="weather",
-        instructions=SYSTEM,
-        tools=[get_weather],
-        model=OpenAIChatCompletionsModel(model="policy", openai_client=AsyncOpenAI(base_url=base_url, api_key=api_key)),
-        model_settings=ModelSettings(temperature=0),
-    )
-    result = await Runner.run(agent, QUESTION, max_turns=3)
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key) as client:  # closed on this loop, not at GC
+        agent = Agent(
+            name="weather",
+            instructions=SYSTEM,
+            tools=[get_weather],
+            model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+            model_settings=ModelSettings(temperature=0),
+        )
+        result = await Runner.run(agent, QUESTION, max_turns=3)
     return result.final_output, calls
 
 
@@ -262,7 +263,8 @@ def check_sdk_replies(tool_model: ToolModel, first, second) -> None:
 
 def test_openai_sdk_tool_round_trip_against_serve_model(tool_model, served):
     async def run():
-        return await sdk_round_trip(AsyncOpenAI(base_url=served, api_key="none"))
+        async with AsyncOpenAI(base_url=served, api_key="none") as client:
+            return await sdk_round_trip(client)
 
     first, second = asyncio.run(run())
     check_sdk_replies(tool_model, first, second)
@@ -282,7 +284,8 @@ def test_sdk_and_agents_tool_round_trip_against_the_proxy(tool_model):
         await proxy.start()
         try:
             sid = proxy.open(sdk_capture)
-            sdk = await sdk_round_trip(AsyncOpenAI(base_url=proxy.base_url(sid), api_key=sid))
+            async with AsyncOpenAI(base_url=proxy.base_url(sid), api_key=sid) as client:
+                sdk = await sdk_round_trip(client)
             sid = proxy.open(agents_capture)
             agents = await agents_round_trip(proxy.base_url(sid), sid)
         finally:
@@ -303,7 +306,10 @@ def test_sdk_and_agents_tool_round_trip_against_the_proxy(tool_model):
 
 def test_stop_strings_and_logprobs_on_the_trained_reply(tool_model, served):
     async def run():
-        client = AsyncOpenAI(base_url=served, api_key="none")
+        async with AsyncOpenAI(base_url=served, api_key="none") as client:
+            return await weather_with_stop(client)
+
+    async def weather_with_stop(client):
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
         call = {
             "id": CALL_ID,

@@ -150,7 +150,10 @@ def test_serve_model_survives_chaos(tiny_dir, tokenizer):
     rng = random.Random(SEED)
     port = free_port("127.0.0.1")
     base = f"http://127.0.0.1:{port}"
-    proc = start_server(cli("serve-model", "--model-path", str(tiny_dir), "--port", str(port)), base + "/health")
+    # a prefix cache the warm-up fills: its bounded growth (65,536 columns by default, ~90 MB of this model's KV,
+    # full after ~3,000 requests) is not a leak, and evictions run under chaos too
+    args = cli("serve-model", "--model-path", str(tiny_dir), "--port", str(port), "--prefix-cache-tokens", "2048")
+    proc = start_server(args, base + "/health")
     try:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": "12+34="}], add_generation_prompt=True, return_dict=False
