@@ -160,12 +160,19 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 
 def cmd_serve_model(args: argparse.Namespace) -> None:
+    from areal_agents.config import EngineOptions
     from areal_agents.engines.model_server import ModelServerConfig, serve_model
     from areal_agents.engines.server_control import admin_key_from_env
 
-    # every field of the config is a flag of the same name (admin_key: from $AREAL_ADMIN_KEY when not given)
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelServerConfig)}
-    serve_model(ModelServerConfig(**{**given, "admin_key": admin_key_from_env(args.admin_key)}), device=args.device)
+    # every field of the configs is a flag of the same name (admin_key: from $AREAL_ADMIN_KEY when not given)
+    try:
+        engine = EngineOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineOptions)})
+    except ValueError as e:  # "field: expects ...": name its flag too
+        key, _, why = str(e).partition(": ")
+        raise ArealAgentsError(f"{key} (--{key.replace('_', '-')}): {why}") from None
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelServerConfig) if f.name != "engine"}
+    given["admin_key"] = admin_key_from_env(args.admin_key)
+    serve_model(ModelServerConfig(**given, engine=engine), device=args.device)
 
 
 def cmd_export_lora(args: argparse.Namespace) -> None:
@@ -362,6 +369,9 @@ def _add_serve_env(sub: argparse._SubParsersAction) -> None:
 
 def _add_serve_model(sub: argparse._SubParsersAction) -> None:
     """``serve-model``: a model over SGLang's native HTTP API on CPU."""
+    from areal_agents.config import EngineOptions
+    from areal_agents.config.flags import add_field_flag
+
     p = sub.add_parser(
         "serve-model",
         help="serve a model over SGLang's native HTTP API on CPU (docs/serve-model.md)",
@@ -373,34 +383,8 @@ def _add_serve_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--weight-version", default="default", help="the initial weight_version, as in SGLang")
-    p.add_argument("--max-running-requests", type=int, default=256, help="requests decoded together")
-    p.add_argument(
-        "--prefix-cache-tokens", type=int, default=65536, help="finished requests' KV kept for a next turn (0 = off)"
-    )
-    p.add_argument(
-        "--stale-kv",
-        choices=["recompute", "keep"],
-        default="recompute",
-        help="after a weight update: recompute running requests' KV with the new weights, or keep the old",
-    )
-    p.add_argument(
-        "--kv-dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-        help="dtype of the KV cache decode steps attend to (auto: the model's)",
-    )
-    p.add_argument(
-        "--fast-decode",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="decode Llama-family models with the engine's own step (--no-fast-decode: transformers' forward)",
-    )
-    p.add_argument(
-        "--cpu-threads",
-        type=int,
-        default=0,
-        help="intra-op threads of the decode thread (0 = auto: the cores less one)",
-    )
+    for f in dataclasses.fields(EngineOptions):  # the run's engine section has the same keys
+        add_field_flag(p, EngineOptions, f.name, with_default=True)
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], default="cpu", help="where the engine runs (cuda: in bfloat16)"

@@ -3,10 +3,10 @@
 cfg = load_config(TrainConfig, "examples/arithmetic/rl.yaml", ["ppo.lr=3e-4"])
 """
 
+from areal_agents.config.engine_section import EngineConfig, EngineOptions
 from areal_agents.config.fields import config_field
 from areal_agents.config.loading import config_diff, config_to_dict, load_config
 from areal_agents.config.sections import (
-    EngineConfig,
     EnvConfig,
     EvalConfig,
     LoraConfig,
@@ -21,6 +21,7 @@ from areal_agents.config.sections import (
 
 __all__ = [
     "EngineConfig",
+    "EngineOptions",
     "EnvConfig",
     "EvalConfig",
     "LoraConfig",

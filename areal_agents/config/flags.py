@@ -17,21 +17,23 @@ import typing
 from typing import Any, Literal
 
 
-def add_field_flag(parser: argparse.ArgumentParser, cls: type, name: str) -> None:
+def add_field_flag(parser: argparse.ArgumentParser, cls: type, name: str, *, with_default: bool = False) -> None:
     """``--name-with-dashes`` for field ``name`` of ``cls``: its help line, and the parse its annotation asks
-    for (a bool is ``--x`` / ``--no-x``, a ``list[T]`` is given once per item, a ``Literal`` lists its choices)."""
+    for (a bool is ``--x`` / ``--no-x``, a ``list[T]`` is given once per item, a ``Literal`` lists its choices).
+    ``with_default``: the flag's default is the field's (a command without a config file under it)."""
     f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
     if f is None:
         raise ValueError(f"add_field_flag: expects a field of {cls.__name__}, got {name!r}")
     kind = _parse_of(typing.get_type_hints(cls)[name], f"{cls.__name__}.{name}")
-    text = field_help(f) + (" (repeatable)" if kind.get("action") == "append" else "")
-    parser.add_argument("--" + name.replace("_", "-"), default=None, help=text, **kind)
+    text = field_help(f, with_default=not with_default) + (" (repeatable)" if kind.get("action") == "append" else "")
+    default = f.default if with_default else None
+    parser.add_argument("--" + name.replace("_", "-"), default=default, help=text, **kind)
 
 
-def field_help(f: dataclasses.Field) -> str:
+def field_help(f: dataclasses.Field, with_default: bool = True) -> str:
     """The field's help line, with its default when that says something (not None, empty or False)."""
     text = f.metadata.get("help", "")
-    if f.default not in (None, "", False, dataclasses.MISSING):
+    if with_default and f.default not in (None, "", False, dataclasses.MISSING):
         text += f" (default {f.default})"
     return text.replace("%", "%%")  # argparse formats help with %
 

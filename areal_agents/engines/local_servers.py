@@ -16,6 +16,7 @@ environment (off the command line), and the run's client and supervisor send it 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import secrets
 import subprocess
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_agents import net
-from areal_agents.config import EngineConfig
+from areal_agents.config import EngineConfig, EngineOptions
 from areal_agents.engines.broadcast_sync import BroadcastSync
 from areal_agents.engines.server_control import ADMIN_KEY_ENV
 from areal_agents.engines.sglang.server import sglang_command, sglang_python
@@ -81,12 +82,21 @@ def server_command(
         restart += ["--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", str(cfg.max_loras)]
     return with_env(placement, [
         sys.executable, "-m", "areal_agents.cli", "serve-model", "--model-path", model_path, "--host", host,
-        "--port", str(port), "--dtype", dtype, "--max-running-requests", str(cfg.max_running_requests),
-        "--prefix-cache-tokens", str(cfg.prefix_cache_tokens), "--stale-kv", cfg.stale_kv,
-        "--kv-dtype", cfg.kv_dtype, "--cpu-threads", str(cfg.cpu_threads), "--device", server_device(cfg),
-        *([] if cfg.fast_decode else ["--no-fast-decode"]),
+        "--port", str(port), "--dtype", dtype, *engine_flags(cfg), "--device", server_device(cfg),
         *restart, *cfg.extra_args,
     ])  # fmt: skip
+
+
+def engine_flags(options: EngineOptions) -> list[str]:
+    """serve-model's flags for ``options`` (an `EngineConfig` is one): ``--field-name value``, ``--no-x``."""
+    flags = []
+    for f in dataclasses.fields(EngineOptions):
+        value, flag = getattr(options, f.name), f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            flags += [f"--{flag}", str(value)]
+    return flags
 
 
 def with_env(variables: dict[str, str], command: list[str]) -> list[str]:
@@ -226,22 +236,12 @@ def open_engine(cfg: EngineConfig, model_path: str, dtype: str, *, run_dir: Path
         from areal_agents.engines.hf.process_engine import ProcessEngine  # noqa: PLC0415
         from areal_agents.models.loading import load_model  # noqa: PLC0415
 
-        kwargs = dict(
-            seed=seed,
-            max_batch_size=cfg.max_running_requests,
-            num_threads=cfg.cpu_threads or None,
-            prefix_cache_tokens=cfg.prefix_cache_tokens,
-            stale_kv=cfg.stale_kv,
-            kv_dtype=cfg.kv_dtype,
-            fast_decode=cfg.fast_decode,
-            device=cfg.device,
-            compute_dtype=cfg.dtype,
-        )
+        placement = dict(seed=seed, device=cfg.device, compute_dtype=cfg.dtype)
         if cfg.own_process:
-            return ProcessEngine(model_path, dtype, **kwargs), None
+            return ProcessEngine(model_path, dtype, cfg, **placement), None
         # weight_sync=in_process: the engine decodes with the trainer's own tensors (pushes copy nothing)
         share = cfg.weight_sync == "in_process"
-        return HFEngine(load_model(model_path, dtype), share_weights=share, **kwargs), None
+        return HFEngine.of(load_model(model_path, dtype), cfg, share_weights=share, **placement), None
     if cfg.urls:
         servers = ServerGroup(list(cfg.urls))  # their admin key, if any: AREAL_ADMIN_KEY
     else:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from app_in_thread import serving_app
 
+from areal_agents.config import EngineOptions
 from areal_agents.engines.broadcast_group import join_group
 from areal_agents.engines.broadcast_sync import BroadcastSync
 from areal_agents.engines.hf.engine import HFEngine
@@ -289,7 +290,7 @@ def test_a_copy_that_fails_halfway_closes_the_engine_rather_than_serve_mixed_wei
 def test_a_process_engine_refuses_nan_weights_whole(tiny_dir, new_state):
     from areal_agents.engines.hf.process_engine import ProcessEngine
 
-    engine = ProcessEngine(str(tiny_dir), num_threads=1)
+    engine = ProcessEngine(str(tiny_dir), options=EngineOptions(cpu_threads=1))
 
     async def run():
         before = await engine_greedy(engine)

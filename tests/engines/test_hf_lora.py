@@ -7,6 +7,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
+from areal_agents.config import EngineOptions
 from areal_agents.engines import HFEngine
 from areal_agents.engines.base import LoraEngine
 from areal_agents.engines.hf.process_engine import ProcessEngine
@@ -205,7 +206,7 @@ def test_process_engine_passes_adapters_through(tiny_dir, adapters):
     reqs = [GenRequest("p", [5, 6, 7], SamplingParams(5, temperature=0.0), lora_name="a2")]
 
     async def run():
-        engine = ProcessEngine(str(tiny_dir), num_threads=1)
+        engine = ProcessEngine(str(tiny_dir), options=EngineOptions(cpu_threads=1))
         try:
             await engine.load_lora_adapter("a2", adapters["a2"][0], version=4)
             assert engine.lora_adapters() == ["a2"] and engine.get_version() == 4 and isinstance(engine, LoraEngine)

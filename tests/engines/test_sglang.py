@@ -1,6 +1,7 @@
 """The SGLang client against `serve-model` (a real HTTP server over a real model), and the JSON shapes."""
 
 import asyncio
+import dataclasses
 import json
 import signal
 import subprocess
@@ -11,7 +12,7 @@ import aiohttp
 import pytest
 import torch
 
-from areal_agents.config import EngineConfig
+from areal_agents.config import EngineConfig, EngineOptions
 from areal_agents.engines.local_servers import ServerGroup, launch_servers, server_command, wait_healthy
 from areal_agents.engines.sglang.client import SGLangEngine
 from areal_agents.engines.sglang.protocol import read_generate_response
@@ -287,14 +288,25 @@ def test_kv_dtype_reaches_the_engine_the_run_opens(tiny_dir, tmp_path):
     """engine.kv_dtype: the in-process engine, the engine process and launched serve-model servers."""
     from areal_agents.cli import build_parser
     from areal_agents.engines.local_servers import open_engine
-    from areal_agents.engines.model_server import ModelServerConfig
 
     engine, _ = open_engine(EngineConfig(kv_dtype="bfloat16"), str(tiny_dir), "float32", run_dir=tmp_path)
     assert engine.kv_dtype == torch.bfloat16
     command = server_command(EngineConfig(backend="serve-model", kv_dtype="bfloat16"), "m", "float32", 1, 0)
     assert command[command.index("--kv-dtype") + 1] == "bfloat16"
     args = build_parser().parse_args(command[command.index("serve-model") :])
-    assert args.kv_dtype == "bfloat16" and ModelServerConfig("m", kv_dtype=args.kv_dtype).kv_dtype == "bfloat16"
+    assert args.kv_dtype == "bfloat16"
+
+
+def test_every_engine_option_reaches_a_launched_serve_model():
+    """`EngineOptions` is one type: a launched server parses back every option its `EngineConfig` holds."""
+    from areal_agents.cli import build_parser
+
+    options = dict(max_running_requests=7, cpu_threads=2, prefix_cache_tokens=99, stale_kv="keep", kv_dtype="float16")
+    cfg = EngineConfig(backend="serve-model", fast_decode=False, **options)
+    command = server_command(cfg, "m", "float32", 1, 0)
+    args = build_parser().parse_args(command[command.index("serve-model") :])
+    parsed = EngineOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineOptions)})
+    assert parsed == EngineOptions(fast_decode=False, **options)
 
 
 def test_fast_decode_switch_reaches_the_engine_the_run_opens(tiny_dir, tmp_path):

@@ -50,6 +50,7 @@ from typing import Any, Literal
 import torch
 from transformers import PreTrainedModel
 
+from areal_agents.config import EngineOptions
 from areal_agents.engines.hf.batch_runner import BatchRunner
 from areal_agents.engines.hf.engine_placement import Placement, shareable
 from areal_agents.engines.hf.multi_lora import LoraAdapter, read_adapter_dir
@@ -138,6 +139,21 @@ class HFEngine:
             gather_steps=gather_steps,
             num_threads=num_threads,
             version=version,
+        )
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, options: EngineOptions, **placement: Any) -> HFEngine:
+        """An engine on ``model`` as ``options`` (the run's ``engine`` section, serve-model's flags) say;
+        ``placement``: seed, device, compute_dtype, share_weights."""
+        return cls(
+            model,
+            max_batch_size=options.max_running_requests,
+            num_threads=options.cpu_threads or None,
+            prefix_cache_tokens=options.prefix_cache_tokens,
+            stale_kv=options.stale_kv,
+            kv_dtype=options.kv_dtype,
+            fast_decode=options.fast_decode,
+            **placement,
         )
 
     # ---- protocol ---------------------------------------------------------------------------

@@ -7,7 +7,7 @@ Unlike a model server (serve-model), there is no HTTP per request: the requests 
 the event loop go as one pickled message, the responses finished in one turn of the child's loop come
 back as one, and new weights travel as shared-memory tensors.
 
-    engine = ProcessEngine("runs/arith/sft/model", max_batch_size=256)
+    engine = ProcessEngine("runs/arith/sft/model", options=EngineOptions(max_running_requests=256))
     resp = await engine.agenerate(GenRequest("r1", prompt_ids, SamplingParams(max_new_tokens=8)))
     await engine.update_weights(trainer_model.state_dict())      # pause, load, version += 1, resume
     await engine.load_lora_adapter("a1", "runs/x/adapter")      # requests with lora_name="a1" use it
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of tensors sent as weights)
 
+from areal_agents.config import EngineOptions
 from areal_agents.errors import ArealAgentsError, ConfigError, EngineError, RequestError
 from areal_agents.types import GenRequest, GenResponse
 from areal_agents.workers import start_child, stop_child
@@ -33,7 +34,7 @@ from areal_agents.workers import start_child, stop_child
 _START_TIMEOUT_S = 600.0
 
 
-def _serve(conn: Any, model_path: str, dtype: str, engine_kwargs: dict[str, Any]) -> None:
+def _serve(conn: Any, model_path: str, dtype: str, options: EngineOptions, placement: dict[str, Any]) -> None:
     """The child: an `HFEngine` driven by an event loop that the pipe feeds."""
     from areal_agents.engines.hf.engine import HFEngine  # noqa: PLC0415
     from areal_agents.models.loading import load_model, quiet_transformers  # noqa: PLC0415
@@ -42,7 +43,7 @@ def _serve(conn: Any, model_path: str, dtype: str, engine_kwargs: dict[str, Any]
     torch.set_num_threads(1)  # this thread only loads weights; the decode thread sets its own
     quiet_transformers()
     try:
-        engine = HFEngine(load_model(model_path, dtype), **engine_kwargs)
+        engine = HFEngine.of(load_model(model_path, dtype), options, **placement)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
@@ -124,20 +125,16 @@ async def _child_loop(conn: Any, engine: Any) -> None:
 
 
 class ProcessEngine:
-    """`InferenceEngine` over an `HFEngine` in a spawned process (same arguments, plus where the model is)."""
+    """`InferenceEngine` over an `HFEngine` in a spawned process: where the model is, the engine's
+    options and placement (`HFEngine.of`)."""
 
     def __init__(
         self,
         model_path: str,
         dtype: str = "float32",
+        options: EngineOptions | None = None,
         *,
-        max_batch_size: int = 256,
         seed: int = 0,
-        num_threads: int | None = None,
-        prefix_cache_tokens: int = 65536,
-        stale_kv: str = "recompute",
-        kv_dtype: str = "auto",
-        fast_decode: bool = True,
         device: str = "cpu",
         compute_dtype: str = "auto",
         share_weights: bool = False,
@@ -147,20 +144,15 @@ class ProcessEngine:
                 "share_weights: the engine shares the trainer's tensors only in the trainer's own process "
                 "(engine.weight_sync=in_process): set engine.own_process=false, or use another weight_sync"
             )
-        kwargs = dict(
-            device=device,
-            compute_dtype=compute_dtype,
-            max_batch_size=max_batch_size,
-            seed=seed,
-            num_threads=num_threads,
-            prefix_cache_tokens=prefix_cache_tokens,
-            stale_kv=stale_kv,
-            kv_dtype=kv_dtype,
-            fast_decode=fast_decode,
-        )
+        placement = dict(seed=seed, device=device, compute_dtype=compute_dtype)
         what = f"ProcessEngine: could not start an engine for {model_path!r}"
         self._process, self._conn, _ = start_child(
-            _serve, (model_path, dtype, kwargs), "hf-engine", EngineError, what, _START_TIMEOUT_S
+            _serve,
+            (model_path, dtype, options or EngineOptions(), placement),
+            "hf-engine",
+            EngineError,
+            what,
+            _START_TIMEOUT_S,
         )
         self._keys = itertools.count()
         self._lock = threading.Lock()  # guards sending and the waiting futures

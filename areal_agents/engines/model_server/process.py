@@ -26,17 +26,7 @@ def serve_model(cfg: ModelServerConfig, device: str = "cpu") -> None:
 
     model = load_model(cfg.model_path, cfg.dtype)
     tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.model_path)
-    engine = HFEngine(
-        model,
-        max_batch_size=cfg.max_running_requests,
-        seed=cfg.seed,
-        prefix_cache_tokens=cfg.prefix_cache_tokens,
-        stale_kv=cfg.stale_kv,
-        kv_dtype=cfg.kv_dtype,
-        fast_decode=cfg.fast_decode,
-        num_threads=cfg.cpu_threads or None,
-        device=device,
-    )
+    engine = HFEngine.of(model, cfg.engine, seed=cfg.seed, device=device)
     app = build_app(engine, tokenizer, cfg)
     gc.freeze()  # the model's and libraries' objects: no collection walks them again (a large body's parse runs many)
     where = f"{cfg.model_path} on {engine.placement.device}"

@@ -184,7 +184,7 @@ def add_info_routes(app: FastAPI, server: ModelServer) -> None:
                 "server": "areal-agents serve-model",
                 "model_path": server.model_path,
                 "weight_version": server.weight_version,
-                "max_running_requests": cfg.max_running_requests,
+                "max_running_requests": cfg.engine.max_running_requests,
                 "engine": engine.stats.__dict__,
             }
         )

@@ -12,12 +12,13 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse, Response
 
 from areal_agents.chat import REASONING_PARSERS, TOOL_PARSERS
+from areal_agents.config import EngineOptions
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.hf.request_checks import RequestError, check_request
 from areal_agents.engines.model_server.adapters import AdapterRefused, check_adapter_load
@@ -42,12 +43,7 @@ class ModelServerConfig:
     port: int = 30000
     weight_version: str = "default"
     dtype: str = "float32"
-    max_running_requests: int = 256
-    prefix_cache_tokens: int = 65536
-    stale_kv: str = "recompute"
-    kv_dtype: str = "auto"  # the KV cache's dtype (auto: the model's)
-    fast_decode: bool = True  # Llama-family models decode with the engine's own step (`LlamaDecodeStep`)
-    cpu_threads: int = 0  # the decode thread's intra-op threads (0: auto, the cores less one)
+    engine: EngineOptions = field(default_factory=EngineOptions)  # how the engine batches and decodes
     seed: int = 0
     tool_parser: str = "auto"  # how /v1/chat/completions reads tool calls (auto: from the chat template)
     reasoning_parser: str = "auto"  # how it reads reasoning (auto: from the chat template)
