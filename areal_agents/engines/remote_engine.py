@@ -39,7 +39,6 @@ import itertools
 import json
 import secrets
 import shutil
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,10 +46,11 @@ from typing import Any, ClassVar
 
 import aiohttp
 
+from areal_agents.engines.interruptible import ResumeGate, generate_to_end, update_pause
 from areal_agents.engines.remote_lora import PauseMode, RemoteLora
 from areal_agents.engines.server_control import admin_headers, admin_key_from_env, health_state
+from areal_agents.engines.weight_sync import DiskSync, StateDictSource
 from areal_agents.errors import EngineError, RequestError
-from areal_agents.models.weight_files import write_weights
 from areal_agents.types import GenRequest, GenResponse
 
 
@@ -111,8 +111,7 @@ class RemoteEngine(RemoteLora, abc.ABC):
         self._round_robin = itertools.cycle(range(len(self.addresses)))
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._max_sticky = max_sticky_episodes
-        self._resumed: asyncio.Event | None = None
-        self._paused = False
+        self._gate = ResumeGate()  # paused by a weight update: requests wait for resume
         self._session: aiohttp.ClientSession | None = None
         self._update_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -127,8 +126,8 @@ class RemoteEngine(RemoteLora, abc.ABC):
     # ---- what a subclass says about its servers' API -------------------------------------------
 
     @abc.abstractmethod
-    def generate_body(self, request: GenRequest, tokens_so_far: list[int]) -> dict[str, Any]:
-        """The generate route's body for ``request`` continued after ``tokens_so_far``."""
+    def generate_body(self, request: GenRequest) -> dict[str, Any]:
+        """The generate route's body for ``request``."""
 
     @abc.abstractmethod
     def read_reply(self, reply: Any) -> GenerateReply:
@@ -169,23 +168,23 @@ class RemoteEngine(RemoteLora, abc.ABC):
         self._names[str(self._version)] = self._version
 
     async def agenerate(self, request: GenRequest) -> GenResponse:
-        start = time.perf_counter()
-        sp = request.sampling
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
+        """Generate to the end: resubmitted after every abort (`generate_to_end`)."""
+        return await generate_to_end(request, self._generate_part, self._gate)
+
+    async def _generate_part(self, request: GenRequest) -> GenResponse:
+        """``request`` on its server until it finishes or is aborted (a pause); rerouted when its server is
+        lost, its adapter loaded again (once) when a restarted server lost it."""
         restored = False
         while True:
-            await self._wait_resumed()
             url = self.addresses[self._server_for(request.rid)]
-            body = self.generate_body(request, tokens)
             submitted_version = self._version
             try:
-                reply = await self._post(url, self.GENERATE_PATH, body, rid=request.rid)
+                reply = await self._post(url, self.GENERATE_PATH, self.generate_body(request), rid=request.rid)
             except ServerLost:
                 self.stats["rerouted"] += 1
-                continue  # prompt + tokens so far, to another server
-            except RequestError as e:  # a restarted server lost its adapters: load this one again, once
+                await self._gate.wait()
+                continue  # to another server
+            except RequestError as e:
                 if restored or not await self.restore_adapter(url, request.lora_name, e):
                     raise
                 restored = True
@@ -194,38 +193,26 @@ class RemoteEngine(RemoteLora, abc.ABC):
                 part = self.read_reply(reply)
             except ValueError as e:
                 raise EngineError(f"{url}{self.GENERATE_PATH}: {e}") from e
-            tokens += part.tokens
-            logprobs += part.logprobs
-            versions += [self._to_int(v, submitted_version) for v in part.versions]
             self.stats["requests"] += 1
-            if part.finish != "abort":
-                return GenResponse(tokens, logprobs, versions, part.finish, time.perf_counter() - start)
-            self.stats["resubmitted"] += 1
-            if len(tokens) >= sp.max_new_tokens:
-                return GenResponse(tokens, logprobs, versions, "length", time.perf_counter() - start)
+            self.stats["resubmitted"] += part.finish == "abort"
+            versions = [self._to_int(v, submitted_version) for v in part.versions]
+            return GenResponse(part.tokens, part.logprobs, versions, part.finish)
 
     async def pause(self, mode: PauseMode | None = None) -> None:
         """Pause every server; new requests wait here for `resume` (in-flight ones: ``mode``, by default
         ``pause_mode``; `pause_servers` reads it as ``self.pausing``)."""
-        self._paused = True
-        self._ensure_primitives()
-        self._resumed.clear()
+        self._gate.pause()
         self.pausing = mode or self.pause_mode
         await self.pause_servers()
 
     async def resume(self) -> None:
         await self.resume_servers()
-        self._paused = False
-        self._ensure_primitives()
-        self._resumed.set()
+        self._gate.resume()
 
     async def update_weights(self, state_dict: dict[str, Any], version: int | None = None) -> None:
-        """Write ``state_dict`` as safetensors under ``weights_dir`` and have every server load it."""
-        version = self._version + 1 if version is None else version
-        path = self.weights_path(version)
-        await asyncio.to_thread(write_weights, state_dict, path)
-        await self.update_weights_from_disk(str(path), version)
-        self.prune_weights(version)
+        """Write ``state_dict`` as safetensors under ``weights_dir`` and have every server load it (the
+        disk push, `DiskSync`)."""
+        await DiskSync([self]).push(StateDictSource(state_dict), version)
 
     def weights_path(self, version: int) -> Path:
         """Where the weights of ``version`` are written for the servers to load."""
@@ -253,16 +240,10 @@ class RemoteEngine(RemoteLora, abc.ABC):
         (default: the current + 1), resume (unless they were paused before)."""
         self._ensure_primitives()
         version = self._version + 1 if version is None else version
-        async with self._update_lock:
-            was_paused = self._paused
-            await self.pause(pause_mode)
-            try:
-                await load(version)
-                self._names[str(version)] = version
-                self._version = version
-            finally:
-                if not was_paused:
-                    await self.resume()
+        async with self._update_lock, update_pause(self._gate, lambda: self.pause(pause_mode), self.resume):
+            await load(version)
+            self._names[str(version)] = version
+            self._version = version
 
     def in_rotation(self) -> list[int]:
         """The servers that take requests (every one not taken out), by index in ``addresses``."""
@@ -353,15 +334,8 @@ class RemoteEngine(RemoteLora, abc.ABC):
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             self._loop = loop
-            self._resumed = asyncio.Event()
-            if not self._paused:
-                self._resumed.set()
             self._update_lock = asyncio.Lock()
             self._session = None  # bound to the old loop
-
-    async def _wait_resumed(self) -> None:
-        self._ensure_primitives()
-        await self._resumed.wait()
 
     def _client(self) -> aiohttp.ClientSession:
         self._ensure_primitives()

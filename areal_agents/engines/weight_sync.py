@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -139,6 +140,19 @@ class DiskSync:
         for engine in self.engines:
             engine.set_version(version)
             await engine.announce_version()  # fresh servers say "default", not the run's version
+
+
+class StateDictSource:
+    """A state dict in this process as a `WeightSource` (a `RemoteEngine`'s own ``update_weights``)."""
+
+    def __init__(self, state_dict: dict[str, Any]) -> None:
+        self.state_dict = state_dict
+
+    async def tensors(self) -> dict[str, Any]:
+        return self.state_dict
+
+    async def save_weights(self, path: Path, dtype: str | None = None) -> None:
+        await asyncio.to_thread(write_weights, self.state_dict, path, dtype)
 
 
 def timed(start: float, nbytes: int) -> dict[str, float]:

@@ -43,7 +43,6 @@ This module is the engine's API; `Scheduler` (scheduler.py) runs the queue and t
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -59,9 +58,10 @@ from areal_agents.engines.hf.running_batch import MAX_SEGMENTS, Submission
 from areal_agents.engines.hf.scheduler import Scheduler
 from areal_agents.engines.hf.segmented_attention import SEGMENTED_SDPA
 from areal_agents.engines.hf.stats import EngineStats
+from areal_agents.engines.interruptible import ResumeGate, generate_to_end, update_pause
 from areal_agents.errors import EngineError
 from areal_agents.models.weight_checks import WeightSpec, check_state_dict, copy_into, read_checkpoint
-from areal_agents.types import GenRequest, GenResponse, SamplingParams
+from areal_agents.types import GenRequest, GenResponse
 
 __all__ = ["MAX_SEGMENTS", "STALL_S", "EngineStats", "HFEngine", "StaleKV"]
 
@@ -132,6 +132,7 @@ class HFEngine:
         if share_weights:  # its own weights until the first push; they must not move either
             self._runner.new_weights(version, shared=True)
         self.kv_dtype = self._runner.kv_dtype  # of the KV cache decode steps attend to
+        self._gate = ResumeGate()  # paused: requests wait here to be resubmitted
         self._scheduler = Scheduler(
             self._runner,
             max_batch_size=max_batch_size,
@@ -183,35 +184,21 @@ class HFEngine:
             raise
 
     async def agenerate(self, request: GenRequest) -> GenResponse:
-        """Generate to the end (resubmitting after aborts); `RequestError` names a field the model cannot take."""
-        start = time.perf_counter()
-        # max_new_tokens capped at the context left
+        """Generate to the end (resubmitted after aborts, `generate_to_end`); `RequestError` names a field the
+        model cannot take."""
+        # max_new_tokens capped at the context left; the parts are checked tokens, fewer to go
         request = check_request(request, self.limits, adapters=self._runner.lora.adapters)
-        sp = request.sampling
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        while True:  # resubmit prompt + tokens so far after every abort
-            remaining = SamplingParams(**{**sp.__dict__, "max_new_tokens": sp.max_new_tokens - len(tokens)})
-            # checked tokens, fewer to go
-            resubmit = GenRequest(request.rid, request.input_ids + tokens, remaining, request.lora_name)
-            part = await self.generate_once(resubmit, checked=True)
-            tokens += part.output_tokens
-            logprobs += part.output_logprobs
-            versions += part.output_versions
-            if part.stop_reason != "abort" or len(tokens) >= sp.max_new_tokens:
-                reason = part.stop_reason if part.stop_reason != "abort" else "length"
-                return GenResponse(tokens, logprobs, versions, reason, time.perf_counter() - start)
-            while self._scheduler.paused and not self._scheduler.closed:
-                await asyncio.sleep(0.005)
+        return await generate_to_end(request, lambda part: self.generate_once(part, checked=True), self._gate)
 
     async def pause(self) -> None:
         """Stop at the next step boundary; running requests keep their place and continue on `resume`."""
         self._scheduler.set_paused(True)
+        self._gate.pause()
         await asyncio.to_thread(self._scheduler.wait_for_boundary)
 
     async def resume(self) -> None:
         self._scheduler.set_paused(False)
+        self._gate.resume()
 
     async def abort(self, rid: str | None = None) -> int:
         """End queued and running requests (all, or those whose rid is ``rid``) now, as ``abort``."""
@@ -291,6 +278,7 @@ class HFEngine:
         """Stop the decode thread; requests still queued or running fail with `EngineError`. With
         ``timeout_s``, a decode thread stuck in a step is left behind (a daemon) and its requests fail now."""
         self._scheduler.close(timeout_s)
+        self._gate.resume()  # requests waiting for a resume go on, to the closed engine's error
 
     def health(self) -> str | None:
         """None while the engine can serve; else why not (closed, its decode thread failed or is gone, or
@@ -318,9 +306,7 @@ class HFEngine:
         """``load`` checked weights at a step boundary, then the version. ``load`` cannot fail on checked
         weights; if it does anyway (a device error), the weights are part new and part old, so the engine
         closes rather than serve tokens of no version (serve-model's /health then answers 503)."""
-        was_paused = self._scheduler.paused
-        await self.pause()
-        try:
+        async with update_pause(self._gate, self.pause, self.resume):
             try:
                 with torch.no_grad():
                     load()
@@ -332,19 +318,11 @@ class HFEngine:
                 ) from e
             version = self._scheduler.new_weights(version, recompute=self.stale_kv == "recompute")
             self._runner.new_weights(version, shared=self.share_weights)  # the decode thread waits at a boundary
-        finally:
-            if not was_paused:
-                await self.resume()
 
     async def _swap_adapter(self, name: str, change: Callable[[], None], version: int | None) -> None:
-        was_paused = self._scheduler.paused
-        await self.pause()
-        try:
+        async with update_pause(self._gate, self.pause, self.resume):
             change()
             self._scheduler.new_adapter(name, version)  # the decode thread waits at a boundary
-        finally:
-            if not was_paused:
-                await self.resume()
 
 
 def _prepare(model: PreTrainedModel) -> PreTrainedModel:

@@ -29,12 +29,12 @@ class SGLangEngine(RemoteEngine):
     GENERATE_PATH = "/generate"
     RID_KEY = "rid"
 
-    def generate_body(self, request: GenRequest, tokens_so_far: list[int]) -> dict[str, Any]:
+    def generate_body(self, request: GenRequest) -> dict[str, Any]:
         sp = request.sampling
         body: dict[str, Any] = {
-            "input_ids": request.input_ids + tokens_so_far,
+            "input_ids": request.input_ids,
             "sampling_params": {
-                "max_new_tokens": sp.max_new_tokens - len(tokens_so_far),
+                "max_new_tokens": sp.max_new_tokens,
                 "temperature": sp.temperature,
                 "top_p": sp.top_p,
                 "top_k": sp.top_k if sp.top_k > 0 else -1,

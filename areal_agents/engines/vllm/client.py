@@ -39,12 +39,12 @@ class VLLMEngine(RemoteEngine):
     LORA_LOAD_PATH = "/v1/load_lora_adapter"
     RID_KEY = "request_id"
 
-    def generate_body(self, request: GenRequest, tokens_so_far: list[int]) -> dict[str, Any]:
+    def generate_body(self, request: GenRequest) -> dict[str, Any]:
         sp = request.sampling
         body: dict[str, Any] = {
-            "token_ids": request.input_ids + tokens_so_far,
+            "token_ids": request.input_ids,
             "sampling_params": {
-                "max_tokens": sp.max_new_tokens - len(tokens_so_far),
+                "max_tokens": sp.max_new_tokens,
                 "temperature": sp.temperature,
                 "top_p": sp.top_p,
                 "top_k": sp.top_k,
