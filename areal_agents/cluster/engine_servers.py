@@ -6,21 +6,15 @@ when it goes."""
 from __future__ import annotations
 
 import ctypes
-import functools
-import os
 import signal
 import subprocess
-import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import ray
 
 from areal_agents.config import EngineConfig
-from areal_agents.engines.local_servers import ServerGroup, failing_s, server_command, wait_healthy
-from areal_agents.engines.server_control import ADMIN_KEY_ENV
-from areal_agents.engines.supervisor import Supervisor
+from areal_agents.engines.local_servers import launch_servers
 from areal_agents.errors import ConfigError
 from areal_agents.net import free_port
 
@@ -50,37 +44,17 @@ class EngineServerActor:
         admin_key: str | None = None,
     ) -> None:
         """``admin_key``: the run's key, which serve-model wants on its control routes (in its environment)."""
-        since = time.time()
         host = ray.util.get_node_ip_address()
         port = free_port(host)
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs (ray.engine_server_gpus), so the server is placed
         # already (no engine.gpus) and an SGLang server counts from GPU 0 (index 0);
         # a serve-model actor has its node's share to itself: its decode thread takes all the cores torch sees
         cfg = replace(cfg, host=host, cpu_threads=0, gpus=[])
-        log = Path(log_dir) / f"{cfg.backend}-{index}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_bytes(b"")
-        scratch = Path(tempfile.mkdtemp(prefix="areal-vllm-")) if cfg.backend == "vllm" else None  # its sockets
-        env = {**os.environ, ADMIN_KEY_ENV: admin_key} if admin_key else None
-        spawn = functools.partial(_spawn, env=env)
-        proc = spawn(server_command(cfg, model_path, dtype, port, 0, scratch=scratch), log)
-        self.group = ServerGroup([f"http://{host}:{port}"], [proc], [log], scratch=[scratch] if scratch else [])
-        try:
-            wait_healthy(self.group, cfg.startup_timeout_s)
-        except BaseException:
-            self.group.stop()
-            raise
-
-        def command_for(i: int, path: str, tokenizer: str, version: str | None) -> list[str]:
-            return server_command(
-                cfg, path, dtype, port, 0, tokenizer_path=tokenizer, weight_version=version, scratch=scratch
-            )
-
         weights = Path(weights_dir) if weights_dir else None
-        self.group.supervisor = Supervisor(
-            self.group, command_for, model_path, weights, spawn=spawn, startup_timeout_s=cfg.startup_timeout_s,
-            since=since, failing_s=failing_s(cfg.backend), admin_key=admin_key,
-        ).start()  # fmt: skip
+        self.group = launch_servers(
+            cfg, model_path, dtype, log_dir=log_dir, weights_dir=weights, admin_key=admin_key, ports=[port],
+            first_index=index, spawn=_spawn,
+        )  # fmt: skip
 
     def url(self) -> str:
         return self.group.addresses[0]

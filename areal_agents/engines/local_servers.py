@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,48 +160,49 @@ def launch_servers(
     weights_dir: str | Path | None = None,
     supervise: bool = True,
     admin_key: str | None = None,
+    ports: list[int] | None = None,
+    first_index: int = 0,
+    spawn: Callable[..., subprocess.Popen] = spawn_server,
 ) -> ServerGroup:
-    """Start ``cfg.num_servers`` servers of ``cfg.backend`` for ``model_path`` and wait until all are healthy;
-    with ``supervise``, a `Supervisor` restarts them with the weights last pushed to ``weights_dir``.
-    ``admin_key``: serve-model's ``--admin-key``, given to each server in its environment (`ADMIN_KEY_ENV`)."""
+    """Start ``cfg.num_servers`` servers of ``cfg.backend`` for ``model_path`` (or one per port of ``ports``)
+    and wait until all are healthy; with ``supervise``, a `Supervisor` restarts them with the weights last
+    pushed to ``weights_dir``. ``admin_key``: serve-model's ``--admin-key``, given to each server in its
+    environment (`ADMIN_KEY_ENV`). The one launch path: a Ray server actor starts its one server with it too
+    (``first_index``: its number in the log's name; ``spawn``: how a process starts, ``spawn(command, log, env)``)."""
     since = time.time()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="areal-servers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    ports = ports or [cfg.base_port + i if cfg.base_port else free_port(cfg.host) for i in range(cfg.num_servers)]
     group = ServerGroup([], admin_key=admin_key)
     atexit.register(group.stop)
     env = {**os.environ, ADMIN_KEY_ENV: admin_key} if admin_key else None  # None: this process's environment
-    scratch = [
-        Path(tempfile.mkdtemp(prefix="areal-vllm-")) for _ in range(cfg.num_servers if cfg.backend == "vllm" else 0)
-    ]
-    group.scratch += scratch  # short paths: vLLM's IPC sockets live there (a socket path has at most 107 bytes)
+    # short paths: vLLM's IPC sockets live there (a socket path has at most 107 bytes)
+    scratch = [Path(tempfile.mkdtemp(prefix="areal-vllm-")) if cfg.backend == "vllm" else None for _ in ports]
+    group.scratch += [path for path in scratch if path is not None]
+
+    def command_for(i: int, path: str, tokenizer: str | None = None, version: str | None = None) -> list[str]:
+        return server_command(
+            cfg, path, dtype, ports[i], i, tokenizer_path=tokenizer, weight_version=version, scratch=scratch[i]
+        )
+
     try:
-        for i in range(cfg.num_servers):
-            port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)
-            command = server_command(cfg, model_path, dtype, port, i, scratch=scratch[i] if scratch else None)
-            log = log_dir / f"{cfg.backend}-{i}.log"
-            with open(log, "wb") as out:
-                proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        for i, port in enumerate(ports):
+            command = command_for(i, model_path)  # an engine that cannot start fails here, before any log
+            log = log_dir / f"{cfg.backend}-{first_index + i}.log"
+            log.write_bytes(b"")
+            group.procs.append(spawn(command, log, env))
             group.addresses.append(f"http://{cfg.host}:{port}")
-            group.procs.append(proc)
             group.logs.append(log)
         wait_healthy(group, cfg.startup_timeout_s)
     except BaseException:
         group.stop()
         raise
     if supervise:
-        ports = [int(a.rsplit(":", 1)[1]) for a in group.addresses]
-
-        def command_for(i: int, path: str, tokenizer: str, version: str | None) -> list[str]:
-            return server_command(
-                cfg, path, dtype, ports[i], i, tokenizer_path=tokenizer, weight_version=version,
-                scratch=scratch[i] if scratch else None,
-            )  # fmt: skip
-
         weights = Path(weights_dir) if weights_dir else None
         group.supervisor = Supervisor(
             group, command_for, model_path, weights, startup_timeout_s=cfg.startup_timeout_s, since=since,
             failing_s=failing_s(cfg.backend), admin_key=admin_key,
-            spawn=lambda command, log: spawn_server(command, log, env=env),
+            spawn=lambda command, log: spawn(command, log, env),
         ).start()  # fmt: skip
     return group
 
