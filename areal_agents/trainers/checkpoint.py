@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +34,21 @@ def save_model(out_dir: str | Path, model: PreTrainedModel | Any, tokenizer: Pre
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
-    models: dict[str, PreTrainedModel],
+    models: dict[str, Callable[[Path], None]],
     tokenizer: PreTrainedTokenizerBase,
     state: dict[str, Any],
 ) -> Path:
-    """Write ``run_dir/checkpoints/step_{step}`` (atomically): each model under its relative directory
-    (``{"model": policy}``), ``state`` and the RNG states in ``trainer_state.pt``; return its path."""
+    """Write ``run_dir/checkpoints/step_{step}`` (atomically): under each relative directory the model files its
+    writer puts there (``{"model": policy.save_checkpoint}``: written where the weights live) and the tokenizer,
+    ``state`` and the RNG states in ``trainer_state.pt``; return its path."""
     ckpt = Path(run_dir) / "checkpoints" / f"step_{step}"
     tmp = ckpt.with_name(ckpt.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    for directory, model in models.items():
-        save_model(tmp / directory, model, tokenizer)
+    for directory, write in models.items():
+        out = tmp / directory
+        out.mkdir(parents=True)
+        write(out)
+        tokenizer.save_pretrained(out)
     torch.save(
         {
             "step": step,

@@ -101,9 +101,7 @@ def save_run(
         extra = extra | policies[SHARED].state_dict()
     else:
         extra = extra | {"policies": {name: p.state_dict() for name, p in policies.items()}}
-    models = {
-        model_dir(name): getattr(p, "adapter", None) or p.model for name, p in policies.items()
-    }  # LoRA: the adapter
+    models = {model_dir(name): p.save_checkpoint for name, p in policies.items()}  # LoRA: the adapter
     path = save_checkpoint(run_dir, step, models, tokenizer, extra)
     prune_checkpoints(run_dir, keep)
     return path

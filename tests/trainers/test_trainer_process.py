@@ -50,7 +50,7 @@ def spec(tiny_dir):
     return TrainSpec.of(cfg, pad_token_id=0)
 
 
-def test_an_update_in_the_process_equals_one_in_this_process(spec, tiny_dir):
+def test_an_update_in_the_process_equals_one_in_this_process(spec, tiny_dir, tmp_path):
     trajectories = batch(load_model(tiny_dir).config.vocab_size)
     here = load_trainable("policy", spec, str(tiny_dir), str(tiny_dir))
     expected = here.train_step(trajectories, torch.Generator().manual_seed(5))
@@ -64,7 +64,8 @@ def test_an_update_in_the_process_equals_one_in_this_process(spec, tiny_dir):
         assert not torch.equal(generator.get_state(), torch.Generator().manual_seed(5).get_state())  # handed back
         asyncio.run(policy.push_weights())
         state = policy.state_dict()
-        trained = policy.model.state_dict()
+        policy.save_checkpoint(tmp_path / "model")  # written by the trainer process
+        trained = load_model(tmp_path / "model").state_dict()
     finally:
         policy.close()
     assert not policy._process.is_alive()
