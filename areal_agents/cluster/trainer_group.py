@@ -85,6 +85,10 @@ class TrainerRank:
         """Gather the full weights (every rank calls it); rank 0 writes the checkpoint's model directory."""
         self.policy.save_checkpoint(Path(path))
 
+    def save_train_state(self, path: str, key: str | None) -> None:
+        """Gather the full train state (every rank calls it); rank 0 adds it to the checkpoint's state file."""
+        self.policy.save_train_state(Path(path), key)
+
     def train_state(self) -> dict[str, Any]:
         return self.policy.state_dict()
 
@@ -181,6 +185,10 @@ class DistributedPolicy:
         """The ranks gather the weights and rank 0 writes them under ``path`` (`Policy.save_checkpoint`): the
         driver never holds a copy of the model. ``path`` must be on a filesystem rank 0 shares (as `DiskSync`'s)."""
         ray.get([r.save_checkpoint.remote(str(path)) for r in self.ranks])
+
+    def save_train_state(self, path: Path, key: str | None = None) -> None:
+        """The ranks gather the train state and rank 0 adds it to the checkpoint's state file at ``path``."""
+        ray.get([r.save_train_state.remote(str(path), key) for r in self.ranks])
 
     def state_dict(self) -> dict[str, Any]:
         """The full train state, gathered by every rank (single-process layout: any world size resumes it)."""

@@ -125,6 +125,11 @@ class TrainablePolicy(WeightSource, Protocol):
         a LoRA policy's adapter as PEFT's directory), written by the process that holds them."""
         ...
 
+    def save_train_state(self, path: Path, key: str | None = None) -> None:
+        """Add `state_dict` to a checkpoint's ``trainer_state.pt`` at ``path`` (at its top, or under
+        ``["policies"][key]``), by the process that holds it."""
+        ...
+
     def state_dict(self) -> dict[str, Any]:
         """The train state a checkpoint keeps besides the model: optimizer, schedule, critic."""
         ...

@@ -88,6 +88,7 @@ def _serve(
         "load_state_dict": policy.load_state_dict,
         "adapter_config": policy.adapter_config,
         "save_checkpoint": policy.save_checkpoint,
+        "save_train_state": policy.save_train_state,
     }
     try:
         while True:
@@ -262,6 +263,11 @@ class ProcessPolicy:
         """The trainer process writes its weights under ``path`` (`Policy.save_checkpoint`; with ranks, each
         gathers and rank 0 writes): this process never holds a copy of the model."""
         self._call("save_checkpoint", path)
+
+    def save_train_state(self, path: Path, key: str | None = None) -> None:
+        """The trainer process adds its train state to the checkpoint's state file (`Policy.save_train_state`;
+        with ranks, each gathers and rank 0 writes): the optimizer state never comes to this process."""
+        self._call("save_train_state", path, key)
 
     def state_dict(self) -> dict[str, Any]:
         return self._call("state_dict")
