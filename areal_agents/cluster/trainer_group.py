@@ -6,7 +6,7 @@ Each rank is set up as a local rank process is (`load_trainable` with its `DataP
 sharded per layer, `fsdp.py`) and receives the whole batch; `ppo_update` gives each rank a token-balanced,
 padded share of the micro-batches and sums gradients, so all ranks take the single-process trainer's step.
 Full weights and train state are gathered by all ranks; rank 0 writes the weights the model servers load
-and the checkpoints' model directories. NCCL between Ray actors has not run here (no GPUs): CI runs gloo.
+and the checkpoints' model and train state. NCCL between Ray actors has not run here (no GPUs): CI runs gloo.
 """
 
 from __future__ import annotations
