@@ -33,6 +33,7 @@ import statistics
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from areal_agents.engines.base import InferenceEngine
 from areal_agents.rollout.controller import RolloutController
 from areal_agents.types import GenRequest, GenResponse, SamplingParams, Trajectory
 
@@ -53,7 +54,7 @@ def virtual_time_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-class SimulatedCluster:
+class SimulatedCluster(InferenceEngine):
     """An `InferenceEngine` with a latency model instead of a model: one token per running sequence per step."""
 
     def __init__(self, step_ms: float, per_seq_ms: float, sync_s: float) -> None:

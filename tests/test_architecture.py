@@ -215,6 +215,75 @@ def test_no_function_or_module_too_long():
     assert not long, "split by concept (STYLE: modules <= 500 lines, functions <= 100):\n" + "\n".join(long)
 
 
+# The seams' protocols (module, class): a caller uses what they declare, with the defaults they give, and never
+# probes a policy, engine, sync, agent or launched servers with getattr/hasattr for a member (issue 44).
+SEAMS = [
+    ("trainers/policy_api.py", "TrainablePolicy"),
+    ("engines/base.py", "InferenceEngine"),
+    ("engines/base.py", "LoraEngine"),
+    ("engines/weight_sync.py", "WeightSource"),
+    ("engines/weight_sync.py", "WeightSync"),
+    ("agents/base.py", "Agent"),
+    ("engines/supervisor.py", "Servers"),
+]
+# what such an object is called: ``policy``, ``self.engine``, ``sync``, ``agent``, ``servers``, ``view`` ...
+SEAM_OBJECT = re.compile(r"(^|_)(polic(y|ies)|engines?|syncs?|agents?|servers|view)$")
+# members they were once probed for, now asked through their protocols (`save_checkpoint`, `max_context`)
+FORMER_PROBES = {"adapter", "limits"}
+
+
+def seam_members() -> set[str]:
+    """Every member the seams' protocols declare (methods, properties, annotated attributes)."""
+    members = set()
+    for module, name in SEAMS:
+        tree = ast.parse((PACKAGE / module).read_text())
+        (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+        for node in cls.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                members.add(node.name)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                members.add(node.target.id)
+    return {m for m in members if not m.startswith("_")} | FORMER_PROBES
+
+
+def probes(source: str, members: set[str]) -> list[str]:
+    """``getattr``/``hasattr`` calls in ``source`` that probe a seam object for a member by name: the object
+    named as one (`SEAM_OBJECT`), or the name one of the seams' ``members`` (``getattr(p, "adapter")``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2):
+            continue
+        target, attr = node.args[:2]
+        if node.func.id not in ("getattr", "hasattr") or not isinstance(attr, ast.Constant):
+            continue
+        named = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+        if SEAM_OBJECT.search(named) or attr.value in members:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_probes_a_policy_engine_sync_agent_or_servers():
+    members = seam_members()
+    assert {"save_checkpoint", "adapter_config", "max_context", "counters", "aclose", "supervisor"} <= members
+    found = [f"{path.relative_to(ROOT)}:{p}" for path in modules().values() for p in probes(path.read_text(), members)]
+    assert not found, "declare the member on its protocol (with a default) and call it:\n" + "\n".join(found)
+
+
+def test_the_probe_check_finds_probes_and_only_probes():
+    source = """
+getattr(p, "adapter", None) or p.model
+hasattr(self.group.engine, "aclose")
+getattr(servers, "supervisor", None)
+getattr(agent, "run_episode", None)
+getattr(model.config, "sliding_window", None)
+getattr(torch, dtype)
+getattr(engine, method)(*args)
+hasattr(message, "model_dump")
+"""
+    found = probes(source, {"adapter", "aclose", "supervisor"})
+    assert sorted(int(line.split(":")[0]) for line in found) == [2, 3, 4, 5], found
+
+
 def _doc_section(title: str) -> str:
     text = DOC.read_text()
     match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)

@@ -30,6 +30,7 @@ from typing import Any
 from openai.types.chat import ChatCompletion
 from transformers import PreTrainedTokenizerBase
 
+from areal_agents.agents.base import Agent
 from areal_agents.agents.chat_tokens import ChatTokens
 from areal_agents.chat import ReplyParser
 from areal_agents.engines.base import InferenceEngine
@@ -258,7 +259,7 @@ class ChatCapture:
         return choice
 
 
-class CapturingAgent:
+class CapturingAgent(Agent):
     """Base of agents whose episodes run on a fresh `ChatCapture` (episode functions, agent programs)."""
 
     def __init__(

@@ -7,6 +7,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from areal_agents.agents.base import Agent
 from areal_agents.agents.chat_tokens import ChatTokens
 from areal_agents.chat.parsers import ReplyParser
 from areal_agents.chat.replies import ParsedReply
@@ -16,7 +17,7 @@ from areal_agents.models.families import stop_token_ids
 from areal_agents.types import GenRequest, SamplingParams, StopReason, Trajectory
 
 
-class ChatAgent:
+class ChatAgent(Agent):
     """Talk to an env turn by turn: observation -> chat template -> engine -> action text.
 
     The conversation is kept as token ids; the loss mask covers exactly the generated tokens.
@@ -134,8 +135,7 @@ class ChatAgent:
         chat = self.new_chat()
         chat.start(messages)
         play = _Play()
-        limits = getattr(self.engine, "limits", None)  # an in-process engine knows its model's context
-        room = min(self.max_total_tokens, getattr(limits, "context", None) or self.max_total_tokens)
+        room = min(self.max_total_tokens, self.engine.max_context() or self.max_total_tokens)  # a known context
         for turn in range(self.max_turns):
             budget = min(self.sampling.max_new_tokens, room - len(chat.input_ids))
             if budget < 1:

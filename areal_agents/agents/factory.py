@@ -7,6 +7,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from areal_agents.agents.base import Agent
 from areal_agents.agents.chat_agent import ChatAgent
 from areal_agents.agents.episode_function import EpisodeFunctionAgent
 from areal_agents.config import RolloutConfig
@@ -21,7 +22,7 @@ def make_rollout_agent(
     engine: InferenceEngine,
     tokenizer: PreTrainedTokenizerBase,
     sampling: SamplingParams | None = None,
-) -> Any:
+) -> Agent:
     """The agent ``rollout.*`` configures, sampling as the rollout does unless ``sampling`` is given."""
     sampling = sampling or SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
     chat = {
@@ -44,7 +45,7 @@ def make_agent(
     system_prompt: str = "",
     kwargs: dict[str, Any] | None = None,
     chat: dict[str, Any] | None = None,
-) -> Any:
+) -> Agent:
     """``spec``: empty (a `ChatAgent`), ``module:Class`` (built as ``Class(engine, tokenizer, sampling,
     **kwargs)``, with ``system_prompt`` when it takes one) or ``module:function`` (an async episode function).
     ``chat``: how replies are parsed and rendered (``tool_parser``, ...), given to agents that take them."""
@@ -67,10 +68,17 @@ def make_agent(
         inspect.signature(target).bind(engine, tokenizer, sampling, **kwargs)
     except TypeError as e:
         raise ConfigError(f"rollout.agent {spec!r}: cannot build it with rollout.agent_kwargs {kwargs}: {e}") from e
-    agent = target(engine, tokenizer, sampling, **kwargs)
-    if not callable(getattr(agent, "run_episode", None)):
+    if not callable(inspect.getattr_static(target, "run_episode", None)):
         raise ConfigError(f"rollout.agent {spec!r}: an agent needs `async def run_episode(env, *, seed, episode_id)`")
-    return agent
+    return _as_agent(target)(engine, tokenizer, sampling, **kwargs)
+
+
+def _as_agent(cls: type) -> type[Agent]:
+    """``cls``, or for a class that does not derive from `Agent` (one with ``run_episode`` alone), a subclass
+    with `Agent` behind it, so every agent has the protocol's members (its own ``aclose`` first)."""
+    if Agent in cls.__mro__:
+        return cls
+    return type(cls.__name__, (cls, Agent), {"__module__": cls.__module__, "__doc__": cls.__doc__})
 
 
 def _takes(cls: Any, name: str) -> bool:

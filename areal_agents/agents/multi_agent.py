@@ -19,6 +19,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from areal_agents.agents.base import Agent
 from areal_agents.agents.chat_tokens import ChatTokens
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.envs.async_env import AsyncEnv
@@ -27,7 +28,7 @@ from areal_agents.models.families import stop_token_ids
 from areal_agents.types import GenRequest, SamplingParams, StopReason, Trajectory
 
 
-class MultiAgentChatAgent:
+class MultiAgentChatAgent(Agent):
     """``engine``: one engine for every agent id (a shared policy) or a mapping agent id -> engine."""
 
     def __init__(

@@ -84,7 +84,9 @@ def check_server_gpus(cfg: EngineConfig, gpus: float) -> None:
 
 
 class EngineServers:
-    """The model servers of one policy; ``stop()`` like a local `ServerGroup`."""
+    """The model servers of one policy (`Servers`); ``stop()`` like a local `ServerGroup`."""
+
+    supervisor = None  # each server's actor restarts its own server (`EngineServerActor`): none from the driver
 
     def __init__(
         self,

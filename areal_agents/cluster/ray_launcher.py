@@ -57,6 +57,8 @@ class RayLauncher:
         self.env_servers: EnvServers | None = None
         self.workers: RolloutWorkers | None = None
         self.lora_group: LoraGroup | None = None  # the base model's servers, serving every policy's adapter
+        self.addresses: dict[str, list[str]] = {}  # each policy's model servers, by policy name
+        self.lora_base_policy = ""  # the LoRA policy that opened the base model's servers
         # the run's admin key: its serve-model actors (on node addresses) want it on their control routes; the
         # driver's clients and the rollout workers send it (AREAL_ADMIN_KEY, or one made for this run)
         self.admin_key = os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24)
@@ -87,13 +89,15 @@ class RayLauncher:
         r = self.cfg.ray
         if spec.lora is not None and self.lora_group is not None:
             engine, sync, servers = self.lora_group.view(name), self.lora_group.sync(name), None
+            self.addresses[name] = self.addresses[self.lora_base_policy]  # the base model's, opened with the first
         else:
             e, servers = self._servers(init_path if spec.lora is not None else model_path, spec.dtype)
+            self.addresses[name] = servers.addresses
             launched = isinstance(servers, EngineServers) and e.backend == "serve-model"
             self.servers_key = self.admin_key if launched else None  # None: AREAL_ADMIN_KEY, if any
             engine = engine_client(e, servers.addresses, self.run_dir / "engine_weights", self.servers_key)
             if spec.lora is not None:
-                self.lora_group = LoraGroup(engine)
+                self.lora_group, self.lora_base_policy = LoraGroup(engine), name
                 engine, sync = self.lora_group.view(name), self.lora_group.sync(name)
             else:
                 sync = open_weight_sync(e, engine, servers, model_path, e.dtype)
@@ -127,7 +131,7 @@ class RayLauncher:
     def episode_runner(self, policy: TrainablePolicy) -> EpisodeFn:
         """Episodes on the rollout workers, against ``policy``'s model servers."""
         if self.workers is None:
-            addresses = policy.engine.addresses
+            addresses = self.addresses[policy.name]
             self.workers = RolloutWorkers.launch(self.cfg, addresses, self.env_servers, self.servers_key)
         return self.workers.run_episode
 

@@ -6,7 +6,7 @@ Each rank is set up as a local rank process is (`load_trainable` with its `DataP
 sharded per layer, `fsdp.py`) and receives the whole batch; `ppo_update` gives each rank a token-balanced,
 padded share of the micro-batches and sums gradients, so all ranks take the single-process trainer's step.
 Full weights and train state are gathered by all ranks; rank 0 writes the weights the model servers load
-and answers for the checkpoints. NCCL between Ray actors has not run here (no GPUs): CI runs gloo.
+and the checkpoints' model and train state. NCCL between Ray actors has not run here (no GPUs): CI runs gloo.
 """
 
 from __future__ import annotations
@@ -18,16 +18,15 @@ from typing import Any
 
 import ray
 import torch
-from transformers import PreTrainedModel
 
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.weight_sync import WeightSync
 from areal_agents.models.device import resolve_device
-from areal_agents.models.loading import load_model, quiet_transformers
+from areal_agents.models.loading import quiet_transformers
 from areal_agents.models.weight_files import write_weights
 from areal_agents.net import free_port
 from areal_agents.trainers.distributed import DataParallel
-from areal_agents.trainers.lora import RemoteAdapter, write_adapter
+from areal_agents.trainers.lora import write_adapter
 from areal_agents.trainers.policy import load_trainable
 from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.trainers.run_start import seed_everything
@@ -82,6 +81,14 @@ class TrainerRank:
         """The full weights, gathered by every rank; rank 0's are the answer (``{}`` elsewhere)."""
         return self.policy.weights()
 
+    def save_checkpoint(self, path: str) -> None:
+        """Gather the full weights (every rank calls it); rank 0 writes the checkpoint's model directory."""
+        self.policy.save_checkpoint(Path(path))
+
+    def save_train_state(self, path: str, key: str | None) -> None:
+        """Gather the full train state (every rank calls it); rank 0 adds it to the checkpoint's state file."""
+        self.policy.save_train_state(Path(path), key)
+
     def train_state(self) -> dict[str, Any]:
         return self.policy.state_dict()
 
@@ -106,7 +113,7 @@ class DistributedPolicy:
         stats = await policy.update(trajectories, generator)
     """
 
-    streams = False  # each rank takes the whole batch at once (no `update_part`)
+    streams = False  # each rank takes the whole batch at once: parts wait for `finish_update`
 
     def __init__(
         self,
@@ -122,12 +129,12 @@ class DistributedPolicy:
         gpus: float = 0.0,
     ) -> None:
         self.name, self.engine, self.weight_sync, self.servers = name, engine, weight_sync, servers
-        self.model_path, self.dtype, self.lora = model_path, spec.dtype, spec.lora is not None
+        self.lora = spec.lora is not None
         self._adapter_config: dict[str, Any] | None = None  # a LoRA policy's, once asked
         self.ranks = [TrainerRank.options(num_cpus=cpus, num_gpus=gpus).remote(rank, ranks) for rank in range(ranks)]
         master = ray.get(self.ranks[0].master_address.remote())
         ray.get([r.setup.remote(spec, name, model_path, init_path, master) for r in self.ranks])
-        self._model: PreTrainedModel | None = None
+        self._parts: list[Trajectory] = []  # the parts of the batch `finish_update` trains
 
     async def update(self, trajectories: list[Trajectory], generator: torch.Generator) -> dict[str, float]:
         batch = ray.put(trajectories)  # one copy in the object store, read by every rank
@@ -136,6 +143,15 @@ class DistributedPolicy:
         stats, state = results[0]
         generator.set_state(state)
         return stats
+
+    async def update_part(self, trajectories: list[Trajectory]) -> None:
+        """Part of a batch, kept until `finish_update` (the ranks take a batch only whole)."""
+        self._parts.extend(trajectories)
+
+    async def finish_update(self, generator: torch.Generator) -> dict[str, float]:
+        """One `update` of the parts fed so far."""
+        parts, self._parts = self._parts, []
+        return await self.update(parts, generator)
 
     async def push_weights(self) -> None:
         """Rank 0 writes the new weights; the servers load them (pause, swap, version + 1, resume)."""
@@ -155,11 +171,6 @@ class DistributedPolicy:
             self._adapter_config = self._adapter_state()[1]
         return self._adapter_config
 
-    @property
-    def adapter(self) -> RemoteAdapter | None:
-        """A LoRA policy's adapter as a checkpoint saves it (fetched from rank 0)."""
-        return RemoteAdapter(self._adapter_state) if self.lora else None
-
     def _adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return ray.get([r.adapter_state.remote() for r in self.ranks])[0]
 
@@ -170,13 +181,14 @@ class DistributedPolicy:
     async def wait_idle(self) -> None:
         """Nothing to wait for: an update is one call, awaited by the recipe."""
 
-    @property
-    def model(self) -> PreTrainedModel:
-        """A copy of rank 0's current weights in the driver (for checkpoints)."""
-        if self._model is None:
-            self._model = load_model(self.model_path, self.dtype)
-        self._model.load_state_dict(ray.get([r.state_dict.remote() for r in self.ranks])[0])
-        return self._model
+    def save_checkpoint(self, path: Path) -> None:
+        """The ranks gather the weights and rank 0 writes them under ``path`` (`Policy.save_checkpoint`): the
+        driver never holds a copy of the model. ``path`` must be on a filesystem rank 0 shares (as `DiskSync`'s)."""
+        ray.get([r.save_checkpoint.remote(str(path)) for r in self.ranks])
+
+    def save_train_state(self, path: Path, key: str | None = None) -> None:
+        """The ranks gather the train state and rank 0 adds it to the checkpoint's state file at ``path``."""
+        ray.get([r.save_train_state.remote(str(path), key) for r in self.ranks])
 
     def state_dict(self) -> dict[str, Any]:
         """The full train state, gathered by every rank (single-process layout: any world size resumes it)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from areal_agents.types import GenRequest, GenResponse
@@ -13,9 +14,11 @@ class InferenceEngine(Protocol):
 
     ``pause()`` stops generation at a token boundary (in-flight requests resume later with the new
     weights); ``update_weights`` swaps the policy and bumps the version; every generated token carries
-    the version of the weights that produced it. Optional: ``async counters() -> dict[str, float]``, the
-    engine's counters since its start (read through `engine_counters`).
+    the version of the weights that produced it. The members with a body here are defaults, which an engine
+    that subclasses the protocol inherits and one that knows better overrides.
     """
+
+    weights_dir: Path | None = None  # where new weights are written for its servers to load; None: none (in process)
 
     async def agenerate(self, request: GenRequest) -> GenResponse: ...
 
@@ -28,6 +31,23 @@ class InferenceEngine(Protocol):
     def get_version(self) -> int: ...
 
     def set_version(self, version: int) -> None: ...
+
+    def max_context(self) -> int | None:
+        """The most tokens one sequence (prompt + reply) may hold, when the engine knows it (an in-process model's
+        ``max_position_embeddings``); None: unknown here (servers check requests themselves)."""
+        return None
+
+    async def counters(self) -> dict[str, float]:
+        """The engine's counters since its start, by name (e.g. ``prefill_tokens``, ``busy_seconds``); the RL recipe
+        logs their change per step as ``engine/...`` metrics. Empty: it keeps none."""
+        return {}
+
+    def close(self) -> None:
+        """Stop what it runs without an event loop (a decode thread, an engine process); none by default."""
+
+    async def aclose(self) -> None:
+        """Stop it and close its connections; nothing to close by default."""
+        self.close()
 
 
 @runtime_checkable
@@ -46,10 +66,10 @@ class LoraEngine(InferenceEngine, Protocol):
         """Stop serving adapter ``name``; requests naming it are refused afterwards."""
         ...
 
-
-async def engine_counters(engine: InferenceEngine) -> dict[str, float]:
-    """An engine's counters since its start, by name (e.g. ``prefill_tokens``, ``busy_seconds``), from its
-    optional ``async counters()`` method; ``{}`` for an engine without one. The RL recipe logs their
-    change per step as ``engine/...`` metrics, naming no concrete engine."""
-    counters = getattr(engine, "counters", None)
-    return dict(await counters()) if counters is not None else {}
+    async def set_lora_adapter(
+        self, name: str, weights: dict[str, Any], config: dict[str, Any], version: int | None = None
+    ) -> None:
+        """Serve an adapter given as tensors in this process (``weights`` keyed as PEFT saves them, ``config`` its
+        ``adapter_config.json``) as ``name``, as `load_lora_adapter` does a directory: an engine without a
+        ``weights_dir`` takes adapters so."""
+        ...

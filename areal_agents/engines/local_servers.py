@@ -25,14 +25,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from areal_agents import net
 from areal_agents.config import EngineConfig, EngineOptions
+from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.broadcast_sync import BroadcastSync
 from areal_agents.engines.server_control import ADMIN_KEY_ENV
 from areal_agents.engines.sglang.server import sglang_command, sglang_python
-from areal_agents.engines.supervisor import ServerGroup, Supervisor, spawn_server
+from areal_agents.engines.supervisor import ServerGroup, Servers, Supervisor, spawn_server
 from areal_agents.engines.vllm.server import checkpoint_dtype, vllm_command, vllm_python
 from areal_agents.engines.weight_sync import DiskSync, InProcessSync, WeightSync
 from areal_agents.errors import ConfigError, EngineError
@@ -275,8 +275,10 @@ def engine_client(
     )
 
 
-def open_weight_sync(cfg: EngineConfig, engine: Any, servers: Any, model_dir: str, dtype: str) -> WeightSync:
-    """The `WeightSync` ``engine.weight_sync`` names for ``engine`` (``servers``: the `ServerGroup` behind it,
+def open_weight_sync(
+    cfg: EngineConfig, engine: InferenceEngine, servers: Servers | None, model_dir: str, dtype: str
+) -> WeightSync:
+    """The `WeightSync` ``engine.weight_sync`` names for ``engine`` (``servers``: those behind it,
     None for an engine in this process; ``model_dir``: the checkpoint whose config the servers load;
     ``dtype``: what disk and broadcast send, `wire_dtype`). ``auto``: in_process for an engine in this
     process, else disk."""
@@ -302,7 +304,7 @@ def open_weight_sync(cfg: EngineConfig, engine: Any, servers: Any, model_dir: st
             timeout_s=cfg.weight_sync_timeout,
             backend="gloo" if cfg.backend == "serve-model" else "auto",  # serve-model receives on its CPU
             tp_size=cfg.tp if cfg.backend == "sglang" else 1,
-            supervisor=getattr(servers, "supervisor", None),
+            supervisor=servers.supervisor,
         )
     raise ConfigError(f"engine.weight_sync: expects auto, disk, broadcast or in_process, got {kind!r}")
 

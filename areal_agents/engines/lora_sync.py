@@ -2,8 +2,8 @@
 
 Several LoRA policies (one per agent) share one base model on one engine: each policy's rollouts go through
 an `AdapterView` of that engine, which names the policy's adapter on every request, and each policy's
-`LoraSync` loads its adapter under its name. An engine in this process takes the tensors
-(``set_lora_adapter``); model servers load PEFT's directory, written under the engine's weights directory
+`LoraSync` loads its adapter under its name. An engine in this process (no ``weights_dir``) takes the tensors
+(``set_lora_adapter``); model servers load PEFT's directory, written under the engine's ``weights_dir``
 (``load_lora_adapter``: serve-model's and SGLang's ``/load_lora_adapter``, vLLM's ``/v1/load_lora_adapter``).
 
 Versions: each adapter counts its own pushes; the engine's version, which tags every token and gates
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from areal_agents.engines.base import InferenceEngine
+from areal_agents.engines.base import InferenceEngine, LoraEngine
 from areal_agents.engines.weight_sync import WeightSource, tensor_bytes, timed
 from areal_agents.errors import ConfigError
 from areal_agents.types import GenRequest, GenResponse
@@ -36,11 +36,11 @@ class AdapterSource(WeightSource, Protocol):
 class LoraGroup:
     """The LoRA policies served by one engine: their adapters' versions, their views, who has closed."""
 
-    def __init__(self, engine: InferenceEngine, weights_dir: str | Path | None = None) -> None:
+    def __init__(self, engine: LoraEngine, weights_dir: str | Path | None = None) -> None:
         self.engine = engine
         self.versions: dict[str, int] = {}
         self.open_views: set[str] = set()
-        self.weights_dir = Path(weights_dir) if weights_dir else getattr(engine, "weights_dir", None)
+        self.weights_dir = Path(weights_dir) if weights_dir else engine.weights_dir
 
     def view(self, name: str) -> AdapterView:
         self.open_views.add(name)
@@ -55,7 +55,7 @@ class LoraGroup:
         return min(versions.values())
 
 
-class AdapterView:
+class AdapterView(InferenceEngine):
     """The engine as one LoRA policy sees it: every request names the policy's adapter; the rest is the
     engine's (its version is the group's oldest adapter's). Closing the last view closes the engine."""
 
@@ -82,13 +82,19 @@ class AdapterView:
     def set_version(self, version: int) -> None:
         self.group.engine.set_version(version)
 
+    def max_context(self) -> int | None:
+        return self.group.engine.max_context()
+
+    async def counters(self) -> dict[str, float]:
+        return await self.group.engine.counters()
+
+    def close(self) -> None:
+        """Nothing of its own: the engine closes with its last view (`aclose`)."""
+
     async def aclose(self) -> None:
         self.group.open_views.discard(self.lora_name)
-        if not self.group.open_views and hasattr(self.group.engine, "aclose"):
+        if not self.group.open_views:
             await self.group.engine.aclose()
-
-    def __getattr__(self, name: str) -> Any:  # counters(), stats, health of the engine behind
-        return getattr(self.group.engine, name)
 
 
 class LoraSync:
@@ -109,7 +115,7 @@ class LoraSync:
         if config is None:
             raise ConfigError(f"policy {self.name!r}: LoraSync pushes adapters, and this policy trains full weights")
         engine_version = group.engine_version(self.name, version)
-        if hasattr(engine, "set_lora_adapter"):  # in this process (or its own, over a pipe): the tensors
+        if group.weights_dir is None:  # an engine in this process (or its own, over a pipe): the tensors
             tensors = await source.tensors()
             await engine.set_lora_adapter(self.name, tensors, config, engine_version)
             group.versions[self.name] = version
@@ -129,9 +135,7 @@ class LoraSync:
         self.group.engine.set_version(self.group.engine_version())
 
     def _adapter_dir(self, version: int) -> Path:
-        if self.group.weights_dir is None:
-            raise ConfigError("LoRA on model servers: the engine has no weights directory to write adapters to")
-        return Path(self.group.weights_dir) / "lora" / self.name / f"v{version}"
+        return self.group.weights_dir / "lora" / self.name / f"v{version}"
 
     def _prune(self, version: int) -> None:
         """Delete adapters older than the one before ``version`` (a restarting server may read that one)."""

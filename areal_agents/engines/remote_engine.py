@@ -46,6 +46,7 @@ from typing import Any, ClassVar
 
 import aiohttp
 
+from areal_agents.engines.base import LoraEngine
 from areal_agents.engines.interruptible import ResumeGate, generate_to_end, update_pause
 from areal_agents.engines.remote_lora import PauseMode, RemoteLora
 from areal_agents.engines.server_control import admin_headers, admin_key_from_env, health_state
@@ -78,7 +79,7 @@ class GenerateReply:
     message: str = ""
 
 
-class RemoteEngine(RemoteLora, abc.ABC):
+class RemoteEngine(RemoteLora, LoraEngine, abc.ABC):
     """An `InferenceEngine` over HTTP servers; see the module docstring. Subclasses fill in the API."""
 
     GENERATE_PATH: ClassVar[str]

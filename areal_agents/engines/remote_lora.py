@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from areal_agents.errors import EngineError
+from areal_agents.errors import ConfigError, EngineError
 
 PauseMode = Literal["abort", "keep"]
 # how servers refuse a request naming an adapter they do not serve: vLLM (404), serve-model and SGLang (400)
@@ -34,6 +34,13 @@ class RemoteLora:
     async def unload_lora_on_servers(self, name: str) -> None:
         """Have every server stop serving adapter ``name``."""
         raise EngineError(f"{type(self).__name__} does not serve LoRA adapters")
+
+    async def set_lora_adapter(
+        self, name: str, weights: dict[str, Any], config: dict[str, Any], version: int | None = None
+    ) -> None:
+        """Servers load adapters from a directory (`load_lora_adapter`), written under ``weights_dir``: one not
+        given one has nowhere to put the tensors."""
+        raise ConfigError("LoRA on model servers: the engine has no weights directory to write adapters to")
 
     def lora_pause_mode(self, replace: bool) -> PauseMode:
         """How the servers pause for an adapter load: ``pause_mode``, but ``abort`` to replace one (``replace``),

@@ -31,7 +31,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from areal_agents.engines.server_control import admin_headers, admin_key_from_env, health_state
 from areal_agents.net import wait_healthy
@@ -41,6 +41,15 @@ CommandFor = Callable[[int, str, str, "str | None"], list[str]]
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".safetensors.index.json")
 
 
+class Servers(Protocol):
+    """The model servers behind a policy's engine, as its run holds them: where they listen, who restarts them."""
+
+    addresses: list[str]
+    supervisor: Supervisor | None  # restarts the servers from this process (None: none does, or each its own)
+
+    def stop(self) -> None: ...
+
+
 @dataclass
 class ServerGroup:
     """Model servers: their addresses and, for those this process started, the processes and logs."""
@@ -48,7 +57,7 @@ class ServerGroup:
     addresses: list[str]
     procs: list[subprocess.Popen] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
-    supervisor: Any = None  # a `Supervisor` restarting the servers this process started (stopped first)
+    supervisor: Supervisor | None = None  # a `Supervisor` restarting the servers this process started (stopped first)
     scratch: list[Path] = field(default_factory=list)  # the servers' own temporary files, deleted at stop
     admin_key: str | None = None  # the key the servers this process started want on their control routes
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +34,23 @@ def save_model(out_dir: str | Path, model: PreTrainedModel | Any, tokenizer: Pre
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
-    models: dict[str, PreTrainedModel],
+    models: dict[str, Callable[[Path], None]],
     tokenizer: PreTrainedTokenizerBase,
     state: dict[str, Any],
+    train_states: Sequence[Callable[[Path], None]] = (),
 ) -> Path:
-    """Write ``run_dir/checkpoints/step_{step}`` (atomically): each model under its relative directory
-    (``{"model": policy}``), ``state`` and the RNG states in ``trainer_state.pt``; return its path."""
+    """Write ``run_dir/checkpoints/step_{step}`` (atomically): under each relative directory the model files its
+    writer puts there (``{"model": policy.save_checkpoint}``: written where the weights live) and the tokenizer,
+    ``state`` and the RNG states in ``trainer_state.pt``, to which each of ``train_states`` adds a policy's
+    (`add_train_state`, called where that state lives); return its path."""
     ckpt = Path(run_dir) / "checkpoints" / f"step_{step}"
     tmp = ckpt.with_name(ckpt.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    for directory, model in models.items():
-        save_model(tmp / directory, model, tokenizer)
+    for directory, write in models.items():
+        out = tmp / directory
+        out.mkdir(parents=True)
+        write(out)
+        tokenizer.save_pretrained(out)
     torch.save(
         {
             "step": step,
@@ -56,9 +63,22 @@ def save_checkpoint(
         },
         tmp / "trainer_state.pt",
     )
+    for add in train_states:
+        add(tmp / "trainer_state.pt")
     shutil.rmtree(ckpt, ignore_errors=True)
     os.replace(tmp, ckpt)
     return ckpt
+
+
+def add_train_state(path: Path, state: dict[str, Any], key: str | None = None) -> None:
+    """Add a policy's train state to a checkpoint's ``trainer_state.pt`` at ``path``: at its top (``key`` None:
+    the run's one shared policy) or under ``["policies"][key]``."""
+    saved = torch.load(path, weights_only=False)
+    if key is None:
+        saved |= state
+    else:
+        saved.setdefault("policies", {})[key] = state
+    torch.save(saved, path)
 
 
 def checkpoints(run_dir: str | Path) -> list[Path]:

@@ -85,6 +85,18 @@ def full_state_dict(root: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def tied_as_one(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (gathered, one tensor per name) with every name of a shared parameter (tied embeddings) on one
+    tensor, as the unsharded model's state dict has them: ``save_pretrained`` then writes it once."""
+    owners: dict[int, str] = {}
+    tied = dict(state)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner = owners.setdefault(id(param), name)
+        if owner != name and owner in tied and name in tied:
+            tied[name] = tied[owner]
+    return tied
+
+
 def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Full weights (every rank holding them) into ``module``'s shards."""
     set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True))

@@ -59,8 +59,7 @@ class LocalLauncher:
                 return ProcessPolicy(name, spec, model_path, init_path, engine, sync, servers)
             policy = load_trainable(name, spec, model_path, init_path)
         except BaseException:
-            if hasattr(engine, "close"):  # an engine process of its own
-                engine.close()
+            engine.close()  # its decode thread, or an engine process of its own
             if servers is not None:
                 servers.stop()
             raise

@@ -21,7 +21,7 @@ import json
 import shutil
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,17 +157,6 @@ def write_adapter(path: str | Path, tensors: dict[str, torch.Tensor], config: di
         metadata={"format": "pt"},
     )
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
-
-
-@dataclass
-class RemoteAdapter:
-    """An adapter held elsewhere (a Ray trainer rank), as a checkpoint saves it: ``fetch()`` gives its
-    ``(tensors, config)``."""
-
-    fetch: Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any]]]
-
-    def save_pretrained(self, path: str | Path) -> None:
-        write_adapter(path, *self.fetch())
 
 
 def trainable_bytes(params: Iterable[torch.nn.Parameter]) -> int:

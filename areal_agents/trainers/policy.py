@@ -30,9 +30,10 @@ from areal_agents.models.device import compute_dtype, resolve_device
 from areal_agents.models.loading import load_model
 from areal_agents.models.weight_files import write_weights
 from areal_agents.trainers import fsdp
+from areal_agents.trainers.checkpoint import add_train_state
 from areal_agents.trainers.critic import ValueModel
 from areal_agents.trainers.distributed import DataParallel
-from areal_agents.trainers.lora import Adapter, AdapterOffLM, LoraBase, attach_lora, is_adapter_dir
+from areal_agents.trainers.lora import Adapter, AdapterOffLM, LoraBase, attach_lora, is_adapter_dir, write_adapter
 from areal_agents.trainers.optim import make_optimizer
 from areal_agents.trainers.policy_api import SHARED as SHARED  # the one shared policy's name, re-exported
 from areal_agents.trainers.policy_api import TrainSpec
@@ -230,6 +231,28 @@ class Policy:
     def adapter_config(self) -> dict[str, Any] | None:
         """A LoRA policy's ``adapter_config.json`` content (None: a full-weight policy)."""
         return self.adapter.config() if self.adapter is not None else None
+
+    def save_train_state(self, path: Path, key: str | None = None) -> None:
+        """`state_dict` into the checkpoint's ``trainer_state.pt`` at ``path`` (`add_train_state`: ``key`` None
+        at its top); sharded, every rank gathers it (call it on all) and rank 0 writes it."""
+        state = self.state_dict()
+        if self.dp is None or self.dp.rank == 0:
+            add_train_state(path, state, key)
+
+    def save_checkpoint(self, path: Path) -> None:
+        """The weights as a checkpoint's model directory: ``save_pretrained``'s files, or a LoRA policy's adapter
+        (PEFT's directory). Sharded, every rank gathers the full weights (call it on all); rank 0 writes them."""
+        writes = self.dp is None or self.dp.rank == 0
+        if self.adapter is not None:
+            tensors, config = self.adapter.tensors(), self.adapter.config()
+            if writes:
+                write_adapter(path, tensors, config)
+        elif self.dp is None:
+            self.model.save_pretrained(path)
+        else:
+            weights = fsdp.full_state_dict(self.trained)
+            if writes:
+                self.model.save_pretrained(path, state_dict=fsdp.tied_as_one(self.model, weights))
 
 
 def _with_generator(state: torch.Tensor, call: Any) -> tuple[dict[str, float], torch.Tensor]:

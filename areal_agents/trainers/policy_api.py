@@ -29,14 +29,14 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from transformers import PreTrainedModel
 
 from areal_agents.config import LoraConfig, PolicyConfig, PPOConfig, TrainConfig
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.engines.weight_sync import WeightSync
+from areal_agents.engines.weight_sync import WeightSource, WeightSync
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.rollout.episodes import EpisodeFn
 from areal_agents.types import Trajectory
@@ -86,11 +86,13 @@ def policy_starts(cfg: TrainConfig) -> dict[str, PolicyConfig]:
 
 
 @runtime_checkable
-class TrainablePolicy(Protocol):
-    """One trained model: its updates, its engine (``engine``, generation) and how new weights reach it.
+class TrainablePolicy(WeightSource, Protocol):
+    """One trained model: its updates, its engine (``engine``, generation), how new weights reach it (it is the
+    `WeightSource` its ``weight_sync`` pushes) and its checkpoints, written where its weights live.
 
-    ``streams``: True when `update_part` and `finish_update` exist (an update fed a batch's groups as they
-    finish, ``ppo.stream_updates``); the recipe calls only `update` otherwise.
+    ``streams``: True when `update_part` starts computing on each part as it comes (an update fed a batch's
+    groups as they finish, ``ppo.stream_updates``); False: the parts wait for `finish_update`, one `update`
+    of the whole batch, so the recipe calls only `update`.
     """
 
     name: str
@@ -102,13 +104,30 @@ class TrainablePolicy(Protocol):
         """One PPO update on ``trajectories``; its stats."""
         ...
 
+    async def update_part(self, trajectories: list[Trajectory]) -> None:
+        """Part of a batch (whole groups) for the update `finish_update` ends."""
+        ...
+
+    async def finish_update(self, generator: torch.Generator) -> dict[str, float]:
+        """The update of the parts fed since the last one (none: a skipped step); its stats."""
+        ...
+
     async def push_weights(self) -> None:
         """The trained weights to the engine (through ``weight_sync``): it serves version + 1."""
         ...
 
-    @property
-    def model(self) -> PreTrainedModel:
-        """The current weights as a model in this process (a checkpoint saves it)."""
+    def adapter_config(self) -> dict[str, Any] | None:
+        """A LoRA policy's ``adapter_config.json`` content (its weights are the adapter); None: full weights."""
+        ...
+
+    def save_checkpoint(self, path: Path) -> None:
+        """The current weights under ``path`` as a checkpoint's model directory (``save_pretrained``'s files;
+        a LoRA policy's adapter as PEFT's directory), written by the process that holds them."""
+        ...
+
+    def save_train_state(self, path: Path, key: str | None = None) -> None:
+        """Add `state_dict` to a checkpoint's ``trainer_state.pt`` at ``path`` (at its top, or under
+        ``["policies"][key]``), by the process that holds it."""
         ...
 
     def state_dict(self) -> dict[str, Any]:

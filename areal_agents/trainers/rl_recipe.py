@@ -157,8 +157,7 @@ async def _train(run: Run) -> dict[str, Any]:
         await run.interrupt.stop()  # the loop's handler: save the last finished step; raises Interrupted
     finally:
         for agent in agents:
-            if hasattr(agent, "aclose"):
-                await agent.aclose()
+            await agent.aclose()
         await backend.aclose()
         for policy in policies.values():
             await policy.engine.aclose()

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,15 +96,12 @@ def save_run(
     extra: dict[str, Any],
     keep: int,
 ) -> Path:
-    """Checkpoint step ``step``: each policy's model and train state, and ``extra`` (`RunState.snapshot`);
-    keep the newest ``keep`` checkpoints (0: all). Its path."""
-    if SHARED in policies:
-        extra = extra | policies[SHARED].state_dict()
-    else:
-        extra = extra | {"policies": {name: p.state_dict() for name, p in policies.items()}}
-    models = {
-        model_dir(name): getattr(p, "adapter", None) or p.model for name, p in policies.items()
-    }  # LoRA: the adapter
-    path = save_checkpoint(run_dir, step, models, tokenizer, extra)
+    """Checkpoint step ``step``: each policy's model and train state (written where they live), and ``extra``
+    (`RunState.snapshot`); keep the newest ``keep`` checkpoints (0: all). Its path."""
+    models = {model_dir(name): p.save_checkpoint for name, p in policies.items()}  # LoRA: the adapter
+    states = [
+        functools.partial(p.save_train_state, key=None if name == SHARED else name) for name, p in policies.items()
+    ]
+    path = save_checkpoint(run_dir, step, models, tokenizer, extra, states)
     prune_checkpoints(run_dir, keep)
     return path

@@ -1,7 +1,7 @@
 """What one RL step logs to TensorBoard: ``rollout/`` (rewards, accuracy, the truncated fraction, the ledger,
 staleness), ``train/`` (each policy's update), ``perf/`` (throughput and where the step's time went) and
 ``engine/`` (the serving engine's counters per step, when it reports them:
-`areal_agents.engines.base.engine_counters`); and the totals over the run's steps that its summary reports;
+`areal_agents.engines.base.InferenceEngine.counters`); and the totals over the run's steps that its summary reports;
 and the step's trajectories as JSONL (``rollout.dump_trajectories``).
 
 Example::
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from areal_agents.engines.base import InferenceEngine, engine_counters
+from areal_agents.engines.base import InferenceEngine
 from areal_agents.rollout.controller import RolloutController
 from areal_agents.rollout.episodes import RolloutLedger
 from areal_agents.trainers.metrics_writer import MetricsWriter, prefixed
@@ -80,7 +80,7 @@ class EngineUse:
 
     async def read(self) -> tuple[dict[str, float], float]:
         """The metrics since the last read (``{}`` for an engine without counters) and its busy seconds."""
-        counters, now = await engine_counters(self.engine), time.perf_counter()
+        counters, now = await self.engine.counters(), time.perf_counter()
         if not all(k in counters for k in _COUNTERS):
             return {}, 0.0
         self.reports = True

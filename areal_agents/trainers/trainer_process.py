@@ -27,18 +27,17 @@ from typing import Any
 
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of the weights)
-from transformers import PreTrainedModel
 
 from areal_agents.config.placement import team_threads
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.weight_sync import WeightSync
 from areal_agents.errors import ArealAgentsError
 from areal_agents.models.device import resolve_device
-from areal_agents.models.loading import load_model, quiet_transformers
+from areal_agents.models.loading import quiet_transformers
 from areal_agents.models.weight_files import write_weights
 from areal_agents.net import free_port
 from areal_agents.trainers.distributed import DataParallel
-from areal_agents.trainers.lora import RemoteAdapter, write_adapter
+from areal_agents.trainers.lora import write_adapter
 from areal_agents.trainers.policy import load_trainable
 from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.trainers.run_start import seed_everything
@@ -88,6 +87,8 @@ def _serve(
         "state_dict": policy.state_dict,
         "load_state_dict": policy.load_state_dict,
         "adapter_config": policy.adapter_config,
+        "save_checkpoint": policy.save_checkpoint,
+        "save_train_state": policy.save_train_state,
     }
     try:
         while True:
@@ -145,7 +146,7 @@ class ProcessPolicy:
         engine_gpus: list[int] | None = None,
     ) -> None:
         self.name, self.engine, self.weight_sync, self.servers = name, engine, weight_sync, servers
-        self.model_path, self.dtype, self.lora = model_path, spec.dtype, spec.lora is not None
+        self.lora = spec.lora is not None
         self._adapter_config: dict[str, Any] | None = None  # a LoRA policy's, once asked
         if nproc == 1:
             process, conn, self._weights = start_child(
@@ -165,7 +166,7 @@ class ProcessPolicy:
         self._process, self._conn = self._processes[0], self._conns[0]  # rank 0: it answers
         self._caller = ThreadPoolExecutor(1, f"trainer-{name}-pipe")  # waits on the pipe, off the event loop
         self._lock = threading.Lock()
-        self._model: PreTrainedModel | None = None
+        self._parts: list[Trajectory] = []  # with ranks: the parts of the batch `finish_update` trains
 
     def _who(self, rank: int) -> str:
         return f"trainer process {self.name!r}" + (f" (rank {rank})" if len(self._processes) > 1 else "")
@@ -214,10 +215,18 @@ class ProcessPolicy:
         return stats
 
     async def update_part(self, trajectories: list[Trajectory]) -> None:
-        """Forward and backward on part of a batch in the trainer process (`Policy.update_part`)."""
+        """Forward and backward on part of a batch in the trainer process (`Policy.update_part`); with ranks,
+        which take a batch only whole, the part waits for `finish_update`."""
+        if not self.streams:
+            self._parts.extend(trajectories)
+            return
         await self._acall("update_part", trajectories, self.engine.get_version())
 
     async def finish_update(self, generator: torch.Generator) -> dict[str, float]:
+        """The step of the parts fed so far (with ranks: one `update` of them all)."""
+        if not self.streams:
+            parts, self._parts = self._parts, []
+            return await self.update(parts, generator)
         stats, state = await self._acall("finish_update", generator.get_state())
         generator.set_state(state)
         return stats
@@ -250,23 +259,15 @@ class ProcessPolicy:
             self._adapter_config = self._call("adapter_config")
         return self._adapter_config
 
-    @property
-    def adapter(self) -> RemoteAdapter | None:
-        """A LoRA policy's adapter as a checkpoint saves it (published from the trainer first)."""
-        return RemoteAdapter(self._published_adapter) if self.lora else None
+    def save_checkpoint(self, path: Path) -> None:
+        """The trainer process writes its weights under ``path`` (`Policy.save_checkpoint`; with ranks, each
+        gathers and rank 0 writes): this process never holds a copy of the model."""
+        self._call("save_checkpoint", path)
 
-    def _published_adapter(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        self._call("publish")
-        return {k: v.clone() for k, v in self._weights.items()}, self.adapter_config()
-
-    @property
-    def model(self) -> PreTrainedModel:
-        """A copy of the trainer's current weights in this process (for checkpoints)."""
-        self._call("publish")
-        if self._model is None:
-            self._model = load_model(self.model_path, self.dtype)
-        self._model.load_state_dict(self._weights)
-        return self._model
+    def save_train_state(self, path: Path, key: str | None = None) -> None:
+        """The trainer process adds its train state to the checkpoint's state file (`Policy.save_train_state`;
+        with ranks, each gathers and rank 0 writes): the optimizer state never comes to this process."""
+        self._call("save_train_state", path, key)
 
     def state_dict(self) -> dict[str, Any]:
         return self._call("state_dict")

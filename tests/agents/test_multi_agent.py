@@ -7,11 +7,12 @@ from test_segments import InlineEnv
 
 from areal_agents.agents.multi_agent import MultiAgentChatAgent
 from areal_agents.engines import HFEngine
+from areal_agents.engines.base import InferenceEngine
 from areal_agents.envs import make_env
 from areal_agents.types import GenResponse, SamplingParams
 
 
-class PerAgentEngine:
+class PerAgentEngine(InferenceEngine):
     """Answers ``text`` for every request; remembers the requests it saw."""
 
     def __init__(self, tokenizer, text):

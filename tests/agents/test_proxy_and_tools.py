@@ -90,6 +90,43 @@ def test_make_agent_errors_name_the_field(tokenizer):
         make_agent("json:dumps", None, tokenizer, SamplingParams())
 
 
+class PlainAgent:
+    """An agent class as the docs allow one: ``run_episode`` alone, no base class."""
+
+    def __init__(self, engine, tokenizer, sampling):
+        self.closed = False
+
+    async def run_episode(self, env, *, seed, episode_id):
+        return []
+
+
+class ClosingAgent(PlainAgent):
+    async def aclose(self):
+        self.closed = True
+
+
+class NotAnAgent:
+    def __init__(self, engine, tokenizer, sampling):
+        pass
+
+
+def test_make_agent_gives_a_class_without_a_base_the_protocols_aclose(tokenizer):
+    """The recipe closes every agent: a configured class that does not derive from `Agent` gets its default
+    ``aclose`` (nothing), one with its own keeps it; a class without ``run_episode`` is refused."""
+    from areal_agents.agents import Agent, make_agent
+    from areal_agents.errors import ConfigError
+
+    plain = make_agent(f"{__name__}:PlainAgent", None, tokenizer, SamplingParams())
+    assert isinstance(plain, PlainAgent) and Agent in type(plain).__mro__ and type(plain).__name__ == "PlainAgent"
+    asyncio.run(plain.aclose())
+    assert not plain.closed
+    closing = make_agent(f"{__name__}:ClosingAgent", None, tokenizer, SamplingParams())
+    asyncio.run(closing.aclose())
+    assert closing.closed
+    with pytest.raises(ConfigError, match="an agent needs `async def run_episode"):
+        make_agent(f"{__name__}:NotAnAgent", None, tokenizer, SamplingParams())
+
+
 def test_a_malformed_call_is_counted_and_answered_by_the_agent_and_by_tool_env(tokenizer):
     """Tools on the agent's side (ToolAgent) or the env's (ToolEnv): a call whose JSON is broken reaches the model
     as an error it can answer, and the episode's trajectories count it (rollout/tool_parse_failures)."""

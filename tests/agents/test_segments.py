@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from areal_agents.agents import ChatAgent
+from areal_agents.engines.base import InferenceEngine
 from areal_agents.envs import TextEnv
 from areal_agents.trainers.advantages import group_advantages
 from areal_agents.types import GenResponse, SamplingParams
@@ -47,7 +48,7 @@ class InlineEnv:
         self.env.close()
 
 
-class ScriptedEngine:
+class ScriptedEngine(InferenceEngine):
     """Returns fixed completions, as token ids, in order."""
 
     def __init__(self, tokenizer, texts):

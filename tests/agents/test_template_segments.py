@@ -22,6 +22,7 @@ from areal_agents.agents.capture import ChatCapture
 from areal_agents.agents.chat_tokens import ChatTokens
 from areal_agents.chat.template_messages import template_message
 from areal_agents.data.tool_use import TOOL_SCHEMAS, add, multiply
+from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.envs.runtime.pool import LocalEnvPool
 from areal_agents.models import load_model, load_tokenizer, save_tiny_model
@@ -271,7 +272,7 @@ def test_keep_reasoning_keeps_one_segment(family):
         assert len(play(family, random_conversation(family, rng), keep_reasoning=True)) == 1
 
 
-class Recording:
+class Recording(InferenceEngine):
     """An engine that records the tokens it sampled, in order (the loss mask must cover exactly these)."""
 
     def __init__(self, engine):

@@ -223,9 +223,10 @@ def test_a_lora_policy_on_ray(tiny_dir, tmp_path):
 def test_rollout_workers_name_each_agent_s_adapter(tiny_dir):
     """A worker's agent generates through one view per LoRA policy, as the driver's does."""
     from areal_agents.cluster.rollout_workers import adapter_views
+    from areal_agents.engines.base import InferenceEngine
     from areal_agents.engines.lora_sync import AdapterView
 
-    engine = object()
+    engine = type("Servers", (InferenceEngine,), {})()  # no servers behind it: only the views are built
     shared = load_config(TrainConfig, None, [f"model.path={tiny_dir}", "model.lora.r=8"])
     assert (
         isinstance(adapter_views(shared, engine), AdapterView) and adapter_views(shared, engine).lora_name == "policy"

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from areal_agents.engines import HFEngine, InferenceEngine
-from areal_agents.engines.base import engine_counters
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, SamplingParams
 
@@ -107,16 +106,16 @@ def test_a_group_of_identical_prompts_is_prefilled_once(model, tokenizer):
 
 
 def test_counters_through_the_engine_protocol_are_the_stats_as_floats(model, tokenizer):
-    """`engine_counters` reads an engine's counters without naming it: HFEngine's are its `EngineStats`,
-    cumulative (a second request adds to them); an engine without ``counters`` gives none."""
+    """`InferenceEngine.counters` reads an engine's counters without naming it: HFEngine's are its `EngineStats`,
+    cumulative (a second request adds to them); an engine that keeps none gives the protocol's default, none."""
     from dataclasses import asdict
 
     engine = HFEngine(model)
     request = GenRequest("r", prompt(tokenizer), SamplingParams(5, temperature=0, ignore_eos=True))
-    first = asyncio.run(engine_counters(engine))
+    first = asyncio.run(engine.counters())
     assert first == dict.fromkeys(asdict(engine.stats), 0.0)
     first_reply = asyncio.run(engine.agenerate(request))
-    once = asyncio.run(engine_counters(engine))
+    once = asyncio.run(engine.counters())
     assert all(isinstance(v, float) for v in once.values()) and once == {
         k: float(v) for k, v in asdict(engine.stats).items()
     }
@@ -125,12 +124,12 @@ def test_counters_through_the_engine_protocol_are_the_stats_as_floats(model, tok
     assert once["prefill_tokens"] == len(request.input_ids) and once["prefix_hit_tokens"] == 0.0
     next_turn = request.input_ids + first_reply.output_tokens + request.input_ids[-2:]
     asyncio.run(engine.agenerate(GenRequest("r2", next_turn, request.sampling)))
-    twice = asyncio.run(engine_counters(engine))
+    twice = asyncio.run(engine.counters())
     assert twice["generated_tokens"] == 10.0 and twice["requests"] == 2.0
     # the next turn's context: the first one's (prompt + its tokens but the last) came from the prefix cache
     assert twice["prefix_hit_tokens"] == len(request.input_ids) + 4
     assert twice["prefill_tokens"] == once["prefill_tokens"] + 3
-    assert asyncio.run(engine_counters(object())) == {}
+    assert asyncio.run(type("Counterless", (InferenceEngine,), {})().counters()) == {}
     engine.close()
 
 

@@ -9,7 +9,6 @@ import torch
 from test_hf_engine import forward_logprobs, perturbed, prompt
 
 from areal_agents.engines import HFEngine, InferenceEngine
-from areal_agents.engines.base import engine_counters
 from areal_agents.engines.hf.process_engine import ProcessEngine
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, SamplingParams
@@ -36,7 +35,7 @@ def test_greedy_matches_the_in_process_engine(engine, model, tokenizer):
         assert torch.allclose(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-5)
     stats = asyncio.run(engine.get_stats())
     assert stats.requests >= 5 and stats.max_running > 1  # sent together, decoded together
-    counters = asyncio.run(engine_counters(engine))  # the child's stats, as floats
+    counters = asyncio.run(engine.counters())  # the child's stats, as floats
     assert counters["requests"] >= 5.0 and counters["generated_tokens"] >= 5.0 and counters["busy_seconds"] > 0
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from areal_agents.data.builtin import BUILTIN
+from areal_agents.engines.base import InferenceEngine
 from areal_agents.eval.metrics import maj_at_k, pass_at_k, report_ks
 from areal_agents.eval.runner import EvalSettings, evaluate_dataset
 from areal_agents.types import GenResponse
@@ -55,7 +56,7 @@ def test_maj_at_k_and_ks():
         pass_at_k(4, 5, 1)
 
 
-class GoldEngine:
+class GoldEngine(InferenceEngine):
     """Answers ``\\boxed{gold}`` for problem i, sample j when ``right(i, j)``, else the same wrong answer."""
 
     def __init__(self, tokenizer, golds, right, wrong="\\boxed{WRONG}"):
@@ -162,7 +163,7 @@ def _code_judge_solutions():
     return module.CORRECT, module.WRONG
 
 
-class ScriptedCodeEngine:
+class ScriptedCodeEngine(InferenceEngine):
     def __init__(self, tokenizer, reply):
         self.tokenizer, self.reply = tokenizer, reply
 

@@ -11,6 +11,7 @@ import gymnasium as gym
 import pytest
 
 from areal_agents.data.base import raw_rows
+from areal_agents.engines.base import InferenceEngine
 from areal_agents.errors import ArealAgentsError, ConfigError
 from areal_agents.eval.presets import resolve
 from areal_agents.eval.runner import eval_settings, evaluate_dataset
@@ -57,7 +58,7 @@ def user_envs(tmp_path, monkeypatch):
     return tmp_path
 
 
-class LetterEngine:
+class LetterEngine(InferenceEngine):
     """Answers the right letter for problem i, sample j when ``right(i, j)``, else "z"."""
 
     def __init__(self, tokenizer, right):

@@ -8,6 +8,7 @@ import pytest
 
 from areal_agents.config import load_config
 from areal_agents.data.base import raw_rows
+from areal_agents.engines.base import InferenceEngine
 from areal_agents.envs.runtime.pool import LocalEnvPool
 from areal_agents.errors import ConfigError, RunHalted
 from areal_agents.eval.options import EvalOptions, with_flags
@@ -82,7 +83,7 @@ def test_a_multi_agent_env_is_refused_by_its_observations():
         asyncio.run(load_problems({}, make, num_problems=2, env_id="areal_agents/Debate-v0"))
 
 
-class EosButLengthEngine:
+class EosButLengthEngine(InferenceEngine):
     """Ends every answer with EOS yet reports ``length``: the record must say what the engine said."""
 
     def __init__(self, tokenizer, stop_reason):

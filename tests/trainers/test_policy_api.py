@@ -3,6 +3,8 @@ moves a policy's weights to real engines (in place, and through disk to a real s
 
 import asyncio
 import importlib.util
+import inspect
+from typing import Protocol
 
 import pytest
 import torch
@@ -21,8 +23,16 @@ from areal_agents.trainers.rl_recipe import run_train
 from areal_agents.trainers.trainer_process import ProcessPolicy
 from areal_agents.types import GenRequest, SamplingParams
 
-# what a class must define (``model``, ``name``, ``engine`` and ``weight_sync`` may be set per instance)
-PROTOCOL = ("update", "push_weights", "state_dict", "load_state_dict", "wait_idle", "close", "streams")
+
+def protocol_methods(protocol: type) -> dict[str, bool]:
+    """Every method and property `protocol` declares (its own and its bases'), by name: whether it is async."""
+    declared = {}
+    for cls in reversed(protocol.__mro__):
+        if cls.__dict__.get("_is_protocol") and cls is not Protocol:
+            for name, value in vars(cls).items():
+                if not name.startswith("_") and (callable(value) or isinstance(value, property)):
+                    declared[name] = inspect.iscoroutinefunction(value)
+    return declared
 
 
 def moved_policy(tiny_dir) -> Policy:
@@ -35,15 +45,49 @@ def moved_policy(tiny_dir) -> Policy:
     return policy
 
 
-def test_each_policy_class_has_the_protocol():
-    for cls in (Policy, ProcessPolicy):
-        assert all(hasattr(cls, name) for name in PROTOCOL), cls
-    assert Policy.streams and ProcessPolicy.streams
+def test_each_policy_class_implements_every_protocol_member():
+    """Each class defines every method of `TrainablePolicy` (and its `WeightSource`), async where the protocol's
+    is; ``name``, ``engine`` and ``weight_sync`` are set per instance."""
+    classes = [Policy, ProcessPolicy]
     if importlib.util.find_spec("ray") is not None:
-        from areal_agents.cluster.trainer_group import DistributedPolicy
+        from areal_agents.cluster.trainer_group import DistributedPolicy  # noqa: PLC0415
 
-        assert all(hasattr(DistributedPolicy, name) for name in PROTOCOL)
+        classes.append(DistributedPolicy)
         assert not DistributedPolicy.streams  # the recipe never streams to it
+    declared = protocol_methods(TrainablePolicy)
+    assert {"update_part", "finish_update", "tensors", "save_weights", "adapter_config", "save_checkpoint"} <= set(
+        declared
+    )
+    assert "model" not in declared  # a checkpoint is written where the weights live, not copied to the driver
+    for cls in classes:
+        missing = [name for name in declared if not hasattr(cls, name)]
+        assert not missing, (cls, missing)
+        wrong = [
+            name for name, is_async in declared.items() if inspect.iscoroutinefunction(getattr(cls, name)) != is_async
+        ]
+        assert not wrong, (cls, wrong)
+        assert isinstance(cls.streams, bool)
+    assert Policy.streams and ProcessPolicy.streams
+
+
+def test_a_policy_that_takes_batches_whole_trains_the_parts_at_finish():
+    """`update_part` of a non-streaming policy keeps the parts; `finish_update` is one `update` of them all."""
+    pytest.importorskip("ray")
+    from areal_agents.cluster.trainer_group import DistributedPolicy  # noqa: PLC0415
+
+    seen = []
+
+    async def update(trajectories, generator):
+        seen.append(list(trajectories))
+        return {"trained_trajectories": float(len(trajectories))}
+
+    policy = DistributedPolicy.__new__(DistributedPolicy)  # no rank actors: only the parts' bookkeeping
+    policy._parts, policy.update = [], update
+    asyncio.run(policy.update_part(["a", "b"]))
+    asyncio.run(policy.update_part(["c"]))
+    assert asyncio.run(policy.finish_update(torch.Generator())) == {"trained_trajectories": 3.0}
+    assert asyncio.run(policy.finish_update(torch.Generator())) == {"trained_trajectories": 0.0}  # none: a skip
+    assert seen == [["a", "b", "c"], []]
 
 
 def test_a_local_launcher_opens_a_policy_with_an_in_place_weight_sync(tiny_dir, tmp_path):

@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from areal_agents.config import TrainConfig
 from areal_agents.engines.weight_sync import InProcessSync
@@ -32,7 +33,8 @@ def test_two_rank_processes_train_push_and_checkpoint_as_one_process(tiny_dir, t
         assert isinstance(policy.weight_sync, InProcessSync)
         stats = asyncio.run(policy.update(trajectories, torch.Generator().manual_seed(5)))
         asyncio.run(policy.push_weights())
-        trained = {k: v.clone() for k, v in policy.model.state_dict().items()}
+        policy.save_checkpoint(tmp_path / "model")  # the ranks gather, rank 0 writes: this process holds no model
+        trained = load_model(tmp_path / "model").state_dict()
         state = policy.state_dict()
         policy.load_state_dict(state)  # every rank takes the full state back into its shards
         assert policy.state_dict()["optimizer"]["state"][0]["exp_avg"].equal(state["optimizer"]["state"][0]["exp_avg"])
@@ -40,7 +42,7 @@ def test_two_rank_processes_train_push_and_checkpoint_as_one_process(tiny_dir, t
         # state through one shared memory: stepping it as given would count each step twice)
         asyncio.run(policy.update(trajectories, torch.Generator().manual_seed(6)))
         resumed = policy.state_dict()
-        trained_on = {k: v.clone() for k, v in policy.model.state_dict().items()}
+        trained_on = {k: v.clone() for k, v in asyncio.run(policy.tensors()).items()}
     finally:
         policy.close()
         asyncio.run(policy.engine.aclose())
@@ -52,6 +54,11 @@ def test_two_rank_processes_train_push_and_checkpoint_as_one_process(tiny_dir, t
         torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-5, msg=key)
         assert torch.equal(policy.engine.model.state_dict()[key], trained[key]), key  # what the engine serves
     assert policy.engine.get_version() == 1
+    here.save_checkpoint(tmp_path / "here")  # the ranks' checkpoint has the unsharded one's files: tied weights once
+    assert saved_keys(tmp_path / "model") == saved_keys(tmp_path / "here")
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == sorted(
+        p.name for p in (tmp_path / "here").iterdir()
+    )
     # the train state is the single-process layout: the unsharded trainer loads it as it is
     here.load_state_dict(state)
     assert state["scheduler"]["last_epoch"] == 2
@@ -65,6 +72,14 @@ def test_two_rank_processes_train_push_and_checkpoint_as_one_process(tiny_dir, t
             torch.testing.assert_close(resumed["optimizer"]["state"][i][key], s[key], rtol=1e-4, atol=1e-8, msg=key)
     for key, value in here.model.state_dict().items():
         torch.testing.assert_close(trained_on[key], value, rtol=0, atol=1e-5, msg=key)
+
+
+def saved_keys(model_dir) -> set[str]:
+    keys = set()
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            keys |= set(f.keys())
+    return keys
 
 
 def test_each_rank_gets_torchruns_environment():

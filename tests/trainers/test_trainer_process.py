@@ -13,8 +13,10 @@ from areal_agents.config import TrainConfig
 from areal_agents.engines import HFEngine
 from areal_agents.engines.weight_sync import InProcessSync
 from areal_agents.models import load_model
+from areal_agents.trainers.checkpoint import load_trainer_state
 from areal_agents.trainers.policy import load_trainable
 from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec
+from areal_agents.trainers.run_state import save_run
 from areal_agents.trainers.trainer_process import ProcessPolicy, TrainerProcessError
 from areal_agents.types import Trajectory
 
@@ -50,7 +52,7 @@ def spec(tiny_dir):
     return TrainSpec.of(cfg, pad_token_id=0)
 
 
-def test_an_update_in_the_process_equals_one_in_this_process(spec, tiny_dir):
+def test_an_update_in_the_process_equals_one_in_this_process(spec, tiny_dir, tmp_path):
     trajectories = batch(load_model(tiny_dir).config.vocab_size)
     here = load_trainable("policy", spec, str(tiny_dir), str(tiny_dir))
     expected = here.train_step(trajectories, torch.Generator().manual_seed(5))
@@ -64,7 +66,8 @@ def test_an_update_in_the_process_equals_one_in_this_process(spec, tiny_dir):
         assert not torch.equal(generator.get_state(), torch.Generator().manual_seed(5).get_state())  # handed back
         asyncio.run(policy.push_weights())
         state = policy.state_dict()
-        trained = policy.model.state_dict()
+        policy.save_checkpoint(tmp_path / "model")  # written by the trainer process
+        trained = load_model(tmp_path / "model").state_dict()
     finally:
         policy.close()
     assert not policy._process.is_alive()
@@ -75,6 +78,28 @@ def test_an_update_in_the_process_equals_one_in_this_process(spec, tiny_dir):
         assert torch.equal(engine.model.state_dict()[key], trained[key]), key  # what the engine now serves
     assert engine.get_version() == 1
     assert state["scheduler"]["last_epoch"] == 2 and state["optimizer"]["state"]
+
+
+def test_a_checkpoint_is_written_by_the_trainer_process_in_the_usual_layout(spec, tiny_dir, tokenizer, tmp_path):
+    """`save_run` of separate policies: each trainer process writes its model directory and adds its train state
+    under ``trainer_state.pt["policies"][name]``, beside the run's own state; the checkpoint loads as before."""
+    engine = HFEngine(load_model(tiny_dir))
+    policy = ProcessPolicy("a", spec, str(tiny_dir), str(tiny_dir), engine, InProcessSync([engine]))
+    try:
+        asyncio.run(policy.update(batch(load_model(tiny_dir).config.vocab_size), torch.Generator().manual_seed(5)))
+        ckpt = save_run(tmp_path, 1, {"a": policy}, tokenizer, {"data_position": 3}, keep=0)
+        state, weights = policy.state_dict(), {k: v.clone() for k, v in asyncio.run(policy.tensors()).items()}
+    finally:
+        policy.close()
+    saved = load_trainer_state(ckpt)
+    assert saved["step"] == 1 and saved["data_position"] == 3 and set(saved["policies"]) == {"a"}
+    assert saved["policies"]["a"]["scheduler"] == state["scheduler"] and state["scheduler"]["last_epoch"] == 2
+    for i, moments in state["optimizer"]["state"].items():
+        assert torch.equal(saved["policies"]["a"]["optimizer"]["state"][i]["exp_avg"], moments["exp_avg"]), i
+    model = load_model(ckpt / "policies" / "a" / "model")
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, weights[key]), key
+    assert (ckpt / "policies" / "a" / "model" / "tokenizer_config.json").is_file()
 
 
 def test_an_update_that_raises_names_the_error_and_the_process_lives_on(spec, tiny_dir):

@@ -50,6 +50,7 @@ import torch
 from transformers import PreTrainedModel
 
 from areal_agents.config import EngineOptions
+from areal_agents.engines.base import LoraEngine
 from areal_agents.engines.hf.batch_runner import BatchRunner
 from areal_agents.engines.hf.engine_placement import Placement, shareable
 from areal_agents.engines.hf.multi_lora import LoraAdapter, read_adapter_dir
@@ -69,7 +70,7 @@ StaleKV = Literal["recompute", "keep"]  # what new weights do to the KV cache of
 STALL_S = 600.0  # seconds a decode step may take before `health` calls the thread stuck
 
 
-class HFEngine:
+class HFEngine(LoraEngine):
     """In-process `InferenceEngine` over a transformers causal LM (the CPU default and test engine).
 
     ``device``: ``cpu``, ``cuda`` or ``auto``; ``compute_dtype``: ``auto`` (bfloat16 for a float32 model on
@@ -290,8 +291,12 @@ class HFEngine:
         return self.stats
 
     async def counters(self) -> dict[str, float]:
-        """`EngineStats` as floats by name, for `engine_counters` (the RL recipe's ``engine/...`` metrics)."""
+        """`EngineStats` as floats by name (`InferenceEngine.counters`: the RL recipe's ``engine/...`` metrics)."""
         return self.stats.counters()
+
+    def max_context(self) -> int | None:
+        """The model's ``max_position_embeddings`` (None: its config has none); every request is checked against it."""
+        return self.limits.context
 
     def flush_cache(self) -> None:
         """Forget the finished requests' cached prefixes (at the next step; new weights do this themselves)."""

@@ -27,6 +27,7 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of tensors sent as weights)
 
 from areal_agents.config import EngineOptions
+from areal_agents.engines.base import LoraEngine
 from areal_agents.errors import ArealAgentsError, ConfigError, EngineError, RequestError
 from areal_agents.types import GenRequest, GenResponse
 from areal_agents.workers import start_child, stop_child
@@ -124,7 +125,7 @@ async def _child_loop(conn: Any, engine: Any) -> None:
     engine.close()
 
 
-class ProcessEngine:
+class ProcessEngine(LoraEngine):
     """`InferenceEngine` over an `HFEngine` in a spawned process: where the model is, the engine's
     options and placement (`HFEngine.of`)."""
 
@@ -241,7 +242,7 @@ class ProcessEngine:
         return await self._call("get_stats")
 
     async def counters(self) -> dict[str, float]:
-        """The child engine's `EngineStats` as floats by name, for `engine_counters`."""
+        """The child engine's `EngineStats` as floats by name (`InferenceEngine.counters`)."""
         return (await self.get_stats()).counters()
 
     async def aclose(self) -> None:

@@ -30,5 +30,5 @@ class EngineStats:
     busy_seconds: float = 0.0
 
     def counters(self) -> dict[str, float]:
-        """Every counter as a float, by field name (what `engine_counters` reads)."""
+        """Every counter as a float, by field name (what `InferenceEngine.counters` gives)."""
         return {name: float(value) for name, value in asdict(self).items()}
