@@ -355,3 +355,24 @@ def test_importing_a_deprecated_path_warns_and_names_the_new_one():
         from areal_agents.engines.hf_engine import HFEngine  # noqa: F401
     sys.modules.pop("areal_agents.engines.hf_engine", None)
     assert importlib.util.find_spec("areal_agents.engines.no_such_module") is None  # the finder serves only MOVED
+
+
+def defined_names() -> set[str]:
+    """Every class, function, method and module name the package defines."""
+    names = set()
+    for name, path in modules().items():
+        names.add(name.rpartition(".")[2])
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+    return names
+
+
+def test_the_training_and_serving_picture_names_only_what_exists():
+    """Each CamelCase or snake_case name in docs/architecture.md's "Training and serving" is defined."""
+    text = DOC.read_text()
+    section = text[text.index("## Training and serving") : text.index("## The episode runner")]
+    words = set(re.findall(r"\b[A-Z][a-z]+[A-Z]\w*\b|\b[a-z]+_[a-z_]+\b", section))
+    not_code = {"step_N", "policy_api", "trainers"}  # a directory, a module path's part
+    missing = sorted(w for w in words - not_code if w not in defined_names())
+    assert not missing, f"docs/architecture.md names what the package does not define: {missing}"
