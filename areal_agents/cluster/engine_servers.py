@@ -109,6 +109,7 @@ class EngineServers:
             for i in range(cfg.num_servers)
         ]
         self.addresses = ray.get([a.url.remote() for a in self.actors])
+        self.admin_key = admin_key
 
     def stop(self) -> None:
         for actor in self.actors:

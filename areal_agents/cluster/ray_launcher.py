@@ -18,7 +18,6 @@ import logging
 import os
 import secrets
 from pathlib import Path
-from typing import Any
 
 import ray
 
@@ -28,9 +27,9 @@ from areal_agents.cluster.rollout_workers import RolloutWorkers
 from areal_agents.cluster.trainer_group import DistributedPolicy
 from areal_agents.config import EngineConfig, TrainConfig
 from areal_agents.data.sources import datasets_in
-from areal_agents.engines.local_servers import ServerGroup, engine_client, open_weight_sync
-from areal_agents.engines.lora_sync import LoraGroup
 from areal_agents.engines.server_control import ADMIN_KEY_ENV
+from areal_agents.engines.serving import PolicyServing
+from areal_agents.engines.supervisor import ServerGroup, Servers
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ConfigError
 from areal_agents.rollout.episodes import EpisodeFn
@@ -56,9 +55,8 @@ class RayLauncher:
         self.started = False
         self.env_servers: EnvServers | None = None
         self.workers: RolloutWorkers | None = None
-        self.lora_group: LoraGroup | None = None  # the base model's servers, serving every policy's adapter
+        self.serving = PolicyServing(self.run_dir, cfg.seed)  # LoRA policies share the base model's servers
         self.addresses: dict[str, list[str]] = {}  # each policy's model servers, by policy name
-        self.lora_base_policy = ""  # the LoRA policy that opened the base model's servers
         # the run's admin key: its serve-model actors (on node addresses) want it on their control routes; the
         # driver's clients and the rollout workers send it (AREAL_ADMIN_KEY, or one made for this run)
         self.admin_key = os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24)
@@ -86,44 +84,40 @@ class RayLauncher:
     def open_policy(self, name: str, model_path: str, init_path: str, spec: TrainSpec) -> TrainablePolicy:
         """Model servers (actors, or ``engine.urls``) and the trainer ranks of one policy. LoRA policies share
         the base model's servers (started with the first), each pushing its adapter under its name."""
-        r = self.cfg.ray
-        if spec.lora is not None and self.lora_group is not None:
-            engine, sync, servers = self.lora_group.view(name), self.lora_group.sync(name), None
-            self.addresses[name] = self.addresses[self.lora_base_policy]  # the base model's, opened with the first
-        else:
-            e, servers = self._servers(init_path if spec.lora is not None else model_path, spec.dtype)
-            self.addresses[name] = servers.addresses
-            launched = isinstance(servers, EngineServers) and e.backend == "serve-model"
-            self.servers_key = self.admin_key if launched else None  # None: AREAL_ADMIN_KEY, if any
-            engine = engine_client(e, servers.addresses, self.run_dir / "engine_weights", self.servers_key)
-            if spec.lora is not None:
-                self.lora_group, self.lora_base_policy = LoraGroup(engine), name
-                engine, sync = self.lora_group.view(name), self.lora_group.sync(name)
-            else:
-                sync = open_weight_sync(e, engine, servers, model_path, e.dtype)
+        r, lora = self.cfg.ray, spec.lora is not None
+        e = self._engine_config()
+        served = init_path if lora else model_path
+        launch = lambda: self._servers(e, served, spec.dtype)  # noqa: E731  (only when this policy needs them)
+        s = self.serving.open(name, e, served, spec.dtype, lora=lora, servers=launch)
+        if s.servers is not None:
+            self.addresses[name], self.servers_key = s.servers.addresses, s.servers.admin_key
+        else:  # a LoRA policy on the base model's servers, opened with the first
+            self.addresses[name] = next(iter(self.addresses.values()))
         try:
             cpus, gpus = r.trainer_cpus, r.trainer_gpus
             return DistributedPolicy(
-                name, spec, model_path, init_path, engine, sync, servers, r.trainer_ranks, cpus, gpus
+                name, spec, model_path, init_path, s.engine, s.sync, s.servers, r.trainer_ranks, cpus, gpus
             )  # the recipe closes it
         except BaseException:
-            if servers is not None:
-                servers.stop()
+            if s.servers is not None:
+                s.servers.stop()
             raise
 
-    def _servers(self, model_path: str, dtype: str) -> tuple[EngineConfig, Any]:
-        """The engine config the servers run with (LoRA-enabled when the run trains adapters) and the servers:
-        model-server actors, or ``engine.urls``."""
-        e, r = lora_serving(self.cfg).engine, self.cfg.ray
+    def _engine_config(self) -> EngineConfig:
+        """The engine config the servers run with: LoRA-enabled when the run trains adapters; the hf engine as
+        serve-model (the same engine behind the SGLang protocol, so rollout workers reach it)."""
+        e = lora_serving(self.cfg).engine
+        return dataclasses.replace(e, backend="serve-model") if e.backend == "hf" and not e.urls else e
+
+    def _servers(self, e: EngineConfig, model_path: str, dtype: str) -> Servers:
+        """The servers of one policy's engine: model-server actors, or ``engine.urls``."""
         if e.urls:
-            return e, ServerGroup(list(e.urls))
-        if e.backend == "hf":  # the same HF engine, behind the SGLang protocol, so workers can reach it
-            e = dataclasses.replace(e, backend="serve-model")
-        servers = EngineServers(
+            return ServerGroup(list(e.urls))  # their admin key, if any: AREAL_ADMIN_KEY
+        r = self.cfg.ray
+        return EngineServers(
             e, model_path, dtype, self.run_dir / "servers", r.engine_server_cpus, r.engine_server_gpus,
             admin_key=self.admin_key if e.backend == "serve-model" else None,
         )  # fmt: skip
-        return e, servers
 
     def env_backend(self) -> EnvBackend:
         return EnvBackend(self.cfg.env, self.env_servers.pool())

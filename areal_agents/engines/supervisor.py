@@ -46,6 +46,7 @@ class Servers(Protocol):
 
     addresses: list[str]
     supervisor: Supervisor | None  # restarts the servers from this process (None: none does, or each its own)
+    admin_key: str | None  # what their control routes want (None: AREAL_ADMIN_KEY, if any)
 
     def stop(self) -> None: ...
 

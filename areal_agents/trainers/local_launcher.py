@@ -16,11 +16,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from areal_agents.config import TrainConfig
+from areal_agents.config import EngineConfig, TrainConfig
 from areal_agents.config.placement import team_threads
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.engines.local_servers import open_engine, open_weight_sync
-from areal_agents.engines.lora_sync import LoraGroup
+from areal_agents.engines.local_servers import open_engine
+from areal_agents.engines.serving import PolicyServing, Serving
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.models.loading import load_tokenizer, pad_token_id
 from areal_agents.rollout.episodes import EpisodeFn
@@ -38,7 +38,7 @@ class LocalLauncher:
     def __init__(self, cfg: TrainConfig, run_dir: str | Path | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
-        self.lora_group: LoraGroup | None = None  # the one engine of the base model that serves every adapter
+        self.serving = PolicyServing(self.run_dir, cfg.seed)  # LoRA policies share the base model's engine
         self.lora_base: LoraBase | None = None  # the one trained copy of that base, every LoRA policy's adapter on it
 
     def start(self) -> None:
@@ -48,33 +48,34 @@ class LocalLauncher:
         spec = replace(spec, cpu_threads=spec.cpu_threads or trainer_threads(self.cfg))
         if spec.lora is not None:
             return self._open_lora_policy(name, model_path, init_path, spec)
-        engine, servers = open_policy_engine(name, self.cfg, model_path, self.run_dir)
+        s = self.open_serving(name, model_path)
         try:
-            sync = open_weight_sync(self.cfg.engine, engine, servers, model_path, self.cfg.engine.dtype)
             nproc = self.cfg.ppo.nproc_per_node
             if nproc > 1:
                 gpus = list(self.cfg.engine.gpus)
-                return ProcessPolicy(name, spec, model_path, init_path, engine, sync, servers, nproc, gpus)
+                return ProcessPolicy(name, spec, model_path, init_path, s.engine, s.sync, s.servers, nproc, gpus)
             if self.cfg.ppo.trainer == "process":
-                return ProcessPolicy(name, spec, model_path, init_path, engine, sync, servers)
+                return ProcessPolicy(name, spec, model_path, init_path, s.engine, s.sync, s.servers)
             policy = load_trainable(name, spec, model_path, init_path)
         except BaseException:
-            engine.close()  # its decode thread, or an engine process of its own
-            if servers is not None:
-                servers.stop()
+            s.close()  # its decode thread, or an engine process of its own; its servers
             raise
-        policy.engine, policy.weight_sync, policy.servers = engine, sync, servers
+        policy.engine, policy.weight_sync, policy.servers = s.engine, s.sync, s.servers
         return policy
+
+    def open_serving(self, name: str, model_path: str, lora: bool = False) -> Serving:
+        """Policy ``name``'s engine serving ``model_path`` (LoRA: the base the adapters sit on), its sync and
+        servers; its engine's threads placed beside the trainer's (`engine_threads`)."""
+        cfg = lora_serving(self.cfg) if lora else self.cfg
+        where = engine_dir(self.run_dir, SHARED if lora else name)  # LoRA: the base model's, shared
+        return self.serving.open(name, placed_engine(cfg), model_path, cfg.model.dtype, lora=lora, engine_dir=where)
 
     def _open_lora_policy(self, name: str, model_path: str, init_path: str, spec: TrainSpec) -> TrainablePolicy:
         """A LoRA policy over the base model ``init_path``, served by the one engine of that base that serves
         every adapter of the run (opened with the first): its adapter goes by `LoraSync`. In a trainer thread its
         adapter sits on the run's one trained base (`LoraBase`); a trainer process or FSDP2 ranks hold their own."""
-        servers = None
-        if self.lora_group is None:
-            engine, servers = open_policy_engine(SHARED, lora_serving(self.cfg), init_path, self.run_dir)
-            self.lora_group = LoraGroup(engine)
-        view, sync = self.lora_group.view(name), self.lora_group.sync(name)
+        s = self.open_serving(name, init_path, lora=True)
+        view, sync, servers = s.engine, s.sync, s.servers
         nproc = self.cfg.ppo.nproc_per_node
         try:
             if nproc > 1 or self.cfg.ppo.trainer == "process":  # its own base in its trainer process(es)
@@ -111,10 +112,21 @@ def open_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, ru
 
 
 def open_policy_engine(name: str, cfg: TrainConfig, model_path: str, run_dir: Path) -> tuple[InferenceEngine, Any]:
-    """The policy's inference engine, serving ``model_path``, and the servers behind it (or None)."""
-    engine_dir = run_dir if name == SHARED else run_dir / "policies" / name
-    engine = replace(cfg.engine, cpu_threads=engine_threads(cfg))
-    return open_engine(engine, model_path, cfg.model.dtype, run_dir=engine_dir, seed=cfg.seed)
+    """The policy's inference engine alone, serving ``model_path``, and the servers behind it (or None), placed
+    as a run places it (benchmarks measure it; a run's policies get theirs with a sync: `LocalLauncher`)."""
+    where = engine_dir(run_dir, name)
+    return open_engine(placed_engine(cfg), model_path, cfg.model.dtype, run_dir=where, seed=cfg.seed)
+
+
+def engine_dir(run_dir: Path, name: str) -> Path:
+    """Where policy ``name``'s servers log and its pushed weights go: the run's directory for the shared
+    policy, ``policies/NAME`` for one of several."""
+    return run_dir if name == SHARED else run_dir / "policies" / name
+
+
+def placed_engine(cfg: TrainConfig) -> EngineConfig:
+    """The run's engine section with its decode threads placed beside the trainer's (`engine_threads`)."""
+    return replace(cfg.engine, cpu_threads=engine_threads(cfg))
 
 
 def lora_serving(cfg: TrainConfig) -> TrainConfig:
