@@ -56,12 +56,10 @@ class LocalLauncher:
                 return ProcessPolicy(name, spec, model_path, init_path, s.engine, s.sync, s.servers, nproc, gpus)
             if self.cfg.ppo.trainer == "process":
                 return ProcessPolicy(name, spec, model_path, init_path, s.engine, s.sync, s.servers)
-            policy = load_trainable(name, spec, model_path, init_path)
+            return load_trainable(name, spec, model_path, init_path, serving=s)
         except BaseException:
             s.close()  # its decode thread, or an engine process of its own; its servers
             raise
-        policy.engine, policy.weight_sync, policy.servers = s.engine, s.sync, s.servers
-        return policy
 
     def open_serving(self, name: str, model_path: str, lora: bool = False) -> Serving:
         """Policy ``name``'s engine serving ``model_path`` (LoRA: the base the adapters sit on), its sync and
@@ -74,23 +72,19 @@ class LocalLauncher:
         """A LoRA policy over the base model ``init_path``, served by the one engine of that base that serves
         every adapter of the run (opened with the first): its adapter goes by `LoraSync`. In a trainer thread its
         adapter sits on the run's one trained base (`LoraBase`); a trainer process or FSDP2 ranks hold their own."""
-        s = self.open_serving(name, init_path, lora=True)
-        view, sync, servers = s.engine, s.sync, s.servers
+        s = self.open_serving(name, init_path, lora=True)  # servers: the first policy's, which stops them
         nproc = self.cfg.ppo.nproc_per_node
         try:
             if nproc > 1 or self.cfg.ppo.trainer == "process":  # its own base in its trainer process(es)
                 gpus = list(self.cfg.engine.gpus)
-                return ProcessPolicy(name, spec, model_path, init_path, view, sync, servers, nproc, gpus)
+                return ProcessPolicy(name, spec, model_path, init_path, s.engine, s.sync, s.servers, nproc, gpus)
             if self.lora_base is None:
                 self.lora_base = LoraBase(init_path, spec.dtype)
-            policy = load_trainable(name, spec, model_path, init_path, lora_base=self.lora_base)
+            return load_trainable(name, spec, model_path, init_path, lora_base=self.lora_base, serving=s)
         except BaseException:
-            if servers is not None:
-                servers.stop()
+            if s.servers is not None:
+                s.servers.stop()
             raise
-        policy.engine, policy.weight_sync = view, sync
-        policy.servers = servers  # the first policy's: it stops them
-        return policy
 
     def env_backend(self) -> EnvBackend | None:
         return None  # the config's

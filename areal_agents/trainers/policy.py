@@ -4,8 +4,8 @@ thread of this process; it serves through its engine. A run has one shared polic
 
 Example::
 
-    policy = load_trainable("policy", spec, model_path, model_path)
-    policy.engine, policy.weight_sync = engine, InProcessSync([engine])
+    serving = Serving(engine, InProcessSync([engine]), None)  # what `PolicyServing` opens for a launcher
+    policy = load_trainable("policy", spec, model_path, model_path, serving=serving)
     stats = await policy.update(trajectories, torch.Generator().manual_seed(0))
     await policy.push_weights()
 """
@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 from areal_agents.config.placement import team_threads
 from areal_agents.engines.base import InferenceEngine
+from areal_agents.engines.serving import Serving
 from areal_agents.engines.weight_sync import WeightSync
 from areal_agents.errors import ConfigError
 from areal_agents.models.device import compute_dtype, resolve_device
@@ -269,12 +270,13 @@ def load_trainable(
     init_path: str,
     dp: DataParallel | None = None,
     lora_base: LoraBase | None = None,
+    serving: Serving | None = None,
 ) -> Policy:
-    """The training side of a policy (model, optimizer, schedule, reference, critic), without an engine;
-    with ``spec.lora``, an adapter named ``name`` on ``lora_base`` (the base model other LoRA policies share);
-    the reference and the critic start from ``init_path`` (the run's starting model). On ``ppo.device``;
-    with ``dp`` (a rank of several) every model is FSDP2-sharded over the ranks (`fsdp.shard_policy`),
-    from rank 0's weights."""
+    """A policy: its training side (model, optimizer, schedule, reference, critic) and ``serving``, its engine,
+    sync and servers (None: no engine, a rank of a trainer in another process); with ``spec.lora``, an
+    adapter named ``name`` on ``lora_base`` (the base model other LoRA policies share); the reference and the
+    critic start from ``init_path`` (the run's starting model). On ``ppo.device``; with ``dp`` (a rank of
+    several) every model is FSDP2-sharded over the ranks (`fsdp.shard_policy`), from rank 0's weights."""
     p = spec.ppo
     device = dp.device if dp is not None else resolve_device(p.device)
     adapter = _adapter(name, spec, model_path, init_path, lora_base) if spec.lora is not None else None
@@ -308,7 +310,10 @@ def load_trainable(
     total = spec.total_steps * p.ppo_epochs * p.num_minibatches
     params = adapter.parameters() if adapter is not None else None
     optimizer, scheduler = make_optimizer(trained, p.lr, p.weight_decay, p.warmup_steps, p.lr_schedule, total, params)
-    policy = Policy(name, model, spec, optimizer, scheduler, reference, dp=dp, trained=trained, adapter=adapter)
+    served = {"engine": serving.engine, "weight_sync": serving.sync, "servers": serving.servers} if serving else {}
+    policy = Policy(
+        name, model, spec, optimizer, scheduler, reference, dp=dp, trained=trained, adapter=adapter, **served
+    )
     if critic is not None:
         policy.critic = critic
         policy.critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=p.critic_lr, weight_decay=p.weight_decay)
