@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "scripts" / "setup.sh"
 UNREACHABLE = "http://127.0.0.1:9/simple"  # the discard port: nothing listens, the connection is refused

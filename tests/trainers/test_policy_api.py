@@ -35,6 +35,7 @@ def moved_policy(tiny_dir) -> Policy:
     return policy
 
 
+@pytest.mark.process
 def test_each_policy_class_has_the_protocol():
     for cls in (Policy, ProcessPolicy):
         assert all(hasattr(cls, name) for name in PROTOCOL), cls
@@ -81,6 +82,7 @@ def test_in_process_sync_swaps_the_weights_and_bumps_the_version(tiny_dir):
     policy.close()
 
 
+@pytest.mark.process
 def test_disk_sync_has_a_real_serve_model_load_the_weights_and_tag_the_version(tiny_dir, tmp_path):
     """Each push writes ``vN``, the server generates with it (logprobs of the pushed weights, tokens tagged
     N) and older copies than N - 1 go; `announce` retags without loading."""

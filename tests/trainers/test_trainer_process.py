@@ -18,6 +18,8 @@ from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec
 from areal_agents.trainers.trainer_process import ProcessPolicy, TrainerProcessError
 from areal_agents.types import Trajectory
 
+pytestmark = pytest.mark.process
+
 
 def batch(vocab: int, n_groups: int = 3, group_size: int = 4) -> list[Trajectory]:
     rng = random.Random(0)
