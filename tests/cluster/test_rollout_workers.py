@@ -4,6 +4,7 @@ run stops with a clear `ClusterError` instead of waiting forever; the ledger bal
 
 import asyncio
 import os
+import sys
 from importlib.util import find_spec
 
 import pytest
@@ -21,6 +22,7 @@ def worker_actor():
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors cannot import this test module
     yield ray.remote(max_restarts=0)(Worker)
     ray.shutdown()
 
