@@ -43,7 +43,10 @@ def pytest_collection_modifyitems(items):
 
 def pytest_collection_finish(session):
     if session.items and all(item.get_closest_marker("unit") for item in session.items) and "ray" in sys.modules:
-        raise pytest.UsageError("collecting the unit tier imported ray; import it inside the tests that need it")
+        raise pytest.UsageError(
+            "every test collected is unit, yet collecting them imported ray: import it inside the tests that need it "
+            "(and mark those process)"
+        )
 
 
 def _guarded(item):
