@@ -201,6 +201,7 @@ def test_rl_through_serve_model_and_the_sglang_client(tmp_path, tiny_dir, capsys
     assert weights == ["v1", "v2"]  # older pushes are pruned
 
 
+@pytest.mark.slow  # 30-60 s each on 2 cores: kept out of the default run
 @pytest.mark.process
 def test_resume_after_kill_9_continues_with_the_same_data_order(tmp_path, tiny_dir):
     """A run killed (SIGKILL) mid-step and resumed sees the same prompts per step as one that never stopped."""
@@ -259,6 +260,7 @@ def test_gae_with_a_critic_trains_checkpoints_and_resumes(tmp_path, tiny_dir):
     assert json.loads((run / "summary.json").read_text())["engine_version"] == 3
 
 
+@pytest.mark.slow  # 30-60 s each on 2 cores: kept out of the default run
 @pytest.mark.process
 def test_async_run_with_engine_and_trainer_in_their_own_processes_trains_and_resumes(tmp_path, tiny_dir):
     """The small-machine async layout: rollouts in this process, the engine and the trainer in two others."""

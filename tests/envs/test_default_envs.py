@@ -20,6 +20,7 @@ needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewr
 UPSTREAM_FAILS = {642}
 
 
+@pytest.mark.slow  # 30-60 s each on 2 cores: kept out of the default run
 @pytest.mark.process
 def test_the_issue_command_checks_both_default_envs():
     code = (
