@@ -326,6 +326,7 @@ def test_the_deprecated_paths_table_is_the_alias_table():
     assert deprecated_paths() == {old: new if isinstance(new, str) else " ".join(new) for old, new in MOVED.items()}
 
 
+@pytest.mark.process
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_deprecated_paths_still_import_their_new_modules():
     import importlib

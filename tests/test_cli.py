@@ -94,6 +94,7 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "areal_agents.cli", *args], capture_output=True, text=True)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -119,6 +120,7 @@ def test_tiny_model_command(tmp_path):
     assert json.loads((tmp_path / "long" / "config.json").read_text())["max_position_embeddings"] == 32768
 
 
+@pytest.mark.process
 def test_rl_through_the_env_server(tmp_path, tiny_dir):
     """env.backend=server launches a local env-step server for the run and stops it at the end."""
     _, rl = write_configs(tmp_path, tiny_dir)
@@ -161,7 +163,14 @@ def test_user_env_from_its_own_module_trains(tmp_path, tiny_dir, monkeypatch, ho
     assert json.loads((tmp_path / "rl" / "summary.json").read_text())["engine_version"] == 2
 
 
-@pytest.mark.parametrize("recipe, dataset", [("math", None), ("code", None), ("code", "lcb_v5_subset")])
+@pytest.mark.parametrize(
+    "recipe, dataset",
+    [
+        pytest.param("math", None, marks=pytest.mark.process),
+        ("code", None),
+        ("code", "lcb_v5_subset"),
+    ],  # math-verify's pool
+)
 def test_math_and_code_recipes_run_on_the_tiny_model(tmp_path, tiny_dir, recipe, dataset):
     """The recipes as shipped (bundled GSM8K and MBPP train), and the code recipe on LiveCodeBench rows."""
     if recipe == "code" and __import__("shutil").which("bwrap") is None:
@@ -176,6 +185,7 @@ def test_math_and_code_recipes_run_on_the_tiny_model(tmp_path, tiny_dir, recipe,
     assert json.loads((tmp_path / recipe / "summary.json").read_text())["engine_version"] == 2
 
 
+@pytest.mark.process
 def test_rl_through_serve_model_and_the_sglang_client(tmp_path, tiny_dir, capsys):
     """The remote path: the run launches serve-model, generates over HTTP and pushes weights from disk."""
     _, rl = write_configs(tmp_path, tiny_dir)
@@ -191,6 +201,8 @@ def test_rl_through_serve_model_and_the_sglang_client(tmp_path, tiny_dir, capsys
     assert weights == ["v1", "v2"]  # older pushes are pruned
 
 
+@pytest.mark.slow  # 30-60 s each on 2 cores: kept out of the default run
+@pytest.mark.process
 def test_resume_after_kill_9_continues_with_the_same_data_order(tmp_path, tiny_dir):
     """A run killed (SIGKILL) mid-step and resumed sees the same prompts per step as one that never stopped."""
     _, rl = write_configs(tmp_path, tiny_dir)
@@ -248,6 +260,8 @@ def test_gae_with_a_critic_trains_checkpoints_and_resumes(tmp_path, tiny_dir):
     assert json.loads((run / "summary.json").read_text())["engine_version"] == 3
 
 
+@pytest.mark.slow  # 30-60 s each on 2 cores: kept out of the default run
+@pytest.mark.process
 def test_async_run_with_engine_and_trainer_in_their_own_processes_trains_and_resumes(tmp_path, tiny_dir):
     """The small-machine async layout: rollouts in this process, the engine and the trainer in two others."""
     _, rl = write_configs(tmp_path, tiny_dir)
@@ -296,6 +310,7 @@ def test_async_run_in_one_process_streams_its_updates_or_not(tmp_path, tiny_dir,
         assert calls == ["update", "update"]
 
 
+@pytest.mark.process
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_dir):
     _, rl = write_configs(tmp_path, tiny_dir)
     out = run_cli("train", str(rl), f"run_dir={tmp_path / 'fresh'}", "--resume")
@@ -457,6 +472,7 @@ SCRIPTS = sorted(
 )
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_answers_help_with_its_usage_and_runs_nothing(script, tmp_path):
     """`bash examples/arithmetic/run.sh --help` once built the tiny model and its SFT data; now every script

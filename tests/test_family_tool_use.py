@@ -183,6 +183,8 @@ def _check_logprobs(row, models):
         assert torch.allclose(mb.logprobs[0][sampled], ref[sampled], atol=1e-4)
 
 
+@pytest.mark.slow  # 30-60 s each on 2 cores: kept out of the default run
+@pytest.mark.process
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tool_agent_rl_through_the_cli(family, warm_models, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -89,6 +89,7 @@ def test_a_part_stuck_past_its_cap_is_interrupted(gpu_check, tmp_path, monkeypat
     assert report.records[1]["status"] == "SKIP" and "interrupted mid-way" in report.records[1]["reason"]
 
 
+@pytest.mark.process
 def test_an_error_in_a_part_is_a_fail_line_and_the_next_part_runs(gpu_check, tmp_path, monkeypatch):
     calls = []
 
@@ -111,6 +112,7 @@ def test_an_error_in_a_part_is_a_fail_line_and_the_next_part_runs(gpu_check, tmp
     assert records[0]["device"] == "cpu" and records[0]["sizes"]["recipe_preset"] == "tiny"
 
 
+@pytest.mark.process
 def test_all_passing_parts_exit_0(gpu_check, tmp_path, monkeypatch):
     fake = types.SimpleNamespace(
         PART={"d": lambda ctx, cap: ctx.report.check("d", "in_process", True)}, finish=lambda ctx: None

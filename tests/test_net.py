@@ -4,6 +4,8 @@ import http.server
 import threading
 import time
 
+import pytest
+
 from areal_agents.net import free_port, health_ok, log_tail, wait_healthy
 
 
@@ -25,6 +27,7 @@ def _serve(status: int):
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
+@pytest.mark.process
 def test_a_healthy_server_is_found_at_once():
     server, url = _serve(200)
     try:
@@ -34,6 +37,7 @@ def test_a_healthy_server_is_found_at_once():
         server.shutdown()
 
 
+@pytest.mark.process
 def test_a_server_answering_503_times_out_and_a_dead_one_ends_the_wait_early():
     server, url = _serve(503)
     try:

@@ -151,6 +151,7 @@ def _readme_imports() -> str:
     return "\n".join(line for line in python.splitlines() if re.match(r"(from \S+ )?import ", line))
 
 
+@pytest.mark.process
 def test_readme_imports_only_current_paths():
     """Fast twin of the slow session's check: importing what the README imports warns of no moved path."""
     imports = _readme_imports()
@@ -161,6 +162,7 @@ def test_readme_imports_only_current_paths():
     assert done.returncode == 0, f"README imports raise a DeprecationWarning:\n{done.stderr[-3000:]}"
 
 
+@pytest.mark.process
 def test_the_session_fails_on_an_old_module_path():
     done = subprocess.run(
         [sys.executable, "-c", _SESSION],

@@ -4,6 +4,10 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parents[1]
 # a parent-relative path to a folder named shared, or a path built as ... / "shared" (as tests once did)
 OUTSIDE = re.compile(r"\.\./shared\b|/\s*[\"']shared[\"']")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "scripts" / "setup.sh"
 UNREACHABLE = "http://127.0.0.1:9/simple"  # the discard port: nothing listens, the connection is refused
@@ -208,7 +210,8 @@ def test_never_collected():
 
 
 def run_pytest_with_our_conftest(tmp_path: Path, ci: bool) -> subprocess.CompletedProcess:
-    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    for name in ("conftest.py", "unit_guard.py"):
+        shutil.copy(ROOT / "tests" / name, tmp_path / name)
     for name, text in CI_TESTS.items():
         (tmp_path / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS")}

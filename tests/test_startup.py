@@ -63,6 +63,7 @@ COMMANDS = {
 }
 
 
+@pytest.mark.process
 def test_listings_help_and_config_errors_import_no_heavy_library(tmp_path):
     held = tmp_path / "held"  # a run_dir that holds a run: refused (no --resume or --overwrite) before torch
     (held / "checkpoints" / "step_2").mkdir(parents=True)
@@ -82,6 +83,7 @@ def test_listings_help_and_config_errors_import_no_heavy_library(tmp_path):
     assert {command: heavy for command, (_, heavy) in seen.items() if heavy} == {}
 
 
+@pytest.mark.process
 def test_importing_the_package_or_any_builtin_env_imports_no_heavy_library():
     modules = ["areal_agents.envs." + m for m in ("arithmetic", "count", "math", "code", "debate", "tools")]
     probe = (

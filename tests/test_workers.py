@@ -22,6 +22,7 @@ from areal_agents.workers import (
 )
 
 
+@pytest.mark.process
 def test_a_shared_pool_is_one_per_name_and_new_after_a_fork():
     first = shared_pool("test-shared", 1)
     other = shared_pool("test-other", 1)
@@ -129,6 +130,7 @@ class Refused(Exception):
     pass
 
 
+@pytest.mark.process
 def test_start_child_refuses_main_targets_and_names_start_failures(interpreter):
     target = types.FunctionType(in_main.__code__, {}, "serve")
     target.__module__, target.__qualname__ = "__main__", "serve"
@@ -145,6 +147,7 @@ def _torch_threads() -> tuple[str | None, int]:
     return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
 
 
+@pytest.mark.process
 def test_workers_take_the_intra_op_threads_they_are_given():
     pool = WorkerPool(1, name="test-threads", threads=1)
     try:

@@ -19,6 +19,7 @@ from areal_agents.models import load_model
 from areal_agents.trainers.batching import make_micro_batches, token_logprobs
 from areal_agents.types import SamplingParams
 
+SEPARATE_PROCESS = pytest.param("separate_process", marks=pytest.mark.process)  # CommandAgent runs a program
 USER_AGENTS = '''
 from areal_agents.agents import ChatAgent
 
@@ -89,7 +90,7 @@ def masked_runs(traj):
     return runs + ([current] if current else [])
 
 
-@pytest.mark.parametrize("kind", ["subclass", "episode_function", "separate_process"])
+@pytest.mark.parametrize("kind", ["subclass", "episode_function", SEPARATE_PROCESS])
 def test_loss_mask_and_logprobs_are_exact(kind, user_code, tiny_dir, tokenizer):
     spec, kwargs = kinds(user_code)[kind]
     engine = HFEngine(load_model(tiny_dir), seed=3)
@@ -127,7 +128,7 @@ def test_loss_mask_and_logprobs_are_exact(kind, user_code, tiny_dir, tokenizer):
         assert set(traj.versions[i] for i in mask.nonzero().flatten().tolist()) == {0}
 
 
-@pytest.mark.parametrize("kind", ["subclass", "episode_function", "separate_process"])
+@pytest.mark.parametrize("kind", ["subclass", "episode_function", SEPARATE_PROCESS])
 def test_two_training_steps(kind, user_code, tiny_dir):
     spec, kwargs = kinds(user_code)[kind]
     run = user_code / f"rl_{kind}"

@@ -24,6 +24,8 @@ from areal_agents.models import load_model, load_tokenizer, save_tiny_model
 from areal_agents.trainers.sft import conversation_to_segments, sft_update
 from areal_agents.types import SamplingParams, Trajectory
 
+pytestmark = pytest.mark.process
+
 SYSTEM = "You answer weather questions."
 QUESTION = "What is the weather in Paris?"
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -10,6 +10,7 @@ from areal_agents.agents import ChatCapture, ChatProxy, ToolAgent
 from areal_agents.types import SamplingParams
 
 
+@pytest.mark.process
 def test_proxy_sessions_by_path_api_key_and_header(tokenizer):
     engine = ScriptedEngine(tokenizer, ["8", "7", "6"])
     capture = ChatCapture(engine, tokenizer, SamplingParams(max_new_tokens=8), episode_id="ep")

@@ -1,10 +1,12 @@
 """``launcher=ray`` mistakes stop the run at start-up with one line naming the keys (exit code 2)."""
 
+from importlib.util import find_spec
+
 import pytest
 
 from areal_agents.cli import main
 
-pytest.importorskip("ray")
+pytestmark = [pytest.mark.process, pytest.mark.skipif(find_spec("ray") is None, reason="ray is not installed")]
 RECIPE = "examples/arithmetic/rl.yaml"
 
 

@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,11 @@ from areal_agents.trainers.policy import load_trainable
 from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.types import Trajectory
 
-pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.process,
+    pytest.mark.skipif(find_spec("ray") is None, reason="ray is not installed"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "arithmetic" / "rl.yaml"

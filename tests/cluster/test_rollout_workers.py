@@ -4,6 +4,8 @@ run stops with a clear `ClusterError` instead of waiting forever; the ledger bal
 
 import asyncio
 import os
+import sys
+from importlib.util import find_spec
 
 import pytest
 
@@ -11,17 +13,20 @@ from areal_agents.errors import ClusterError, EngineError, EnvError
 from areal_agents.rollout.controller import RolloutController
 from areal_agents.types import Trajectory
 
-ray = pytest.importorskip("ray")
+pytestmark = [pytest.mark.process, pytest.mark.skipif(find_spec("ray") is None, reason="ray is not installed")]
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def worker_actor():
+    """`Worker` as a Ray actor class, on a local cluster that lasts the module."""
+    import ray
+
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors cannot import this test module
+    yield ray.remote(max_restarts=0)(Worker)
     ray.shutdown()
 
 
-@ray.remote(max_restarts=0)
 class Worker:
     """Answers episodes like a `RolloutWorker`; a ``dying`` one is killed (SIGKILL) by its first episode."""
 
@@ -54,10 +59,10 @@ def balanced(ledger) -> bool:
     return ledger.submitted == ended + ledger.worker_failed + ledger.cancelled + ledger.running
 
 
-def test_a_dead_worker_s_episodes_run_again_on_the_other(cluster):
+def test_a_dead_worker_s_episodes_run_again_on_the_other(worker_actor):
     from areal_agents.cluster.rollout_workers import RolloutWorkers
 
-    workers = RolloutWorkers([Worker.remote(True), Worker.remote(False)], recovery_timeout_s=5)
+    workers = RolloutWorkers([worker_actor.remote(True), worker_actor.remote(False)], recovery_timeout_s=5)
 
     async def run():
         c = controller(workers)
@@ -71,10 +76,10 @@ def test_a_dead_worker_s_episodes_run_again_on_the_other(cluster):
     assert c.ledger.worker_failed == 0 and balanced(c.ledger)
 
 
-def test_no_worker_coming_back_stops_the_run_with_the_reason(cluster):
+def test_no_worker_coming_back_stops_the_run_with_the_reason(worker_actor):
     from areal_agents.cluster.rollout_workers import RolloutWorkers
 
-    workers = RolloutWorkers([Worker.remote(True)], recovery_timeout_s=2)
+    workers = RolloutWorkers([worker_actor.remote(True)], recovery_timeout_s=2)
 
     async def run():
         c = controller(workers)

@@ -27,6 +27,8 @@ from areal_agents.models import load_model
 from areal_agents.net import free_port
 from areal_agents.types import GenRequest, SamplingParams
 
+pytestmark = pytest.mark.process
+
 FAULTY = Path(__file__).parent / "faulty_broadcast_server.py"
 PROMPT = [5, 17, 23, 42, 8, 9, 60, 3]
 BUCKET_BYTES = 32 * 1024  # several buckets for the tiny model

@@ -202,6 +202,7 @@ def test_the_prefix_cache_never_crosses_adapters(model, tiny_dir, adapters):
         assert torch.allclose(torch.tensor(resp.output_logprobs), ref, atol=1e-4), key
 
 
+@pytest.mark.process
 def test_process_engine_passes_adapters_through(tiny_dir, adapters):
     reqs = [GenRequest("p", [5, 6, 7], SamplingParams(5, temperature=0.0), lora_name="a2")]
 

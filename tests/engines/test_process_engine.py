@@ -13,6 +13,8 @@ from areal_agents.engines.hf.process_engine import ProcessEngine
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, SamplingParams
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir):

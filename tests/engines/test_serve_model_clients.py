@@ -24,6 +24,8 @@ from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.model_server import ModelServerConfig, build_app
 from areal_agents.models import load_model, load_tokenizer
 
+pytestmark = pytest.mark.process
+
 KEY = "the-admin-key"
 MAX_N = 1000
 

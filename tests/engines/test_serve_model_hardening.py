@@ -89,6 +89,7 @@ def server(tiny_dir, tmp_path_factory):
 # ---- every request is checked before the decode thread -------------------------------------------
 
 
+@pytest.mark.process
 def test_out_of_range_token_ids_are_400_naming_the_field_and_the_server_goes_on(server):
     for ids, field in (
         ([999999], "input_ids[0]"),
@@ -103,6 +104,7 @@ def test_out_of_range_token_ids_are_400_naming_the_field_and_the_server_goes_on(
     assert call(server, "/health")[0] == 200 and call(server, "/health_generate")[0] == 200
 
 
+@pytest.mark.process
 def test_a_prompt_past_the_context_is_400(server):
     reply = call(server, "/generate", {"input_ids": [5] * 5000})
     assert reply[0] == 400 and message(reply).startswith("input_ids: the prompt has 5000 tokens")
@@ -111,6 +113,7 @@ def test_a_prompt_past_the_context_is_400(server):
     assert reply[0] == 400 and message(reply).startswith(f"text[1]: the prompt has {CONTEXT} tokens")
 
 
+@pytest.mark.process
 def test_max_new_tokens_is_capped_at_the_context_left_and_ends_with_length(server):
     body = {"input_ids": [5] * 500, "sampling_params": {"max_new_tokens": 100_000_000, "ignore_eos": True}}
     status, reply = call(server, "/generate", body, timeout=60)
@@ -118,6 +121,7 @@ def test_max_new_tokens_is_capped_at_the_context_left_and_ends_with_length(serve
     assert reply["meta_info"]["finish_reason"] == {"type": "length", "length": CONTEXT - 500}
 
 
+@pytest.mark.process
 def test_malformed_bodies_are_400_not_500(server):
     bad = [
         ('{"input_ids": {"a": 1}}', "input_ids"),
@@ -260,6 +264,7 @@ def test_non_finite_logits_fail_that_request_only(tiny_dir):
 # ---- a failed decode loop: 503, restart; SIGTERM always stops ---------------------------------------
 
 
+@pytest.mark.process
 def test_a_failed_decode_loop_is_503_on_health_and_the_supervisor_restarts_it_simulated_fault(tiny_dir, tmp_path):
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
@@ -294,6 +299,7 @@ def test_a_failed_decode_loop_is_503_on_health_and_the_supervisor_restarts_it_si
         group.stop()
 
 
+@pytest.mark.process
 def test_sigterm_stops_a_server_whose_decode_thread_hangs_simulated_fault(tiny_dir, tmp_path):
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
@@ -315,6 +321,7 @@ def test_sigterm_stops_a_server_whose_decode_thread_hangs_simulated_fault(tiny_d
             proc.wait()
 
 
+@pytest.mark.process
 def test_the_launcher_restarts_a_killed_server_with_the_runs_current_weights(tiny_dir, tmp_path):
     weights_dir = tmp_path / "engine_weights"
     cfg = EngineConfig(backend="serve-model")
@@ -376,6 +383,7 @@ def test_only_complete_weights_pushed_since_the_launch_count(tmp_path, tiny_dir)
     assert pushed_weights(tmp_path / "none", since) is None
 
 
+@pytest.mark.process
 def test_a_503_is_restarted_after_failing_s_and_an_exited_process_at_once(tmp_path):
     """The supervisor's policy against a stand-in server (always 503) and stand-in processes (sleep)."""
     import http.server

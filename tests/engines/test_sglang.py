@@ -104,6 +104,7 @@ def test_client_reads_every_recorded_sglang_reply():
     assert spans.versions == ["7", "7", "8"]
 
 
+@pytest.mark.process
 def test_serve_model_replies_have_sglang_shapes(server, tokenizer):
     url = server.addresses[0]
 
@@ -132,6 +133,7 @@ def test_serve_model_replies_have_sglang_shapes(server, tokenizer):
 # ---- serve-model over HTTP -------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_generate_logprobs_match_a_forward_pass(server, tokenizer, model):
     ids = prompt(tokenizer)
     engine = SGLangEngine(server.addresses)
@@ -148,6 +150,7 @@ def test_generate_logprobs_match_a_forward_pass(server, tokenizer, model):
     assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=1e-4)
 
 
+@pytest.mark.process
 def test_bad_requests_are_400_and_fail_at_once(server, tokenizer):
     url = server.addresses[0]
     ids = prompt(tokenizer)
@@ -169,6 +172,7 @@ def test_bad_requests_are_400_and_fail_at_once(server, tokenizer):
     assert retries == 0
 
 
+@pytest.mark.process
 def test_abort_request_returns_partial_tokens(server, tokenizer):
     url = server.addresses[0]
     body = {
@@ -189,6 +193,7 @@ def test_abort_request_returns_partial_tokens(server, tokenizer):
     assert status == 200 and part.finish == "abort" and 0 < len(part.tokens) < 5000
 
 
+@pytest.mark.process
 def test_pause_aborts_in_flight_and_holds_new_requests_until_continue(server, tokenizer):
     url = server.addresses[0]
     body = {
@@ -237,6 +242,7 @@ def test_dead_server_is_retried_then_a_typed_error():
     assert engine.stats["retries"] == 2
 
 
+@pytest.mark.process
 def test_server_restart_mid_request_is_retried(tiny_dir, tokenizer, tmp_path):
     cfg = EngineConfig(backend="serve-model")
     port = free_port("127.0.0.1")
@@ -269,6 +275,7 @@ def test_server_restart_mid_request_is_retried(tiny_dir, tokenizer, tmp_path):
     assert len(r.output_tokens) == 2000 and r.stop_reason == "length" and engine.stats["retries"] >= 1
 
 
+@pytest.mark.process
 def test_launcher_errors_name_the_problem(tmp_path):
     with pytest.raises(EngineError, match=r"has no sglang module; .*docs/sglang.md"):  # .venv has no SGLang
         launch_servers(EngineConfig(backend="sglang"), "Qwen/Qwen2.5-0.5B-Instruct", log_dir=tmp_path)
@@ -276,6 +283,7 @@ def test_launcher_errors_name_the_problem(tmp_path):
         launch_servers(EngineConfig(backend="serve-model"), str(tmp_path / "no-such-model"), log_dir=tmp_path)
 
 
+@pytest.mark.process
 def test_serve_model_cli_help_lists_the_sglang_flags():
     out = subprocess.run(
         [sys.executable, "-m", "areal_agents.cli", "serve-model", "--help"], capture_output=True, text=True

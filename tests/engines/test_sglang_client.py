@@ -12,6 +12,8 @@ from areal_agents.engines.sglang.client import SGLangEngine
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest, SamplingParams
 
+pytestmark = pytest.mark.process
+
 OK = {
     "text": "hi",
     "output_ids": [7, 8],

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from areal_agents.cluster.engine_servers import check_server_gpus
 from areal_agents.config import EngineConfig
 from areal_agents.engines.local_servers import engine_dtype, launch_servers, server_command, server_gpus
 from areal_agents.errors import ConfigError, EngineError
@@ -60,6 +59,7 @@ def recorded(tmp_path: Path, address: str) -> tuple[dict[str, str], list[str], s
     return flags, args, record["CUDA_VISIBLE_DEVICES"]
 
 
+@pytest.mark.process
 def test_fake_sglang_gets_each_config_key_as_its_flag_and_its_own_gpus(tiny_dir, tmp_path):
     """engine.gpus=[6, 7, 4, 5], tp 2: server 0 sees GPUs 6,7 and server 1 sees 4,5, each from its GPU 0;
     dtype auto is bfloat16 though the checkpoint and model.dtype are float32; extra_args come last."""
@@ -77,6 +77,7 @@ def test_fake_sglang_gets_each_config_key_as_its_flag_and_its_own_gpus(tiny_dir,
         assert "--skip-server-warmup" in args and args[-2:] == ["--context-length", "2048"]
 
 
+@pytest.mark.process
 def test_colocated_sglang_servers_see_the_trainers_gpus_and_count_from_their_index(tiny_dir, tmp_path, monkeypatch):
     """No engine.gpus: CUDA_VISIBLE_DEVICES is the run's own; server i starts at GPU i x tp; dtype as set."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
@@ -91,6 +92,7 @@ def test_colocated_sglang_servers_see_the_trainers_gpus_and_count_from_their_ind
     assert restart[restart.index("--tokenizer-path") + 1] == "/tok" and restart[-1] == "7"
 
 
+@pytest.mark.process
 def test_an_interpreter_without_sglang_is_named_with_the_docs_before_any_server_starts(tiny_dir, tmp_path):
     without = EngineConfig(backend="sglang", sglang_python=str(fake_python(tmp_path, with_sglang=False)))
     with pytest.raises(EngineError, match=r"engine.sglang_python \(.*python-without-sglang\) has no sglang module"):
@@ -120,6 +122,7 @@ def test_vllm_gets_tp_memory_dtype_extra_args_and_its_gpus(tiny_dir, tmp_path, m
     assert args[-1] == "--enforce-eager"
 
 
+@pytest.mark.process
 def test_fake_sglang_serves_adapters_up_to_max_lora_rank_when_it_is_set(tiny_dir, tmp_path):
     """engine.max_lora_rank 24, max_loras 2: --enable-lora, rank 24 (SGLang takes any), every module it can
     adapt (adapters come at run time: nothing to infer them from), 3 adapters a batch (SGLang counts the base
@@ -192,8 +195,11 @@ def test_serve_model_servers_take_one_gpu_each_and_bad_gpu_lists_name_the_key(ti
         server_gpus(EngineConfig(backend="serve-model", num_servers=2, gpus=[3, 3]), 0)
 
 
+@pytest.mark.process  # imports ray
 def test_ray_server_actors_reserve_the_gpus_their_server_needs():
     """Under Ray the actor's reservation places the server (Ray sets its CUDA_VISIBLE_DEVICES)."""
+    from areal_agents.cluster.engine_servers import check_server_gpus
+
     for backend, tp, gpus in [("sglang", 2, 2.0), ("sglang", 1, 0.5), ("vllm", 1, 0.0), ("serve-model", 4, 0.0)]:
         check_server_gpus(EngineConfig(backend=backend, tp=tp), gpus)
     with pytest.raises(ConfigError, match=r"ray.engine_server_gpus=0: each sglang server needs engine.tp=1 GPUs"):

@@ -74,6 +74,7 @@ def test_engine_dtype_auto_is_the_checkpoints_for_vllm_and_the_runs_for_serve_mo
     assert engine_dtype(vllm_config(dtype="float16"), str(tmp_path), "float32") == "float16"
 
 
+@pytest.mark.process
 def test_an_interpreter_without_vllm_is_named_with_the_command_that_builds_one(tiny_dir, tmp_path):
     with pytest.raises(EngineError, match=r"has no vllm module; bash scripts/setup.sh --with-vllm"):
         server_command(vllm_config(), str(tiny_dir), "float32", 8123, 0, scratch=tmp_path)  # .venv has no vLLM

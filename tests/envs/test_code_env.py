@@ -32,6 +32,7 @@ def test_a_sandbox_memory_outside_its_bounds_is_refused(memory_mb):
         gym.make("areal_agents/Code-v0", dataset="mbpp", memory_mb=memory_mb)
 
 
+@pytest.mark.process
 def test_run_then_submit_stdin_problem():
     env = gym.make("areal_agents/Code-v0", dataset="lcb_v5_subset", max_turns=4, max_runs=1)
     obs, info = env.reset(options={"index": index_of("abc365_a")})
@@ -46,6 +47,7 @@ def test_run_then_submit_stdin_problem():
     assert (reward, terminated) == (1.0, True) and info["passed"] == info["total"] > 0
 
 
+@pytest.mark.process
 def test_functional_problem_and_partial_reward():
     env = gym.make("areal_agents/Code-v0", dataset="lcb_hidden3", partial_reward=True)
     obs, _ = env.reset(options={"index": index_of("2727", "lcb_hidden3")})
@@ -67,6 +69,7 @@ def test_no_code_then_out_of_turns():
     assert (reward, terminated) == (0.0, True)
 
 
+@pytest.mark.process
 def test_check_env_and_pickling():
     import pickle
 
@@ -78,6 +81,7 @@ def test_check_env_and_pickling():
     assert len(pickle.dumps(env)) < 50_000
 
 
+@pytest.mark.process
 def test_code_env_through_the_env_server_in_worker_processes():
     import asyncio
 
@@ -99,6 +103,7 @@ def test_code_env_through_the_env_server_in_worker_processes():
     assert (reward, terminated) == (1.0, True) and info["passed"] == info["total"]
 
 
+@pytest.mark.process
 def test_a_served_step_ends_by_the_servers_deadline_whatever_timeout_s_asks():
     """Served, a client's ``timeout_s=90`` is cut to the server's step timeout: the infinite loop is killed
     then, as a timeout verdict, and the thread running the step is free again (the issue's 504s)."""

@@ -26,6 +26,7 @@ def serving(server_class: type[EnvServer], wrap=lambda app: app):
         yield url
 
 
+@pytest.mark.process
 def test_the_python_server_passes_every_check():
     with EnvServerProcess(**LIMITS) as server:
         report = check_env_server(server.url, env_id=ARITHMETIC)
@@ -33,6 +34,7 @@ def test_the_python_server_passes_every_check():
     assert [r.name for r in report.results] == [name for name, _ in CHECKS]
 
 
+@pytest.mark.process
 def test_the_cli_prints_a_line_per_check_and_exits_1_on_a_failure(capsys):
     with EnvServerProcess(**LIMITS) as server:
         assert main(["check-env-server", server.url, "--env-id", ARITHMETIC, "--kwargs", '{"max_turns": 2}']) == 0
@@ -175,6 +177,7 @@ ACTION_LIMIT, OPTIONAL, IDLE = (
 )
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "server_class, failing",
     [
@@ -211,6 +214,7 @@ def one_request_at_a_time(app):
     return serve
 
 
+@pytest.mark.process
 def test_a_server_that_slow_clients_stall_fails_the_slow_client_check():
     with serving(EnvServer, wrap=one_request_at_a_time) as url:
         report = check_env_server(url, env_id=ARITHMETIC, kwargs={"max_turns": 3})
@@ -219,6 +223,7 @@ def test_a_server_that_slow_clients_stall_fails_the_slow_client_check():
     assert "GET /health on a new connection got no 200 within 1 s" in line
 
 
+@pytest.mark.process
 def test_without_limits_in_health_nothing_else_is_checked():
     with serving(NoLimitsInHealth) as url:
         report = check_env_server(url, env_id=ARITHMETIC)

@@ -20,6 +20,8 @@ needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewr
 UPSTREAM_FAILS = {642}
 
 
+@pytest.mark.slow  # 30-60 s each on 2 cores: kept out of the default run
+@pytest.mark.process
 def test_the_issue_command_checks_both_default_envs():
     code = (
         "import gymnasium as gym, areal_agents; from gymnasium.utils.env_checker import check_env; "
@@ -51,6 +53,7 @@ def test_code_default_is_mbpp_train_disjoint_from_the_test_sample():
     assert all(t not in observation for t in row["test_list"][1:])  # the rest stay hidden
 
 
+@pytest.mark.process
 @needs_bwrap
 def test_mbpp_runs_show_the_public_test_and_submissions_face_all_tests():
     env = gym.make("areal_agents/Code-v0", max_runs=1).unwrapped
@@ -67,6 +70,7 @@ def test_mbpp_runs_show_the_public_test_and_submissions_face_all_tests():
     assert reward == 1.0 and info["passed"] == info["total"] == 1  # one program runs every assert
 
 
+@pytest.mark.process
 @needs_bwrap
 def test_humaneval_submissions_are_whole_functions():
     env = gym.make("areal_agents/Code-v0", dataset="humaneval", max_runs=1).unwrapped
@@ -99,6 +103,7 @@ def test_every_bundled_mbpp_train_reference_passes_but_the_known_upstream_one():
     assert failing == UPSTREAM_FAILS
 
 
+@pytest.mark.process
 def test_math_env_in_a_process_mode_pool_scores_its_answers():
     """A process-mode pool's workers are daemonic and cannot start the verification pool: scored in place."""
     import asyncio

@@ -9,6 +9,7 @@ from areal_agents.errors import EnvError
 from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerPool
 
 FAULTY = "areal_agents_testing/Faulty-v0"
+PROCESS = pytest.param("process", marks=pytest.mark.process)
 
 
 async def episode(pool, action, seed=0):
@@ -20,7 +21,7 @@ async def episode(pool, action, seed=0):
         await env.aclose()
 
 
-@pytest.mark.parametrize("mode", ["inline", "thread", "process"])
+@pytest.mark.parametrize("mode", ["inline", "thread", PROCESS])
 def test_modes_agree_with_the_plain_env(mode):
     from areal_agents.envs import make_env
 
@@ -42,7 +43,7 @@ def run_sync(coro):
     return asyncio.run(coro)
 
 
-@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("mode", ["thread", PROCESS])
 def test_env_exception_is_a_typed_env_error_and_others_carry_on(mode):
     async def run():
         pool = LocalEnvPool(mode, workers=2, step_timeout=10)
@@ -57,7 +58,7 @@ def test_env_exception_is_a_typed_env_error_and_others_carry_on(mode):
     assert good[1] == 1.0
 
 
-@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("mode", ["thread", PROCESS])
 def test_hang_past_timeout_is_a_timeout(mode):
     async def run():
         pool = LocalEnvPool(mode, workers=2, step_timeout=0.5)  # cold workers: start-up is not call time
@@ -71,6 +72,7 @@ def test_hang_past_timeout_is_a_timeout(mode):
     assert good[1] == 1.0
 
 
+@pytest.mark.process
 def test_dead_worker_fails_only_its_episode():
     async def run():
         pool = LocalEnvPool("process", workers=2, step_timeout=10)
@@ -86,6 +88,7 @@ def test_dead_worker_fails_only_its_episode():
     assert good[1] == 1.0 and after[1] == 1.0
 
 
+@pytest.mark.process
 def test_worker_pool_errors_are_typed():
     async def run():
         pool = WorkerPool(workers=1)
@@ -159,6 +162,7 @@ def test_a_process_pool_refuses_an_env_defined_in_main():
         del gym.registry["areal_agents_testing/ScriptEnv-v0"]
 
 
+@pytest.mark.process
 def test_env_threads_and_workers_compute_with_one_intra_op_thread():
     import torch
 

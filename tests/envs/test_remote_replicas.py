@@ -13,6 +13,7 @@ from areal_agents.errors import EnvError
 ENV = "areal_agents/Arithmetic-v0"
 
 
+@pytest.mark.process
 def test_sessions_spread_and_survive_a_lost_replica():
     with EnvServerProcess(workers=1) as a, EnvServerProcess(workers=1) as b, EnvServerProcess(workers=1) as c:
         resolved = []
@@ -65,6 +66,7 @@ def test_no_replica_answering_is_the_unreachable_error():
     assert caught.value.kind == "unreachable"  # an env failure: the episode runner retries it
 
 
+@pytest.mark.process
 def test_a_creation_waits_for_a_place_when_every_server_is_at_its_cap():
     """A run may want more episodes at once than the servers take: a 429 waits for a closed session, on any
     replica, and only a cap that stays full for the pool's timeout is an error."""

@@ -47,6 +47,7 @@ def open_sessions(server):
     return request(server, "GET", "/health")[1]["sessions_open"]
 
 
+@pytest.mark.process
 def test_episode_and_listing(server):
     status, envs = request(server, "GET", "/v1/envs")
     ids = {e["id"]: e["description"] for e in envs["envs"]}
@@ -57,6 +58,7 @@ def test_episode_and_listing(server):
     assert request(server, "DELETE", f"/v1/sessions/{sid}")[1] == {"session_id": sid, "closed": True}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "method, path, body, raw, status, type_, text",
     [
@@ -101,6 +103,7 @@ def test_bad_requests_are_4xx_naming_the_problem(server, method, path, body, raw
     assert request(server, "GET", "/health")[0] == 200  # still serving
 
 
+@pytest.mark.process
 def test_action_over_limit_and_finished_episode(server):
     sid = create(server)
     status, body = request(server, "POST", f"/v1/sessions/{sid}/step", {"action": "a" * 101})
@@ -112,6 +115,7 @@ def test_action_over_limit_and_finished_episode(server):
     request(server, "DELETE", f"/v1/sessions/{sid}")
 
 
+@pytest.mark.process
 def test_faults_end_only_their_episode(server):
     before = open_sessions(server)
     healthy = create(server)
@@ -128,6 +132,7 @@ def test_faults_end_only_their_episode(server):
     assert errors["env_error"] >= 1 and errors["timeout"] >= 1
 
 
+@pytest.mark.process
 def test_batched_step_mixes_results_and_errors(server):
     a, b = create(server), create(server)
     status, body = request(
@@ -150,6 +155,7 @@ def test_batched_step_mixes_results_and_errors(server):
     request(server, "DELETE", f"/v1/sessions/{a}")
 
 
+@pytest.mark.process
 def test_session_cap_is_429_and_sessions_do_not_leak(server):
     before = open_sessions(server)
     ids = []
@@ -167,6 +173,7 @@ def test_session_cap_is_429_and_sessions_do_not_leak(server):
     assert open_sessions(server) == before
 
 
+@pytest.mark.process
 def test_idle_sessions_expire():
     with EnvServerProcess(idle_timeout=0.3, module=TESTING) as s:
         create(s, "areal_agents_testing/Echo-v0")
@@ -176,6 +183,7 @@ def test_idle_sessions_expire():
         assert request(s, "GET", "/metrics")[1]["sessions_expired"] == 1
 
 
+@pytest.mark.process
 def test_dead_worker_process_fails_only_its_episode():
     with EnvServerProcess(mode="process", workers=2, module=TESTING) as s:
         other = create(s)
@@ -187,6 +195,7 @@ def test_dead_worker_process_fails_only_its_episode():
         assert request(s, "GET", "/health")[0] == 200
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("batch_steps", [True, False])
 def test_remote_env_client(server, batch_steps):
     async def run():
@@ -227,6 +236,7 @@ def test_unreachable_server_is_a_typed_error():
         asyncio.run(run())
 
 
+@pytest.mark.process
 def test_openapi_documents_every_route(server):
     status, spec = request(server, "GET", "/openapi.json")
     assert status == 200
@@ -244,6 +254,7 @@ def test_openapi_documents_every_route(server):
     assert {"CreateSession", "StepResult", "BatchStepRequest", "ErrorResponse"} <= set(schemas)
 
 
+@pytest.mark.process
 def test_an_unknown_env_id_is_answered_with_the_ids_served(server):
     status, body = request(server, "POST", "/v1/sessions", {"env_id": "cpp/GuessNumber-v0"})
     message = body["error"]["message"]

@@ -96,6 +96,7 @@ def create(port, env_id, **fields):
 # -- a request imports nothing ----------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_an_env_id_naming_a_module_imports_nothing(user_module):
     name, marker = user_module
     with serving(modules=[TESTING]) as port:
@@ -109,6 +110,7 @@ def test_an_env_id_naming_a_module_imports_nothing(user_module):
     assert not marker.exists() and name not in sys.modules
 
 
+@pytest.mark.process
 def test_module_class_ids_resolve_in_modules_imported_at_start(user_module):
     """A run's ``env.id=module:Class`` (with or without ``env.module``): its server imports the module at start."""
     from areal_agents.envs.registry import modules_for
@@ -125,6 +127,7 @@ def test_module_class_ids_resolve_in_modules_imported_at_start(user_module):
         assert status == 200, body
 
 
+@pytest.mark.process
 def test_env_kwargs_naming_an_object_pick_it_only_from_start_up_modules():
     """Math-v0's ``reward`` names a ``module:attr``: ``builtins:exec`` with ``reward_mode=inline`` would make
     the server exec every action the client sends. Within a request, only a --module may be named."""
@@ -134,6 +137,7 @@ def test_env_kwargs_naming_an_object_pick_it_only_from_start_up_modules():
         assert status == 400 and "--module builtins" in body["error"]["message"], body
 
 
+@pytest.mark.process
 def test_a_run_through_its_own_env_server_serves_its_module_class_id(user_module, tmp_path, monkeypatch):
     """``env.backend=server`` with ``env.id=module:Class`` and no ``env.module``: the run's server imports it."""
     name, _ = user_module
@@ -152,6 +156,7 @@ def test_a_run_through_its_own_env_server_serves_its_module_class_id(user_module
 # -- the session cap ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_session_cap_holds_under_concurrent_creations():
     async def creations(port, n):
         async with aiohttp.ClientSession() as client:
@@ -174,6 +179,7 @@ def test_session_cap_holds_under_concurrent_creations():
 # -- the client's mistakes are 4xx -------------------------------------------------------------------------
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("mode", ["thread", "process"])  # process: the error crosses from a worker process
 def test_bad_seed_kwargs_and_options_are_400_and_an_env_bug_stays_500(user_module, mode):
     name, _ = user_module
@@ -195,6 +201,7 @@ def test_bad_seed_kwargs_and_options_are_400_and_an_env_bug_stays_500(user_modul
 # -- every oversized body is 413 ---------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_every_oversized_body_is_413_with_the_documented_shape():
     def chunks(total, size=1000):
         payload = json.dumps({"env_id": "areal_agents_testing/Echo-v0", "kwargs": {"target": "x" * total}}).encode()

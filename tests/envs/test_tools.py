@@ -81,6 +81,7 @@ def test_check_env_passes_on_the_wrapped_env():
         check_env(make())
 
 
+@pytest.mark.process
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 def test_code_runner_is_a_tool():
     env = ToolEnv(gym.make("areal_agents/Arithmetic-v0"), tools=[python_runner()])

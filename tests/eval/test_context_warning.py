@@ -4,11 +4,14 @@ hint at it."""
 
 import asyncio
 
+import pytest
+
 from areal_agents.cli import main
 from areal_agents.models.loading import model_context, warn_prompts_over_context
 from areal_agents.rollout.held_out import evaluate
 
 
+@pytest.mark.process
 def test_eval_names_the_prompts_longer_than_the_context(tmp_path, tiny_dir, capsys):
     # 8 of AIME 2024's 30 problems render past the tiny model's 512 positions
     assert model_context(tiny_dir) == 512

@@ -84,6 +84,7 @@ def run(tmp_path, tokenizer, dataset, golds, right, n, breakdown=(), num_problem
     return asyncio.run(evaluate_dataset(settings, engine, tokenizer, tmp_path / "out", progress=False))
 
 
+@pytest.mark.process
 def test_aime24_metrics_are_exact(tmp_path, tokenizer):
     golds = [json.loads(line)["answer"] for line in lines("aime24")]
     assert len(golds) == 30
@@ -107,6 +108,7 @@ def test_aime24_metrics_are_exact(tmp_path, tokenizer):
     assert first["finish_reason"] == "stop" and first["tokens"] > 0
 
 
+@pytest.mark.process
 def test_math500_slice_with_latex_answers_and_breakdown(tmp_path, tokenizer):
     rows = [json.loads(line) for line in lines("math500")[:20]]
     sliced = tmp_path / "math500_slice.jsonl"
@@ -123,6 +125,7 @@ def test_math500_slice_with_latex_answers_and_breakdown(tmp_path, tokenizer):
     assert sum(v["problems"] for v in summary["by_level"].values()) == 20
 
 
+@pytest.mark.process
 def test_an_interrupted_run_resumes_with_what_it_scored(tmp_path, tokenizer):
     golds = [json.loads(line)["answer"] for line in lines("aime24")]
     # an earlier run of the same settings scored (0, 0) as wrong (kept as is), then was cut mid-line
@@ -134,6 +137,7 @@ def test_an_interrupted_run_resumes_with_what_it_scored(tmp_path, tokenizer):
     assert summary["avg@1"] == pytest.approx(29 / 30)  # the kept sample was not run again
 
 
+@pytest.mark.process
 def test_cli_eval_of_the_tiny_model_on_a_math500_slice(tmp_path, tiny_dir, capsys):
     from areal_agents.cli import main
 
@@ -173,6 +177,7 @@ class ScriptedCodeEngine(InferenceEngine):
         return GenResponse(tokens, [-0.1] * len(tokens), [0] * len(tokens), "stop")
 
 
+@pytest.mark.process
 def test_lcb_hidden_tests_through_the_sandbox(tmp_path, tokenizer):
     from areal_agents.eval.presets import PRESETS
 
@@ -198,6 +203,7 @@ def test_lcb_hidden_tests_through_the_sandbox(tmp_path, tokenizer):
     assert "maj@1" not in summary  # code has no answer to vote on
 
 
+@pytest.mark.process
 def test_lcb_date_window_filters_problems(tmp_path, tokenizer):
     rows = [json.loads(line) for line in lines("lcb_v5_subset")]
     window = ("2024-09-01", "2024-10-01")
@@ -252,6 +258,7 @@ LCB_SUBSET_WRONG = {
 }
 
 
+@pytest.mark.process
 def test_lcb_subset_right_and_wrong_solutions(tmp_path, tokenizer):
     def reply(i, j):  # four problems: right on sample 0, wrong on sample 1; the rest: a wrong program
         code = (LCB_SUBSET_RIGHT if j == 0 else LCB_SUBSET_WRONG).get(i, "print(0)\n")
@@ -274,6 +281,7 @@ def test_lcb_subset_right_and_wrong_solutions(tmp_path, tokenizer):
     assert {r["index"] for r in rows if r["correct"]} == set(LCB_SUBSET_RIGHT)
 
 
+@pytest.mark.process
 def test_eval_config_file_and_its_errors(tmp_path, tiny_dir):
     from areal_agents.cli import main
 

@@ -23,6 +23,7 @@ def samples(out):
     return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.process
 def test_checkpoint_b_after_a_gets_its_own_default_directory(tmp_path, monkeypatch, tiny_dir, other_model):
     monkeypatch.chdir(tmp_path)
     assert main([*EVAL, "--model", str(tiny_dir), "--n-samples", "1"]) == 0
@@ -38,6 +39,7 @@ def test_checkpoint_b_after_a_gets_its_own_default_directory(tmp_path, monkeypat
     assert len(samples(first)) == 3 and not (tmp_path / "runs" / "eval" / "aime24-3").exists()
 
 
+@pytest.mark.process
 def test_an_explicit_out_of_another_run_stops_and_says_what_differs(tmp_path, tiny_dir, other_model, capsys):
     out = str(tmp_path / "out")
     assert main([*EVAL, "--model", str(tiny_dir), "--out", out]) == 0
@@ -50,6 +52,7 @@ def test_an_explicit_out_of_another_run_stops_and_says_what_differs(tmp_path, ti
     assert {s["run"]["model"] for s in samples(tmp_path / "out")} == {str(tiny_dir)}  # refused: untouched
 
 
+@pytest.mark.process
 def test_overwrite_replaces_another_runs_samples_in_an_explicit_out(tmp_path, tiny_dir, other_model):
     out = tmp_path / "out"
     assert main([*EVAL, "--model", str(tiny_dir), "--out", str(out)]) == 0
@@ -61,6 +64,7 @@ def test_overwrite_replaces_another_runs_samples_in_an_explicit_out(tmp_path, ti
     assert not (out / "failures.log").exists() or "old run" not in (out / "failures.log").read_text()
 
 
+@pytest.mark.process
 def test_more_samples_of_the_same_run_resume_and_add(tmp_path, tiny_dir):
     out = tmp_path / "out"
     assert main([*EVAL, "--model", str(tiny_dir), "--out", str(out), "--n-samples", "1"]) == 0

@@ -73,6 +73,7 @@ def test_all_humaneval_canonical_solutions_pass_and_mutants_fail(judge):
     assert not false_passes
 
 
+@pytest.mark.process
 def test_mbpp_samples_pass_and_off_by_one_mutants_fail(judge):
     data = rows("mbpp_test20")
     assert len(data) == 20
@@ -83,6 +84,7 @@ def test_mbpp_samples_pass_and_off_by_one_mutants_fail(judge):
         assert not judge.judge_mbpp(wrong, r).all_passed, r["task_id"]
 
 
+@pytest.mark.process
 def test_stdin_cases_give_exactly_their_expected_pass(judge):
     cases = [json.loads(line) for line in (FIXTURES / "code_stdin_verl_prime.jsonl").read_text().splitlines()]
     assert len(cases) == 12
@@ -106,6 +108,7 @@ WRONG = {
 }
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("qid", list(CORRECT))
 def test_livecodebench_hidden_tests_judge_correct_and_incorrect(judge, qid):
     (row,) = [r for r in rows("lcb_hidden3") if r["question_id"] == qid]

@@ -39,6 +39,7 @@ def test_subclass_reshapes_rows(tmp_path):
     assert load_task_dataset(str(path), cls=Upper)[0]["prompt"] == "HI"
 
 
+@pytest.mark.process
 def test_math_env_single_and_multi_turn():
     env = gym.make("areal_agents/Math-v0", dataset="aime24", max_turns=2, turn_discount=0.5)
     obs, info = env.reset(seed=1)
@@ -55,6 +56,7 @@ def test_math_env_single_and_multi_turn():
     assert single.step(f"The answer is $\\boxed{{{gold}}}$")[1] == pytest.approx(1.1)
 
 
+@pytest.mark.process
 def test_math_env_passes_check_env():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -97,6 +99,7 @@ def test_every_aime_problem_is_a_valid_observation():
         assert observation in env.observation_space, i
 
 
+@pytest.mark.process
 def test_math_env_inline_step_is_bounded_on_a_hostile_answer(finishes_within):
     """reward_mode="inline" verifies in the calling process: a tower of powers still ends the step in time,
     as a wrong answer that says why."""

@@ -15,6 +15,7 @@ from areal_agents.rewards.service import RewardService
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "data"
 
 
+@pytest.mark.process  # all but the plain numbers go to math-verify's worker processes
 @pytest.mark.parametrize(
     "completion, gold, expected",
     [
@@ -38,6 +39,7 @@ def test_verify_math(completion, gold, expected):
     assert verify_math(completion, gold) is expected
 
 
+@pytest.mark.process
 def test_fast_path_settles_plain_numbers_without_sympy():
     assert check_math("\\boxed{1,000}", "1000").method == "fast"
     assert check_math("42", "42").method == "fast"
@@ -93,6 +95,7 @@ SERVICE_CASES = ("huge power", "huge factorial", "deep braces", "100 KB", "malfo
 NOT_COMPARED = {"refused", "timeout", "error"}  # the methods that come with a reason
 
 
+@pytest.mark.process
 def test_adversarial_inputs_return_in_bound_with_a_reason_in_process_from_a_thread(finishes_within):
     """verify_math called in this process, off the main thread (math-verify's signal timeouts cannot work
     there): each input returns a wrong answer within the bound, and says why when it was not compared."""
@@ -110,6 +113,7 @@ def test_adversarial_inputs_return_in_bound_with_a_reason_in_process_from_a_thre
     assert finishes_within(bound, verify_math, "\\boxed{\\frac{1}{2}}", "0.5", config)  # still serving
 
 
+@pytest.mark.process
 def test_adversarial_inputs_stay_within_the_timeout_and_the_pool_survives():
     timeout = 3.0
 
@@ -136,6 +140,7 @@ def test_adversarial_inputs_stay_within_the_timeout_and_the_pool_survives():
     assert metrics["calls"] == len(SERVICE_CASES) + 2
 
 
+@pytest.mark.process
 def test_reward_errors_and_missing_keys_are_typed():
     async def run():
         service = RewardService(workers=1, timeout=5.0)

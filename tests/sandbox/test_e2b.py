@@ -31,6 +31,7 @@ def run_runner_here(code, stdin=None, timeout_s=5.0, memory_mb=256, files=None, 
     return Execution(logs=Logs(stdout=[out.stdout], stderr=[out.stderr]))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "code, kwargs, status, stdout",
     [
@@ -76,6 +77,7 @@ except OSError as e:
 """
 
 
+@pytest.mark.process
 def test_runner_limits_processes_and_file_size_and_leaves_nothing_running():
     result = execution_to_result(run_runner_here(LIMITS_PROGRAM, max_processes=8, max_file_mb=1), wall_s=0.1)
     limits, *lines = result.stdout.splitlines()
@@ -145,6 +147,7 @@ def fake_cloud(monkeypatch):
     return FakeAsyncSandbox.made
 
 
+@pytest.mark.process
 def test_arun_on_a_fake_async_sandbox_pools_sandboxes_with_internet_off(fake_cloud):
     sandbox = E2BSandbox(api_key="test-key", pool_size=1, sandbox_uid=TEST_UID)
 
@@ -176,6 +179,7 @@ def test_arun_on_a_fake_async_sandbox_pools_sandboxes_with_internet_off(fake_clo
     assert sandbox.stats == {"created": 3, "reused": 3, "killed": 3}
 
 
+@pytest.mark.process
 def test_sync_runs_share_the_pool(fake_cloud):
     sandbox = E2BSandbox(api_key="test-key", sandbox_uid=TEST_UID)
     assert [sandbox.run(f"print({i})").stdout for i in range(3)] == ["0\n", "1\n", "2\n"]
@@ -183,6 +187,7 @@ def test_sync_runs_share_the_pool(fake_cloud):
     assert len(fake_cloud) == 1 and fake_cloud[0].runs == 3 and fake_cloud[0].killed
 
 
+@pytest.mark.process
 def test_idle_sandboxes_of_a_finished_loop_are_killed_by_close(fake_cloud):
     sandbox = E2BSandbox(api_key="test-key", sandbox_uid=TEST_UID)
     assert asyncio.run(sandbox.arun("print(1)")).stdout == "1\n"  # its loop is closed; its sandbox idles
@@ -206,6 +211,7 @@ print(E2BSandbox(api_key="test-key", sandbox_uid=tests.TEST_UID).run("print(1)")
 """
 
 
+@pytest.mark.process
 def test_a_fake_sandbox_left_idle_is_killed_at_interpreter_exit():
     """``E2BSandbox().run(...)`` in a one-off script: its sandbox does not idle, billed, until e2b ends it."""
     out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, __file__], capture_output=True, text=True, timeout=120)

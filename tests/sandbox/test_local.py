@@ -10,7 +10,10 @@ import pytest
 from areal_agents.sandbox import LocalSandbox, SandboxUnavailable
 from areal_agents.sandbox.local import _HOST_UID_BASE
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+pytestmark = [
+    pytest.mark.process,
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed"),
+]
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["warm", "cold"])

@@ -23,6 +23,8 @@ from areal_agents.envs import make_env
 from areal_agents.models import load_tokenizer
 from areal_agents.net import free_port
 
+pytestmark = pytest.mark.process
+
 SDK = Path(__file__).resolve().parents[2] / "sdk" / "cpp"
 GUESS = "cpp/GuessNumber-v0"
 LIMITS = ["--max-sessions", "16", "--max-body-bytes", "65536", "--max-action-chars", "1000", "--idle-timeout", "5"]

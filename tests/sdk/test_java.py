@@ -19,6 +19,8 @@ from areal_agents.envs import make_env
 from areal_agents.models import load_tokenizer
 from areal_agents.net import free_port
 
+pytestmark = pytest.mark.process
+
 SDK = Path(__file__).parents[2] / "sdk" / "java"
 GRID = "java/GridPuzzle-v0"
 GRID_LIMITS = ["--max-sessions", "16", "--max-body-bytes", "65536", "--max-action-chars", "1000", "--idle-timeout", "5"]

@@ -96,6 +96,7 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
         torch.testing.assert_close(got[k], w, rtol=0, atol=1e-5, msg=f"{what}: {k}")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_two_fsdp_ranks_take_the_single_process_steps(two_ranks, tiny_dir, name):
     _, ranks = two_ranks
@@ -116,6 +117,7 @@ def test_two_fsdp_ranks_take_the_single_process_steps(two_ranks, tiny_dir, name)
         assert ranks[name]["stats"][0]["critic_grad_norm"] == pytest.approx(stats[0]["critic_grad_norm"], rel=1e-4)
 
 
+@pytest.mark.process
 def test_a_two_rank_checkpoint_resumes_on_two_ranks_and_on_one(two_ranks, tiny_dir):
     out, ranks = two_ranks
     continued = ranks[RESUMED]

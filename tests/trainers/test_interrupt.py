@@ -127,6 +127,7 @@ def test_sigint_in_a_rollout_abandons_the_step_and_in_an_update_finishes_it(tmp_
 # ---- real signals to a real process --------------------------------------------------------------
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("sig, code, extra", [("SIGINT", 130, []), ("SIGTERM", 143, ["rollout.max_staleness=1"])])
 def test_a_signal_to_train_checkpoints_the_last_finished_step_and_resume_continues(
     tmp_path, tiny_dir, sig, code, extra

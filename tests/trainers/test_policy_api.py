@@ -45,6 +45,7 @@ def moved_policy(tiny_dir) -> Policy:
     return policy
 
 
+@pytest.mark.process  # imports Ray (DistributedPolicy)
 def test_each_policy_class_implements_every_protocol_member():
     """Each class defines every method of `TrainablePolicy` (and its `WeightSource`), async where the protocol's
     is; ``name``, ``engine`` and ``weight_sync`` are set per instance."""
@@ -125,6 +126,7 @@ def test_in_process_sync_swaps_the_weights_and_bumps_the_version(tiny_dir):
     policy.close()
 
 
+@pytest.mark.process
 def test_disk_sync_has_a_real_serve_model_load_the_weights_and_tag_the_version(tiny_dir, tmp_path):
     """Each push writes ``vN``, the server generates with it (logprobs of the pushed weights, tokens tagged
     N) and older copies than N - 1 go; `announce` retags without loading."""

@@ -17,6 +17,7 @@ from areal_agents.trainers.trainer_process import ProcessPolicy, rank_environmen
 from tests.trainers.test_trainer_process import batch
 
 
+@pytest.mark.process
 def test_two_rank_processes_train_push_and_checkpoint_as_one_process(tiny_dir, tmp_path):
     cfg = TrainConfig(run_dir=str(tmp_path))
     cfg.model.path = str(tiny_dir)

@@ -20,6 +20,8 @@ from areal_agents.trainers.run_state import save_run
 from areal_agents.trainers.trainer_process import ProcessPolicy, TrainerProcessError
 from areal_agents.types import Trajectory
 
+pytestmark = pytest.mark.process
+
 
 def batch(vocab: int, n_groups: int = 3, group_size: int = 4) -> list[Trajectory]:
     rng = random.Random(0)
