@@ -71,6 +71,7 @@ def test_each_policy_class_implements_every_protocol_member():
     assert Policy.streams and ProcessPolicy.streams
 
 
+@pytest.mark.process  # imports Ray (DistributedPolicy)
 def test_a_policy_that_takes_batches_whole_trains_the_parts_at_finish():
     """`update_part` of a non-streaming policy keeps the parts; `finish_update` is one `update` of them all."""
     pytest.importorskip("ray")
