@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -24,7 +25,7 @@ import ray
 from areal_agents.cluster.engine_servers import EngineServers
 from areal_agents.cluster.env_servers import EnvServers
 from areal_agents.cluster.rollout_workers import RolloutWorkers
-from areal_agents.cluster.trainer_group import DistributedPolicy
+from areal_agents.cluster.trainer_group import RayTransport
 from areal_agents.config import EngineConfig, TrainConfig
 from areal_agents.data.sources import datasets_in
 from areal_agents.engines.server_control import ADMIN_KEY_ENV
@@ -35,6 +36,7 @@ from areal_agents.errors import ConfigError
 from areal_agents.rollout.episodes import EpisodeFn
 from areal_agents.trainers.local_launcher import lora_serving
 from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec, policy_starts
+from areal_agents.trainers.remote_policy import RemotePolicy
 
 log = logging.getLogger(__name__)
 
@@ -87,17 +89,17 @@ class RayLauncher:
         r, lora = self.cfg.ray, spec.lora is not None
         e = self._engine_config()
         served = init_path if lora else model_path
-        launch = lambda: self._servers(e, served, spec.dtype)  # noqa: E731  (only when this policy needs them)
+        launch = functools.partial(self._servers, e, served, spec.dtype)  # called only when this policy needs them
         s = self.serving.open(name, e, served, spec.dtype, lora=lora, servers=launch)
         if s.servers is not None:
             self.addresses[name], self.servers_key = s.servers.addresses, s.servers.admin_key
         else:  # a LoRA policy on the base model's servers, opened with the first
             self.addresses[name] = next(iter(self.addresses.values()))
         try:
-            cpus, gpus = r.trainer_cpus, r.trainer_gpus
-            return DistributedPolicy(
-                name, spec, model_path, init_path, s.engine, s.sync, s.servers, r.trainer_ranks, cpus, gpus
-            )  # the recipe closes it
+            ranks = RayTransport.launch(
+                spec, name, model_path, init_path, r.trainer_ranks, r.trainer_cpus, r.trainer_gpus
+            )
+            return RemotePolicy(name, spec, s, ranks)  # the recipe closes it
         except BaseException:
             if s.servers is not None:
                 s.servers.stop()

@@ -1,6 +1,6 @@
 """`LocalLauncher`: a run on this machine (``launcher: local``). Each policy trains in a thread of this
-process (`Policy`), in a process of its own (``ppo.trainer: process``, `ProcessPolicy`) or in
-``ppo.nproc_per_node`` FSDP2 rank processes (`ProcessPolicy` with ranks) and serves through
+process (`Policy`), or as a `RemotePolicy` over pipes (`PipeTransport`) to a process of its own
+(``ppo.trainer: process``) or ``ppo.nproc_per_node`` FSDP2 rank processes, and serves through
 the configured engine: in this process (weights swapped in place), or launched model servers (weights
 through disk). Envs and episodes run in this process too.
 
@@ -27,7 +27,8 @@ from areal_agents.rollout.episodes import EpisodeFn
 from areal_agents.trainers.lora import LoraBase
 from areal_agents.trainers.policy import SHARED, Policy, load_trainable
 from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec, policy_starts
-from areal_agents.trainers.trainer_process import ProcessPolicy
+from areal_agents.trainers.remote_policy import RemotePolicy
+from areal_agents.trainers.trainer_process import PipeTransport
 
 
 class LocalLauncher:
@@ -50,12 +51,8 @@ class LocalLauncher:
             return self._open_lora_policy(name, model_path, init_path, spec)
         s = self.open_serving(name, model_path)
         try:
-            nproc = self.cfg.ppo.nproc_per_node
-            if nproc > 1:
-                gpus = list(self.cfg.engine.gpus)
-                return ProcessPolicy(name, spec, model_path, init_path, s.engine, s.sync, s.servers, nproc, gpus)
-            if self.cfg.ppo.trainer == "process":
-                return ProcessPolicy(name, spec, model_path, init_path, s.engine, s.sync, s.servers)
+            if self.cfg.ppo.nproc_per_node > 1 or self.cfg.ppo.trainer == "process":
+                return RemotePolicy(name, spec, s, self._spawn_trainer(name, model_path, init_path, spec))
             return load_trainable(name, spec, model_path, init_path, serving=s)
         except BaseException:
             s.close()  # its decode thread, or an engine process of its own; its servers
@@ -73,11 +70,9 @@ class LocalLauncher:
         every adapter of the run (opened with the first): its adapter goes by `LoraSync`. In a trainer thread its
         adapter sits on the run's one trained base (`LoraBase`); a trainer process or FSDP2 ranks hold their own."""
         s = self.open_serving(name, init_path, lora=True)  # servers: the first policy's, which stops them
-        nproc = self.cfg.ppo.nproc_per_node
         try:
-            if nproc > 1 or self.cfg.ppo.trainer == "process":  # its own base in its trainer process(es)
-                gpus = list(self.cfg.engine.gpus)
-                return ProcessPolicy(name, spec, model_path, init_path, s.engine, s.sync, s.servers, nproc, gpus)
+            if self.cfg.ppo.nproc_per_node > 1 or self.cfg.ppo.trainer == "process":  # its own base there
+                return RemotePolicy(name, spec, s, self._spawn_trainer(name, model_path, init_path, spec))
             if self.lora_base is None:
                 self.lora_base = LoraBase(init_path, spec.dtype)
             return load_trainable(name, spec, model_path, init_path, lora_base=self.lora_base, serving=s)
@@ -85,6 +80,11 @@ class LocalLauncher:
             if s.servers is not None:
                 s.servers.stop()
             raise
+
+    def _spawn_trainer(self, name: str, model_path: str, init_path: str, spec: TrainSpec) -> PipeTransport:
+        """The trainer in a process of its own, or ``ppo.nproc_per_node`` FSDP2 rank processes."""
+        nproc, gpus = self.cfg.ppo.nproc_per_node, list(self.cfg.engine.gpus)
+        return PipeTransport.spawn(spec, name, model_path, init_path, nproc, gpus)
 
     def env_backend(self) -> EnvBackend | None:
         return None  # the config's
@@ -100,7 +100,7 @@ class LocalLauncher:
 
 
 def open_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, run_dir: Path) -> Policy:
-    """A `Policy` (or `ProcessPolicy`) of the run ``cfg`` and its engine, as `LocalLauncher` opens it."""
+    """A `Policy` (or `RemotePolicy`) of the run ``cfg`` and its engine, as `LocalLauncher` opens it."""
     pad = pad_token_id(load_tokenizer(cfg.model.path))
     return LocalLauncher(cfg, run_dir).open_policy(name, model_path, init_path, TrainSpec.of(cfg, pad))
 

@@ -5,8 +5,9 @@ Implementations of `TrainablePolicy`:
 
 =========================================================  ==================================================
 `areal_agents.trainers.policy.Policy`                      updates in a thread of this process
-`areal_agents.trainers.trainer_process.ProcessPolicy`      updates in a spawned process (``ppo.trainer``)
-`areal_agents.cluster.trainer_group.DistributedPolicy`     updates on data-parallel Ray actors
+`areal_agents.trainers.remote_policy.RemotePolicy`         updates elsewhere, through a `TrainerTransport`:
+                                                           spawned processes (`PipeTransport`, ``ppo.trainer``,
+                                                           ``ppo.nproc_per_node``) or Ray ranks (`RayTransport`)
 =========================================================  ==================================================
 
 A LoRA policy is a `Policy` whose `model` is the base with its adapter attached (`areal_agents.trainers.lora`)

@@ -8,10 +8,12 @@ from typing import Protocol
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from areal_agents.config import EngineConfig, TrainConfig
+from areal_agents.config import EngineConfig, LoraConfig, TrainConfig
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.local_servers import launch_servers
+from areal_agents.engines.serving import Serving
 from areal_agents.engines.sglang.client import SGLangEngine
 from areal_agents.engines.weight_sync import DiskSync, InProcessSync, WeightSource, WeightSync
 from areal_agents.errors import ConfigError
@@ -19,9 +21,12 @@ from areal_agents.models import load_model
 from areal_agents.trainers.local_launcher import LocalLauncher
 from areal_agents.trainers.policy import Policy, load_trainable
 from areal_agents.trainers.policy_api import Launcher, TrainablePolicy, TrainSpec
+from areal_agents.trainers.remote_policy import RemotePolicy, TrainerTransport
 from areal_agents.trainers.rl_recipe import run_train
-from areal_agents.trainers.trainer_process import ProcessPolicy
+from areal_agents.trainers.trainer_endpoint import TrainerEndpoint, UnknownTrainerCall
+from areal_agents.trainers.trainer_process import PipeTransport
 from areal_agents.types import GenRequest, SamplingParams
+from tests.trainers.test_trainer_process import batch
 
 
 def protocol_methods(protocol: type) -> dict[str, bool]:
@@ -45,51 +50,120 @@ def moved_policy(tiny_dir) -> Policy:
     return policy
 
 
-@pytest.mark.process  # imports Ray (DistributedPolicy)
 def test_each_policy_class_implements_every_protocol_member():
     """Each class defines every method of `TrainablePolicy` (and its `WeightSource`), async where the protocol's
     is; ``name``, ``engine`` and ``weight_sync`` are set per instance."""
-    classes = [Policy, ProcessPolicy]
-    if importlib.util.find_spec("ray") is not None:
-        from areal_agents.cluster.trainer_group import DistributedPolicy  # noqa: PLC0415
-
-        classes.append(DistributedPolicy)
-        assert not DistributedPolicy.streams  # the recipe never streams to it
     declared = protocol_methods(TrainablePolicy)
     assert {"update_part", "finish_update", "tensors", "save_weights", "adapter_config", "save_checkpoint"} <= set(
         declared
     )
     assert "model" not in declared  # a checkpoint is written where the weights live, not copied to the driver
-    for cls in classes:
+    for cls in (Policy, RemotePolicy):
         missing = [name for name in declared if not hasattr(cls, name)]
         assert not missing, (cls, missing)
         wrong = [
             name for name, is_async in declared.items() if inspect.iscoroutinefunction(getattr(cls, name)) != is_async
         ]
         assert not wrong, (cls, wrong)
-        assert isinstance(cls.streams, bool)
-    assert Policy.streams and ProcessPolicy.streams
+    assert Policy.streams
 
 
-@pytest.mark.process  # imports Ray (DistributedPolicy)
-def test_a_policy_that_takes_batches_whole_trains_the_parts_at_finish():
-    """`update_part` of a non-streaming policy keeps the parts; `finish_update` is one `update` of them all."""
+@pytest.mark.process  # imports Ray (RayTransport)
+def test_each_transport_implements_every_transport_member():
+    """The trainer in processes (pipes) and on Ray ranks is one `RemotePolicy` over two transports."""
     pytest.importorskip("ray")
-    from areal_agents.cluster.trainer_group import DistributedPolicy  # noqa: PLC0415
+    from areal_agents.cluster.trainer_group import RayTransport  # noqa: PLC0415
 
-    seen = []
+    declared = protocol_methods(TrainerTransport)
+    assert {"call", "acall", "weights", "wait_idle", "close"} <= set(declared)
+    for cls in (PipeTransport, RayTransport):
+        assert [n for n in declared if inspect.iscoroutinefunction(getattr(cls, n)) != declared[n]] == [], cls
+    assert RayTransport.streams is False  # ranks take a batch whole: the recipe never streams to them
 
-    async def update(trajectories, generator):
-        seen.append(list(trajectories))
-        return {"trained_trajectories": float(len(trajectories))}
 
-    policy = DistributedPolicy.__new__(DistributedPolicy)  # no rank actors: only the parts' bookkeeping
-    policy._parts, policy.update = [], update
-    asyncio.run(policy.update_part(["a", "b"]))
-    asyncio.run(policy.update_part(["c"]))
-    assert asyncio.run(policy.finish_update(torch.Generator())) == {"trained_trajectories": 3.0}
-    assert asyncio.run(policy.finish_update(torch.Generator())) == {"trained_trajectories": 0.0}  # none: a skip
-    assert seen == [["a", "b", "c"], []]
+class DirectTransport:
+    """A `TrainerTransport` test double: the `TrainerEndpoint` in this process, called directly (what the pipe
+    and Ray transports carry, without their processes), recording each call."""
+
+    def __init__(self, endpoint: TrainerEndpoint, streams: bool) -> None:
+        self.endpoint, self.streams, self.calls = endpoint, streams, []
+
+    def call(self, method, *args):
+        self.calls.append(method)
+        return self.endpoint.call(method, args)
+
+    async def acall(self, method, *args):
+        return self.call(method, *args)
+
+    async def weights(self):
+        return self.call("weights")
+
+    async def wait_idle(self):
+        pass
+
+    def close(self):
+        self.calls.append("close")
+
+
+def remote_policy(tiny_dir, streams: bool, lora: bool = False) -> tuple[RemotePolicy, Policy]:
+    cfg = TrainConfig()
+    cfg.ppo.lr, cfg.ppo.num_minibatches = 1e-3, 1 if streams else 2  # streaming takes one minibatch
+    if lora:
+        cfg.model.lora = LoraConfig(r=4)
+    spec = TrainSpec.of(cfg, pad_token_id=0)
+    trainer = load_trainable("policy", spec, str(tiny_dir), str(tiny_dir))
+    engine = HFEngine(load_model(tiny_dir))
+    serving = Serving(engine, InProcessSync([engine]), None)
+    return RemotePolicy("policy", spec, serving, DirectTransport(TrainerEndpoint(trainer), streams)), trainer
+
+
+@pytest.mark.parametrize("streams", [True, False], ids=["streams", "whole-batches"])
+def test_a_remote_policy_trains_pushes_and_checkpoints_as_the_trainer_does(tiny_dir, tmp_path, streams):
+    """Parts go to the trainer as they come (streams) or wait for `finish_update` and go as one `update`; the
+    generator's state comes back; pushes carry the trainer's weights; files are the trainer's to write."""
+    policy, trainer = remote_policy(tiny_dir, streams)
+    here, _ = remote_policy(tiny_dir, streams)
+    trajectories = batch(load_model(tiny_dir).config.vocab_size)
+    generator = torch.Generator().manual_seed(5)
+
+    async def run():
+        await policy.update_part(trajectories[:4])
+        await policy.update_part(trajectories[4:])
+        stats = await policy.finish_update(generator)
+        await policy.push_weights()
+        return stats
+
+    stats = asyncio.run(run())
+    expected = asyncio.run(here.update(trajectories, torch.Generator().manual_seed(5)))
+    kinds = policy.transport.calls
+    assert kinds == (["update_part", "update_part", "finish_update"] if streams else ["update"]) + ["weights"]
+    assert stats["optimizer_steps"] == (1 if streams else 2) and stats["trained_trajectories"] == 12
+    assert stats["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    assert not torch.equal(generator.get_state(), torch.Generator().manual_seed(5).get_state())  # handed back
+    assert policy.engine.get_version() == 1
+    for key, value in trainer.model.state_dict().items():
+        assert torch.equal(policy.engine.model.state_dict()[key], value), key
+    asyncio.run(policy.save_weights(tmp_path / "w"))
+    policy.save_checkpoint(tmp_path / "ckpt")
+    torch.save({"step": 3}, tmp_path / "trainer_state.pt")
+    policy.save_train_state(tmp_path / "trainer_state.pt")  # added to the checkpoint's state file
+    assert load_model(tmp_path / "ckpt").state_dict().keys() == trainer.model.state_dict().keys()
+    saved = torch.load(tmp_path / "trainer_state.pt", weights_only=False)
+    assert saved["step"] == 3 and saved["scheduler"] == trainer.scheduler.state_dict()
+    written = load_file(next((tmp_path / "w").glob("*.safetensors")))  # what a server's disk push loads
+    assert all(torch.equal(written[k], v) for k, v in trainer.model.state_dict().items() if k in written)
+    assert asyncio.run(policy.finish_update(generator))["trained_trajectories"] == 0.0  # nothing fed: a skip
+    policy.close()
+    assert policy.transport.calls[-1] == "close"
+
+
+def test_a_remote_lora_policy_asks_its_adapter_config_once_and_the_endpoint_names_what_it_answers(tiny_dir):
+    policy, trainer = remote_policy(tiny_dir, True, lora=True)
+    assert policy.adapter_config() == trainer.adapter_config() and policy.adapter_config()["r"] == 4
+    assert policy.transport.calls == ["adapter_config"]
+    assert set(asyncio.run(policy.tensors())) == set(trainer.adapter.tensors())  # the adapter alone
+    with pytest.raises(UnknownTrainerCall, match="not 'model'"):
+        policy.transport.call("model")
 
 
 def test_a_local_launcher_opens_a_policy_with_an_in_place_weight_sync(tiny_dir, tmp_path):

@@ -13,7 +13,8 @@ from areal_agents.models import load_model
 from areal_agents.trainers.local_launcher import LocalLauncher
 from areal_agents.trainers.policy import load_trainable
 from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec
-from areal_agents.trainers.trainer_process import ProcessPolicy, rank_environments
+from areal_agents.trainers.remote_policy import RemotePolicy
+from areal_agents.trainers.trainer_process import PipeTransport, rank_environments
 from tests.trainers.test_trainer_process import batch
 
 
@@ -29,8 +30,9 @@ def test_two_rank_processes_train_push_and_checkpoint_as_one_process(tiny_dir, t
 
     policy = LocalLauncher(cfg).open_policy("policy", str(tiny_dir), str(tiny_dir), spec)
     try:
-        assert isinstance(policy, ProcessPolicy) and isinstance(policy, TrainablePolicy)
-        assert len(policy._processes) == 2 and not policy.streams  # one FSDP2 rank per process
+        assert isinstance(policy, RemotePolicy) and isinstance(policy, TrainablePolicy)
+        assert isinstance(policy.transport, PipeTransport) and not policy.streams  # ranks take a batch whole
+        assert len(policy.transport.processes) == 2  # one FSDP2 rank per process
         assert isinstance(policy.weight_sync, InProcessSync)
         stats = asyncio.run(policy.update(trajectories, torch.Generator().manual_seed(5)))
         asyncio.run(policy.push_weights())
@@ -47,7 +49,7 @@ def test_two_rank_processes_train_push_and_checkpoint_as_one_process(tiny_dir, t
     finally:
         policy.close()
         asyncio.run(policy.engine.aclose())
-    assert not any(p.is_alive() for p in policy._processes)
+    assert not any(p.is_alive() for p in policy.transport.processes)
     assert stats["optimizer_steps"] == expected["optimizer_steps"] == 2
     assert stats["loss"] == pytest.approx(expected["loss"], abs=1e-5)
     assert stats["trained_tokens"] == expected["trained_tokens"]

@@ -1,4 +1,5 @@
-"""`ProcessPolicy`: PPO updates in a spawned trainer process, weights back through shared memory."""
+"""`RemotePolicy` over a `PipeTransport`: PPO updates in a spawned trainer process, weights back through shared
+memory, files written by the trainer process."""
 
 import asyncio
 import os
@@ -11,13 +12,15 @@ import torch
 
 from areal_agents.config import TrainConfig
 from areal_agents.engines import HFEngine
+from areal_agents.engines.serving import Serving
 from areal_agents.engines.weight_sync import InProcessSync
 from areal_agents.models import load_model
 from areal_agents.trainers.checkpoint import load_trainer_state
 from areal_agents.trainers.policy import load_trainable
 from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec
+from areal_agents.trainers.remote_policy import RemotePolicy
 from areal_agents.trainers.run_state import save_run
-from areal_agents.trainers.trainer_process import ProcessPolicy, TrainerProcessError
+from areal_agents.trainers.trainer_process import PipeTransport, TrainerProcessError
 from areal_agents.types import Trajectory
 
 pytestmark = pytest.mark.process
@@ -54,13 +57,19 @@ def spec(tiny_dir):
     return TrainSpec.of(cfg, pad_token_id=0)
 
 
+def process_policy(name: str, spec: TrainSpec, tiny_dir, engine: HFEngine) -> RemotePolicy:
+    """A policy trained in a process of its own, its weights swapped into ``engine`` in place."""
+    transport = PipeTransport.spawn(spec, name, str(tiny_dir), str(tiny_dir))
+    return RemotePolicy(name, spec, Serving(engine, InProcessSync([engine]), None), transport)
+
+
 def test_an_update_in_the_process_equals_one_in_this_process(spec, tiny_dir, tmp_path):
     trajectories = batch(load_model(tiny_dir).config.vocab_size)
     here = load_trainable("policy", spec, str(tiny_dir), str(tiny_dir))
     expected = here.train_step(trajectories, torch.Generator().manual_seed(5))
 
     engine = HFEngine(load_model(tiny_dir))
-    policy = ProcessPolicy("policy", spec, str(tiny_dir), str(tiny_dir), engine, InProcessSync([engine]))
+    policy = process_policy("policy", spec, tiny_dir, engine)
     assert isinstance(policy, TrainablePolicy) and policy.streams
     try:
         generator = torch.Generator().manual_seed(5)
@@ -72,7 +81,7 @@ def test_an_update_in_the_process_equals_one_in_this_process(spec, tiny_dir, tmp
         trained = load_model(tmp_path / "model").state_dict()
     finally:
         policy.close()
-    assert not policy._process.is_alive()
+    assert not policy.transport.processes[0].is_alive()
     assert stats["optimizer_steps"] == expected["optimizer_steps"] == 2
     assert stats["loss"] == pytest.approx(expected["loss"], abs=1e-5)
     for key, value in here.model.state_dict().items():
@@ -86,7 +95,7 @@ def test_a_checkpoint_is_written_by_the_trainer_process_in_the_usual_layout(spec
     """`save_run` of separate policies: each trainer process writes its model directory and adds its train state
     under ``trainer_state.pt["policies"][name]``, beside the run's own state; the checkpoint loads as before."""
     engine = HFEngine(load_model(tiny_dir))
-    policy = ProcessPolicy("a", spec, str(tiny_dir), str(tiny_dir), engine, InProcessSync([engine]))
+    policy = process_policy("a", spec, tiny_dir, engine)
     try:
         asyncio.run(policy.update(batch(load_model(tiny_dir).config.vocab_size), torch.Generator().manual_seed(5)))
         ckpt = save_run(tmp_path, 1, {"a": policy}, tokenizer, {"data_position": 3}, keep=0)
@@ -107,7 +116,7 @@ def test_a_checkpoint_is_written_by_the_trainer_process_in_the_usual_layout(spec
 def test_an_update_that_raises_names_the_error_and_the_process_lives_on(spec, tiny_dir):
     engine = HFEngine(load_model(tiny_dir))
     spec = replace(spec, cpu_threads=1)
-    policy = ProcessPolicy("policy", spec, str(tiny_dir), str(tiny_dir), engine, InProcessSync([engine]))
+    policy = process_policy("policy", spec, tiny_dir, engine)
     try:
         bad = batch(10**6)  # token ids past the vocabulary
         with pytest.raises(TrainerProcessError, match="failed in update:(.|\n)*IndexError"):
@@ -115,8 +124,8 @@ def test_an_update_that_raises_names_the_error_and_the_process_lives_on(spec, ti
         good = batch(load_model(tiny_dir).config.vocab_size)
         assert asyncio.run(policy.update(good, torch.Generator()))["trained_trajectories"] == 12
 
-        os.kill(policy._process.pid, signal.SIGKILL)
-        policy._process.join()
+        os.kill(policy.transport.processes[0].pid, signal.SIGKILL)
+        policy.transport.processes[0].join()
         with pytest.raises(TrainerProcessError, match="trainer process 'policy' (died|is gone)"):
             asyncio.run(policy.update(good, torch.Generator()))
     finally:
