@@ -81,6 +81,13 @@ def add_train_state(path: Path, state: dict[str, Any], key: str | None = None) -
     torch.save(saved, path)
 
 
+def read_train_state(path: Path, key: str | None = None) -> dict[str, Any]:
+    """A policy's train state that `add_train_state` put in ``trainer_state.pt`` at ``path`` (at its top for
+    ``key`` None, else under ``["policies"][key]``), read by the process that trains it."""
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    return saved if key is None else saved["policies"][key]
+
+
 def checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
     root = Path(run_dir) / "checkpoints"
@@ -103,8 +110,9 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> None:
 
 
 def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:
-    """The trainer state of a checkpoint, with the global RNGs restored from it."""
-    state = torch.load(Path(ckpt) / "trainer_state.pt", weights_only=False)
+    """The trainer state of a checkpoint, with the global RNGs restored from it. Memory-mapped: the policies'
+    optimizer states in it are read by their trainers (`read_train_state`), never into this process."""
+    state = torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False, mmap=True)
     torch.set_rng_state(state["rng"]["torch"])
     np.random.set_state(state["rng"]["numpy"])
     random.setstate(state["rng"]["python"])

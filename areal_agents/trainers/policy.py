@@ -31,7 +31,7 @@ from areal_agents.models.device import compute_dtype, resolve_device
 from areal_agents.models.loading import load_model
 from areal_agents.models.weight_files import write_weights
 from areal_agents.trainers import fsdp
-from areal_agents.trainers.checkpoint import add_train_state
+from areal_agents.trainers.checkpoint import add_train_state, read_train_state
 from areal_agents.trainers.critic import ValueModel
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.lora import Adapter, AdapterOffLM, LoraBase, attach_lora, is_adapter_dir, write_adapter
@@ -39,6 +39,7 @@ from areal_agents.trainers.optim import make_optimizer
 from areal_agents.trainers.policy_api import SHARED as SHARED  # the one shared policy's name, re-exported
 from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.trainers.ppo import StreamedUpdate, ppo_update
+from areal_agents.trainers.resume import with_config_rates
 from areal_agents.types import Trajectory
 
 
@@ -98,6 +99,12 @@ class Policy:
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+
+    def load_train_state(self, path: Path, key: str | None = None) -> None:
+        """`load_state_dict` of a checkpoint's train state at ``path`` (`read_train_state`) with ``spec.ppo``'s
+        rates; sharded, every rank reads it (call it on all)."""
+        p = self.spec.ppo
+        self.load_state_dict(with_config_rates(read_train_state(Path(path), key), p.lr, p.weight_decay, p.critic_lr))
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The trained model's state dict; sharded, the full one on the CPU, gathered by every rank (call

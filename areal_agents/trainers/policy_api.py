@@ -137,6 +137,11 @@ class TrainablePolicy(WeightSource, Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def load_train_state(self, path: Path, key: str | None = None) -> None:
+        """`load_state_dict` of what `save_train_state` put at ``path``, with the run's ``ppo`` rates (an allowed
+        change of ``lr``, ``critic_lr`` or ``weight_decay`` takes effect), read by the process that trains."""
+        ...
+
     async def wait_idle(self) -> None:
         """Return when no update runs (one abandoned by a signal may still be computing)."""
         ...

@@ -128,6 +128,11 @@ class RemotePolicy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.transport.call("load_state_dict", state)
 
+    def load_train_state(self, path: Path, key: str | None = None) -> None:
+        """The trainer reads its train state from the checkpoint at ``path`` (`Policy.load_train_state`): the
+        optimizer state never comes to this process."""
+        self.transport.call("load_train_state", path, key)
+
     def close(self) -> None:
         """Stop the trainer and the servers launched for the engine (the engine client is closed apart)."""
         self.transport.close()

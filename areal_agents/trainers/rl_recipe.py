@@ -97,7 +97,7 @@ def run_train(
                 path = str(found / model_dir(name)) if found else start.path
                 policies[name] = launcher.open_policy(name, path, start.path, replace(spec, lora=start.lora))
             adapters = frozenset(name for name, start in starts.items() if start.lora is not None)
-            run = Run(cfg, tokenizer, policies, launcher, run_dir, interrupt, progress, state, adapters)
+            run = Run(cfg, tokenizer, policies, launcher, run_dir, interrupt, progress, state, found, adapters)
             return interrupt.run(_train(run))
         finally:
             for policy in policies.values():
@@ -118,6 +118,7 @@ class Run:
     interrupt: Interrupt
     progress: bool  # show a progress bar
     resumed: dict[str, Any] | None  # the trainer state of the checkpoint resumed from (None: a new run)
+    checkpoint: Path | None  # that checkpoint (each policy reads its own train state from it)
     adapters: frozenset[str]  # the policies that train a LoRA adapter (their engine starts without it)
 
     @property
@@ -168,8 +169,8 @@ async def _serve_starting_weights(run: Run) -> None:
     its version: an engine opened on the checkpoint's model learns the version; a LoRA policy's engine,
     opened on the base model alone, is pushed the adapter (at version 0 too, for a new run)."""
     state = run.resumed
-    if state is not None:
-        restore_policies(run.policies, state, run.cfg.ppo)
+    if run.checkpoint is not None:
+        restore_policies(run.policies, run.checkpoint)
     version = state["version"] if state is not None else 0
     for name, policy in run.policies.items():
         if name in run.adapters:

@@ -22,12 +22,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from areal_agents.config import PPOConfig
 from areal_agents.rollout.episodes import RolloutLedger
 from areal_agents.trainers.checkpoint import prune_checkpoints, save_checkpoint
 from areal_agents.trainers.policy import SHARED
 from areal_agents.trainers.policy_api import TrainablePolicy
-from areal_agents.trainers.resume import with_config_rates
 
 
 @dataclass
@@ -75,12 +73,11 @@ class RunState:
         }
 
 
-def restore_policies(policies: dict[str, TrainablePolicy], state: dict[str, Any], ppo: PPOConfig) -> None:
-    """Each policy's train state from a checkpoint's ``state``, with the config's rates (an allowed change
-    of ``ppo.lr``, ``critic_lr`` or ``weight_decay`` takes effect)."""
+def restore_policies(policies: dict[str, TrainablePolicy], ckpt: Path) -> None:
+    """Each policy's train state from the checkpoint ``ckpt``, read where the policy trains, with the config's
+    rates (an allowed change of ``ppo.lr``, ``critic_lr`` or ``weight_decay`` takes effect)."""
     for name, policy in policies.items():
-        train_state = state if name == SHARED else state["policies"][name]
-        policy.load_state_dict(with_config_rates(train_state, ppo.lr, ppo.weight_decay, ppo.critic_lr))
+        policy.load_train_state(ckpt / "trainer_state.pt", None if name == SHARED else name)
 
 
 def model_dir(name: str) -> str:

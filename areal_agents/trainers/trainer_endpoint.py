@@ -47,6 +47,7 @@ class TrainerEndpoint:
             "save_train_state": self.save_train_state,
             "state_dict": policy.state_dict,
             "load_state_dict": policy.load_state_dict,
+            "load_train_state": policy.load_train_state,
         }
 
     def call(self, method: str, args: tuple) -> Any:

@@ -150,6 +150,12 @@ def test_a_remote_policy_trains_pushes_and_checkpoints_as_the_trainer_does(tiny_
     assert load_model(tmp_path / "ckpt").state_dict().keys() == trainer.model.state_dict().keys()
     saved = torch.load(tmp_path / "trainer_state.pt", weights_only=False)
     assert saved["step"] == 3 and saved["scheduler"] == trainer.scheduler.state_dict()
+    fresh, _ = remote_policy(tiny_dir, streams)  # no optimizer state yet
+    fresh.load_train_state(tmp_path / "trainer_state.pt")  # read by the trainer, not sent from here
+    assert fresh.state_dict()["scheduler"] == trainer.scheduler.state_dict()
+    moments = fresh.state_dict()["optimizer"]["state"]
+    for i, saved_moments in trainer.optimizer.state_dict()["state"].items():
+        assert torch.equal(moments[i]["exp_avg"], saved_moments["exp_avg"]), i
     written = load_file(next((tmp_path / "w").glob("*.safetensors")))  # what a server's disk push loads
     assert all(torch.equal(written[k], v) for k, v in trainer.model.state_dict().items() if k in written)
     assert asyncio.run(policy.finish_update(generator))["trained_trajectories"] == 0.0  # nothing fed: a skip
