@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -39,7 +40,7 @@ from areal_agents.models.weight_files import tensor_bytes
 from areal_agents.net import free_port
 
 AFTER_FAILURE_S = 10.0  # after a failed broadcast, the servers' replies are waited for this long
-_groups = itertools.count(1)  # group names unique in this process: a server never mixes two pushes' groups
+_groups = itertools.count(1)  # numbers a group in this process's log; `group_name` makes it unique beyond it
 
 
 class BroadcastSync:
@@ -161,7 +162,7 @@ class BroadcastSync:
             return self.groups[i][1]
         await self._forget(i, engine)
         while members:
-            name = f"areal_weights_{next(_groups)}"
+            name = group_name()
             host = urlsplit(engine.addresses[members[0]]).hostname or "127.0.0.1"
             master = local_address(host, urlsplit(engine.addresses[members[0]]).port or 80)
             port = free_port(master)
@@ -282,6 +283,13 @@ class BroadcastSync:
             return torch.empty(t.shape, dtype=dtype, device="meta")
         t = t.detach().to(dtype)
         return (t.cpu() if backend == "gloo" else t).contiguous()
+
+
+def group_name() -> str:
+    """A new weight group's name: ``areal_weights_N_TOKEN``, N counting this process's groups and TOKEN random.
+    A server keeps the groups it joined by name, so a name must never come back: a restarted trainer's
+    counter starts at 1 again while the running servers still hold the old trainer's ``areal_weights_1``."""
+    return f"areal_weights_{next(_groups)}_{secrets.token_hex(6)}"
 
 
 async def _replies(posts: list[asyncio.Future], grace_s: float | None) -> list:
