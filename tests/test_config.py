@@ -140,3 +140,23 @@ def test_config_diff_names_each_dotted_key_that_differs_as_json():
     ]
     assert config_diff(saved, new, ignore=["model", "sampling"]) == ["seed: 0 -> (absent)", "top: (absent) -> 1"]
     assert config_diff({}, {"seed": 0, "top": 2}, defaults={"seed": 0, "top": 1}) == ["top: 1 -> 2"]  # old lacks
+
+
+BROADCAST_TO_COLOCATED_SGLANG = ["engine.backend=sglang", "engine.weight_sync=broadcast"]
+
+
+def test_a_cuda_trainer_broadcasting_to_colocated_sglang_is_refused_naming_engine_gpus():
+    """NCCL refuses two ranks on one GPU: the trainer on cuda:0 and SGLang server 0, colocated, on GPU 0."""
+    with pytest.raises(ConfigError, match=r"ppo.device=cuda: .*Duplicate GPU.*set engine.gpus .*weight_sync=disk"):
+        load_config(TrainConfig, None, [*BROADCAST_TO_COLOCATED_SGLANG, "ppo.device=cuda"])
+    fine = [
+        ["engine.gpus=[1]"],  # disaggregated: the servers on other GPUs
+        ["ppo.device=cpu"],  # a CPU trainer broadcasts over gloo
+        ["ppo.device=auto"],  # known once resolved: the launcher checks it
+        ["ppo.trainer=process"],  # the weights reach the driver on the CPU: gloo
+        ["engine.urls=[http://10.0.0.1:30000]"],  # servers elsewhere: their GPUs are not known here
+    ]
+    for extra in fine:
+        cuda = [] if any(e.startswith("ppo.device") for e in extra) else ["ppo.device=cuda"]
+        load_config(TrainConfig, None, [*BROADCAST_TO_COLOCATED_SGLANG, *cuda, *extra])
+    load_config(TrainConfig, None, ["engine.backend=serve-model", "engine.weight_sync=broadcast", "ppo.device=cuda"])

@@ -118,3 +118,17 @@ class EngineConfig(EngineOptions):
             raise ValueError(
                 "weight_sync: broadcast speaks SGLang's update_weights_from_distributed (sglang, serve-model)"
             )
+
+
+def broadcast_gpu_clash(engine: EngineConfig) -> str | None:
+    """Why a weight broadcast from a trainer on CUDA in the run's own process to ``engine``'s servers cannot
+    work, or None: colocated SGLang servers (``engine.gpus`` empty) start at GPU 0, where that trainer is
+    (cuda:0), and NCCL refuses two ranks of one group on one GPU ("Duplicate GPU detected")."""
+    if engine.weight_sync != "broadcast" or engine.backend != "sglang" or engine.urls or engine.gpus:
+        return None
+    return (
+        "engine.weight_sync=broadcast to colocated SGLang servers (engine.gpus empty): server 0 starts on GPU 0, "
+        "where the trainer is, and NCCL refuses two ranks of the weight group on one GPU (Duplicate GPU detected); "
+        "set engine.gpus to engine.num_servers x engine.tp GPUs apart from the trainer's (engine.gpus=[1] beside "
+        "a trainer on GPU 0), or use engine.weight_sync=disk"
+    )

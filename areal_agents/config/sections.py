@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from areal_agents.config.engine_section import EngineConfig
+from areal_agents.config.engine_section import EngineConfig, broadcast_gpu_clash
 from areal_agents.config.fields import check_positive, config_field
 
 
@@ -351,6 +351,15 @@ class TrainConfig:
                 "ppo.trainer: 'process' is for local runs; with launcher=ray the trainer ranks are Ray actors"
             )
         self._check_lora()
+        self._check_broadcast()
+
+    def _check_broadcast(self) -> None:
+        """A trainer in the run's process on CUDA cannot broadcast to servers on its own GPU (the launcher checks
+        ``ppo.device=auto`` once it is resolved: `LocalLauncher`)."""
+        in_process = self.launcher == "local" and self.ppo.trainer == "thread" and self.ppo.nproc_per_node == 1
+        clash = broadcast_gpu_clash(self.engine)
+        if clash is not None and in_process and self.ppo.device == "cuda":
+            raise ValueError(f"ppo.device=cuda: {clash}")
 
     def _check_lora(self) -> None:
         """LoRA policies share one base model, whose engine gets their adapters by their own sync."""

@@ -6,6 +6,8 @@ The trainer is rank 0 of a group with every server's ranks (``/init_weights_upda
 servers, then per bucket (tensors up to ``bucket_bytes``, in the state dict's order) posts
 ``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, flush_cache, weight_version} to every
 server while broadcasting the bucket's tensors, names the version and resumes (`RemoteEngine.swap_weights`).
+``flush_cache`` is true after an abort pause and false with ``pause_mode=keep``, whose kept requests SGLang's
+flush would fail on (`RemoteEngine.flush_with_update`).
 
 Failures: weights with a NaN or an infinity are refused before any server is paused (the servers check
 every push whole too, and keep their weights on a refusal). A server that dies or hangs mid-push fails its
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -33,13 +36,13 @@ from urllib.parse import urlsplit
 from areal_agents.engines.broadcast_group import WeightGroup, dtype_name, join_group, local_address, plan_buckets
 from areal_agents.engines.remote_engine import ServerError
 from areal_agents.engines.weight_sync import WeightSource, timed
-from areal_agents.errors import ConfigError, EngineError
+from areal_agents.errors import ConfigError, EngineError, RequestError
 from areal_agents.models.weight_checks import finite
 from areal_agents.models.weight_files import tensor_bytes
 from areal_agents.net import free_port
 
 AFTER_FAILURE_S = 10.0  # after a failed broadcast, the servers' replies are waited for this long
-_groups = itertools.count(1)  # group names unique in this process: a server never mixes two pushes' groups
+_groups = itertools.count(1)  # numbers a group in this process's log; `group_name` makes it unique beyond it
 
 
 class BroadcastSync:
@@ -161,7 +164,7 @@ class BroadcastSync:
             return self.groups[i][1]
         await self._forget(i, engine)
         while members:
-            name = f"areal_weights_{next(_groups)}"
+            name = group_name()
             host = urlsplit(engine.addresses[members[0]]).hostname or "127.0.0.1"
             master = local_address(host, urlsplit(engine.addresses[members[0]]).port or 80)
             port = free_port(master)
@@ -219,7 +222,7 @@ class BroadcastSync:
                 "dtypes": [dtype_name(wire[n].dtype) for n in names],
                 "shapes": [list(wire[n].shape) for n in names],
                 "group_name": group.name,
-                "flush_cache": True,
+                "flush_cache": engine.flush_with_update(),
                 "abort_all_requests": False,
                 "weight_version": str(version),
             }
@@ -234,8 +237,10 @@ class BroadcastSync:
                 group.close()  # the servers still waiting in this bucket fail at once
             replies = await _replies(posts, grace_s=None if failure is None else AFTER_FAILURE_S)
             lost = await self._lost(engine, members, replies, failure)
-            if failure is not None or lost:
-                return lost, failure
+            if failure is not None:  # a server's refusal (4xx) closed the group: its reason, not the broadcast's
+                return lost, next((r for r in replies if isinstance(r, RequestError)), failure)
+            if lost:
+                return lost, None
         return set(), None
 
     async def _lost(self, engine: Any, members: list[int], replies: list, failure: BaseException | None) -> set[int]:
@@ -282,6 +287,13 @@ class BroadcastSync:
             return torch.empty(t.shape, dtype=dtype, device="meta")
         t = t.detach().to(dtype)
         return (t.cpu() if backend == "gloo" else t).contiguous()
+
+
+def group_name() -> str:
+    """A new weight group's name: ``areal_weights_N_TOKEN``, N counting this process's groups and TOKEN random.
+    A server keeps the groups it joined by name, so a name must never come back: a restarted trainer's
+    counter starts at 1 again while the running servers still hold the old trainer's ``areal_weights_1``."""
+    return f"areal_weights_{next(_groups)}_{secrets.token_hex(6)}"
 
 
 async def _replies(posts: list[asyncio.Future], grace_s: float | None) -> list:

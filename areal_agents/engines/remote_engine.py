@@ -210,6 +210,14 @@ class RemoteEngine(RemoteLora, LoraEngine, abc.ABC):
         await self.resume_servers()
         self._gate.resume()
 
+    def flush_with_update(self) -> bool:
+        """Whether a weight update in the pause in progress asks the servers to flush their cache (SGLang's
+        ``flush_cache``): after an abort pause, yes (nothing is pending, so the flush is valid, and no prefix
+        keeps KV of the old weights); with ``keep`` no: the requests an ``in_place`` pause keeps are pending,
+        SGLang's flush fails on them and its scheduler asserts. They go on with the KV cache they have, as
+        PipelineRL's in-flight update does (docs/sglang.md), and no later point is valid while requests run."""
+        return self.pausing == "abort"
+
     async def update_weights(self, state_dict: dict[str, Any], version: int | None = None) -> None:
         """Write ``state_dict`` as safetensors under ``weights_dir`` and have every server load it (the
         disk push, `DiskSync`)."""

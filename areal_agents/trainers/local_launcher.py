@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from areal_agents.config import EngineConfig, TrainConfig
+from areal_agents.config.engine_section import broadcast_gpu_clash
 from areal_agents.config.placement import team_threads
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.local_servers import open_engine
 from areal_agents.engines.serving import PolicyServing, Serving
 from areal_agents.envs.runtime.backends import EnvBackend
+from areal_agents.errors import ConfigError
+from areal_agents.models.device import resolve_device
 from areal_agents.models.loading import load_tokenizer, pad_token_id
 from areal_agents.rollout.episodes import EpisodeFn
 from areal_agents.trainers.lora import LoraBase
@@ -46,6 +49,7 @@ class LocalLauncher:
         """Nothing to acquire: engines start with their policies."""
 
     def open_policy(self, name: str, model_path: str, init_path: str, spec: TrainSpec) -> TrainablePolicy:
+        check_broadcast_placement(self.cfg)  # before any server starts
         spec = replace(spec, cpu_threads=spec.cpu_threads or trainer_threads(self.cfg))
         if spec.lora is not None:
             return self._open_lora_policy(name, model_path, init_path, spec)
@@ -97,6 +101,18 @@ class LocalLauncher:
 
     def shutdown(self) -> None:
         """Nothing of its own to stop: each policy stops its trainer and servers."""
+
+
+def check_broadcast_placement(cfg: TrainConfig) -> None:
+    """Refuse a weight broadcast NCCL would refuse: a trainer in this process whose device resolves to CUDA
+    (``ppo.device`` auto included, which the config's own check cannot know) beside colocated SGLang servers
+    (`broadcast_gpu_clash`). A trainer process or ranks hand their weights over on the CPU (gloo): no clash."""
+    clash = broadcast_gpu_clash(cfg.engine)
+    if clash is None or cfg.ppo.trainer != "thread" or cfg.ppo.nproc_per_node != 1:
+        return
+    device = resolve_device(cfg.ppo.device)
+    if device.type == "cuda":
+        raise ConfigError(f"ppo.device={cfg.ppo.device} (the trainer on {device}): {clash}")
 
 
 def open_policy(name: str, cfg: TrainConfig, model_path: str, init_path: str, run_dir: Path) -> Policy:

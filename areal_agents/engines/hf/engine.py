@@ -307,6 +307,11 @@ class HFEngine(LoraEngine):
         """Requests in the running batch whose caller is still waiting."""
         return self._scheduler.num_running
 
+    @property
+    def num_pending(self) -> int:
+        """Requests queued or running that will go on (none aborted): what a pause without abort keeps."""
+        return self._scheduler.num_pending
+
     async def _swap_weights(self, load: Callable[[], object], version: int | None) -> None:
         """``load`` checked weights at a step boundary, then the version. ``load`` cannot fail on checked
         weights; if it does anyway (a device error), the weights are part new and part old, so the engine

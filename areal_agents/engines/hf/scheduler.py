@@ -164,6 +164,12 @@ class Scheduler:
         with self.cv:
             return sum(not seq.future.done() for seq in self.running)
 
+    @property
+    def num_pending(self) -> int:
+        with self.cv:
+            queued = self.incoming + self.admitting + self.running
+            return sum(not (seq.abort or seq.delivered or seq.future.done()) for seq in queued)
+
     # ---- decode thread ----------------------------------------------------------------------
 
     def loop(self) -> None:

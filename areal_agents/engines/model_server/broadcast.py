@@ -31,16 +31,19 @@ class BroadcastReceiver:
 
     It loads a complete push into ``engine`` under ``update_lock`` (the server's, held by every weight
     change), then calls ``name_version(version, weight_version)`` with the new version and the name the
-    trainer gave it."""
+    trainer gave it. ``refuse_flush(route, body)``: the reply refusing a bucket whose ``flush_cache`` SGLang
+    could not honour now, or None (the server's `ModelServer.flush_refused`)."""
 
     def __init__(
         self,
         engine: HFEngine,
         update_lock: asyncio.Lock,
         name_version: Callable[[int, Any], None],
+        refuse_flush: Callable[[str, dict], JSONResponse | None] = lambda route, body: None,
         timeout_s: float = GROUP_TIMEOUT_S,
     ) -> None:
         self.engine, self.update_lock, self.name_version = engine, update_lock, name_version
+        self.refuse_flush = refuse_flush
         self.timeout_s = timeout_s
         self.groups: dict[str, WeightGroup] = {}
         self.staged: dict[str, Any] = {}
@@ -93,12 +96,15 @@ class BroadcastReceiver:
         group = self.groups.get(name)
         if group is None:
             return _reply(False, f"update_weights_from_distributed: no weight group {name!r} (init it first)")
+        refused = self.refuse_flush("update_weights_from_distributed", body)
         try:
             check_announced(self.spec, names, dtypes, shapes, "update_weights_from_distributed")
         except EngineError as e:  # nothing received: the push is over, and the trainer's broadcast fails now
+            refused = _reply(False, str(e))
+        if refused is not None:
             self.close(name)
             self.staged = {}
-            return _reply(False, str(e))
+            return refused
         async with self.update_lock:
             if body.get("abort_all_requests"):
                 await self.engine.abort()

@@ -78,7 +78,7 @@ def add_generation_routes(app: FastAPI, server: ModelServer) -> None:
         if mode not in ("abort", "retract", "in_place"):
             return error_response(400, f"mode must be 'abort', 'retract' or 'in_place', got {str(mode)[:60]!r}")
         # abort: in-flight requests return now with finish_reason abort and their tokens so far
-        await server.pause(abort=mode == "abort")
+        await server.pause(mode)
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     @app.post("/continue_generation")

@@ -82,9 +82,10 @@ class ModelServer:
         self.lora_paths: dict[str, str] = {}  # the LoRA adapters loaded over HTTP: name -> path
         self.update_lock = asyncio.Lock()
         self.paused_at: float | None = None  # time.monotonic() of /pause_generation, until /continue_generation
+        self.pause_mode: str | None = None  # ... and its mode: abort, retract or in_place
         self.prep = ThreadPoolExecutor(1, thread_name_prefix="serve-model-prep")  # parse, check, tokenize
         # /init_weights_update_group, /update_weights_from_distributed
-        self.broadcast = BroadcastReceiver(engine, self.update_lock, self.name_new_version)
+        self.broadcast = BroadcastReceiver(engine, self.update_lock, self.name_new_version, self.flush_refused)
         # the most characters one token stands for: a text longer than context x this cannot fit, and is
         # refused before tokenizing it (megabytes of text would hold the event loop for seconds)
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
@@ -107,18 +108,36 @@ class ModelServer:
             return JSONResponse(paused_body(time.monotonic() - self.paused_at), status_code=503)
         return Response(status_code=200)
 
-    async def pause(self, abort: bool) -> None:
-        """/pause_generation: stop at a step boundary (``abort``: running requests return now, as abort)."""
+    async def pause(self, mode: str) -> None:
+        """/pause_generation: stop at a step boundary (``abort``: running requests return now, as abort;
+        ``in_place`` and ``retract``: they wait, and go on at /continue_generation)."""
         if self.paused_at is None:
             self.paused_at = time.monotonic()
+        self.pause_mode = mode
         await self.engine.pause()
-        if abort:
+        if mode == "abort":
             await self.engine.abort()
 
     async def resume(self) -> None:
         """/continue_generation."""
         await self.engine.resume()
-        self.paused_at = None
+        self.paused_at = self.pause_mode = None
+
+    def flush_refused(self, route: str, body: dict) -> JSONResponse | None:
+        """The 400 SGLang's failure becomes when weights come with ``flush_cache`` (its default) while an
+        ``in_place`` pause keeps requests: SGLang loads them, then its cache flush fails on the pending
+        requests and the scheduler asserts (the server dies). Here nothing is loaded; None: go ahead.
+        serve-model itself needs no flush: new weights drop its prefix cache (`HFEngine.update_weights`)."""
+        pending = self.engine.num_pending
+        if not body.get("flush_cache", True) or self.pause_mode != "in_place" or not pending:
+            return None
+        message = (
+            f"{route}: flush_cache is true, but an in_place pause keeps {pending} requests and the cache cannot be "
+            "flushed while requests are pending (SGLang's flush fails and its scheduler asserts); send "
+            "flush_cache: false (the kept requests go on with the KV cache they have), or pause with mode abort; "
+            "nothing was loaded"
+        )
+        return JSONResponse({"success": False, "message": message}, status_code=400)
 
     def served_ids(self) -> set[str]:
         """The ids a client names the base model by (/v1/models: the model path, the launch's and the current)."""
@@ -250,6 +269,9 @@ class ModelServer:
         async with self.update_lock:
             if body.get("abort_all_requests"):
                 await self.engine.abort()
+            refused = self.flush_refused("update_weights_from_disk", body)
+            if refused is not None:
+                return refused
             version = self.engine.get_version() + 1
             try:
                 await self.engine.update_weights_from_disk(path, version=version)

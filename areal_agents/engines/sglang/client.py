@@ -65,6 +65,7 @@ class SGLangEngine(RemoteEngine):
             "model_path": model_path,
             "weight_version": str(version),
             "abort_all_requests": self.pausing == "abort",
+            "flush_cache": self.flush_with_update(),
         }
         replies = await self._all("/update_weights_from_disk", body)
         failed = [(url, r) for url, r in zip(self.addresses, replies) if not r.get("success", False)]
