@@ -77,8 +77,9 @@ def autocast(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
 
 
 def gpu_memory(device: torch.device) -> dict[str, float]:
-    """``perf/gpu_memory_*`` in GiB (allocated now, reserved now, peak allocated since the last reset);
-    empty off CUDA."""
+    """``perf/gpu_memory_*`` in GiB: allocated now, reserved now, and the peak allocated since the last
+    `reset_peak_memory` (an update resets it as it starts: the update's peak, with whatever else this
+    process allocated meanwhile, e.g. an engine in it); empty off CUDA."""
     if device.type != "cuda":
         return {}
     gib = 2.0**30
@@ -87,6 +88,13 @@ def gpu_memory(device: torch.device) -> dict[str, float]:
         "perf/gpu_memory_reserved_gib": torch.cuda.memory_reserved(device) / gib,
         "perf/gpu_memory_peak_gib": torch.cuda.max_memory_allocated(device) / gib,
     }
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start ``device``'s peak-allocated count afresh (`gpu_memory`'s ``perf/gpu_memory_peak_gib``); nothing
+    off CUDA."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_tflops(device: torch.device, configured: float = 0.0) -> float | None:

@@ -27,7 +27,7 @@ import torch
 from transformers import PreTrainedModel
 
 from areal_agents.config import PPOConfig
-from areal_agents.models.device import gpu_memory, peak_tflops
+from areal_agents.models.device import gpu_memory, peak_tflops, reset_peak_memory
 from areal_agents.trainers.batching import ScoredLM, module_device, token_logprobs
 from areal_agents.trainers.critic import ValueModel, critic_backward, critic_step, critic_values
 from areal_agents.trainers.distributed import DataParallel, model_flops
@@ -125,7 +125,7 @@ class _Tally:
         """``trained_tokens`` (the trajectories' tokens through the policy's forward and backward, padding
         ranks' copies left out; a shared prompt counted with each of its completions), ``model_flops``
         (`model_flops`) and ``peak_flops`` summed over ranks, and on CUDA ``perf/gpu_memory_*`` (the
-        largest rank's)."""
+        largest rank's; the peak since the update started)."""
         device = module_device(model)
         peak = (peak_tflops(device, cfg.peak_tflops) or 0.0) * 1e12
         work = self.work | {"peak_flops": peak}
@@ -257,6 +257,7 @@ def ppo_update(
     on its share of every minibatch and gradients are summed across ranks (`distributed.py`).
     ``max_new_tokens``: the rollout's, which ``cfg.overlong_buffer`` needs (`prepare_batch`).
     ``policy_version``: the engine's version of these weights, whose tokens measure the mismatch."""
+    reset_peak_memory(module_device(model))  # perf/gpu_memory_peak_gib: this update's peak
     use_gae = cfg.advantage == "gae"
     if use_gae and (critic is None or critic_optimizer is None):
         raise ValueError("ppo.advantage=gae needs a critic and its optimizer")
@@ -331,6 +332,7 @@ class StreamedUpdate:
         self.max_new_tokens, self.policy_version = max_new_tokens, policy_version
         self.counts = dict.fromkeys(_GROUP_COUNTS, 0.0)
         self.tally = _Tally(critic=False)
+        reset_peak_memory(module_device(model))  # perf/gpu_memory_peak_gib: this update's peak
         optimizer.zero_grad(set_to_none=True)
 
     def add(self, trajectories: list[Trajectory]) -> None:

@@ -1,9 +1,9 @@
-"""The GPU kind's dense bf16 peak: the most specific name wins."""
+"""The GPU kind's dense bf16 peak (the most specific name wins) and the per-update GPU memory peak."""
 
 import pytest
 import torch
 
-from areal_agents.models.device import peak_tflops, table_tflops
+from areal_agents.models.device import gpu_memory, peak_tflops, reset_peak_memory, table_tflops
 
 
 @pytest.mark.parametrize(
@@ -37,3 +37,12 @@ def test_a_configured_peak_wins_and_a_cpu_has_none():
 def test_peak_tflops_reads_the_gpu_name_mocked_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 PCIe")
     assert peak_tflops(torch.device("cuda", 0)) == 756.0
+
+
+def test_the_memory_peak_is_reset_on_cuda_only_mocked_cuda(monkeypatch):
+    reset = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset.append)
+    reset_peak_memory(torch.device("cpu"))
+    assert reset == [] and gpu_memory(torch.device("cpu")) == {}
+    reset_peak_memory(torch.device("cuda", 1))
+    assert reset == [torch.device("cuda", 1)]
