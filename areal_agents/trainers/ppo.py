@@ -30,7 +30,7 @@ from areal_agents.config import PPOConfig
 from areal_agents.models.device import gpu_memory, peak_tflops, reset_peak_memory
 from areal_agents.trainers.batching import ScoredLM, module_device, token_logprobs
 from areal_agents.trainers.critic import ValueModel, critic_backward, critic_step, critic_values
-from areal_agents.trainers.distributed import DataParallel, model_flops
+from areal_agents.trainers.distributed import DataParallel, lm_flops
 from areal_agents.trainers.microbatch import MicroBatch, spread
 from areal_agents.trainers.optim import optimizer_step
 from areal_agents.trainers.ppo_batch import (
@@ -124,16 +124,14 @@ class _Tally:
     def perf(self, model: torch.nn.Module, cfg: PPOConfig, dp: DataParallel | None) -> dict[str, float]:
         """``trained_tokens`` (the trajectories' tokens through the policy's forward and backward, padding
         ranks' copies left out; a shared prompt counted with each of its completions), ``model_flops``
-        (`model_flops`) and ``peak_flops`` summed over ranks, and on CUDA ``perf/gpu_memory_*`` (the
+        (`lm_flops`) and ``peak_flops`` summed over ranks, and on CUDA ``perf/gpu_memory_*`` (the
         largest rank's; the peak since the update started)."""
         device = module_device(model)
         peak = (peak_tflops(device, cfg.peak_tflops) or 0.0) * 1e12
         work = self.work | {"peak_flops": peak}
         work = dp.sum(work) if dp else work
         lm = model.lm if isinstance(model, ScoredLM) else model
-        n = sum(p.numel() for p in lm.parameters())  # global counts, sharded or not
-        config = lm.config.get_text_config()
-        flops = model_flops(work["trained_tokens"], n, config.num_hidden_layers, config.hidden_size, work["attended"])
+        flops = lm_flops(lm, work["trained_tokens"], work["attended"])
         memory = gpu_memory(device)
         if dp:
             memory = {key: dp.max(value) for key, value in sorted(memory.items())}
