@@ -79,7 +79,8 @@ class _Tally:
         self.run = dict.fromkeys(keys, 0.0)
         self.per_step: dict[str, float] = defaultdict(float)  # grad norms: the same on every rank
         self.behav_weight_max, self.steps = 0.0, 0
-        self.work = {"trained_tokens": 0.0, "attended": 0.0}  # the policy's forward + backward, for MFU
+        # the policy's forward + backward, for MFU (`MicroBatch.computed_tokens` and `MicroBatch.attended`)
+        self.work = {"trained_tokens": 0.0, "computed_tokens": 0.0, "attended": 0.0}
         self.mismatch = dict.fromkeys(_MISMATCH_SUMS, 0.0)
         self.mismatch_max = 0.0
 
@@ -123,20 +124,22 @@ class _Tally:
 
     def perf(self, model: torch.nn.Module, cfg: PPOConfig, dp: DataParallel | None) -> dict[str, float]:
         """``trained_tokens`` (the trajectories' tokens through the policy's forward and backward, padding
-        ranks' copies left out; a shared prompt counted with each of its completions), ``model_flops``
-        (`lm_flops`) and ``peak_flops`` summed over ranks, and on CUDA ``perf/gpu_memory_*`` (the
-        largest rank's; the peak since the update started)."""
+        ranks' copies left out; a shared prompt counted with each of its completions), ``computed_tokens``
+        (those the model computed: a shared prompt once), ``model_flops`` (`lm_flops` of the computed tokens)
+        and ``peak_flops`` summed over ranks, and on CUDA ``perf/gpu_memory_*`` (the largest rank's; the
+        peak since the update started)."""
         device = module_device(model)
         peak = (peak_tflops(device, cfg.peak_tflops) or 0.0) * 1e12
         work = self.work | {"peak_flops": peak}
         work = dp.sum(work) if dp else work
         lm = model.lm if isinstance(model, ScoredLM) else model
-        flops = lm_flops(lm, work["trained_tokens"], work["attended"])
+        flops = lm_flops(lm, work["computed_tokens"], work["attended"])
         memory = gpu_memory(device)
         if dp:
             memory = {key: dp.max(value) for key, value in sorted(memory.items())}
         return {
             "trained_tokens": work["trained_tokens"],
+            "computed_tokens": work["computed_tokens"],
             "model_flops": flops,
             "peak_flops": work["peak_flops"],
         } | memory
@@ -219,6 +222,7 @@ def accumulate(
         tally.add(st, float(loss.detach()) * num_tokens, value)
         # its trajectories' tokens, whatever the layout (a streamed batch counts what the whole would)
         tally.work["trained_tokens"] += sum(b - a for _, a, b in mb.slices)
+        tally.work["computed_tokens"] += mb.computed_tokens
         tally.work["attended"] += mb.attended
 
 

@@ -1,5 +1,6 @@
 """An update's perf figures: the model FLOPs (MFU's numerator) counted by hand, with attention's width heads x
-head dim (not the hidden size); and the memory peak, reset per update."""
+head dim (not the hidden size) and a shared prompt counted once, as computed; and the memory peak, reset
+per update."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from transformers import LlamaConfig, Qwen3Config, Qwen3ForCausalLM
 from areal_agents.config import PPOConfig
 from areal_agents.models import load_model
 from areal_agents.trainers import ppo
+from areal_agents.trainers.batching import make_micro_batches
 from areal_agents.trainers.distributed import attention_width, lm_flops, model_flops
 from areal_agents.types import Trajectory
 
@@ -46,7 +48,7 @@ def test_qwen3_0_6b_flops_by_hand():
     assert lm_flops(lm, 400, attended) == want
     assert model_flops(400, parameters, 28, 2048, attended) == want
     tally = ppo._Tally(critic=False)  # what an update reports from the same work
-    tally.work |= {"trained_tokens": 400.0, "attended": float(attended)}
+    tally.work |= {"trained_tokens": 400.0, "computed_tokens": 400.0, "attended": float(attended)}
     assert tally.perf(lm, PPOConfig(), None)["model_flops"] == want
 
 
@@ -60,9 +62,41 @@ def _group() -> list[Trajectory]:
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("share", "tokens", "attended"),
+    [
+        # each trajectory whole: 7 + 6 tokens; 7 * 8 / 2 + 6 * 7 / 2 = 28 + 21 positions
+        (False, 13, 49),
+        # the prompt once (4 * 5 / 2 = 10), then each completion all of the prompt and causally itself:
+        # 3 * 4 + 3 * 4 / 2 = 18 and 2 * 4 + 2 * 3 / 2 = 11
+        (True, 9, 10 + 18 + 11),
+    ],
+)
+def test_a_micro_batch_counts_what_the_model_computes(share, tokens, attended):
+    (mb,) = make_micro_batches(_group(), 4096, pad_token_id=0, pack=True, share_prompts=share)
+    assert (mb.computed_tokens, mb.attended) == (tokens, attended)
+    assert (mb.padding().computed_tokens, mb.padding().attended) == (0, 0)  # a rank's zero-loss copy: not counted
+
+
+def test_padding_of_a_padded_layout_is_not_counted():
+    (mb,) = make_micro_batches(_group(), 4096, pad_token_id=0, pack=False)
+    assert mb.input_ids.numel() == 14 and (mb.computed_tokens, mb.attended) == (13, 49)
+
+
 def _sgd(model):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+
+def test_an_update_with_shared_prompts_counts_the_prompt_once(tiny_dir):
+    model = load_model(tiny_dir)
+    cfg = PPOConfig(packing=True, share_prompts=True)
+    stats = ppo.ppo_update(model, *_sgd(model), _group(), cfg, temperature=1.0, pad_token_id=0)
+    config = model.config
+    parameters = sum(p.numel() for p in model.parameters())
+    width = config.num_attention_heads * (config.head_dim or config.hidden_size // config.num_attention_heads)
+    assert stats["trained_tokens"] == 13 and stats["computed_tokens"] == 9
+    assert stats["model_flops"] == 6 * parameters * 9 + 12 * config.num_hidden_layers * width * 39
 
 
 @pytest.mark.parametrize("streamed", [False, True])
