@@ -27,7 +27,7 @@ from areal_agents.models import load_model, load_tokenizer, save_tiny_model
 from areal_agents.models.device import peak_tflops
 from areal_agents.models.loading import pad_token_id
 from areal_agents.net import free_port
-from areal_agents.trainers.distributed import DataParallel
+from areal_agents.trainers.distributed import DataParallel, lm_flops
 from areal_agents.trainers.local_launcher import open_policy, open_policy_engine
 from areal_agents.trainers.policy import load_trainable
 from areal_agents.trainers.policy_api import TrainSpec
@@ -123,12 +123,11 @@ def synthetic_groups(sizes, vocab: int, seed: int = 0) -> list[Trajectory]:
 
 
 def palm_flops(model, trajectories: list[Trajectory]) -> float:
-    """6 x parameters x tokens + 12 x layers x hidden x attended positions (causal), forward and backward."""
-    cfg = model.config
-    params = sum(p.numel() for p in model.parameters())
+    """`lm_flops` of the trajectories unshared: 6 x parameters x tokens + 12 x layers x heads x head dim x
+    attended positions (causal), forward and backward."""
     tokens = sum(len(t) for t in trajectories)
     attended = sum(len(t) * (len(t) + 1) / 2 for t in trajectories)
-    return 6.0 * params * tokens + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * attended
+    return lm_flops(model, tokens, attended)
 
 
 def part_a(ctx, cap) -> None:

@@ -20,18 +20,23 @@ import torch
 
 from areal_agents.errors import ConfigError
 
-# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from the vendors' data sheets; the first name
-# contained in torch.cuda.get_device_name() wins. ppo.peak_tflops overrides (scripts/gpu_check.sh measures it).
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from the vendors' data sheets (half the "with
+# sparsity" figure where only that is printed). The longest name contained in torch.cuda.get_device_name()
+# wins: "NVIDIA H100 PCIe" is the PCIe card's, "NVIDIA L40S" not the L40's nor the L4's. ppo.peak_tflops
+# overrides (scripts/gpu_check.sh measures it).
 PEAK_BF16_TFLOPS = {
     "GB200": 2500.0,
     "B200": 2250.0,
     "H200": 989.0,
-    "H100": 989.0,
+    "H100": 989.0,  # SXM ("NVIDIA H100 80GB HBM3")
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
     "H800": 989.0,
     "H20": 148.0,
     "A100": 312.0,
     "A800": 312.0,
     "L40S": 362.0,
+    "L40": 181.0,
     "L4": 121.0,
     "A10G": 70.0,
     "A10": 125.0,
@@ -72,8 +77,9 @@ def autocast(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
 
 
 def gpu_memory(device: torch.device) -> dict[str, float]:
-    """``perf/gpu_memory_*`` in GiB (allocated now, reserved now, peak allocated since the last reset);
-    empty off CUDA."""
+    """``perf/gpu_memory_*`` in GiB: allocated now, reserved now, and the peak allocated since the last
+    `reset_peak_memory` (an update resets it as it starts: the update's peak, with whatever else this
+    process allocated meanwhile, e.g. an engine in it); empty off CUDA."""
     if device.type != "cuda":
         return {}
     gib = 2.0**30
@@ -84,12 +90,24 @@ def gpu_memory(device: torch.device) -> dict[str, float]:
     }
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start ``device``'s peak-allocated count afresh (`gpu_memory`'s ``perf/gpu_memory_peak_gib``); nothing
+    off CUDA."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_tflops(device: torch.device, configured: float = 0.0) -> float | None:
-    """The device's dense bf16 peak: ``configured`` when set, else the GPU kind's from `PEAK_BF16_TFLOPS`;
-    None on CPU or an unknown GPU (no MFU is reported then)."""
+    """The device's dense bf16 peak: ``configured`` when set, else the GPU kind's from `PEAK_BF16_TFLOPS`
+    (`table_tflops`); None on CPU or an unknown GPU (no MFU is reported then)."""
     if configured > 0:
         return configured
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((tflops for kind, tflops in PEAK_BF16_TFLOPS.items() if kind in name), None)
+    return table_tflops(torch.cuda.get_device_name(device))
+
+
+def table_tflops(name: str) -> float | None:
+    """`PEAK_BF16_TFLOPS` of the longest kind contained in the GPU name ``name`` (None: no kind is)."""
+    kinds = [kind for kind in PEAK_BF16_TFLOPS if kind in name]
+    return PEAK_BF16_TFLOPS[max(kinds, key=len)] if kinds else None

@@ -17,16 +17,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers import PretrainedConfig, PreTrainedModel
 
 from areal_agents.trainers.microbatch import MicroBatch
 
 
-def model_flops(tokens: float, parameters: int, layers: int, hidden: int, attended: float) -> float:
+def model_flops(tokens: float, parameters: int, layers: int, attention_width: int, attended: float) -> float:
     """FLOPs of forward + backward over ``tokens``, PaLM-style (Chowdhery et al. 2022, appendix B):
-    ``6 N`` per token for the ``N`` parameters' matmuls, plus ``12 · layers · hidden`` per attended
-    position for attention's scores and values; ``attended`` sums, over sequences, the positions each
-    token attends (causal: ``L (L + 1) / 2`` for a sequence of ``L`` tokens)."""
-    return 6.0 * parameters * tokens + 12.0 * layers * hidden * attended
+    ``6 N`` per token for the ``N`` parameters' matmuls, plus ``12 · layers · attention_width`` per attended
+    position for attention's scores and values, ``attention_width`` being heads x head dim (`attention_width`);
+    ``attended`` sums, over sequences, the positions each token attends (causal: ``L (L + 1) / 2`` for a
+    sequence of ``L`` tokens)."""
+    return 6.0 * parameters * tokens + 12.0 * layers * attention_width * attended
+
+
+def attention_width(config: PretrainedConfig) -> int:
+    """Query heads x head dim: the width attention's scores and values multiply over. Not always the hidden
+    size: Qwen3-0.6B's is 16 x 128 = 2048 against a hidden size of 1024."""
+    heads = config.num_attention_heads
+    return heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
+def lm_flops(lm: PreTrainedModel, tokens: float, attended: float) -> float:
+    """`model_flops` of ``lm`` (its global parameter count, sharded or not; tied weights once) over ``tokens``
+    computed tokens attending ``attended`` positions."""
+    config = lm.config.get_text_config()
+    parameters = sum(p.numel() for p in lm.parameters())
+    return model_flops(tokens, parameters, config.num_hidden_layers, attention_width(config), attended)
 
 
 @dataclass

@@ -52,9 +52,26 @@ class MicroBatch:
         return (self.shared.input_ids if self.shared is not None else self.input_ids).numel()
 
     @property
+    def computed_tokens(self) -> int:
+        """Tokens of its trajectories the model computes: all of them, but each shared prompt once (the
+        shared row); none of a padded layout's padding, nor of a rank's zero-loss copy (`padding`)."""
+        if not self.slices:
+            return 0
+        if self.shared is not None:
+            return self.shared.input_ids.numel()
+        return sum(b - a for _, a, b in self.slices)
+
+    @property
     def attended(self) -> int:
-        """Positions attended over all its trajectories, causal within each: ``L (L + 1) / 2`` for ``L`` tokens."""
-        return sum((b - a) * (b - a + 1) // 2 for _, a, b in self.slices or ())
+        """Positions attended by the tokens `computed_tokens` counts, causal within each trajectory: ``L (L + 1)
+        / 2`` for ``L`` tokens. A shared prompt of ``P`` tokens counts ``P (P + 1) / 2`` once and each of its
+        completions of ``W`` tokens ``W P + W (W + 1) / 2`` (all of its prompt, then causally itself)."""
+        if not self.slices:
+            return 0
+        if self.shared is not None:
+            prompts = sum(p * (p + 1) // 2 for _, p in self.shared.prompts)
+            return prompts + sum(w * p + w * (w + 1) // 2 for _, w, _, p in self.shared.completions)
+        return sum((b - a) * (b - a + 1) // 2 for _, a, b in self.slices)
 
     def to(self, device: torch.device) -> MicroBatch:
         """Its tensors on ``device`` (one copy each; ``cu_seqlens``, read as a list, stays on the CPU); itself

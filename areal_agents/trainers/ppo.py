@@ -27,10 +27,10 @@ import torch
 from transformers import PreTrainedModel
 
 from areal_agents.config import PPOConfig
-from areal_agents.models.device import gpu_memory, peak_tflops
+from areal_agents.models.device import gpu_memory, peak_tflops, reset_peak_memory
 from areal_agents.trainers.batching import ScoredLM, module_device, token_logprobs
 from areal_agents.trainers.critic import ValueModel, critic_backward, critic_step, critic_values
-from areal_agents.trainers.distributed import DataParallel, model_flops
+from areal_agents.trainers.distributed import DataParallel, lm_flops
 from areal_agents.trainers.microbatch import MicroBatch, spread
 from areal_agents.trainers.optim import optimizer_step
 from areal_agents.trainers.ppo_batch import (
@@ -79,7 +79,8 @@ class _Tally:
         self.run = dict.fromkeys(keys, 0.0)
         self.per_step: dict[str, float] = defaultdict(float)  # grad norms: the same on every rank
         self.behav_weight_max, self.steps = 0.0, 0
-        self.work = {"trained_tokens": 0.0, "attended": 0.0}  # the policy's forward + backward, for MFU
+        # the policy's forward + backward, for MFU (`MicroBatch.computed_tokens` and `MicroBatch.attended`)
+        self.work = {"trained_tokens": 0.0, "computed_tokens": 0.0, "attended": 0.0}
         self.mismatch = dict.fromkeys(_MISMATCH_SUMS, 0.0)
         self.mismatch_max = 0.0
 
@@ -123,22 +124,22 @@ class _Tally:
 
     def perf(self, model: torch.nn.Module, cfg: PPOConfig, dp: DataParallel | None) -> dict[str, float]:
         """``trained_tokens`` (the trajectories' tokens through the policy's forward and backward, padding
-        ranks' copies left out; a shared prompt counted with each of its completions), ``model_flops``
-        (`model_flops`) and ``peak_flops`` summed over ranks, and on CUDA ``perf/gpu_memory_*`` (the
-        largest rank's)."""
+        ranks' copies left out; a shared prompt counted with each of its completions), ``computed_tokens``
+        (those the model computed: a shared prompt once), ``model_flops`` (`lm_flops` of the computed tokens)
+        and ``peak_flops`` summed over ranks, and on CUDA ``perf/gpu_memory_*`` (the largest rank's; the
+        peak since the update started)."""
         device = module_device(model)
         peak = (peak_tflops(device, cfg.peak_tflops) or 0.0) * 1e12
         work = self.work | {"peak_flops": peak}
         work = dp.sum(work) if dp else work
         lm = model.lm if isinstance(model, ScoredLM) else model
-        n = sum(p.numel() for p in lm.parameters())  # global counts, sharded or not
-        config = lm.config.get_text_config()
-        flops = model_flops(work["trained_tokens"], n, config.num_hidden_layers, config.hidden_size, work["attended"])
+        flops = lm_flops(lm, work["computed_tokens"], work["attended"])
         memory = gpu_memory(device)
         if dp:
             memory = {key: dp.max(value) for key, value in sorted(memory.items())}
         return {
             "trained_tokens": work["trained_tokens"],
+            "computed_tokens": work["computed_tokens"],
             "model_flops": flops,
             "peak_flops": work["peak_flops"],
         } | memory
@@ -221,6 +222,7 @@ def accumulate(
         tally.add(st, float(loss.detach()) * num_tokens, value)
         # its trajectories' tokens, whatever the layout (a streamed batch counts what the whole would)
         tally.work["trained_tokens"] += sum(b - a for _, a, b in mb.slices)
+        tally.work["computed_tokens"] += mb.computed_tokens
         tally.work["attended"] += mb.attended
 
 
@@ -257,6 +259,7 @@ def ppo_update(
     on its share of every minibatch and gradients are summed across ranks (`distributed.py`).
     ``max_new_tokens``: the rollout's, which ``cfg.overlong_buffer`` needs (`prepare_batch`).
     ``policy_version``: the engine's version of these weights, whose tokens measure the mismatch."""
+    reset_peak_memory(module_device(model))  # perf/gpu_memory_peak_gib: this update's peak
     use_gae = cfg.advantage == "gae"
     if use_gae and (critic is None or critic_optimizer is None):
         raise ValueError("ppo.advantage=gae needs a critic and its optimizer")
@@ -331,6 +334,7 @@ class StreamedUpdate:
         self.max_new_tokens, self.policy_version = max_new_tokens, policy_version
         self.counts = dict.fromkeys(_GROUP_COUNTS, 0.0)
         self.tally = _Tally(critic=False)
+        reset_peak_memory(module_device(model))  # perf/gpu_memory_peak_gib: this update's peak
         optimizer.zero_grad(set_to_none=True)
 
     def add(self, trajectories: list[Trajectory]) -> None:

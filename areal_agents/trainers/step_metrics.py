@@ -32,7 +32,8 @@ from areal_agents.trainers.overlong import is_truncated, truncated_fraction
 from areal_agents.trainers.policy import SHARED
 from areal_agents.types import Trajectory
 
-_TRAINER_PERF = ("model_flops", "peak_flops", "trained_tokens")  # an update's figures that `trainer_perf` logs
+# an update's figures that `trainer_perf` logs
+_TRAINER_PERF = ("model_flops", "peak_flops", "trained_tokens", "computed_tokens")
 _COUNTERS = ("prefix_hit_tokens", "prefill_tokens", "busy_seconds", "generated_tokens", "decode_steps")
 
 
