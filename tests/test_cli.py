@@ -203,6 +203,20 @@ def test_rl_through_serve_model_and_the_sglang_client(tmp_path, tiny_dir, capsys
 
 @pytest.mark.slow  # 30-60 s each on 2 cores: kept out of the default run
 @pytest.mark.process
+@pytest.mark.parametrize("trainer", ["ppo.trainer=process", "ppo.nproc_per_node=2"], ids=["process", "ranks"])
+def test_rl_broadcasting_weights_from_the_trainer_processes_to_serve_model(tmp_path, tiny_dir, trainer):
+    """engine.weight_sync=broadcast with the trainer in processes of its own: its rank 0 hosts the weight group
+    and sends the buckets (over gloo here, NCCL from a GPU); no weights are written to disk for the servers."""
+    _, rl = write_configs(tmp_path, tiny_dir)
+    args = ["train", str(rl), "engine.backend=serve-model", "engine.weight_sync=broadcast", trainer]
+    assert main([*args, "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
+    assert summary["engine_version"] == 2 and summary["episodes"]["running"] == 0
+    assert not (tmp_path / "rl" / "engine_weights").exists()
+
+
+@pytest.mark.slow  # 30-60 s each on 2 cores: kept out of the default run
+@pytest.mark.process
 def test_resume_after_kill_9_continues_with_the_same_data_order(tmp_path, tiny_dir):
     """A run killed (SIGKILL) mid-step and resumed sees the same prompts per step as one that never stopped."""
     _, rl = write_configs(tmp_path, tiny_dir)

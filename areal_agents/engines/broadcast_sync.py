@@ -2,10 +2,12 @@
 in SGLang's protocol: real SGLang servers over NCCL, serve-model over gloo.
 
 The trainer is rank 0 of a group with every server's ranks (``/init_weights_update_group``;
-`engines.broadcast_group` makes it without touching torch.distributed's default group). A push pauses the
-servers, then per bucket (tensors up to ``bucket_bytes``, in the state dict's order) posts
-``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, flush_cache, weight_version} to every
-server while broadcasting the bucket's tensors, names the version and resumes (`RemoteEngine.swap_weights`).
+`engines.broadcast_group` makes it without touching torch.distributed's default group), hosted where its
+weights live: the source's `WeightSender` (this process for a trainer thread; a trainer process's or rank 0's
+own, so the weights never pass through here). A push pauses the servers, then per bucket (tensors up to
+``bucket_bytes``, in the state dict's order) posts ``/update_weights_from_distributed`` {names, dtypes,
+shapes, group_name, flush_cache, weight_version} to every server while the sender broadcasts the bucket's
+tensors, names the version and resumes (`RemoteEngine.swap_weights`).
 ``flush_cache`` is true after an abort pause and false with ``pause_mode=keep``, whose kept requests SGLang's
 flush would fail on (`RemoteEngine.flush_with_update`).
 
@@ -30,14 +32,15 @@ import itertools
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from areal_agents.engines.broadcast_group import WeightGroup, dtype_name, join_group, local_address, plan_buckets
+from areal_agents.engines.broadcast_group import dtype_name, local_address, plan_buckets
 from areal_agents.engines.remote_engine import ServerError
+from areal_agents.engines.weight_sender import GroupSpec, WeightSender, WireWeights
 from areal_agents.engines.weight_sync import WeightSource, timed
 from areal_agents.errors import ConfigError, EngineError, RequestError
-from areal_agents.models.weight_checks import finite
 from areal_agents.models.weight_files import tensor_bytes
 from areal_agents.net import free_port
 
@@ -70,7 +73,7 @@ class BroadcastSync:
         self.engines = list(engines)
         self.dtype, self.bucket_bytes, self.timeout_s = dtype, bucket_bytes, timeout_s
         self.backend, self.tp_size = backend, tp_size
-        self.groups: dict[int, tuple[list[int], WeightGroup]] = {}  # engine -> (its member servers, the group)
+        self.groups: dict[int, tuple[list[int], SenderGroup]] = {}  # engine -> (its member servers, the group)
         self.last_push: dict[str, float] = {}
         for engine in self.engines:
             engine.guard_restarts(supervisor)
@@ -78,25 +81,24 @@ class BroadcastSync:
     async def push(self, source: WeightSource, version: int | None = None) -> int:
         start = time.perf_counter()
         version = self.engines[0].get_version() + 1 if version is None else version
-        tensors = await source.tensors()
-        backend = self._backend(tensors)
-        wire = {name: self._wire(t, "meta") for name, t in tensors.items()}  # dtypes and shapes as sent
-        nonfinite = [name for name, t in tensors.items() if not finite(t, wire[name].dtype)]
-        if nonfinite:  # the servers would refuse them after the whole broadcast; no server is paused for it
+        sender = source.weight_sender()  # where the weights live: this process, or the trainer's rank 0
+        described = await sender.describe(self.dtype, self.backend)
+        if described.nonfinite:  # the servers would refuse them after the whole broadcast; no server is paused
+            nonfinite = described.nonfinite
             more = f" (and {len(nonfinite) - 3} more)" if len(nonfinite) > 3 else ""
             raise EngineError(
                 f"weight broadcast of version {version}: {', '.join(nonfinite[:3])}{more} have NaN or infinite "
                 "values as sent; no server was touched"
             )
-        buckets = plan_buckets(wire, self.bucket_bytes)
+        buckets = plan_buckets(described.wire, self.bucket_bytes)
         for i, engine in enumerate(self.engines):
             members = await self._candidates(engine)  # before the pause, which goes to the rotation
 
             async def load(v: int, i: int = i, engine: Any = engine, members: list[int] = members) -> None:
-                await self._load(i, engine, members, (tensors, wire), buckets, v, backend)
+                await self._load(i, engine, members, Push(sender, described, buckets, v))
 
             await engine.swap_weights(load, version)  # lock, pause, load, version, resume
-        self.last_push = timed(start, tensor_bytes(wire))
+        self.last_push = timed(start, tensor_bytes(described.wire))
         return version
 
     async def announce(self, version: int) -> None:
@@ -112,16 +114,7 @@ class BroadcastSync:
 
     # ---- one engine's push ----------------------------------------------------------------------
 
-    async def _load(
-        self,
-        i: int,
-        engine: Any,
-        members: list[int],
-        tensors: tuple[dict, dict],
-        buckets: list[list[str]],
-        version: int,
-        backend: str,
-    ) -> None:
+    async def _load(self, i: int, engine: Any, members: list[int], push: Push) -> None:
         """Every server of ``members`` gets the weights and takes requests; those that fail leave the rotation.
         A group is kept from push to push unless a member was out of the rotation (it may have restarted
         and left the group); a broadcast that fails while every server answers gets one new group."""
@@ -130,11 +123,11 @@ class BroadcastSync:
             self._drop(i)
         retried = False
         while members:
-            group = await self._group(i, engine, members, backend)
+            group = await self._group(i, engine, members, push)
             if group is None:
                 break
             members = self.groups[i][0]  # those that joined
-            lost, failure = await self._send(engine, members, group, tensors, buckets, version)
+            lost, failure = await self._send(engine, members, group, push)
             if not lost and failure is None:
                 for m in members:
                     engine.put_back(m)
@@ -145,7 +138,7 @@ class BroadcastSync:
                     raise EngineError(f"weight broadcast failed twice and every server answers: {failure}")
                 retried = True  # a member restarted unseen since the group was made: a new group
             members = [m for m in members if m not in lost]
-        raise EngineError(f"no server took the weights of version {version}: {engine.out}")
+        raise EngineError(f"no server took the weights of version {push.version}: {engine.out}")
 
     async def _candidates(self, engine: Any) -> list[int]:
         """The servers whose /health answers: those in the rotation, and those out of it, which rejoin; one
@@ -158,9 +151,11 @@ class BroadcastSync:
                 engine.take_out(i, "did not answer /health before a weight push")
         return [i for i, ok in zip(indices, answers) if ok]
 
-    async def _group(self, i: int, engine: Any, members: list[int], backend: str) -> WeightGroup | None:
-        """The group of ``members`` (the current one if it has exactly them), or None if none joined."""
-        if i in self.groups and self.groups[i][0] == members and self.groups[i][1].backend == backend:
+    async def _group(self, i: int, engine: Any, members: list[int], push: Push) -> SenderGroup | None:
+        """The group of ``members`` (the current one if it has exactly them and the push's sender), or None
+        if none joined."""
+        backend = push.described.backend
+        if i in self.groups and self.groups[i][0] == members and self.groups[i][1].serves(push.sender, backend):
             return self.groups[i][1]
         await self._forget(i, engine)
         while members:
@@ -185,38 +180,29 @@ class BroadcastSync:
                 )
                 for k, m in enumerate(members)
             ]
-            rank0 = asyncio.to_thread(
-                join_group, master, port, rank=0, world_size=world, group_name=name, backend=backend,
-                timeout_s=self.timeout_s,
-            )  # fmt: skip
-            *replies, group = await asyncio.gather(*posts, rank0, return_exceptions=True)
+            group = SenderGroup(name, backend, push.sender)
+            rank0 = push.sender.join(GroupSpec(master, port, world, name, backend, self.timeout_s))
+            *replies, joined = await asyncio.gather(*posts, rank0, return_exceptions=True)
             failed = [m for m, r in zip(members, replies) if isinstance(r, BaseException)]
-            if not failed and isinstance(group, WeightGroup):
+            if not failed and not isinstance(joined, BaseException):
                 self.groups[i] = (list(members), group)
                 return group
-            if isinstance(group, WeightGroup):
-                group.close()
+            group.close()
             for m, r in zip(members, replies):
                 if isinstance(r, BaseException):
                     engine.take_out(m, f"could not join the weight group: {r}")
             if not failed:  # every server joined but rank 0 could not: nothing a retry would change
-                raise EngineError(f"the trainer could not make the weight group {name}: {group}")
+                raise EngineError(f"the trainer could not make the weight group {name}: {joined}")
             members = [m for m in members if m not in failed]
         return None
 
     async def _send(
-        self,
-        engine: Any,
-        members: list[int],
-        group: WeightGroup,
-        tensors: tuple[dict, dict],
-        buckets: list[list[str]],
-        version: int,
+        self, engine: Any, members: list[int], group: SenderGroup, push: Push
     ) -> tuple[set[int], BaseException | None]:
-        """Every bucket to ``members`` (``tensors``: the source's, and as sent on the meta device): the
-        servers lost on the way and the broadcast's failure (nothing lost, no failure: all hold the weights)."""
-        source, wire = tensors
-        for names in buckets:
+        """Every bucket of ``push`` to ``members``: the servers lost on the way and the broadcast's failure
+        (nothing lost, no failure: all hold the weights)."""
+        wire = push.described.wire
+        for names in push.buckets:
             body = {
                 "names": names,
                 "dtypes": [dtype_name(wire[n].dtype) for n in names],
@@ -224,14 +210,13 @@ class BroadcastSync:
                 "group_name": group.name,
                 "flush_cache": engine.flush_with_update(),
                 "abort_all_requests": False,
-                "weight_version": str(version),
+                "weight_version": str(push.version),
             }
             path, timeout = "/update_weights_from_distributed", self.timeout_s + 10
             posts = [asyncio.ensure_future(engine.post_once(engine.addresses[m], path, body, timeout)) for m in members]
             failure: BaseException | None = None
             try:
-                bucket = [self._wire(source[n], group.backend) for n in names]  # one bucket converted at a time
-                await asyncio.to_thread(_broadcast_all, group, bucket)
+                await push.sender.send(group.name, names)
             except Exception as e:  # noqa: BLE001  (a rank gone, or the timeout)
                 failure = e
                 group.close()  # the servers still waiting in this bucket fail at once
@@ -271,22 +256,31 @@ class BroadcastSync:
         if members_group is not None:
             members_group[1].close()
 
-    def _backend(self, tensors: dict) -> str:
-        if self.backend != "auto":
-            return self.backend
-        first = next(iter(tensors.values()), None)
-        return "nccl" if first is not None and first.is_cuda else "gloo"
 
-    def _wire(self, t: Any, backend: str) -> Any:
-        """A tensor as it is broadcast: in ``dtype`` (floating point only), on the backend's device (gloo:
-        the CPU; ``meta``: its dtype and shape only)."""
-        import torch  # noqa: PLC0415
+@dataclass(frozen=True)
+class Push:
+    """One push: its sender, what it sends, in which buckets, under which version."""
 
-        dtype = getattr(torch, self.dtype) if self.dtype is not None and t.is_floating_point() else t.dtype
-        if backend == "meta":
-            return torch.empty(t.shape, dtype=dtype, device="meta")
-        t = t.detach().to(dtype)
-        return (t.cpu() if backend == "gloo" else t).contiguous()
+    sender: WeightSender
+    described: WireWeights
+    buckets: list[list[str]]
+    version: int
+
+
+@dataclass
+class SenderGroup:
+    """A weight group as this process sees it: its name and backend, hosted by ``sender``."""
+
+    name: str
+    backend: str
+    sender: WeightSender
+
+    def serves(self, sender: WeightSender, backend: str) -> bool:
+        return self.sender is sender and self.backend == backend
+
+    def close(self) -> None:
+        """The sender leaves the group (the servers' ends fail their next wait)."""
+        self.sender.leave(self.name)
 
 
 def group_name() -> str:
@@ -313,8 +307,3 @@ async def _replies(posts: list[asyncio.Future], grace_s: float | None) -> list:
         except Exception as e:  # noqa: BLE001  (the server's failure, judged by `_lost`)
             out.append(e)
     return out
-
-
-def _broadcast_all(group: WeightGroup, tensors: list) -> None:
-    for t in tensors:
-        group.broadcast(t)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from areal_agents.engines.base import InferenceEngine
+from areal_agents.engines.weight_sender import HeldWeights, WeightSender
 from areal_agents.models.weight_files import (  # noqa: F401  (the writer's old home re-exports it)
     CONFIG_FILES,
     SHARD_BYTES,
@@ -55,6 +56,11 @@ class WeightSource(Protocol):
 
     async def save_weights(self, path: Path, dtype: str | None = None) -> None:
         """Write the weights to the directory ``path`` with `write_weights` (in ``dtype``; None: as held)."""
+        ...
+
+    def weight_sender(self) -> WeightSender:
+        """Rank 0 of a weight broadcast, where the weights live (one per source: it keeps its groups);
+        `HeldWeights` gives a source in this process its `LocalSender`."""
         ...
 
 
@@ -142,7 +148,7 @@ class DiskSync:
             await engine.announce_version()  # fresh servers say "default", not the run's version
 
 
-class StateDictSource:
+class StateDictSource(HeldWeights):
     """A state dict in this process as a `WeightSource` (a `RemoteEngine`'s own ``update_weights``)."""
 
     def __init__(self, state_dict: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from areal_agents.config.placement import team_threads
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.engines.serving import Serving
+from areal_agents.engines.weight_sender import HeldWeights
 from areal_agents.engines.weight_sync import WeightSync
 from areal_agents.errors import ConfigError
 from areal_agents.models.device import compute_dtype, resolve_device
@@ -44,7 +45,7 @@ from areal_agents.types import Trajectory
 
 
 @dataclass
-class Policy:
+class Policy(HeldWeights):
     name: str
     model: PreTrainedModel  # the trainer's copy
     spec: TrainSpec

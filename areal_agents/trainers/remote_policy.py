@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from areal_agents.engines.serving import Serving
+from areal_agents.engines.weight_sender import GroupSpec, WireWeights
 from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.types import Trajectory
 
@@ -53,6 +54,30 @@ class TrainerTransport(Protocol):
         ...
 
 
+class TrainerSender:
+    """A `WeightSender` in the trainer: its rank 0 (a `TrainerEndpoint`) hosts the weight groups and sends the
+    buckets from where the weights are; this process only relays the calls."""
+
+    def __init__(self, transport: TrainerTransport) -> None:
+        self.transport = transport
+
+    async def describe(self, dtype: str | None, backend: str) -> WireWeights:
+        return await self.transport.acall("describe_weights", dtype, backend)
+
+    async def join(self, spec: GroupSpec) -> None:
+        await self.transport.acall("join_weight_group", spec)
+
+    async def send(self, group: str, names: list[str]) -> None:
+        await self.transport.acall("send_weights", group, names)
+
+    def leave(self, group: str) -> None:
+        """Best effort: a trainer that is gone has left every group (its peers' waits have failed)."""
+        try:
+            self.transport.call("leave_weight_group", group)
+        except Exception:  # noqa: BLE001  (the trainer's death is reported by the call that found it)
+            pass
+
+
 class RemotePolicy:
     """A `TrainablePolicy` trained behind ``transport``, generating on ``serving``'s engine; ``serving.sync``
     moves the trainer's weights to it (`tensors` or `save_weights`)."""
@@ -64,6 +89,7 @@ class RemotePolicy:
         self.lora = spec.lora is not None
         self._adapter_config: dict[str, Any] | None = None  # a LoRA policy's, once asked
         self._parts: list[Trajectory] = []  # without streaming: the parts of the batch `finish_update` trains
+        self._sender = TrainerSender(transport)
 
     async def update(self, trajectories: list[Trajectory], generator: torch.Generator) -> dict[str, float]:
         version = self.engine.get_version()  # the mismatch metrics' tokens (`Policy.version`)
@@ -103,6 +129,10 @@ class RemotePolicy:
         """The trainer writes its weights under ``path`` (in ``dtype``; a LoRA policy's adapter as PEFT's
         directory; a `WeightSource`): rank 0 writes, this process copies nothing."""
         await self.transport.acall("save_weights", path, dtype)
+
+    def weight_sender(self) -> TrainerSender:
+        """The trainer's rank 0 broadcasts its weights to the servers itself (`BroadcastSync`)."""
+        return self._sender
 
     def adapter_config(self) -> dict[str, Any] | None:
         """A LoRA policy's ``adapter_config.json`` content (None: full weights); it never changes, so it is

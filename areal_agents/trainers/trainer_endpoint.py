@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from areal_agents.engines.weight_sender import GroupSpec, TensorSender, WireWeights
 from areal_agents.models.weight_files import write_weights
 from areal_agents.trainers.lora import write_adapter
 from areal_agents.trainers.policy import Policy
@@ -48,7 +49,12 @@ class TrainerEndpoint:
             "state_dict": policy.state_dict,
             "load_state_dict": policy.load_state_dict,
             "load_train_state": policy.load_train_state,
+            "describe_weights": self.describe_weights,
+            "join_weight_group": self.join_weight_group,
+            "send_weights": self.send_weights,
+            "leave_weight_group": self.leave_weight_group,
         }
+        self.sender = TensorSender()  # rank 0 of the weight broadcasts to the servers (`BroadcastSync`)
 
     def call(self, method: str, args: tuple) -> Any:
         """``method(*args)``; `UnknownTrainerCall` for a name it does not answer."""
@@ -80,6 +86,28 @@ class TrainerEndpoint:
         weights = self.policy.weights()
         if self.rank == 0:
             write_weights(weights, path, dtype)
+
+    def describe_weights(self, dtype: str | None, backend: str) -> WireWeights | None:
+        """The current weights for a broadcast push (every rank gathers; rank 0 keeps them and answers)."""
+        weights = self.policy.weights()
+        if self.rank != 0:
+            return None
+        device = next(self.policy.model.parameters()).device.type
+        return self.sender.describe(weights, dtype, backend, device)
+
+    def join_weight_group(self, spec: GroupSpec) -> None:
+        """Rank 0 hosts the servers' weight group `spec` (the servers join it at the same time)."""
+        if self.rank == 0:
+            self.sender.join(spec)
+
+    def send_weights(self, group: str, names: list[str]) -> None:
+        """Rank 0 broadcasts a bucket of the described weights from its device to the servers."""
+        if self.rank == 0:
+            self.sender.send(group, names)
+
+    def leave_weight_group(self, group: str) -> None:
+        if self.rank == 0:
+            self.sender.leave(group)
 
     def save_checkpoint(self, path: Path) -> None:
         self.policy.save_checkpoint(Path(path))

@@ -21,6 +21,7 @@ from areal_agents.engines.broadcast_sync import BroadcastSync
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.model_server import ModelServerConfig, build_app
 from areal_agents.engines.sglang.client import SGLangEngine
+from areal_agents.engines.weight_sender import HeldWeights
 from areal_agents.engines.weight_sync import write_weights
 from areal_agents.errors import EngineError
 from areal_agents.models import load_model, load_tokenizer
@@ -377,7 +378,7 @@ def test_a_refused_broadcast_leaves_the_served_weights_and_version_as_they_were(
 def test_a_broadcast_of_nan_weights_stops_before_any_server_is_paused(new_state):
     """The trainer's side: nothing to refuse reaches a server (here, none answers at all)."""
 
-    class Source:
+    class Source(HeldWeights):
         async def tensors(self):
             return altered(new_state, model__norm__weight=with_nan(new_state[NORM]))
 

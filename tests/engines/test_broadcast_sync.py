@@ -17,15 +17,21 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from areal_agents.config import EngineConfig
+from areal_agents.config import EngineConfig, TrainConfig
 from areal_agents.engines.broadcast_sync import BroadcastSync
 from areal_agents.engines.local_servers import ServerGroup, launch_servers, server_command, wait_healthy
+from areal_agents.engines.serving import Serving
 from areal_agents.engines.sglang.client import SGLangEngine
 from areal_agents.engines.supervisor import Supervisor
+from areal_agents.engines.weight_sender import HeldWeights
 from areal_agents.engines.weight_sync import DiskSync, write_weights
 from areal_agents.models import load_model
 from areal_agents.net import free_port
+from areal_agents.trainers.policy_api import TrainSpec
+from areal_agents.trainers.remote_policy import RemotePolicy
+from areal_agents.trainers.trainer_process import PipeTransport
 from areal_agents.types import GenRequest, SamplingParams
+from tests.trainers.test_trainer_process import batch
 
 pytestmark = pytest.mark.process
 
@@ -34,7 +40,7 @@ PROMPT = [5, 17, 23, 42, 8, 9, 60, 3]
 BUCKET_BYTES = 32 * 1024  # several buckets for the tiny model
 
 
-class Trainer:
+class Trainer(HeldWeights):
     """The trainer's side of a push: a model whose weights change between pushes (a `WeightSource`)."""
 
     def __init__(self, model_dir, shard_bytes: int = 5 << 30) -> None:
@@ -137,6 +143,36 @@ def test_two_broadcast_pushes_leave_the_server_serving_the_trainers_weights(serv
         asyncio.run(engine.aclose())
 
 
+def test_a_trainer_process_broadcasts_its_weights_from_where_they_are(server, tiny_dir, tmp_path):
+    """A trainer in a process of its own hosts the weight group as rank 0 and sends every bucket itself: the
+    server serves the trained weights, and none passed through this process (the shared-memory copy this
+    process would read them from was never refreshed). Pushed twice: the group is kept in the trainer."""
+    cfg = TrainConfig()
+    cfg.model.path, cfg.ppo.lr = str(tiny_dir), 1e-2
+    spec = TrainSpec.of(cfg, pad_token_id=0)
+    engine = SGLangEngine([server])
+    sync = BroadcastSync([engine], bucket_bytes=BUCKET_BYTES, timeout_s=30)
+    transport = PipeTransport.spawn(spec, "policy", str(tiny_dir), str(tiny_dir))
+    policy = RemotePolicy("policy", spec, Serving(engine, sync, None), transport)
+    untouched = {k: v.clone() for k, v in transport._shared.items()}  # noqa: SLF001  (what `tensors()` would read)
+    trajectories = batch(load_model(tiny_dir).config.vocab_size)
+    try:
+        before = served(server)[1]
+        for version in (1, 2):
+            asyncio.run(policy.update(trajectories, torch.Generator().manual_seed(version)))
+            asyncio.run(policy.push_weights())
+            policy.save_checkpoint(tmp_path / f"v{version}")  # the trainer's weights, written by the trainer
+            before = assert_serves(server, load_model(tmp_path / f"v{version}"), version, old=before)
+            if version == 1:
+                first_group = sync.groups[0][1].name
+        assert sync.groups[0][1].name == first_group, "the group is made once and kept"
+        assert all(torch.equal(transport._shared[k], v) for k, v in untouched.items())  # noqa: SLF001
+    finally:
+        sync.close()
+        policy.close()
+        asyncio.run(engine.aclose())
+
+
 def test_a_server_joining_late_or_restarted_gets_the_weights_before_it_serves(server, tiny_dir, tmp_path):
     """Added late (not up at the first push), then killed and restarted by the supervisor (which brings it
     back with the checkpoint's weights: broadcast weights are not on disk): each time it takes no request
@@ -217,7 +253,8 @@ def test_a_server_dying_mid_broadcast_leaves_the_rotation_and_the_run_goes_on_si
             requests = [GenRequest(f"ep{k}/t0", PROMPT, SamplingParams(4)) for k in range(4)]
             return await asyncio.gather(*(engine.agenerate(r) for r in requests))
 
-        assert all(r.output_versions == [1] * 4 for r in asyncio.run(generate_some()))
+        got = asyncio.run(generate_some())  # sampled: a reply may end at an early end of sequence
+        assert all(r.output_tokens and r.output_versions == [1] * len(r.output_tokens) for r in got), got
         trainer.step()
         assert asyncio.run(sync.push(trainer)) == 2, "the next push goes to the servers left"
         assert_serves(server, trainer.model, 2)

@@ -17,6 +17,7 @@ from areal_agents.engines.broadcast_sync import BroadcastSync
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.model_server import ModelServerConfig, build_app
 from areal_agents.engines.sglang.client import SGLangEngine
+from areal_agents.engines.weight_sender import HeldWeights
 from areal_agents.engines.weight_sync import DiskSync, write_weights
 from areal_agents.models import load_model, load_tokenizer
 from areal_agents.types import GenRequest, SamplingParams
@@ -27,7 +28,7 @@ PROMPT = [5, 17, 23, 42, 8, 9, 60, 3]
 GENERATE = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0}, "return_logprob": True}
 
 
-class Trainer:
+class Trainer(HeldWeights):
     """A `WeightSource` whose weights differ from the served model's."""
 
     def __init__(self, model_dir, seed: int) -> None:
