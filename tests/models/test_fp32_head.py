@@ -1,17 +1,20 @@
-"""The float32 LM head (`fp32_head`): the trainer's token logprobs of a bfloat16 model against a float64
-reference computed by hand from the same hidden states and head weight, and the vocabulary-chunked backward
-against an unchunked float64 one."""
+"""The float32 LM head (`fp32_head`): the trainer's token logprobs and the engine's behavior logprobs of a
+bfloat16 model against a float64 reference computed by hand from the same hidden states and head weight,
+and the vocabulary-chunked backward against an unchunked float64 one."""
 
+import asyncio
 import contextlib
 
 import pytest
 import torch
 
+from areal_agents.engines import HFEngine
+from areal_agents.engines.hf import decode_step
 from areal_agents.models import load_model
 from areal_agents.models.fp32_head import head_token_logprobs, linear_head
 from areal_agents.models.logprobs import chunked_token_logprobs, tempered_token_logprobs
 from areal_agents.trainers.batching import hidden_states, make_micro_batches, token_logprobs
-from areal_agents.types import Trajectory
+from areal_agents.types import GenRequest, SamplingParams, Trajectory
 
 T = 0.8  # a sampling temperature other than 1, so that the scaling is checked too
 
@@ -51,6 +54,33 @@ def test_trainer_logprobs_of_a_bfloat16_model_are_float32_exact(tiny_dir, pack, 
     err, err_bf16 = (logp - ref)[scored].abs().max().item(), (old - ref)[scored].abs().max().item()
     assert logp.dtype == torch.float32 and err < 2e-6
     assert err_bf16 > 20 * err  # bfloat16 logits: about 1e-3 off here; float32: about 1e-7
+
+
+@pytest.mark.parametrize("fast_decode", [True, False])
+@pytest.mark.parametrize("weights", ["bfloat16", "float32 under bfloat16 autocast"])
+def test_engine_behavior_logprobs_of_a_bfloat16_model_are_float32_exact(tiny_dir, monkeypatch, fast_decode, weights):
+    """Every hidden state the engine's head saw (prefill and decode steps) is kept; each sampled token's
+    behavior logprob is its float64 value to float32 rounding, where bfloat16 logits were far off."""
+    seen = []
+    float32_logits = decode_step.float32_logits
+
+    def spy(hidden, head):
+        seen.append(hidden.clone())
+        return float32_logits(hidden, head)
+
+    monkeypatch.setattr(decode_step, "float32_logits", spy)
+    model = load_model(tiny_dir, "bfloat16" if weights == "bfloat16" else "float32")
+    shared = {} if weights == "bfloat16" else {"compute_dtype": "bfloat16", "share_weights": True}
+    engine = HFEngine(model, eos_token_ids=[], seed=4, fast_decode=fast_decode, **shared)
+    request = GenRequest("r", [5, 6, 7, 8], SamplingParams(max_new_tokens=6, temperature=T))
+    response = asyncio.run(engine.agenerate(request))
+    assert len(seen) == 6 and all(h.shape[0] == 1 for h in seen)  # one row: call k sampled token k
+    hidden, tokens = torch.cat(seen), torch.tensor(response.output_tokens)
+    assert hidden.dtype == (torch.bfloat16 if weights == "bfloat16" else torch.float32)  # autocast: norm's fp32 weight
+    ref = _reference(hidden, model.lm_head.weight, tokens, T)
+    err = (torch.tensor(response.output_logprobs, dtype=torch.float64) - ref).abs().max().item()
+    err_bf16 = (_bf16_logprobs(hidden, model.lm_head, tokens, T) - ref).abs().max().item()
+    assert err < 2e-6 and err_bf16 > 20 * err
 
 
 def test_vocabulary_chunks_that_do_not_divide_it_give_the_float64_values():
