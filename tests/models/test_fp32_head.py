@@ -147,3 +147,37 @@ def test_a_head_that_is_not_a_plain_linear_runs_its_own_forward():
     with torch.no_grad():
         out = chunked_token_logprobs(hidden, head, tokens, T, chunk_tokens=3, chunk_vocab=4)
         assert torch.allclose(out, tempered_token_logprobs(head(hidden), tokens, T))
+
+
+@pytest.mark.process
+def test_fsdp2_bfloat16_params_score_float32_exact_and_train_the_head(tiny_dir, tmp_path, monkeypatch):
+    """One gloo rank, FSDP2 with bfloat16 param_dtype (the sharded `ScoredLM` path): the head's weight arrives
+    all-gathered in bfloat16 and its logprobs are float64's to float32 rounding; the sharded head gets a
+    float32 gradient."""
+    from torch import distributed as dist
+
+    from areal_agents.models import fp32_head
+    from areal_agents.trainers.fsdp import shard_policy
+
+    seen = {}
+    forward = fp32_head._HeadLogprobs.forward
+
+    def spy(ctx, hidden, weight, *args):
+        seen["hidden"], seen["weight"] = hidden.detach().clone(), weight.detach().clone()
+        return forward(ctx, hidden, weight, *args)
+
+    monkeypatch.setattr(fp32_head._HeadLogprobs, "forward", staticmethod(spy))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        scored, _, _ = shard_policy(load_model(tiny_dir), None, None, torch.device("cpu"), torch.bfloat16)
+        (mb,) = make_micro_batches(_trajectories(), 4096, pack=True)
+        logp = token_logprobs(scored, mb, T)
+        logp.sum().backward()
+        grad = scored.lm.lm_head.weight.grad.full_tensor()
+    finally:
+        dist.destroy_process_group()
+    assert seen["hidden"].dtype == seen["weight"].dtype == torch.bfloat16
+    ref = _reference(seen["hidden"], seen["weight"], mb.input_ids[0, 1:], T)
+    scored_tokens = logp[0, 1:] != 0
+    assert (logp[0, 1:] - ref)[scored_tokens].abs().max() < 2e-6
+    assert grad.dtype == torch.float32 and grad.abs().sum() > 0
