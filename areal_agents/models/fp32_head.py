@@ -6,7 +6,9 @@ A bfloat16 head rounds each logit to 8 significant bits (an error of about 0.4% 
 model's dtype: the hidden states and the weight are upcast, autocast is off for it, and the accumulation is
 float32. Under FSDP2 mixed precision the weight arrives all-gathered in ``param_dtype`` (bfloat16) and is
 upcast here, so the product and its sums are float32 while the weight itself keeps bfloat16's rounding (a
-float32 ``lm_head`` parameter would remove that too; not done).
+float32 ``lm_head`` parameter would remove that too; not done). On CUDA a float32 product runs off the
+tensor cores unless TF32 is allowed; with bfloat16 inputs TF32 loses nothing (their 8 bits fit its 11), a
+speed-up left to measure on a GPU.
 
 The trainer scores tokens with `head_token_logprobs`: ``log softmax(h W^T / T)`` at the target token as a
 running logsumexp over vocabulary chunks plus the target's logit, never the ``[T, V]`` float32 logits at
