@@ -22,6 +22,8 @@ the vocabulary chunk, as in the forward): for target y and upstream gradient g,
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -99,12 +101,11 @@ class _HeadLogprobs(torch.autograd.Function):
             dh = torch.zeros_like(h) if want_h else None
             dw = torch.empty_like(weight) if want_w else None
             db = torch.empty_like(bias) if want_b else None
-            rows = torch.arange(tokens.shape[0], device=tokens.device)
             for v0, v1, w, b in _chunks(weight, bias, ctx.chunk_vocab, dtype):
                 # dz = g (1[v = y] - p) / T, with p = exp(z / T - lse)
                 dz = (_logits(h, w, b, ctx.scale) - lse[:, None]).exp_().mul_(-g[:, None])
                 inside, column = _in_chunk(tokens, v0, v1)
-                dz[rows[inside], column[inside]] += g[inside]
+                dz.scatter_add_(1, column[:, None], torch.where(inside, g, 0.0)[:, None])  # no host sync
                 dz.mul_(ctx.scale)
                 if dh is not None:
                     dh.addmm_(dz, w)
@@ -115,7 +116,9 @@ class _HeadLogprobs(torch.autograd.Function):
         return None if dh is None else dh.to(hidden.dtype), dw, db, None, None, None
 
 
-def _chunks(weight: torch.Tensor, bias: torch.Tensor | None, size: int, dtype: torch.dtype):  # noqa: ANN202
+def _chunks(
+    weight: torch.Tensor, bias: torch.Tensor | None, size: int, dtype: torch.dtype
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
     """``(v0, v1, W[v0:v1], b[v0:v1])`` in ``dtype``, a vocabulary chunk at a time."""
     for v0 in range(0, weight.shape[0], size):
         v1 = min(weight.shape[0], v0 + size)
