@@ -131,7 +131,7 @@ def hidden_states(decoder: PreTrainedModel, mb: MicroBatch) -> torch.Tensor:
 
 def token_logprobs(model: PreTrainedModel, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
     """``log softmax(logits / T)`` of each actual token given its prefix, ``[B, L]``; 0 at a trajectory's
-    first token. Logits are made a chunk of tokens at a time (`chunked_token_logprobs`).
+    first token. Logits are float32, made a chunk of tokens at a time (`chunked_token_logprobs`).
 
     ``T`` must be the sampling temperature, so these match the engine's behavior logprobs.
     """

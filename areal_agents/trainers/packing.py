@@ -11,9 +11,9 @@
   that follows an `AttentionPlan`: causal SDPA (no mask at all) per sequence, a completion's sequence
   being its prompt's tokens then its own; similar lengths share one call. Memory stays linear in length:
   no ``T x T`` or ``W x (P + W)`` mask is built, and the kernel skips the masked triangle.
-- `packed_token_logprobs`: token logprobs of a packed row, computed from the final hidden states in
-  chunks under activation checkpointing (`chunked_token_logprobs`), so the full-vocabulary log-softmax
-  is never materialised for the whole row (long outputs stay cheap in memory).
+- `packed_token_logprobs`: token logprobs of a packed row, computed from the final hidden states by a
+  float32 head in chunks of tokens and of the vocabulary (`chunked_token_logprobs`), so the
+  full-vocabulary log-softmax is never materialised for the whole row (long outputs stay cheap in memory).
 
 The micro-batch type is `microbatch.py`'s; `batching.py` calls `pack_rows`, never the other way round.
 """

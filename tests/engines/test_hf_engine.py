@@ -610,14 +610,15 @@ def test_long_contexts_prefill_in_chunks_with_the_same_tokens_and_logprobs(model
 
     monkeypatch.setattr(batch_runner, "PREFILL_CHUNK_TOKENS", 3)
     widths = []
-    forward = model.forward
+    decoder = model.get_decoder()  # the prefill runs the decoder, then the float32 head on the last position
+    forward = decoder.forward
 
     def spy(*args, **kwargs):
         if kwargs.get("input_ids") is not None and kwargs["input_ids"].shape[1] > 1:
             widths.append(kwargs["input_ids"].shape[1])
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(model, "forward", spy)
+    monkeypatch.setattr(decoder, "forward", spy)
     engine = HFEngine(model, eos_token_ids=[], seed=2, fast_decode=False)
     new_weights, old_weights = perturbed(tiny_dir), load_model(tiny_dir)  # the engine's model takes the new ones
     prompts = [prompt(tokenizer, t) for t in ("1+2=", "34+56=", "345+6789=")]  # a chunk of only padding, too

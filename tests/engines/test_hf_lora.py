@@ -18,10 +18,10 @@ from areal_agents.types import GenRequest, SamplingParams
 N_TOKENS = 12
 
 
-def peft_adapter(tiny_dir, seed, rslora=False):
-    """A PEFT LoRA over every linear of the tiny model, lora_B randomised (it starts at zero)."""
+def peft_adapter(tiny_dir, seed, rslora=False, targets="all-linear"):
+    """A PEFT LoRA over every linear of the tiny model (but the head), lora_B randomised (it starts at zero)."""
     torch.manual_seed(seed)
-    config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", use_rslora=rslora)
+    config = LoraConfig(r=16, lora_alpha=32, target_modules=targets, use_rslora=rslora)
     pm = get_peft_model(load_model(tiny_dir), config)
     with torch.no_grad():
         for name, p in pm.named_parameters():
@@ -99,6 +99,29 @@ def test_mixed_batch_equals_each_adapter_alone_and_peft(model, tiny_dir, adapter
     for lora in ("a1", "a2"):  # the adapters change what is generated: the equalities above can fail
         assert by_rid[f"{lora}.0.1.0"].output_tokens != by_rid["None.0.1.0"].output_tokens
         assert by_rid[f"{lora}.0.0.0"].output_logprobs != by_rid["None.0.0.0"].output_logprobs
+
+
+@pytest.mark.parametrize("fast_decode", [True, False])
+def test_an_adapter_on_the_head_adds_its_delta_to_the_float32_logits(model, tiny_dir, tmp_path, fast_decode):
+    """The engine's head runs in float32 without calling the module (nor so its LoRA hook): `head_logits`
+    adds the head's delta itself, and the tokens' logprobs are PEFT's."""
+    pm = peft_adapter(tiny_dir, seed=12, targets=["lm_head", "q_proj"])
+    pm.save_pretrained(tmp_path, save_embedding_layers=False)  # the adapter alone (the head is tied: PEFT adds it)
+    prompt = [5, 6, 7, 8]
+
+    async def run():
+        engine = HFEngine(model, eos_token_ids=[], num_threads=1, fast_decode=fast_decode, seed=0)
+        await engine.load_lora_adapter("head", str(tmp_path))
+        sampling = SamplingParams(N_TOKENS, temperature=1.0, seed=3)
+        out = await engine.agenerate(GenRequest("r", prompt, sampling, lora_name="head"))
+        engine.close()
+        return out
+
+    out = asyncio.run(run())
+    ref = logprobs(pm, prompt + out.output_tokens, N_TOKENS)
+    assert torch.allclose(torch.tensor(out.output_logprobs), ref, atol=1e-4)
+    base = logprobs(load_model(tiny_dir), prompt + out.output_tokens, N_TOKENS)
+    assert not torch.allclose(base, ref, atol=1e-3)  # the adapter changes them: the equality above can fail
 
 
 def test_replacing_an_adapter_mid_generation_switches_its_rows(model, tiny_dir, adapters):

@@ -5,6 +5,7 @@ every row over all KV cache segments, samples, and retires finished rows into th
 one request's prefill, decode step or sampling fails that request alone: a failed batch prefill is redone
 row by row, a failed decode step row by row (prefill, then one step alone). Rows may carry LoRA adapters
 (`LoraTable`): each forward adds their deltas grouped by adapter, and the prefix cache keys on the adapter.
+The next-token logits are float32 whatever the model's dtype (`head_logits`: the head's product upcast).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from areal_agents.engines.hf.decode_step import LlamaDecodeStep
+from areal_agents.engines.hf.decode_step import LlamaDecodeStep, head_logits
 from areal_agents.engines.hf.engine_placement import Placement, moved_weights_error, weight_versions
 from areal_agents.engines.hf.kv_buffer import GrowingLayer, kv_dtype_of
 from areal_agents.engines.hf.multi_lora import LoraTable
@@ -255,24 +256,25 @@ class BatchRunner:
             past = DynamicCache(ddp_cache_data=[(k.to(dtype), v.to(dtype)) for k, v in zip(keys, values)])
             attention = torch.cat([past_mask, attention], dim=1)
         context = attention.shape[1] - width  # cached prefix columns before the new ones
-        with self.lora.serving(self.lora.rows_of(adapters, self.device)):
+        lora = self.lora.rows_of(adapters, self.device)
+        with self.lora.serving(lora):
             for c0 in range(0, width, PREFILL_CHUNK_TOKENS):
                 c1 = min(width, c0 + PREFILL_CHUNK_TOKENS)
-                out = self.model(
+                out = self.model.get_decoder()(
                     input_ids=input_ids[:, c0:c1],
                     attention_mask=attention[:, : context + c1],
                     position_ids=positions[:, c0:c1],
                     cache=past,
                     use_cache=True,
-                    logits_to_keep=1,
                 )
                 past = out.cache
+            logits = head_logits(self.model, out.last_hidden_state[:, -1], lora)  # float32
         self.stats.prefills += 1
         self.stats.prefill_tokens += sum(len(c) for c in news)
         self.stats.prefix_hit_tokens += sum(start)
         cache = out.cache
         cache.layers = [GrowingLayer.adopt(layer, self.max_batch_size, self.kv_dtype) for layer in cache.layers]
-        return cache, attention, positions[:, -1], out.logits[:, -1]
+        return cache, attention, positions[:, -1], logits
 
     def decode(self, batch: RunningBatch, version: int) -> None:
         """One token for every row: one forward over all segments, each attending to its own cache."""
@@ -298,14 +300,15 @@ class BatchRunner:
             if self.decode_step is not None:
                 logits = self.decode_step(input_ids, positions, cache, lora)
             else:
-                logits = self.model(
+                hidden = self.model.get_decoder()(
                     input_ids=input_ids[:, None],
                     # 4D: used as it is (unused)
                     attention_mask=torch.zeros((start, 1, 1, 1), dtype=self.model.dtype, device=self.device),
                     position_ids=positions[:, None],
                     cache=cache,
                     use_cache=True,
-                ).logits[:, -1]
+                ).last_hidden_state[:, -1]
+                logits = head_logits(self.model, hidden, lora)  # float32
         tokens = self.sample(batch.rows, logits, version)
         for segment, r in zip(batch.segments, rows):
             segment.positions = segment.positions + 1

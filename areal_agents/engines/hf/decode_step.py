@@ -16,6 +16,8 @@ dtype: over float32 weights shared with a trainer (autocast to bfloat16), cast o
 
     step = LlamaDecodeStep.of(model)             # None when the model is not one this step reproduces
     logits = step(input_ids, positions, cache)   # [B] token ids and positions; cache.update -> SegmentedKV
+
+The head's logits are float32 (`head_logits`), as the prefill's and the trainer's are.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from areal_agents.engines.hf.multi_lora import LoraRows
 from areal_agents.engines.hf.segmented_attention import attend_segments
+from areal_agents.models.fp32_head import float32_logits
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # the same decoder layer; qwen3 adds per-head q/k norms
 
@@ -100,7 +103,7 @@ class LlamaDecodeStep:
             act = mlp.act_fn(gate) * up
             down = F.linear(act, mlp.down_proj.weight, mlp.down_proj.bias)
             hidden = hidden + (down if lora is None else lora.add(down, act, mlp.down_proj))
-        return self.model.lm_head(_rms_norm(hidden, body.norm))  # a LoRA on lm_head: its hook (`LoraTable`)
+        return head_logits(self.model, _rms_norm(hidden, body.norm), lora)
 
     def _weights(self, index: int, layer: torch.nn.Module) -> _Fused:
         """The layer's fused weights, made again if a source parameter was replaced or changed in place."""
@@ -113,6 +116,14 @@ class LlamaDecodeStep:
             fused = _Fused.of(attn, mlp, self.dtype)
             self._fused[index] = (key, fused)
         return fused
+
+
+def head_logits(model: PreTrainedModel, hidden: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
+    """Next-token logits ``[B, V]`` of the last hidden states ``[B, H]``, in float32 (`float32_logits`), plus
+    the rows' LoRA deltas of the head when an adapter targets it (its module hook does not run here)."""
+    head = model.get_output_embeddings()
+    logits = float32_logits(hidden, head)
+    return logits if lora is None else lora.add(logits, hidden, head)
 
 
 def _stock_layer(layer: torch.nn.Module) -> bool:
