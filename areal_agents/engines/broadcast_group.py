@@ -14,7 +14,11 @@ trainer's rank 0 meets real SGLang servers as well as serve-model.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +53,13 @@ class WeightGroup:
         self.pg.broadcast([tensor], options).wait()
 
     def close(self) -> None:
-        """Leave the group: its connections close, so peers still waiting in a broadcast fail at once."""
+        """Leave the group: its connections close (NCCL: its communicators abort), so peers still waiting in a
+        broadcast fail at once."""
+        if self.backend == "nccl" and self.pg is not None:
+            try:
+                self.pg.abort()
+            except RuntimeError:  # already aborted by its own error handling
+                pass
         self.pg = self.store = None
 
 
@@ -87,8 +97,34 @@ def join_group(
 
         options = ProcessGroupNCCL.Options()
         options._timeout = timeout  # noqa: SLF001
-        pg = ProcessGroupNCCL(prefixed, rank, world_size, options)
+        with nccl_faults_raise():
+            pg = ProcessGroupNCCL(prefixed, rank, world_size, options)
     return WeightGroup(group_name, rank, world_size, backend, pg, store)
+
+
+# Read by ProcessGroupNCCL's constructor. Blocking wait: a broadcast's `wait()` returns when the transfer is done
+# and raises on an error or past the group's timeout (as gloo's does), instead of leaving it to the watchdog;
+# CleanUpOnly (2): an error aborts this group's communicators and does not tear the process down, whose
+# default (3) would take a trainer down with a server that died mid-push.
+NCCL_WEIGHT_GROUP_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+_environ_lock = threading.Lock()
+
+
+@contextmanager
+def nccl_faults_raise() -> Iterator[None]:
+    """`NCCL_WEIGHT_GROUP_ENV` for the process group made inside: a dead server costs a push, not the trainer.
+    The trainer's own groups (FSDP2's) keep the default: a rank lost there ends the run."""
+    with _environ_lock:
+        saved = {key: os.environ.get(key) for key in NCCL_WEIGHT_GROUP_ENV}
+        os.environ.update(NCCL_WEIGHT_GROUP_ENV)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def local_address(host: str, port: int) -> str:
