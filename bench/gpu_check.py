@@ -4,7 +4,9 @@
     bash scripts/gpu_check.sh --cpu-rehearsal   # here: a small model, the same code paths on the CPU
 
 Parts (one function each, run in the order a, b, d, e, c, each under its own cap in seconds: past it the rest of
-the part is skipped, and said so; a part stuck past its cap by `HARD_GRACE_S` is interrupted):
+the part is skipped, and said so; a part stuck past its cap by `HARD_GRACE_S` is interrupted; a part cut short
+is closed and its threads joined before the next starts; the caps' sum bounds them all, so an overrun comes
+out of the later parts' caps):
 
 a. the bf16 matmul peak (one 8192^3 product, warm-up, CUDA-event timing), then PPO steps of the trainer a
    run opens (`open_policy`: FSDP2, bf16 compute) on the qwen3-0.4b model: tokens/s, MFU against that peak
@@ -294,9 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(sizes, device, work, report, asyncio.new_event_loop())
     import gpu_check_parts as parts  # noqa: PLC0415  (bench/ is on sys.path when this script runs)
 
+    caps = {part: sizes.caps[part] * args.cap_scale for part in args.parts}
+    end = time.monotonic() + sum(caps.values())  # a part's overrun (grace, clean-up) comes out of the later ones
     for part in args.parts:
+        cap_s = min(caps[part], end - time.monotonic())
+        if cap_s <= 0:
+            report.add(part, "SKIP", "budget", reason=f"the parts' {sum(caps.values()):.0f}s are spent")
+            continue
         fn = parts.PART[part]
-        run_part(report, part, sizes.caps[part] * args.cap_scale, lambda cap, f=fn: f(ctx, cap), lambda: reset(ctx))
+        run_part(report, part, cap_s, lambda cap, f=fn: f(ctx, cap), lambda: reset(ctx))
     parts.finish(ctx)
     ctx.loop.close()
     verdict = "all passed" if not report.failed else f"{report.failed} FAILED"

@@ -2,6 +2,7 @@
 PASS/FAIL/SKIP lines and the exit code. Its parts are fakes here (the real ones need minutes and, for their
 figures, a GPU: `bash scripts/gpu_check.sh --cpu-rehearsal` runs them on the CPU)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -280,3 +281,23 @@ def test_everything_the_check_imports_is_on_the_device_or_carried(imports):
     found = json.loads(out.stdout)
     assert found["missing"] == [] and {"transformers", "peft", "math-verify", "fastapi"} <= set(found["carried"])
     assert {"torch", "tokenizers", "aiohttp"} <= set(found["device"])
+
+
+@pytest.mark.process
+@pytest.mark.process
+def test_an_overrun_comes_out_of_the_later_parts_caps(gpu_check, tmp_path, monkeypatch):
+    """The caps' sum bounds the parts: one that overran (inside its grace) shortens the next, and a part left
+    no time is a SKIP line. Caps 60, 90 and 30 s scaled by 0.01: 0.6 + 0.9 + 0.3 = 1.8 s in all."""
+    caps = []
+
+    def overran(seconds):
+        return lambda ctx, cap: (caps.append(cap.seconds), time.sleep(seconds))
+
+    fake = types.SimpleNamespace(PART={"a": overran(1.2), "d": overran(0.7), "e": overran(0)}, finish=lambda c: None)
+    monkeypatch.setitem(sys.modules, "gpu_check_parts", fake)
+    monkeypatch.setattr(gpu_check, "CPU", dataclasses.replace(gpu_check.CPU, caps={"a": 60, "d": 90, "e": 30}))
+    argv = ["--cpu-rehearsal", "--out", str(tmp_path), "--work", str(tmp_path), "--parts", "ade"]
+    assert gpu_check.main([*argv, "--cap-scale", "0.01"]) == 0
+    assert len(caps) == 2 and caps[0] == pytest.approx(0.6) and 0.5 < caps[1] < 0.6  # d: 1.8 - 1.2 left
+    records = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [(r["part"], r["reason"]) for r in records if r["name"] == "budget"] == [("e", "the parts' 2s are spent")]
