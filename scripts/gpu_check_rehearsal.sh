@@ -24,7 +24,7 @@ NUMPY=numpy==2.5.2
 DEVICE_PKGS=(
     torch transformers==5.17.0 tokenizers==0.23.2 huggingface-hub==1.33.0 safetensors==0.8.0 "$NUMPY"
     accelerate==1.15.0 absl-py aiohttp attrs click filelock fsspec h11 idna jinja2 mpmath packaging pillow
-    protobuf psutil pyyaml regex sympy tensorboard tqdm rich typer httpx
+    protobuf psutil pyyaml regex sympy tensorboard tqdm peft
 )
 
 rm -rf "$BASE" && mkdir -p "$BASE"
