@@ -22,7 +22,7 @@ for arg in "$@"; do case "$arg" in -h | --help)
     awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"
     exit 0 ;;
 esac; done
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 # One version each (two of one package stop the install). transformers >= pyproject's floor; the machine's
 # tokenizers 0.23.2, huggingface-hub 1.33 and safetensors 0.8.0 satisfy its requirements, so they stay.
@@ -47,8 +47,9 @@ if [ "${1:-}" = "--download-wheels" ]; then
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "${GPU_CHECK_WHEEL_PY:-3.12}" --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$WHL" "${WHEELS[@]}" || exit 1
-    ls -s --block-size=K "$WHL" | sed 1d | sort -rn
-    echo "$(ls "$WHL" | wc -l) wheels, $(du -sh "$WHL" | cut -f1) in $WHL/ (git-ignored; the device tool carries 64 MiB" \
+    du -k "$WHL"/*.whl | sort -rn  # KiB each
+    whls=("$WHL"/*.whl)
+    echo "${#whls[@]} wheels, $(du -sh "$WHL" | cut -f1) in $WHL/ (git-ignored; the device tool carries 64 MiB" \
         "in all): carry [\".whl\"] to the device"
     exit 0
 fi
@@ -83,14 +84,15 @@ if [ "$WHEELS_IN" = 1 ]; then
     rm -rf "$SITE"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHL"/*.whl \
         || { echo "FAIL meta. pip install of the carried wheels"; exit 1; }
-    echo "INFO meta. $(ls "$WHL"/*.whl | wc -l) wheels installed into $SITE in $((SECONDS - start))s"
+    whls=("$WHL"/*.whl)
+    echo "INFO meta. ${#whls[@]} wheels installed into $SITE in $((SECONDS - start))s"
     export PYTHONPATH="$SITE:$PWD"
 else
     export PYTHONPATH="$PWD"
 fi
 
 # Every module the check imports, in seconds: a package the machine lacks is named here, not minutes later.
-if ! PYTHONPATH="$PYTHONPATH:$PWD/bench" "$PY" bench/gpu_check_imports.py | tee "$OUT/imports.txt"; then
+if ! PYTHONPATH="$PYTHONPATH:$PWD/bench" timeout 120 "$PY" bench/gpu_check_imports.py 2>&1 | tee "$OUT/imports.txt"; then
     echo "FAIL meta. the check imports a package neither the machine nor .whl/ has (above: missing, or the ImportError)"
     exit 1
 fi
