@@ -33,14 +33,19 @@ GPU_CHECK_WHL="$BASE/whl" GPU_CHECK_WHEEL_PY="$PYVER" bash scripts/gpu_check.sh 
 echo "== a fresh venv: $("$PYBASE" -V) at $BASE/venv, the machine's packages only"
 "$PYBASE" -m venv "$BASE/venv"
 "$BASE/venv/bin/python" -m pip install -q "${DEVICE_PKGS[@]}"
-# pip pulls their requirements too: each must be on the machine's list, or the venv is not the machine's
+# pip pulls their requirements too (transformers 5.17's typer pulls pydantic): each must be on the machine's
+# list, or carried, and then it goes, so that only the carried copy serves, as there.
 "$BASE/venv/bin/python" - <<'EOF'
-import importlib.metadata as md, sys
+import importlib.metadata as md, subprocess, sys
 sys.path.insert(0, "bench")
-from gpu_check_imports import DEVICE, normalise
+from gpu_check_imports import DEVICE, carried, normalise
 extra = sorted({normalise(d.metadata["Name"]) for d in md.distributions()} - DEVICE)
 print("venv packages not on the machine's list:", " ".join(extra) or "none")
-sys.exit(1 if extra else 0)
+if set(extra) - set(carried()):
+    sys.exit(f"neither on the machine nor carried: {' '.join(sorted(set(extra) - set(carried())))}")
+if extra:
+    print("carried, so uninstalled here:", " ".join(extra))
+    subprocess.run([sys.executable, "-m", "pip", "uninstall", "-q", "-y", *extra], check=True)
 EOF
 "$BASE/venv/bin/python" -m pip freeze >"$BASE/venv_freeze.txt"
 echo "== gpu_check.sh --cpu-rehearsal in it, the wheels installed as on the machine"
