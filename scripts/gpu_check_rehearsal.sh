@@ -7,7 +7,7 @@
 #   bash scripts/gpu_check_rehearsal.sh                          # venv and wheels under /tmp/gpu_check_rehearsal
 #   bash scripts/gpu_check_rehearsal.sh --parts abde --cap-scale 0.5   # extra arguments go to bench/gpu_check.py
 #
-# What differs from the machine, and why: CPU torch from the local wheel (/opt/wheels, pip's find-links)
+# What differs from the machine, and why: CPU torch from a local wheel (pip's find-links, see below)
 # instead of 2.11+cu130, and the Python that wheel is for (REHEARSAL_PY, python3: 3.11 here; the machine's is
 # 3.12), so the carried wheels are fetched again for that Python: the same names and versions, the same files
 # for the pure-Python ones (all but pydantic-core and jiter); numpy is the newest for that Python (2.5 needs
@@ -18,11 +18,18 @@ BASE=${REHEARSAL_DIR:-/tmp/gpu_check_rehearsal}
 PYBASE=${REHEARSAL_PY:-python3}
 PYVER=$("$PYBASE" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 # The machine's packages the check imports (bench/gpu_check_imports.py: "device"), pinned where KINDS.md
-# gives a version. torch: whatever CPU build pip's config offers for this Python; numpy 2.5 needs 3.12.
+# gives a version; numpy 2.5 needs 3.12. torch: REHEARSAL_TORCH, else the newest CPU build for this Python in
+# pip's find-links ($PIP_FIND_LINKS), else PyPI's (on Linux a CUDA build, GBs, which runs on the CPU too).
 NUMPY=numpy==2.5.2
 [ "$PYVER" = 3.12 ] || NUMPY=numpy
+TORCH=${REHEARSAL_TORCH:-}
+if [ -z "$TORCH" ]; then
+    read -ra links <<<"${PIP_FIND_LINKS:-}"
+    TORCH=$(find "${links[@]}" -maxdepth 1 -name "torch-*+cpu-cp${PYVER/./}-*.whl" 2>/dev/null | sort -V | tail -1)
+    TORCH=${TORCH:-torch}
+fi
 DEVICE_PKGS=(
-    torch transformers==5.17.0 tokenizers==0.23.2 huggingface-hub==1.33.0 safetensors==0.8.0 "$NUMPY"
+    "$TORCH" transformers==5.17.0 tokenizers==0.23.2 huggingface-hub==1.33.0 safetensors==0.8.0 "$NUMPY"
     accelerate==1.15.0 absl-py aiohttp attrs click filelock fsspec h11 idna jinja2 mpmath packaging pillow
     protobuf psutil pyyaml regex sympy tensorboard tqdm peft
 )
