@@ -4,12 +4,15 @@
     bash scripts/gpu_check.sh --cpu-rehearsal   # here: a small model, the same code paths on the CPU
 
 Parts (one function each, run in the order a, b, d, e, c, each under its own cap in seconds: past it the rest of
-the part is skipped, and said so; a part stuck past its cap by `HARD_GRACE_S` is interrupted):
+the part is skipped, and said so; a part stuck past its cap by `HARD_GRACE_S` is interrupted; a part cut short
+is closed and its threads joined before the next starts; the caps' sum bounds them all, so an overrun comes
+out of the later parts' caps):
 
 a. the bf16 matmul peak (one 8192^3 product, warm-up, CUDA-event timing), then PPO steps of the trainer a
    run opens (`open_policy`: FSDP2, bf16 compute) on the qwen3-0.4b model: tokens/s, MFU against that peak
 b. `HFEngine` on the GPU at 64 and 256 concurrent requests against `model.generate` one request at a time
-c. the single-GPU recipe (examples/gpu): a quick SFT, then RL steps; held-out accuracy before and after
+c. the single-GPU recipe (examples/gpu): a quick SFT, then RL steps; the slope of each step's accuracy on fresh
+   problems, with a 95% interval (bench/gpu_check_stats.py), and held-out accuracy before and after
 d. weight sync seconds for the 0.44B model: in_process (the hf engine) against disk (a serve-model server)
 e. ``mismatch_kl`` of the update: the GPU engine's behavior logprobs against the trainer's, same weights
 
@@ -27,9 +30,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -79,11 +84,11 @@ GPU = Sizes(
     new_tokens=64,
     sft_steps=300,
     sft_overrides=(),
-    rl_steps=30,
+    rl_steps=100,  # as many as part c's cap leaves time for (max_train_minutes): the slope needs steps
     rl_overrides=(),
     eval_problems=200,
     sync_repeats=3,
-    caps={"a": 60, "b": 50, "d": 45, "e": 25, "c": 90},  # 270 s: with start-up, inside gpu_check.sh's 300
+    caps={"a": 55, "b": 40, "d": 40, "e": 20, "c": 115},  # 270 s: with start-up, inside gpu_check.sh's 300
     min_mfu=0.30,
     max_in_process_sync_s=0.5,
 )
@@ -120,21 +125,31 @@ class HardCap(BaseException):
     so no ``except Exception`` on the way swallows it)."""
 
 
+REST = "the rest of the part skipped"
 HARD_GRACE_S = 30.0  # after a part's cap, how long its current piece of work may finish before it is interrupted
 
 
+CLEANUP_S = 20.0  # after a part: its closers; after a cut one also the shared trainer, the loop, its threads
+
+
 class Cap:
-    """A part's deadline: `check` before each piece of work that may be skipped."""
+    """A part's deadline: `check` before each piece of work that may be skipped; `closing` registers what the
+    part opened, closed when it ends however it ends."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds, self.end = seconds, time.monotonic() + seconds
+        self.closers: list[Callable[[], Any]] = []
+
+    def closing(self, close: Callable[[], Any]) -> None:
+        """Call ``close`` when the part ends (the last registered first, as nested ``finally`` blocks)."""
+        self.closers.append(close)
 
     def left(self) -> float:
         return self.end - time.monotonic()
 
     def check(self, what: str) -> None:
         if self.left() <= 0:
-            raise PartCapped(f"past its {self.seconds:.0f}s cap: {what} and the rest of the part skipped")
+            raise PartCapped(f"past its {self.seconds:.0f}s cap: {what} and {REST}")
 
 
 class Report:
@@ -166,26 +181,84 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def run_part(report: Report, part: str, cap_s: float, fn: Callable[[Cap], None]) -> None:
-    """``fn(cap)``; a cap reached is a SKIP line, an exception a FAIL line with its last frames."""
-    start = time.monotonic()
-    previous = signal.signal(signal.SIGALRM, _hard_stop)
-    signal.setitimer(signal.ITIMER_REAL, cap_s + HARD_GRACE_S)
+def run_part(
+    report: Report, part: str, cap_s: float, fn: Callable[[Cap], None], reset: Callable[[], None] | None = None
+) -> None:
+    """``fn(cap)``; a cap reached is a SKIP line, an exception a FAIL line with its last frames. Then the part's
+    closers run; a part cut short (capped or failed) also gets ``reset`` (the shared trainer closed, a new event
+    loop) and the threads it started are joined, so none runs on into the next part (`close_part`)."""
+    start, before, cap = time.monotonic(), set(threading.enumerate()), Cap(cap_s)
+    cut = True
     try:
-        fn(Cap(cap_s))
+        with _alarm(cap_s + HARD_GRACE_S, f"past its cap by {HARD_GRACE_S:.0f}s: interrupted mid-way, {REST}"):
+            fn(cap)
+        cut = False
     except (PartCapped, HardCap) as e:
         report.add(part, "SKIP", "cap", reason=str(e))
     except Exception as e:  # noqa: BLE001  (any failure of a part is a FAIL line; the other parts still run)
         tail = traceback.format_exc().strip().splitlines()[-6:]
         report.add(part, "FAIL", "error", error=f"{type(e).__name__}: {e}", traceback=tail)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    close_part(report, part, cap.closers, reset if cut else None, before if cut else None)
     report.add(part, "INFO", "seconds", seconds=round(time.monotonic() - start, 1), cap=cap_s)
 
 
-def _hard_stop(signum: int, frame: Any) -> None:
-    raise HardCap(f"past its cap by {HARD_GRACE_S:.0f}s: interrupted mid-way, the rest of the part skipped")
+def close_part(
+    report: Report,
+    part: str,
+    closers: list[Callable[[], Any]],
+    reset: Callable[[], None] | None,
+    before: set[threading.Thread] | None,
+) -> None:
+    """The closers (each one, last first), then ``reset``, all within `CLEANUP_S`; with ``before`` (the
+    threads alive when the part started), a join of those it started until `CLEANUP_S` is spent: one still
+    alive is a FAIL line naming it (Python cannot stop a thread from outside)."""
+    deadline = time.monotonic() + CLEANUP_S
+    for close in [*reversed(closers), *([reset] if reset else [])]:
+        try:
+            with _alarm(max(deadline - time.monotonic(), 0.01), f"closing took over {CLEANUP_S:.0f}s"):
+                close()
+        except (Exception, HardCap) as e:  # noqa: BLE001  (the next closer still runs)
+            report.add(part, "FAIL", "cleanup", error=f"{type(e).__name__}: {e}", closer=getattr(close, "__name__", ""))
+    if before is None:
+        return
+    started = [t for t in threading.enumerate() if t not in before]
+    for t in started:
+        t.join(timeout=max(deadline - time.monotonic(), 0.0))
+    left = sorted(t.name for t in started if t.is_alive())
+    if left:
+        report.add(part, "FAIL", "threads_left", threads=left, reason="still running after the part was cut")
+    elif started:
+        report.add(part, "INFO", "threads_stopped", threads=sorted(t.name for t in started))
+
+
+@contextmanager
+def _alarm(seconds: float, message: str) -> Iterator[None]:
+    """`HardCap` (``message``) raised wherever the block is after ``seconds``; the old SIGALRM handler after."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise HardCap(message)
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def renew_loop(loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
+    """Cancel what a cut part left on ``loop``, stop its executor's threads, close it; a fresh loop."""
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    try:
+        if tasks:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_default_executor())
+    finally:
+        loop.close()
+    return asyncio.new_event_loop()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -223,13 +296,31 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(sizes, device, work, report, asyncio.new_event_loop())
     import gpu_check_parts as parts  # noqa: PLC0415  (bench/ is on sys.path when this script runs)
 
+    caps = {part: sizes.caps[part] * args.cap_scale for part in args.parts}
+    end = time.monotonic() + sum(caps.values())  # a part's overrun (grace, clean-up) comes out of the later ones
     for part in args.parts:
-        run_part(report, part, sizes.caps[part] * args.cap_scale, lambda cap, p=part: parts.PART[p](ctx, cap))
+        cap_s = min(caps[part], end - time.monotonic())
+        if cap_s <= 0:
+            report.add(part, "SKIP", "budget", reason=f"the parts' {sum(caps.values()):.0f}s are spent")
+            continue
+        fn = parts.PART[part]
+        run_part(report, part, cap_s, lambda cap, f=fn: f(ctx, cap), lambda: reset(ctx))
     parts.finish(ctx)
     ctx.loop.close()
     verdict = "all passed" if not report.failed else f"{report.failed} FAILED"
     print(f"gpu_check: {verdict} ({out / 'gpu_check.json'})", flush=True)
     return 0 if not report.failed else 1
+
+
+def reset(ctx: Context) -> None:
+    """After a cut part: the shared trainer and its engine closed (the next part that needs them opens them
+    again), and a new event loop in place of one the part may have left tasks on."""
+    import gpu_check_parts as parts  # noqa: PLC0415
+
+    try:
+        parts.finish(ctx)
+    finally:
+        ctx.loop = renew_loop(ctx.loop)
 
 
 @dataclass
