@@ -7,9 +7,10 @@ rank before sharding (28 GB per copy of a 7B float32 model).
 
 Three things a meta build has no weights for, set after ``to_empty``:
 
-- non-persistent buffers (rotary ``inv_freq``): in no checkpoint; `empty_model` builds them for real on the
-  CPU (parameters alone on meta) and `materialize` puts them back;
-- tied parameters (``lm_head`` on ``embed_tokens``): tied again, so the head trains as the embedding;
+- non-persistent buffers (rotary ``inv_freq``): in no checkpoint; `models.loading.empty_model` builds them for
+  real on the CPU (parameters alone on meta) and `materialize` puts them back;
+- tied parameters (``lm_head`` on ``embed_tokens``): FSDP2 keeps the tie through ``to_empty`` (torch 2.13);
+  `materialize` ties them again if it did not, so the head trains as the embedding;
 - persistent buffers and parameters: loaded from rank 0's state dict.
 
     lm = empty_model(path, "float32")                    # every rank: no weights
@@ -20,52 +21,11 @@ Three things a meta build has no weights for, set after ``to_empty``:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from pathlib import Path
-
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
-
-from areal_agents.errors import ModelLoadError
-from areal_agents.models.loading import DTYPES, _check_path
 
 _BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-
-
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Every parameter registered inside goes to the meta device (its initialisation then costs nothing);
-    buffers stay real, computed as their module computes them (accelerate's ``init_empty_weights``)."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None and not param.is_meta:
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
-def empty_model(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
-    """The model `load_model` loads from ``path`` (its config, dtype and attention), parameters on the meta
-    device: no checkpoint read, no weight memory. Its buffers are real (rotary frequencies)."""
-    p = _check_path(path)
-    try:
-        config = AutoConfig.from_pretrained(p, local_files_only=True)
-        with params_on_meta():
-            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot build model from {p}: {e}".splitlines()[0]) from None
-    if (p / "generation_config.json").is_file():  # as from_pretrained reads it (save_pretrained writes it)
-        model.generation_config = GenerationConfig.from_pretrained(p, local_files_only=True)
-    return model
 
 
 def materialize(root: nn.Module, device: torch.device, state: dict[str, torch.Tensor]) -> None:

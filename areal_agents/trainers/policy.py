@@ -28,14 +28,14 @@ from areal_agents.engines.serving import Serving
 from areal_agents.engines.weight_sync import WeightSync
 from areal_agents.errors import ConfigError
 from areal_agents.models.device import compute_dtype, resolve_device
-from areal_agents.models.loading import load_model
+from areal_agents.models.loading import empty_model, load_model
 from areal_agents.models.weight_files import write_weights
 from areal_agents.trainers import fsdp
 from areal_agents.trainers.checkpoint import add_train_state, read_train_state
 from areal_agents.trainers.critic import ValueModel
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.lora import Adapter, AdapterOffLM, LoraBase, attach_lora, is_adapter_dir, write_adapter
-from areal_agents.trainers.meta_load import empty_model, materialize, prefixed
+from areal_agents.trainers.meta_load import materialize, prefixed
 from areal_agents.trainers.optim import make_optimizer
 from areal_agents.trainers.policy_api import SHARED as SHARED  # the one shared policy's name, re-exported
 from areal_agents.trainers.policy_api import TrainSpec

@@ -5,17 +5,17 @@ frequencies as the loader computes them."""
 
 import os
 import shutil
+import threading
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from areal_agents.config import PPOConfig
-from areal_agents.models import load_model
+from areal_agents.models.loading import empty_model, load_model, params_on_meta
 from areal_agents.net import free_port
 from areal_agents.trainers import fsdp
 from areal_agents.trainers.distributed import DataParallel
-from areal_agents.trainers.meta_load import empty_model
 from areal_agents.trainers.policy import load_trainable
 from areal_agents.trainers.policy_api import TrainSpec
 
@@ -94,3 +94,14 @@ def test_an_empty_model_is_the_loaded_one_without_weights(tiny_dir):
     assert torch.equal(empty.model.rotary_emb.inv_freq, loaded.model.rotary_emb.inv_freq)  # a real buffer
     assert empty.config._attn_implementation == loaded.config._attn_implementation
     assert empty.generation_config.to_dict() == loaded.generation_config.to_dict()
+
+
+def test_params_go_to_meta_in_the_building_thread_alone():
+    built = {}
+    with params_on_meta():
+        built["here"] = torch.nn.Linear(2, 2)
+        other = threading.Thread(target=lambda: built.update(there=torch.nn.Linear(2, 2)))
+        other.start()
+        other.join()
+    assert built["here"].weight.is_meta and not built["there"].weight.is_meta
+    assert not torch.nn.Linear(2, 2).weight.is_meta  # after the block too
