@@ -3,12 +3,23 @@ generation budget against the model's context before a run starts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from areal_agents.errors import ConfigError, ModelLoadError
 from areal_agents.progress import note
@@ -52,6 +63,41 @@ def load_model(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(p, dtype=DTYPES[dtype], local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load model from {p}: {e}".splitlines()[0]) from None
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Every parameter registered inside goes to the meta device (its initialisation then costs nothing);
+    buffers stay real, computed as their module computes them (accelerate's ``init_empty_weights``). Only in
+    the calling thread: modules another thread builds meanwhile keep their weights."""
+    register = nn.Module.register_parameter
+    thread = threading.get_ident()
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta and threading.get_ident() == thread:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def empty_model(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
+    """The model `load_model` loads from ``path`` (its config, dtype and attention), parameters on the meta
+    device: no checkpoint read, no weight memory. Its buffers are real (rotary frequencies)."""
+    p = _check_path(path)
+    try:
+        config = AutoConfig.from_pretrained(p, local_files_only=True)
+        with params_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot build model from {p}: {e}".splitlines()[0]) from None
+    if (p / "generation_config.json").is_file():  # as from_pretrained reads it (save_pretrained writes it)
+        model.generation_config = GenerationConfig.from_pretrained(p, local_files_only=True)
+    return model
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

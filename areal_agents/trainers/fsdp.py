@@ -36,8 +36,10 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered by 
 
 def shard(root: nn.Module, layers: nn.ModuleList, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """``fully_shard`` each of ``layers``, then ``root`` (the rest: embedding, norm, head), on ``device``;
-    compute in ``dtype`` (float32: no cast at all), gradients reduced in float32 and summed."""
-    root.to(device)
+    compute in ``dtype`` (float32: no cast at all), gradients reduced in float32 and summed. Parameters on the
+    meta device stay there (`meta_load.materialize` gives them storage); the others go to ``device``."""
+    if not any(p.is_meta for p in root.parameters()):
+        root.to(device)
     low = dtype != torch.float32
     layer_policy = (
         MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()

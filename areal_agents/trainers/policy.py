@@ -29,13 +29,14 @@ from areal_agents.engines.weight_sender import HeldWeights
 from areal_agents.engines.weight_sync import WeightSync
 from areal_agents.errors import ConfigError
 from areal_agents.models.device import compute_dtype, resolve_device
-from areal_agents.models.loading import load_model
+from areal_agents.models.loading import empty_model, load_model
 from areal_agents.models.weight_files import write_weights
 from areal_agents.trainers import fsdp
 from areal_agents.trainers.checkpoint import add_train_state, read_train_state
 from areal_agents.trainers.critic import ValueModel
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.lora import Adapter, AdapterOffLM, LoraBase, attach_lora, is_adapter_dir, write_adapter
+from areal_agents.trainers.meta_load import materialize, prefixed
 from areal_agents.trainers.optim import make_optimizer
 from areal_agents.trainers.policy_api import SHARED as SHARED  # the one shared policy's name, re-exported
 from areal_agents.trainers.policy_api import TrainSpec
@@ -284,35 +285,41 @@ def load_trainable(
     sync and servers (None: no engine, a rank of a trainer in another process); with ``spec.lora``, an
     adapter named ``name`` on ``lora_base`` (the base model other LoRA policies share); the reference and the
     critic start from ``init_path`` (the run's starting model). On ``ppo.device``; with ``dp`` (a rank of
-    several) every model is FSDP2-sharded over the ranks (`fsdp.shard_policy`), from rank 0's weights."""
+    several) every model is FSDP2-sharded over the ranks (`fsdp.shard_policy`), from rank 0's weights: built
+    on the meta device, sharded, then loaded from the checkpoint rank 0 alone reads (`meta_load`; the other
+    ranks read only its config). A LoRA policy's models load whole on every rank and rank 0's are broadcast."""
     p = spec.ppo
     device = dp.device if dp is not None else resolve_device(p.device)
     adapter = _adapter(name, spec, model_path, init_path, lora_base) if spec.lora is not None else None
-    model = adapter.peft.get_base_model() if adapter is not None else load_model(model_path, spec.dtype)
+    on_meta = dp is not None and dp.world_size > 1 and adapter is None
+    build = empty_model if on_meta else load_model
+    model = adapter.peft.get_base_model() if adapter is not None else build(model_path, spec.dtype)
     if p.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     reference = critic = None
     if p.kl_coef > 0 and adapter is None:  # LoRA's: the same model with its adapter off (below)
-        reference = load_model(init_path, spec.dtype).eval().requires_grad_(False)
+        reference = build(init_path, spec.dtype).eval().requires_grad_(False)
     if p.advantage == "gae":  # a value model initialised from the starting checkpoint (LoRA: its own adapter)
-        critic_lm = load_model(init_path, spec.dtype)
+        critic_lm = build(init_path, spec.dtype)
         if spec.lora is not None:
             critic_lm = attach_lora(critic_lm, spec.lora).get_base_model()
         if p.activation_checkpointing:
             critic_lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         critic = ValueModel(critic_lm)
     trained = model
-    if device.type != "cpu":
+    if device.type != "cpu" and not on_meta:
         for module in (model, reference, critic):
             if module is not None:
                 module.to(device)  # before a broadcast: NCCL sends only CUDA tensors
     if dp is not None:
-        if dp.world_size > 1:
+        if dp.world_size > 1 and not on_meta:
             for module in (model, reference, critic):
                 if module is not None:
                     dp.broadcast_parameters(module)  # every rank starts from rank 0's weights, as DDP does
         dtype = compute_dtype(device, p.compute_dtype)
         trained, reference, critic = fsdp.shard_policy(model, reference, critic, device, dtype)
+        if on_meta:
+            _load_shards(dp, spec.dtype, model_path, init_path, trained, reference, critic)
     if p.kl_coef > 0 and adapter is not None:
         reference = AdapterOffLM(adapter, trained if dp is not None else None)
     total = spec.total_steps * p.ppo_epochs * p.num_minibatches
@@ -326,6 +333,31 @@ def load_trainable(
         policy.critic = critic
         policy.critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=p.critic_lr, weight_decay=p.weight_decay)
     return policy
+
+
+def _load_shards(
+    dp: DataParallel,
+    dtype: str,
+    model_path: str,
+    init_path: str,
+    trained: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    critic: ValueModel | None,
+) -> None:
+    """The meta-built sharded models given rank 0's weights (`meta_load.materialize`): rank 0 reads each
+    checkpoint in turn, whole, and drops it once its shards are out; the critic's head starts at 0. Rank 0's
+    reads draw nothing from torch's random state (the ranks' states stay equal)."""
+    reads = (
+        (trained, lambda: prefixed(load_model(model_path, dtype).state_dict(), "lm.")),
+        (reference, lambda: prefixed(load_model(init_path, dtype).state_dict(), "lm.")),
+        (critic, lambda: ValueModel(load_model(init_path, dtype)).state_dict()),
+    )
+    for root, read in reads:
+        if root is not None:
+            with torch.random.fork_rng(devices=[]):
+                state = read() if dp.rank == 0 else {}
+            materialize(root, dp.device, state)
+            del state
 
 
 def _adapter(name: str, spec: TrainSpec, model_path: str, init_path: str, base: LoraBase | None) -> Adapter:
