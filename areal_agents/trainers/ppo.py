@@ -8,7 +8,8 @@
 
 Each micro-batch goes to the model's device once; an unsharded model computes under autocast to
 ``ppo.compute_dtype`` (nothing at all in float32, the CPU default), a sharded one casts by FSDP2's
-mixed-precision policy (`fsdp.py`), where gradients are also summed across ranks during backward.
+mixed-precision policy (`fsdp.py`), where gradients are also summed across ranks, once per optimizer step
+in its last micro-batch's backward (`fsdp.gradient_sync`).
 
 `ppo_update` runs them for ``ppo_epochs`` x ``num_minibatches`` optimizer steps, each over a minibatch
 whose loss-token count is known before its first micro-batch. `StreamedUpdate` is the one-step case
@@ -31,6 +32,7 @@ from areal_agents.models.device import gpu_memory, peak_tflops, reset_peak_memor
 from areal_agents.trainers.batching import ScoredLM, module_device, token_logprobs
 from areal_agents.trainers.critic import ValueModel, critic_backward, critic_step, critic_values
 from areal_agents.trainers.distributed import DataParallel, lm_flops
+from areal_agents.trainers.fsdp import gradient_sync
 from areal_agents.trainers.host_stats import to_host
 from areal_agents.trainers.microbatch import MicroBatch, spread
 from areal_agents.trainers.optim import optimizer_step
@@ -209,20 +211,22 @@ def accumulate(
     the policy's loss and, with ``critic``, the value loss, each summed over tokens / ``num_tokens``.
 
     The micro-batches' stats stay on the device until the last backward, then come to the host in one
-    transfer (`host_stats.to_host`)."""
+    transfer (`host_stats.to_host`). Sharded models reduce-scatter their gradients once, in the last
+    micro-batch's backward (`gradient_sync`)."""
     device, context = module_device(model), precision(model, cfg)
     rows: list[dict[str, torch.Tensor]] = []
-    for mb in mbs:  # a rank's padding (`DataParallel.share`) runs as the others do, with no loss tokens
+    for i, mb in enumerate(mbs):  # a rank's padding (`DataParallel.share`) runs as the others do, with no loss tokens
         mb.advantages = spread(mb, batch.advantages)
         mb = mb.to(device)
-        with context():
-            loss, st = micro_batch_loss(model, mb, cfg, temperature, num_tokens, ref_model, policy_version)
-        loss.backward()
-        st["loss"] = loss.detach()
-        if critic is not None:
-            st["value_loss"], st["value_clip_fraction"] = critic_backward(
-                critic, mb, batch.old_values, batch.returns, cfg.value_clip, num_tokens, context
-            )
+        with gradient_sync([model, critic], i == len(mbs) - 1):
+            with context():
+                loss, st = micro_batch_loss(model, mb, cfg, temperature, num_tokens, ref_model, policy_version)
+            loss.backward()
+            st["loss"] = loss.detach()
+            if critic is not None:
+                st["value_loss"], st["value_clip_fraction"] = critic_backward(
+                    critic, mb, batch.old_values, batch.returns, cfg.value_clip, num_tokens, context
+                )
         rows.append(st)
         # its trajectories' tokens, whatever the layout (a streamed batch counts what the whole would)
         tally.work["trained_tokens"] += sum(b - a for _, a, b in mb.slices)
