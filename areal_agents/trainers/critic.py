@@ -87,9 +87,10 @@ def value_loss(
     loss_mask: torch.Tensor,
     value_clip: float | None,
     num_tokens: float,
-) -> tuple[torch.Tensor, float]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped value loss ``½ max((V - R)², (V_clip - R)²)`` summed over loss tokens / ``num_tokens``;
-    returns ``(loss, fraction of tokens where the clipped term was larger)``."""
+    returns ``(loss, fraction of tokens where the clipped term was larger)``, the fraction a 0-dim float64
+    tensor on the device (read with the step's other stats, `host_stats`)."""
     mask = loss_mask.bool()
     err = (values - returns) ** 2
     if value_clip is not None:
@@ -100,7 +101,9 @@ def value_loss(
     else:
         used = torch.zeros_like(mask)
     loss = 0.5 * (err * mask).sum() / max(num_tokens, 1.0)
-    return loss, float((used & mask).sum()) / max(int(mask.sum()), 1)
+    with torch.no_grad():
+        fraction = (used & mask).sum().double() / mask.sum().clamp(min=1).double()
+    return loss, fraction
 
 
 @torch.no_grad()
@@ -154,17 +157,17 @@ def critic_backward(
     value_clip: float | None,
     num_tokens: float,
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> tuple[float, float]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward (in ``context``: the compute dtype's) and backward of `value_loss` on one micro-batch
     (per-trajectory ``old_values`` and ``returns`` indexed like its trajectories); returns ``(loss,
-    clipped fraction)``."""
+    clipped fraction)``, detached 0-dim tensors on the device."""
     with context():
         values = critic(mb)
     loss, clipped = value_loss(
         values, spread(mb, old_values), spread(mb, returns), mb.loss_mask, value_clip, num_tokens
     )
     loss.backward()
-    return float(loss.detach()), clipped
+    return loss.detach(), clipped
 
 
 def critic_step(critic: ValueModel, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> float:

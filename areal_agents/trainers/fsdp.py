@@ -13,7 +13,9 @@ resumes on any number of ranks, one included (the unsharded trainer).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -133,3 +135,23 @@ def _names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The name of each parameter of ``optimizer``, in its order (the single-process numbering)."""
     name_of = {id(p): name for name, p in module.named_parameters()}
     return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+@contextlib.contextmanager
+def gradient_sync(modules: Sequence[nn.Module | None], sync: bool) -> Iterator[None]:
+    """Within it, the sharded ones of ``modules`` reduce-scatter their gradients in backward only if ``sync``
+    (back to syncing after): for all but the last micro-batch of an optimizer step, ``sync=False`` keeps each
+    rank's gradient unsharded, added up over the micro-batches, and the last one's backward reduce-scatters
+    the sum once (FSDP2 adds the new unsharded gradient to the kept one before the reduce; every rank runs as
+    many micro-batches, `DataParallel.share`'s zero-loss padding included, so the collectives match).
+
+    Memory: until that last backward every rank holds a full unsharded gradient of the trained parameters
+    (float32, the reduce dtype), not its shard: a model's size per rank, freed by the reduce-scatter."""
+    sharded = [m for m in modules if m is not None and is_sharded(m)]
+    for module in sharded:
+        module.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.set_requires_gradient_sync(True)

@@ -8,7 +8,8 @@
 
 Each micro-batch goes to the model's device once; an unsharded model computes under autocast to
 ``ppo.compute_dtype`` (nothing at all in float32, the CPU default), a sharded one casts by FSDP2's
-mixed-precision policy (`fsdp.py`), where gradients are also summed across ranks during backward.
+mixed-precision policy (`fsdp.py`), where gradients are also summed across ranks, once per optimizer step
+in its last micro-batch's backward (`fsdp.gradient_sync`).
 
 `ppo_update` runs them for ``ppo_epochs`` x ``num_minibatches`` optimizer steps, each over a minibatch
 whose loss-token count is known before its first micro-batch. `StreamedUpdate` is the one-step case
@@ -31,6 +32,8 @@ from areal_agents.models.device import gpu_memory, peak_tflops, reset_peak_memor
 from areal_agents.trainers.batching import ScoredLM, module_device, token_logprobs
 from areal_agents.trainers.critic import ValueModel, critic_backward, critic_step, critic_values
 from areal_agents.trainers.distributed import DataParallel, lm_flops
+from areal_agents.trainers.fsdp import gradient_sync
+from areal_agents.trainers.host_stats import to_host
 from areal_agents.trainers.microbatch import MicroBatch, spread
 from areal_agents.trainers.optim import optimizer_step
 from areal_agents.trainers.ppo_batch import (
@@ -153,7 +156,7 @@ def micro_batch_loss(
     num_tokens: float,
     ref_model: PreTrainedModel | None,
     policy_version: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The decoupled PPO loss of one micro-batch (plus the KL penalty), summed over tokens / ``num_tokens``.
     ``mb.prox_logprobs`` None: π_prox is this forward, detached (one optimizer step per batch).
 
@@ -187,7 +190,7 @@ def micro_batch_loss(
     fresh = mb.loss_mask.bool()
     if policy_version is not None and mb.versions is not None:
         fresh = fresh & (mb.versions == policy_version)
-    st |= mismatch_stats(prox, mb.logprobs, fresh) | {"seq_masked": float((mb.loss_mask - mask).sum())}
+    st |= mismatch_stats(prox, mb.logprobs, fresh) | {"seq_masked": (mb.loss_mask - mask).sum()}
     return loss, st
 
 
@@ -205,25 +208,33 @@ def accumulate(
     policy_version: int | None = None,
 ) -> None:
     """Forward and backward of each micro-batch of ``batch`` (its trajectories indexed like ``batch``'s):
-    the policy's loss and, with ``critic``, the value loss, each summed over tokens / ``num_tokens``."""
+    the policy's loss and, with ``critic``, the value loss, each summed over tokens / ``num_tokens``.
+
+    The micro-batches' stats stay on the device until the last backward, then come to the host in one
+    transfer (`host_stats.to_host`). Sharded models reduce-scatter their gradients once, in the last
+    micro-batch's backward (`gradient_sync`)."""
     device, context = module_device(model), precision(model, cfg)
-    for mb in mbs:  # a rank's padding (`DataParallel.share`) runs as the others do, with no loss tokens
+    rows: list[dict[str, torch.Tensor]] = []
+    for i, mb in enumerate(mbs):  # a rank's padding (`DataParallel.share`) runs as the others do, with no loss tokens
         mb.advantages = spread(mb, batch.advantages)
         mb = mb.to(device)
-        with context():
-            loss, st = micro_batch_loss(model, mb, cfg, temperature, num_tokens, ref_model, policy_version)
-        loss.backward()
-        value = None
-        if critic is not None:
-            vloss, vclip = critic_backward(
-                critic, mb, batch.old_values, batch.returns, cfg.value_clip, num_tokens, context
-            )
-            value = (vloss * num_tokens, vclip)
-        tally.add(st, float(loss.detach()) * num_tokens, value)
+        with gradient_sync([model, critic], i == len(mbs) - 1):
+            with context():
+                loss, st = micro_batch_loss(model, mb, cfg, temperature, num_tokens, ref_model, policy_version)
+            loss.backward()
+            st["loss"] = loss.detach()
+            if critic is not None:
+                st["value_loss"], st["value_clip_fraction"] = critic_backward(
+                    critic, mb, batch.old_values, batch.returns, cfg.value_clip, num_tokens, context
+                )
+        rows.append(st)
         # its trajectories' tokens, whatever the layout (a streamed batch counts what the whole would)
         tally.work["trained_tokens"] += sum(b - a for _, a, b in mb.slices)
         tally.work["computed_tokens"] += mb.computed_tokens
         tally.work["attended"] += mb.attended
+    for st in to_host(rows):
+        value = (st["value_loss"] * num_tokens, st["value_clip_fraction"]) if critic is not None else None
+        tally.add(st, st["loss"] * num_tokens, value)
 
 
 def _minibatches(n: int, cfg: PPOConfig, generator: torch.Generator | None) -> Iterator[list[int]]:

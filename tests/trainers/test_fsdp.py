@@ -6,6 +6,8 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
 
 from areal_agents.config import PPOConfig
 from areal_agents.models import load_model
@@ -53,18 +55,41 @@ def _checkpoint(policy, tiny_dir, out) -> None:
         torch.save(state, out / "trainer_state.pt")
 
 
+def _count_reduce_scatters() -> list[int]:
+    """Count FSDP2's gradient reduce-scatters from now on (one call per sharded module per backward that
+    syncs) into the one-item list returned."""
+    count = [0]
+    reduce = param_group.foreach_reduce
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return reduce(*args, **kwargs)
+
+    param_group.foreach_reduce = counted
+    return count
+
+
+def _sharded_modules(policy) -> int:
+    trained = [policy.trained] + ([policy.critic] if policy.critic is not None else [])
+    return sum(isinstance(m, FSDPModule) for module in trained for m in module.modules())
+
+
 def _rank(rank: int, port: int, tiny_dir, out) -> None:
     os.environ |= {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     torch.set_num_threads(1)
     dp = DataParallel.from_env(torch.device("cpu"))
     results = {}
+    reduces = _count_reduce_scatters()
     try:
         for name, kwargs in CONFIGS.items():
             torch.manual_seed(0)
             policy = load_trainable("policy", _spec(kwargs), str(tiny_dir), str(tiny_dir), dp)
             generator = torch.Generator().manual_seed(3)
+            reduces[0] = 0
             stats = _steps(policy, generator, 1)
+            # (reduce-scatters, optimizer steps, sharded modules trained) of the first step
+            results[f"{name} reduces"] = (reduces[0], stats[0]["optimizer_steps"], _sharded_modules(policy))
             if name == RESUMED:
                 _checkpoint(policy, tiny_dir, out)
                 torch.save(generator.get_state(), out / "generator.pt")
@@ -115,6 +140,17 @@ def test_two_fsdp_ranks_take_the_single_process_steps(two_ranks, tiny_dir, name)
         assert got["peak_flops"] == want["peak_flops"] == 0.0  # a CPU has no known peak
     if "critic" in name:
         assert ranks[name]["stats"][0]["critic_grad_norm"] == pytest.approx(stats[0]["critic_grad_norm"], rel=1e-4)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_ranks_reduce_scatter_gradients_once_per_optimizer_step(two_ranks, name):
+    """Each sharded module's gradients are summed across the ranks in the last micro-batch's backward of an
+    optimizer step (`fsdp.gradient_sync`), not in every micro-batch's: these configs run several a step."""
+    _, ranks = two_ranks
+    reduces, steps, modules = ranks[f"{name} reduces"]
+    assert modules >= 3 and steps >= 1
+    assert reduces == steps * modules
 
 
 @pytest.mark.process

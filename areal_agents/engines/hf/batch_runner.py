@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
@@ -29,7 +30,7 @@ from areal_agents.engines.hf.running_batch import (
     compact,
     consolidate,
 )
-from areal_agents.engines.hf.sampling import sample_tokens, seeded_uniform
+from areal_agents.engines.hf.sampling import sample_rows, seeded_uniform, uniforms
 from areal_agents.engines.hf.stats import EngineStats
 from areal_agents.errors import EngineError
 from areal_agents.models.logprobs import tempered_log_softmax
@@ -206,7 +207,7 @@ class BatchRunner:
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys[owner], layer.values[owner]
             attention, positions, logits = attention[owner], positions[owner], logits[owner]
-        pending = self.sample(rows, logits, version)
+        pending, _ = self.sample(rows, logits, version)
         return Segment(rows, cache, attention, positions + 1, pending)
 
     def cache_shared_prompts(self, rows: list[Submission]) -> None:
@@ -290,7 +291,6 @@ class BatchRunner:
             bias = torch.zeros(segment.attention.shape, dtype=self.kv_dtype, device=self.device)
             masks.append(bias.masked_fill_(segment.attention == 0, float("-inf"))[:, None, None, :])
             self.stats.kv_cells += segment.attention.numel()
-            self.stats.kv_context_cells += int(segment.attention.sum())
         self.stats.segments += len(batch.segments)
         input_ids = torch.cat([s.pending for s in batch.segments])
         positions = torch.cat([s.positions for s in batch.segments])
@@ -309,7 +309,9 @@ class BatchRunner:
                     use_cache=True,
                 ).last_hidden_state[:, -1]
                 logits = head_logits(self.model, hidden, lora)  # float32
-        tokens = self.sample(batch.rows, logits, version)
+        context = torch.stack([s.attention.sum() for s in batch.segments]).sum()  # read with the tokens
+        tokens, context_cells = self.sample(batch.rows, logits, version, context)
+        self.stats.kv_context_cells += int(context_cells)
         for segment, r in zip(batch.segments, rows):
             segment.positions = segment.positions + 1
             segment.pending = tokens[r]
@@ -327,24 +329,42 @@ class BatchRunner:
                     )
                     self.outbox.append((seq, error))
 
-    def sample(self, rows: list[Submission], logits: torch.Tensor, version: int) -> torch.Tensor:
-        """Each row's next token (a row whose logits are not finite fails); record it on the live rows."""
+    def sample(
+        self, rows: list[Submission], logits: torch.Tensor, version: int, counted: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, float]:
+        """Each row's next token (a row whose logits are not finite fails); record it on the live rows.
+
+        The tokens, their logprobs, whether each row could be sampled and ``counted`` (a 0-dim count for the
+        stats; returned as a float, 0 if None) come to the host in one read; which filters run is decided
+        from the requests' `SamplingParams` here, not read from the device."""
         temperature = torch.tensor([s.sampling.temperature for s in rows], dtype=torch.float, device=self.device)
         top_p = torch.tensor([s.sampling.top_p for s in rows], dtype=torch.float, device=self.device)
         top_k = torch.tensor([s.sampling.top_k for s in rows], dtype=torch.long, device=self.device)
-        draws = _seeded_draws(rows)
-        try:
-            tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, self.generator, draws)
-        except ValueError:  # rows whose logits are not finite (NaN, inf): those requests fail, the others go on
+        use_top_p = any(np.float32(s.sampling.top_p) < 1 for s in rows)  # as ``top_p`` holds it
+        use_top_k = any(s.sampling.top_k > 0 for s in rows)
+        u = uniforms(len(rows), logits.device, self.generator, _seeded_draws(rows))
+        args = (temperature, top_p, top_k, u)
+        tokens, logprobs, ok = sample_rows(logits, *args, use_top_k=use_top_k, use_top_p=use_top_p)
+        count = counted if counted is not None else logits.new_zeros(())
+        read = torch.cat([torch.stack([tokens.double(), logprobs.double(), ok.double()]).flatten(), count.reshape(1)])
+        values = read.tolist()
+        n = len(rows)
+        if not all(values[2 * n : 3 * n]):  # rows whose logits are not finite (NaN, inf): those fail, the others go on
             bad = _unsampleable(logits, temperature)
             if not bool(bad.any()):
-                raise
+                raise ValueError("sample: rows that cannot be sampled, yet their logits look finite")
             for i in bad.nonzero().squeeze(1).tolist():
                 if not rows[i].delivered:
                     self.fail(rows[i], ValueError("its next-token logits are not finite (NaN or inf)"))
             logits = logits.masked_fill(bad[:, None], 0.0)
-            tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, self.generator, draws)
-        for seq, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+            tokens, logprobs, _ = sample_rows(logits, *args, use_top_k=use_top_k, use_top_p=use_top_p)
+            values[: 2 * n] = tokens.tolist() + logprobs.tolist()
+        self.record(rows, [int(t) for t in values[:n]], values[n : 2 * n], version)
+        return tokens, values[-1]
+
+    def record(self, rows: list[Submission], tokens: list[int], logprobs: list[float], version: int) -> None:
+        """Each live row's sampled token and logprob; a stop token or the length limit ends its request."""
+        for seq, tok, lp in zip(rows, tokens, logprobs):
             if seq.delivered:  # a finished row still in the batch: its tokens go nowhere
                 continue
             seq.tokens.append(tok)
@@ -355,7 +375,6 @@ class BatchRunner:
             elif len(seq.tokens) >= seq.sampling.max_new_tokens:
                 seq.stop_reason = "length"
             self.stats.generated_tokens += 1
-        return tokens
 
     def retire(self, batch: RunningBatch) -> None:
         """Hand back finished and aborted rows, drop emptied segments and merge those cheap to merge."""

@@ -27,27 +27,63 @@ def sample_tokens(
 
     ``temperature``, ``top_p`` (floats) and ``top_k`` (ints, 0 = off) are ``[B]`` tensors; a row with
     temperature 0 is greedy. ``draws``: ``[B]`` float64 uniforms in (0, 1] for rows with their own seed
-    (`seeded_uniform`), NaN for rows that draw from ``generator``.
+    (`seeded_uniform`), NaN for rows that draw from ``generator``. Raises ValueError for rows whose logits
+    are not finite (NaN or inf), as ``torch.multinomial`` refuses them.
     """
+    u = uniforms(logits.shape[0], logits.device, generator, draws)
+    tokens, logprobs, ok = sample_rows(logits, temperature, top_p, top_k, u)
+    if not bool(ok.all()):
+        bad = (~ok).nonzero().squeeze(1).tolist()
+        raise ValueError(f"sample_tokens: next-token logits of rows {bad[:8]} are not finite (NaN or inf)")
+    return tokens, logprobs
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    u: torch.Tensor,
+    *,
+    use_top_k: bool | None = None,
+    use_top_p: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sample_tokens` with nothing read on the host: ``(tokens [B], logprobs [B], ok [B])``, ``ok`` False
+    for a row whose logits are not finite (its token is then arbitrary); ``u``: `uniforms`.
+
+    ``use_top_k`` / ``use_top_p``: whether any row has top-k / top-p on, decided by the caller from its
+    requests (None: read from ``top_k`` / ``top_p``, a host sync each); False skips that filter's sort."""
     greedy = temperature <= 0
     logprobs_all = tempered_log_softmax(logits, temperature)
 
     filtered = logprobs_all
     vocab = logprobs_all.shape[-1]
-    if bool((top_k > 0).any()):
+    if use_top_k if use_top_k is not None else bool((top_k > 0).any()):
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
         kth = torch.sort(filtered, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if bool((top_p < 1).any()):
+    if use_top_p if use_top_p is not None else bool((top_p < 1).any()):
         sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)
         probs = sorted_lp.softmax(-1)
         # Drop a token when the mass before it already reaches top_p (the top token always stays).
         drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
         filtered = filtered.scatter(1, order, sorted_lp.masked_fill(drop, float("-inf")))
 
-    sampled = _inverse_cdf(filtered.exp(), generator, draws)
+    sampled, ok = _inverse_cdf(filtered.exp(), u)
     tokens = torch.where(greedy, logprobs_all.argmax(-1), sampled)
-    return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1), ok
+
+
+def uniforms(
+    n: int, device: torch.device, generator: torch.Generator | None, draws: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[n, 1]`` float64 uniforms in (0, 1] for `sample_rows`: ``draws`` where not NaN (rows with their own
+    seed), else from ``generator`` (one draw of ``n``, whatever ``draws`` holds)."""
+    u = 1.0 - torch.rand(n, 1, dtype=torch.float64, generator=generator, device=device)  # (0, 1]
+    if draws is not None:  # rows with their own seed
+        draws = draws.to(u.device)[:, None]
+        u = torch.where(torch.isnan(draws), u, draws)
+    return u
 
 
 def seeded_uniform(seed: int, position: int) -> float:
@@ -61,21 +97,13 @@ def seeded_uniform(seed: int, position: int) -> float:
     return ((z >> 11) + 1) / float(1 << 53)
 
 
-def _inverse_cdf(
-    weights: torch.Tensor, generator: torch.Generator | None, draws: torch.Tensor | None = None
-) -> torch.Tensor:
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One index a row drawn in proportion to ``weights [B, V]`` (unnormalised, >= 0): the first whose
-    cumulative weight reaches a uniform share of the row's total (never a zero-weight token).
+    cumulative weight reaches the share ``u [B, 1]`` of the row's total (never a zero-weight token); and
+    whether the row could be drawn from (a finite, positive total).
     ``torch.multinomial`` does the same with an exponential draw per token: on the engine's decode step it
     cost more than the whole draw here. The sums are in float64 so that tail tokens keep their share."""
     cdf = weights.double().cumsum(-1)
     total = cdf[:, -1:]
-    ok = torch.isfinite(total) & (total > 0)
-    if not bool(ok.all()):  # as torch.multinomial refuses them
-        bad = (~ok).squeeze(1).nonzero().squeeze(1).tolist()
-        raise ValueError(f"sample_tokens: next-token logits of rows {bad[:8]} are not finite (NaN or inf)")
-    u = 1.0 - torch.rand(weights.shape[0], 1, dtype=torch.float64, generator=generator, device=weights.device)  # (0, 1]
-    if draws is not None:  # rows with their own seed
-        draws = draws.to(u.device)[:, None]
-        u = torch.where(torch.isnan(draws), u, draws)
-    return torch.searchsorted(cdf, u * total).squeeze(1).clamp(max=weights.shape[-1] - 1)
+    ok = (torch.isfinite(total) & (total > 0)).squeeze(1)
+    return torch.searchsorted(cdf, u * total).squeeze(1).clamp(max=weights.shape[-1] - 1), ok
