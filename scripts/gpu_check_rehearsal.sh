@@ -13,6 +13,12 @@
 # for the pure-Python ones (all but pydantic-core and jiter); numpy is the newest for that Python (2.5 needs
 # 3.12).
 set -euo pipefail
+# -h, --help: this usage and the comment above, and nothing run
+for arg in "$@"; do case "$arg" in -h | --help)
+    echo "usage: bash scripts/gpu_check_rehearsal.sh [bench/gpu_check.py arguments ...]"
+    awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"
+    exit 0 ;;
+esac; done
 cd "$(dirname "$0")/.."
 BASE=${REHEARSAL_DIR:-/tmp/gpu_check_rehearsal}
 PYBASE=${REHEARSAL_PY:-python3}
