@@ -90,6 +90,25 @@ def test_vllm_servers_started_by_ray_serve_the_trained_weights(tiny_dir, tmp_pat
     assert not processes_naming(tiny_dir), "the run stopped its vLLM server"
 
 
+def test_a_server_actor_that_cannot_start_fails_the_launch_with_the_engines_own_error(tmp_path):
+    """The actor's error reaches the driver as itself (the CLI prints it in one line), not as Ray's
+    actor-died traceback. No vLLM needed: the interpreter named does not exist."""
+    import ray
+
+    from areal_agents.cluster.engine_servers import EngineServers
+    from areal_agents.config import EngineConfig
+    from areal_agents.errors import EngineError
+
+    cfg = EngineConfig(backend="vllm", vllm_python=str(tmp_path / "nope" / "python"), device="cpu")
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    try:
+        with pytest.raises(EngineError, match=r"engine.vllm_python: .*nope/python is not an executable file") as e:
+            EngineServers(cfg, "/models/m", "float32", tmp_path / "servers", cpus=0.5, gpus=0.0)
+    finally:
+        ray.shutdown()
+    assert type(e.value) is EngineError
+
+
 def processes_naming(path: Path) -> list[int]:
     """PIDs of this machine's processes whose command line names ``path`` (a server of this test's model)."""
     pids = []
