@@ -1,5 +1,5 @@
-"""Model servers (serve-model on CPU, SGLang or vLLM on GPU) as Ray actors, placed by the resources they ask
-for; each actor runs the same server command the local launcher would, restarts it (on the same address,
+"""Model servers (serve-model on CPU, SGLang on GPU, vLLM on either) as Ray actors, placed by the resources
+they ask for; each actor runs the same server command the local launcher would, restarts it (on the same address,
 with the run's current weights: `Supervisor`) when it dies or reports its engine failed, and stops it
 when it goes."""
 
