@@ -1,10 +1,11 @@
 """``launcher=ray engine.backend=vllm`` on a local Ray cluster: a vLLM server started by a Ray actor, two
-training steps, and the served weights checked against the trainer's.
+training steps, and the served weights checked against the trainer's; and a server actor that cannot start
+failing the launch with the engine's own error.
 
 One server, the smallest settings (``--enforce-eager``: no compile at start), one env server, one rollout
 worker and one trainer rank: a vLLM start on 2 loaded cores still takes a minute or more. vLLM comes from its
 own environment: ``.venv-vllm`` (``bash scripts/setup.sh --with-vllm``) or ``$AREAL_VLLM_PYTHON``; without one
-the test skips here and fails under CI=true.
+the vLLM test skips here and fails under CI=true.
 """
 
 import json
@@ -22,7 +23,6 @@ from areal_agents.models import load_model
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.process,
-    pytest.mark.vllm,
     pytest.mark.skipif(find_spec("ray") is None, reason="ray is not installed"),
 ]
 
@@ -51,6 +51,7 @@ def served_and_trained_logprobs(row: dict, model) -> tuple[torch.Tensor, torch.T
     return served, forward[[i - 1 for i in picked]]
 
 
+@pytest.mark.vllm
 def test_vllm_servers_started_by_ray_serve_the_trained_weights(tiny_dir, tmp_path):
     if not Path(VLLM_PYTHON).is_file():
         pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: bash scripts/setup.sh --with-vllm")
