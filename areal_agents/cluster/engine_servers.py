@@ -1,5 +1,5 @@
-"""Model servers (serve-model on CPU, SGLang or vLLM on GPU) as Ray actors, placed by the resources they ask
-for; each actor runs the same server command the local launcher would, restarts it (on the same address,
+"""Model servers (serve-model on CPU, SGLang on GPU, vLLM on either) as Ray actors, placed by the resources
+they ask for; each actor runs the same server command the local launcher would, restarts it (on the same address,
 with the run's current weights: `Supervisor`) when it dies or reports its engine failed, and stops it
 when it goes."""
 
@@ -15,7 +15,7 @@ import ray
 
 from areal_agents.config import EngineConfig
 from areal_agents.engines.local_servers import launch_servers
-from areal_agents.errors import ConfigError
+from areal_agents.errors import ArealAgentsError, ConfigError
 from areal_agents.net import free_port
 
 
@@ -33,7 +33,13 @@ def _spawn(command: list[str], log: Path, env: dict[str, str] | None = None) -> 
 
 @ray.remote
 class EngineServerActor:
-    def __init__(
+    """One model server on the node Ray placed this actor on; `start` launches it (a method, not ``__init__``:
+    an error raised there reaches the driver as itself, not as Ray's actor-died error)."""
+
+    def __init__(self) -> None:
+        self.group = None
+
+    def start(
         self,
         cfg: EngineConfig,
         model_path: str,
@@ -42,8 +48,9 @@ class EngineServerActor:
         index: int,
         weights_dir: str | None,
         admin_key: str | None = None,
-    ) -> None:
-        """``admin_key``: the run's key, which serve-model wants on its control routes (in its environment)."""
+    ) -> str:
+        """Launch the server and wait until it is healthy; its address. ``admin_key``: the run's key, which
+        serve-model wants on its control routes (in its environment)."""
         host = ray.util.get_node_ip_address()
         port = free_port(host)
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs (ray.engine_server_gpus), so the server is placed
@@ -55,15 +62,14 @@ class EngineServerActor:
             cfg, model_path, dtype, log_dir=log_dir, weights_dir=weights, admin_key=admin_key, ports=[port],
             first_index=index, spawn=_spawn,
         )  # fmt: skip
-
-    def url(self) -> str:
         return self.group.addresses[0]
 
     def restarts(self) -> int:
-        return len(self.group.supervisor.restarts) if self.group.supervisor else 0
+        return len(self.group.supervisor.restarts) if self.group and self.group.supervisor else 0
 
     def stop(self) -> None:
-        self.group.stop()
+        if self.group is not None:
+            self.group.stop()
 
 
 def check_server_gpus(cfg: EngineConfig, gpus: float) -> None:
@@ -104,12 +110,19 @@ class EngineServers:
         check_server_gpus(cfg, gpus)
         options = {"num_cpus": cpus, "num_gpus": gpus}
         weights = str(weights_dir or Path(log_dir).parent / "engine_weights")
-        self.actors = [
-            EngineServerActor.options(**options).remote(cfg, model_path, dtype, str(log_dir), i, weights, admin_key)
-            for i in range(cfg.num_servers)
-        ]
-        self.addresses = ray.get([a.url.remote() for a in self.actors])
+        self.actors = [EngineServerActor.options(**options).remote() for _ in range(cfg.num_servers)]
         self.admin_key = admin_key
+        starts = [
+            a.start.remote(cfg, model_path, dtype, str(log_dir), i, weights, admin_key)
+            for i, a in enumerate(self.actors)
+        ]
+        try:
+            self.addresses: list[str] = ray.get(starts)
+        except BaseException as e:
+            self.stop()  # the servers that did start, too
+            if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, ArealAgentsError):
+                raise e.cause from None  # one line from the CLI (a missing engine.vllm_python, a server's log tail)
+            raise
 
     def stop(self) -> None:
         for actor in self.actors:
