@@ -228,7 +228,7 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
             times = await _push_weights(policies, controller, t0, batch)  # version + 1
             bar.set_postfix(**await log.record(step, trajectories, batch.stats, times), refresh=False)
             bar.update()
-            saver.finished(step, position.snapshot(controller.data_position, main.engine.get_version()))
+            saver.finished(step, position.snapshot(controller.cursor, main.engine.get_version()))
             interrupt.release()  # a signal that came while the step trained stops the run here
             if cfg.eval.every and step % cfg.eval.every == 0 and not last:
                 bar.write(f"step {step}: held-out greedy accuracy {await run_eval(step):.1%}")
@@ -247,7 +247,7 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
         failures.flush()
         await saver.save_on_halt()
         raise
-    ckpt = saver.save(saver.done, position.snapshot(controller.data_position, main.engine.get_version()))
+    ckpt = saver.save(saver.done, position.snapshot(controller.cursor, main.engine.get_version()))
     metrics.close()
     return write_summary(
         run.run_dir,
@@ -311,7 +311,8 @@ def _controller(
         group_filter=has_reward_variance if r.dynamic_sampling else None,
         max_retries=r.max_retries,
         ledger=run.ledger,
-        start_index=run.data_position,
+        start_index=run.data.position,
+        consumed=run.data.consumed,
         groups_before=(run.first_step - 1) * r.batch_size,
         run_episode=run_episode,
         max_failed_fraction=r.max_failed_fraction,
