@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from areal_agents.agents.base import Agent
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import RunHalted
+from areal_agents.progress import plural
 from areal_agents.rollout.episodes import EpisodeFn, EpisodeRunner, RolloutLedger, local_episode
 from areal_agents.rollout.failures import Cause, FailureLog
 from areal_agents.types import Trajectory
@@ -77,6 +78,16 @@ class DataCursor:
     consumed: tuple[int, ...] = ()
     in_flight: dict[int, int] = field(default_factory=dict)
     in_flight_accepted: int = 0
+
+    def describe(self) -> str:
+        """One line for a resume, e.g. ``from prompt 8 (2 consumed ahead of it; 3 groups in flight, submitted at
+        versions 2-3, run again)``."""
+        parts = [f"{len(self.consumed)} consumed ahead of it"] if self.consumed else []
+        if self.in_flight:
+            low, high = min(self.in_flight.values()), max(self.in_flight.values())
+            at = f"version {low}" if low == high else f"versions {low}-{high}"
+            parts.append(f"{plural(len(self.in_flight), 'group')} in flight, submitted at {at}, run again")
+        return f"from prompt {self.position}" + (f" ({'; '.join(parts)})" if parts else "")
 
 
 def has_reward_variance(group: Group) -> bool:

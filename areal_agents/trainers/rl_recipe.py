@@ -182,6 +182,8 @@ async def _serve_starting_weights(run: Run) -> None:
 async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) -> dict[str, Any]:
     cfg, r, policies, interrupt, main = run.cfg, run.cfg.rollout, run.policies, run.interrupt, run.main
     position = RunState.restore(cfg.seed, run.resumed)
+    if run.resumed:
+        print(f"prompts {position.data.describe()}")  # the groups not consumed, in order: none twice, none skipped
     eval_seeds = await held_out_seeds(backend, cfg.eval)
     # TensorBoard hides what an earlier run logged from here on (a resumed run redoes those steps)
     metrics = MetricsWriter(run.run_dir / "tensorboard", purge_step=position.first_step if run.resumed else 0)

@@ -283,3 +283,12 @@ def test_a_resumed_controller_skips_the_consumed_indices():
     assert cursors[0].position == 10 and cursors[0].consumed == () and cursors[0].in_flight == {}
     fresh = make_controller(FakeAgent(version), version, start_index=4, consumed=(4, 5))
     assert fresh.cursor == DataCursor(6)  # a position that was consumed moves on too
+
+
+def test_a_cursor_describes_itself_for_a_resume():
+    assert DataCursor(4).describe() == "from prompt 4"
+    ahead = DataCursor(8, (9, 11), {8: 2, 10: 3, 12: 3}).describe()
+    assert ahead == "from prompt 8 (2 consumed ahead of it; 3 groups in flight, submitted at versions 2-3, run again)"
+    assert (
+        DataCursor(8, (), {8: 2}).describe() == "from prompt 8 (1 group in flight, submitted at version 2, run again)"
+    )
