@@ -110,13 +110,12 @@ def test_killed_and_resumed_runs_train_each_group_exactly_once(tmp_path, config,
     skipped = sorted(set(range(position)) - set(trained))
 
     seed = json.loads((run / "config.json").read_text())["seed"]
-    episodes = set()
+    episodes, mismatched = [], []
     for r in rows:  # each step's dump: its groups' trajectories, every episode of each group
         dumped = [json.loads(line) for line in (run / "trajectories" / f"step_{r['step']}.jsonl").open()]
-        assert sorted({prompt_of(t["group_id"], seed) for t in dumped}) == sorted(r["prompts"]), r
-        step_episodes = {t["episode_id"] for t in dumped}
-        assert len(step_episodes) == BATCH * GROUP and not step_episodes & episodes, r
-        episodes |= step_episodes
+        if sorted({prompt_of(t["group_id"], seed) for t in dumped}) != sorted(r["prompts"]):
+            mismatched.append(r["step"])
+        episodes += sorted({t["episode_id"] for t in dumped})
     ledger = json.loads((run / "summary.json").read_text())["episodes"]
     ended = sum(ledger[k] for k in ("accepted", "rejected", "failed", "env_failed", "engine_failed", "worker_failed"))
 
@@ -127,8 +126,9 @@ def test_killed_and_resumed_runs_train_each_group_exactly_once(tmp_path, config,
         f"{len(episodes)} episodes trained, {ledger['cancelled']} cancelled, {ledger['running']} running"
     )
     assert twice == 0 and skipped == [], (trained, position)
+    assert mismatched == [] and len(episodes) == len(set(episodes)), mismatched  # dumps agree with the order
     assert set(trained) == set(range(position)) | set(consumed)  # nothing consumed but what was trained
-    assert ledger["accepted"] == len(episodes) == STEPS * BATCH * GROUP and ledger["running"] == 0
+    assert ledger["accepted"] == len(episodes) == STEPS * BATCH * GROUP and ledger["running"] == 0  # whole groups
     assert ledger["submitted"] == ended + ledger["cancelled"]
     assert len(resumes) == len(codes)  # each kill was resumed from a checkpoint
     if staleness:
