@@ -49,12 +49,15 @@ def start(config, run_dir, staleness, out):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
     args = [sys.executable, "-m", "areal_agents.cli", "train", str(config), f"run_dir={run_dir}"]
     args += [f"rollout.max_staleness={staleness}", "--no-progress", *resume]
-    return subprocess.Popen(args, stdout=out.open("w"), stderr=subprocess.STDOUT, env=env)
+    with out.open("w") as f:
+        return subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
 def steps_logged(run_dir):
+    """The steps in ``data_order.jsonl`` (a row being written is not one yet)."""
     path = run_dir / "data_order.jsonl"
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.is_file() else []
+    lines = path.read_text().split("\n")[:-1] if path.is_file() else []  # the text after the last newline: torn
+    return [json.loads(line)["step"] for line in lines]
 
 
 def kill_after(proc, run_dir, out, step, pause, sig):
@@ -90,7 +93,8 @@ def test_killed_and_resumed_runs_train_each_group_exactly_once(tmp_path, config,
             break
         outs.append(tmp_path / f"out{len(outs)}.txt")
         proc = start(config, run, staleness, outs[-1])
-        step, pause = min(done + rng.randint(1, 2), STEPS), rng.uniform(0.0, 0.6)
+        # after a step this process trains (past step 1: a first run must leave a checkpoint to resume from)
+        step, pause = min(done + rng.randint(1, 2) + (done == 0), STEPS), rng.uniform(0.0, 0.6)
         codes.append(kill_after(proc, run, outs[-1], step, pause, sig))
         assert codes[-1] in {signal.SIGKILL: (-9, 0), signal.SIGTERM: (143, 0)}[sig], outs[-1].read_text()[-3000:]
     outs.append(tmp_path / "final.txt")
