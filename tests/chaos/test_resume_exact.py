@@ -116,7 +116,7 @@ def test_killed_and_resumed_runs_train_each_group_exactly_once(tmp_path, config,
     seed = json.loads((run / "config.json").read_text())["seed"]
     episodes, mismatched = [], []
     for r in rows:  # each step's dump: its groups' trajectories, every episode of each group
-        dumped = [json.loads(line) for line in (run / "trajectories" / f"step_{r['step']}.jsonl").open()]
+        dumped = [json.loads(x) for x in (run / "trajectories" / f"step_{r['step']}.jsonl").read_text().splitlines()]
         if sorted({prompt_of(t["group_id"], seed) for t in dumped}) != sorted(r["prompts"]):
             mismatched.append(r["step"])
         episodes += sorted({t["episode_id"] for t in dumped})
