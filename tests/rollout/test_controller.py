@@ -273,6 +273,7 @@ def test_out_of_order_consumption_is_recorded_and_a_resume_trains_each_group_onc
     assert len(every) == len(set(every)) == 24  # none twice
     assert set(range(resumed.data_position)) <= set(every)  # none skipped
     assert resumed.ledger.accepted == 3 * 16 and resumed.stats.groups_stale == 0
+    assert resumed.stats.groups_submitted <= (2 + 6 + 1) * 4 - len(taken)  # the gate counts from the run's start
 
 
 def test_a_resumed_controller_skips_the_consumed_indices():
