@@ -13,13 +13,21 @@ toward the batch.
 
 Every episode runs through one `EpisodeRunner` (rollout/episodes.py) and is accounted for in the
 `RolloutLedger`: submitted = accepted + rejected + failed + env_failed + engine_failed + worker_failed +
-cancelled + running. Env failures (`EnvError`), engine failures (`EngineError`) and lost rollout workers
+cancelled + running; a group the trainer never took (queued or running when the run ends, or in flight at a
+checkpoint a resume starts from) has its ended-well episodes counted cancelled, so ``accepted`` counts the
+episodes trained. Env failures (`EnvError`), engine failures (`EngineError`) and lost rollout workers
 (`WorkerLostError`, on a cluster) are retried up to ``max_retries`` times; other exceptions are
 policy/agent failures and are not retried. A `RunHalted` stops the run (`get_batch` raises it): one an
 episode raised (a `ClusterError`: the cluster cannot recover; an env server's 4xx: the run's own mistake),
 or the controller's own when more than ``max_failed_fraction`` of the episodes that ended since the batch
 began failed after their retries (counted once a batch's worth has ended): a run that cannot make
 progress stops instead of spinning through failing episodes.
+
+A group is consumed when it leaves for good: handed to the trainer, rejected by the filter, dropped
+(every episode failed) or stale. `cursor` says where the run stands in its prompts (the lowest unconsumed
+index, the consumed ones above it, the groups in flight with their submission version): a checkpoint
+records it, and a controller built with ``start_index`` and ``consumed`` from it submits exactly the groups
+not yet consumed, in index order, so a resume at any staleness trains each group once.
 
 Episodes run in this process (``agent.run_episode(make_env(), ...)``) unless ``run_episode`` is given:
 the Ray launcher passes one that runs them on rollout worker actors, so the gate and the ledger stay here.
@@ -31,12 +39,13 @@ import asyncio
 import heapq
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from areal_agents.agents.base import Agent
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import RunHalted
+from areal_agents.progress import plural
 from areal_agents.rollout.episodes import EpisodeFn, EpisodeRunner, RolloutLedger, local_episode
 from areal_agents.rollout.failures import Cause, FailureLog
 from areal_agents.types import Trajectory
@@ -54,6 +63,31 @@ class Group:
     trajectories: list[Trajectory]
     submit_version: int
     episodes: int = 0  # episodes that finished (a failed one leaves the group smaller)
+
+
+@dataclass(frozen=True)
+class DataCursor:
+    """Where a run stands in its prompts: what a checkpoint records and a resumed controller starts from.
+
+    Every index below ``position`` is consumed, and so are those in ``consumed`` (sorted; at most the groups
+    submitted since the oldest one still in flight). ``in_flight`` maps each index submitted and not consumed
+    to the policy version it was submitted at; ``in_flight_accepted`` counts their episodes that had ended
+    well (a resume runs those groups again, so the kill cancelled that work)."""
+
+    position: int = 0
+    consumed: tuple[int, ...] = ()
+    in_flight: dict[int, int] = field(default_factory=dict)
+    in_flight_accepted: int = 0
+
+    def describe(self) -> str:
+        """One line for a resume, e.g. ``from prompt 8 (2 consumed ahead of it; 3 groups in flight, submitted at
+        versions 2-3, run again)``."""
+        parts = [f"{len(self.consumed)} consumed ahead of it"] if self.consumed else []
+        if self.in_flight:
+            low, high = min(self.in_flight.values()), max(self.in_flight.values())
+            at = f"version {low}" if low == high else f"versions {low}-{high}"
+            parts.append(f"{plural(len(self.in_flight), 'group')} in flight, submitted at {at}, run again")
+        return f"from prompt {self.position}" + (f" ({'; '.join(parts)})" if parts else "")
 
 
 def has_reward_variance(group: Group) -> bool:
@@ -97,6 +131,7 @@ class RolloutController:
         ledger: RolloutLedger | None = None,
         tag: str = "",
         start_index: int = 0,
+        consumed: Iterable[int] = (),
         groups_before: int = 0,
         run_episode: EpisodeFn | None = None,
         max_failed_fraction: float = 1.0,
@@ -104,8 +139,9 @@ class RolloutController:
     ) -> None:
         """``max_concurrent_episodes`` counts episodes still running, not their groups: a group whose other
         episodes have ended holds one place, not ``group_size``, so a long answer does not keep the engine
-        underfull. ``start_index`` and ``groups_before`` continue a resumed run: its first unconsumed prompt,
-        and the groups it had trained on (the capacity gate counts from the start of the run)."""
+        underfull. ``start_index``, ``consumed`` and ``groups_before`` continue a resumed run (`DataCursor`): its
+        first unconsumed prompt, the prompts above it already consumed (never submitted again), and the groups
+        it had trained on (the capacity gate counts from the start of the run)."""
         if max_concurrent_episodes < group_size:
             raise ValueError(
                 f"max_concurrent_episodes: expects at least group_size ({group_size}), got {max_concurrent_episodes}"
@@ -126,8 +162,11 @@ class RolloutController:
         self._producer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._paused = False
+        self._skip = {i for i in consumed if i >= start_index}  # consumed before a resume, not yet passed
         self._next_index = start_index  # prompt i is seed_at(i): the data order is a pure function of i
+        self._advance_past_skipped()
         self._unconsumed: dict[int, int] = {}  # submitted, not yet handed to the trainer (or dropped): its version
+        self._ended_well: Counter[int] = Counter()  # per unconsumed group: its episodes that ended accepted
         self._episode = run_episode or local_episode(agent, make_env)
         self.failures = failures if failures is not None else FailureLog()
         # the one count of retries: runner.retries, runner.worker_retries (an episode re-run as its worker died)
@@ -161,7 +200,7 @@ class RolloutController:
                 self._ready_event.clear()
                 await self._ready_event.wait()
             index, group = heapq.heappop(self._ready)
-            self._unconsumed.pop(index, None)
+            self._consume(index)
             if _staleness(group.trajectories, version) > self.max_staleness:
                 self.stats.groups_stale += 1
                 stale_run += 1
@@ -201,6 +240,18 @@ class RolloutController:
         return min(self._unconsumed, default=self._next_index)
 
     @property
+    def cursor(self) -> DataCursor:
+        """Where the run stands in its prompts now (a copy): what a checkpoint records (`DataCursor`)."""
+        position = self.data_position
+        consumed = [i for i in range(position + 1, self._next_index) if i not in self._unconsumed]
+        return DataCursor(
+            position,
+            tuple(consumed + sorted(self._skip)),
+            dict(sorted(self._unconsumed.items())),
+            sum(self._ended_well[i] for i in self._unconsumed),
+        )
+
+    @property
     def queued_groups(self) -> int:
         return len(self._ready)
 
@@ -219,12 +270,15 @@ class RolloutController:
             self._wakeup.set()
 
     async def aclose(self) -> None:
-        """Stop producing and cancel the episodes in flight (the ledger counts them as cancelled)."""
+        """Stop producing and cancel the episodes in flight; the ledger counts them as cancelled, and so the
+        ended-well episodes of every group the trainer did not take (queued, or cut off mid-group)."""
         tasks = [t for t in (self._producer, *self._tasks) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._producer = None
+        self.ledger.cancel(sum(self._ended_well[i] for i in self._unconsumed))
+        self._ended_well.clear()
 
     # ---- producer side ------------------------------------------------------------------------
 
@@ -250,7 +304,9 @@ class RolloutController:
                 self.running_groups += 1
                 self.running_episodes += self.group_size
                 self.stats.groups_submitted += 1
-                index, self._next_index = self._next_index, self._next_index + 1
+                index = self._next_index
+                self._next_index += 1
+                self._advance_past_skipped()
                 self._unconsumed[index] = self.get_version()
                 task = asyncio.ensure_future(self._run_group(index, self._unconsumed[index]))
                 self._tasks.add(task)
@@ -258,10 +314,21 @@ class RolloutController:
             self._wakeup.clear()
             await self._wakeup.wait()
 
+    def _advance_past_skipped(self) -> None:
+        """The next index to submit skips those a resumed run had consumed."""
+        while self._next_index in self._skip:
+            self._skip.discard(self._next_index)
+            self._next_index += 1
+
+    def _consume(self, index: int) -> None:
+        """Group ``index`` left for good (taken, rejected, dropped or stale)."""
+        self._unconsumed.pop(index, None)
+        self._ended_well.pop(index, None)
+
     async def _run_group(self, index: int, version: int) -> None:
         seed = self.seed_at(index)
         group_id = f"{self.tag}g{index}-{seed}"
-        episodes = [self._run_episode(seed, f"{group_id}/e{k}") for k in range(self.group_size)]
+        episodes = [self._run_episode(index, seed, f"{group_id}/e{k}") for k in range(self.group_size)]
         try:
             results = [ts for ts in await asyncio.gather(*episodes) if ts is not None]
         except RunHalted as e:
@@ -275,10 +342,10 @@ class RolloutController:
             t.group_id = group_id
         if group.episodes == 0:
             self.stats.groups_dropped += 1
-            self._unconsumed.pop(index, None)
+            self._consume(index)
         elif self.group_filter is not None and not self.group_filter(group):
             self.stats.groups_rejected += 1
-            self._unconsumed.pop(index, None)
+            self._consume(index)
             self.ledger.reject(group.episodes)
         else:
             self.stats.groups_accepted += 1
@@ -286,9 +353,11 @@ class RolloutController:
         self._ready_event.set()  # a group finished, or left: get_batch may take one, or stop waiting for it
         self._wakeup.set()
 
-    async def _run_episode(self, seed: int, episode_id: str) -> list[Trajectory] | None:
+    async def _run_episode(self, index: int, seed: int, episode_id: str) -> list[Trajectory] | None:
         try:
-            return await self.runner.run(lambda: self._episode(seed, episode_id), episode_id)
+            trajectories = await self.runner.run(lambda: self._episode(seed, episode_id), episode_id)
+            self._ended_well[index] += trajectories is not None
+            return trajectories
         finally:
             self.running_episodes -= 1
             self._check_failures()

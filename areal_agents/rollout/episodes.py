@@ -38,7 +38,8 @@ EpisodeFn = Callable[[int, str], Awaitable[list[Trajectory]]]  # (seed, episode_
 class RolloutLedger:
     """Every submitted episode ends accepted, rejected (its group was filtered out), failed (the agent or
     policy raised), env_failed, engine_failed, worker_failed (its rollout worker died every try) or
-    cancelled; until then it is running. Nothing is lost:
+    cancelled (cut off, or ended well in a group the trainer never took); until then it is running. Nothing
+    is lost:
 
         submitted = accepted + rejected + failed + env_failed + engine_failed + worker_failed + cancelled + running
     """
@@ -50,7 +51,7 @@ class RolloutLedger:
     env_failed: int = 0
     engine_failed: int = 0
     worker_failed: int = 0
-    cancelled: int = 0  # still running when the run ended (or the cluster failed under it)
+    cancelled: int = 0  # cut off (the run ended, the cluster failed), or its group was never trained
 
     @property
     def running(self) -> int:
@@ -65,6 +66,12 @@ class RolloutLedger:
         """Move ``episodes`` accepted episodes to rejected: their group was filtered out or went stale."""
         self.accepted -= episodes
         self.rejected += episodes
+
+    def cancel(self, episodes: int) -> None:
+        """Move ``episodes`` accepted episodes to cancelled: their group was never trained (the run ended, or
+        a resume runs it again)."""
+        self.accepted -= episodes
+        self.cancelled += episodes
 
     def fail(self, kind: FailureKind) -> None:
         """Count an episode that ended with a failure of ``kind`` (a cluster failure cancels it; a halt, the

@@ -182,6 +182,8 @@ async def _serve_starting_weights(run: Run) -> None:
 async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) -> dict[str, Any]:
     cfg, r, policies, interrupt, main = run.cfg, run.cfg.rollout, run.policies, run.interrupt, run.main
     position = RunState.restore(cfg.seed, run.resumed)
+    if run.resumed:
+        print(f"prompts {position.data.describe()}")  # the groups not consumed, in order: none twice, none skipped
     eval_seeds = await held_out_seeds(backend, cfg.eval)
     # TensorBoard hides what an earlier run logged from here on (a resumed run redoes those steps)
     metrics = MetricsWriter(run.run_dir / "tensorboard", purge_step=position.first_step if run.resumed else 0)
@@ -228,7 +230,7 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
             times = await _push_weights(policies, controller, t0, batch)  # version + 1
             bar.set_postfix(**await log.record(step, trajectories, batch.stats, times), refresh=False)
             bar.update()
-            saver.finished(step, position.snapshot(controller.data_position, main.engine.get_version()))
+            saver.finished(step, position.snapshot(controller.cursor, main.engine.get_version()))
             interrupt.release()  # a signal that came while the step trained stops the run here
             if cfg.eval.every and step % cfg.eval.every == 0 and not last:
                 bar.write(f"step {step}: held-out greedy accuracy {await run_eval(step):.1%}")
@@ -247,7 +249,7 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
         failures.flush()
         await saver.save_on_halt()
         raise
-    ckpt = saver.save(saver.done, position.snapshot(controller.data_position, main.engine.get_version()))
+    ckpt = saver.save(saver.done, position.snapshot(controller.cursor, main.engine.get_version()))
     metrics.close()
     return write_summary(
         run.run_dir,
@@ -311,7 +313,8 @@ def _controller(
         group_filter=has_reward_variance if r.dynamic_sampling else None,
         max_retries=r.max_retries,
         ledger=run.ledger,
-        start_index=run.data_position,
+        start_index=run.data.position,
+        consumed=run.data.consumed,
         groups_before=(run.first_step - 1) * r.batch_size,
         run_episode=run_episode,
         max_failed_fraction=r.max_failed_fraction,

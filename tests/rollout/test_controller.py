@@ -6,7 +6,7 @@ import random
 import pytest
 
 from areal_agents.errors import EngineError, EnvError
-from areal_agents.rollout.controller import RolloutController, capacity
+from areal_agents.rollout.controller import DataCursor, RolloutController, capacity
 from areal_agents.types import Trajectory
 
 
@@ -219,3 +219,77 @@ def test_stream_batch_hands_out_finished_groups_while_the_slow_one_runs():
     assert sorted(i for i, _ in seen) == [0, 1, 2, 3]
     assert seen[0][1] == 1 and seen[-1] == (0, 0)  # the slow group 0 still ran when the first came; it came last
     assert len(controller.stats.staleness) == 4 * 3  # every consumed trajectory's staleness, as get_batch counts
+
+
+async def train_with_cursors(controller, version, steps):
+    """`train`, with the controller's `cursor` after each step (as a checkpoint of the step records it)."""
+    batches, cursors = [], []
+    for _ in range(steps):
+        batches.append(await controller.get_batch())
+        version[0] += 1
+        controller.notify_version()
+        cursors.append(controller.cursor)
+    await controller.aclose()
+    return batches, cursors
+
+
+def test_out_of_order_consumption_is_recorded_and_a_resume_trains_each_group_once():
+    """Staleness 2, every fourth group slow: young groups are taken before old ones, so the cursor after step 2
+    holds consumed indices above its position and groups in flight (with their submission versions). A
+    controller resumed from it submits the groups not consumed, in index order, first; over both runs every
+    group below the final position is taken exactly once. The ledger: a run's ``accepted`` is what it
+    trained (the groups it never took count as cancelled), and so is the sum over both runs."""
+    version = [0]
+    first = make_controller(LongTailAgent(version), version, max_staleness=2, max_concurrent_episodes=192)
+    batches, cursors = asyncio.run(train_with_cursors(first, version, steps=2))
+    taken = [g.index for b in batches for g in b]
+    cursor = cursors[-1]
+    assert cursor.position == min(set(range(max(taken) + 2)) - set(taken))
+    assert cursor.consumed == tuple(sorted(i for i in taken if i > cursor.position)) and cursor.consumed  # overtaken
+    assert set(cursor.in_flight) == set(range(cursor.position, first._next_index)) - set(taken)
+    assert all(0 <= v <= 2 for v in cursor.in_flight.values()) and cursor.in_flight_accepted >= 0
+    assert first.ledger.accepted == 3 * len(taken) and first.ledger.running == 0
+
+    submitted = []
+    resumed = RolloutController(
+        LongTailAgent(version),
+        lambda: None,
+        lambda i: submitted.append(i) or 1000 + i,
+        batch_size=4,
+        group_size=3,
+        get_version=lambda: version[0],
+        max_staleness=2,
+        max_concurrent_episodes=192,
+        start_index=cursor.position,
+        consumed=cursor.consumed,
+        groups_before=len(taken),
+    )
+    later, _ = asyncio.run(train_with_cursors(resumed, version, steps=4))
+    redo = sorted(cursor.in_flight)
+    assert submitted[: len(redo)] == redo  # the groups in flight at the checkpoint first, in index order
+    assert not set(submitted) & set(taken)  # nothing consumed is submitted again
+    assert submitted == sorted(submitted)
+    every = taken + [g.index for b in later for g in b]
+    assert len(every) == len(set(every)) == 24  # none twice
+    assert set(range(resumed.data_position)) <= set(every)  # none skipped
+    assert resumed.ledger.accepted == 3 * 16 and resumed.stats.groups_stale == 0
+    assert resumed.stats.groups_submitted <= (2 + 6 + 1) * 4 - len(taken)  # the gate counts from the run's start
+
+
+def test_a_resumed_controller_skips_the_consumed_indices():
+    version = [1]
+    controller = make_controller(FakeAgent(version), version, start_index=4, consumed=(5, 7, 2), groups_before=4)
+    batches, cursors = asyncio.run(train_with_cursors(controller, version, steps=2))
+    assert [g.index for g in batches[0]] == [4, 6, 8, 9] and [g.index for g in batches[1]] == [10, 11, 12, 13]
+    assert cursors[0].position == 10 and cursors[0].consumed == () and cursors[0].in_flight == {}
+    fresh = make_controller(FakeAgent(version), version, start_index=4, consumed=(4, 5))
+    assert fresh.cursor == DataCursor(6)  # a position that was consumed moves on too
+
+
+def test_a_cursor_describes_itself_for_a_resume():
+    assert DataCursor(4).describe() == "from prompt 4"
+    ahead = DataCursor(8, (9, 11), {8: 2, 10: 3, 12: 3}).describe()
+    assert ahead == "from prompt 8 (2 consumed ahead of it; 3 groups in flight, submitted at versions 2-3, run again)"
+    assert (
+        DataCursor(8, (), {8: 2}).describe() == "from prompt 8 (1 group in flight, submitted at version 2, run again)"
+    )

@@ -1,7 +1,9 @@
 """`train --resume`: redone steps replace their earlier records, a changed config is named and refused
-unless it changes only the run's length, checkpointing, evaluation or logging (or --allow-config-change), and a
-run of two FSDP2 ranks resumes into the optimizer state of the run that never stopped."""
+unless it changes only the run's length, checkpointing, evaluation or logging (or --allow-config-change), a
+run of two FSDP2 ranks resumes into the optimizer state of the run that never stopped, and a checkpoint
+records where the run stands in its prompts (consumed, in flight) with a ledger that balances across it."""
 
+import io
 import json
 import shutil
 
@@ -12,7 +14,10 @@ from rl_configs import write_rl_config
 from areal_agents.cli import main
 from areal_agents.config import TrainConfig, config_diff, config_to_dict, load_config
 from areal_agents.models import load_model
+from areal_agents.rollout.controller import DataCursor
+from areal_agents.rollout.episodes import RolloutLedger
 from areal_agents.trainers.resume import FREE_KEYS, forget_after
+from areal_agents.trainers.run_state import RunState
 
 
 def scalar_steps(run, tag):
@@ -173,3 +178,36 @@ def test_forget_after_drops_later_rows_and_dumps(tmp_path, torn):
     forget_after(tmp_path, 2)
     assert (tmp_path / "data_order.jsonl").read_text() == "".join(rows[:2])
     assert sorted(p.name for p in (tmp_path / "trajectories").iterdir()) == ["step_1.jsonl", "step_2.jsonl"]
+
+
+def test_a_checkpoint_records_the_cursor_and_a_resume_cancels_what_was_in_flight():
+    """The cursor goes through a checkpoint whole; the episodes in flight at it (4 running, 5 ended well in
+    groups not yet trained) count as cancelled, since their groups run again: accepted stays what was trained."""
+    run = RunState.restore(1, None)
+    run.ledger = RolloutLedger(submitted=35, accepted=30, failed=1)  # 4 running
+    cursor = DataCursor(8, (9, 11), {8: 2, 10: 2, 12: 3}, in_flight_accepted=5)
+    state = torch.load(_saved(run.snapshot(cursor, version=3) | {"step": 3}), weights_only=True)
+    resumed = RunState.restore(1, state)
+    assert resumed.first_step == 4 and resumed.data == cursor
+    assert resumed.ledger == RolloutLedger(submitted=35, accepted=25, failed=1, cancelled=9)
+    assert resumed.ledger.running == 0
+
+
+def test_a_checkpoint_from_before_the_cursor_resumes_from_its_position():
+    """No ``consumed`` or ``in_flight`` keys (an older checkpoint): resume from ``data_position`` as before,
+    the running episodes taken out of the submitted count."""
+    run = RunState.restore(1, None)
+    run.ledger = RolloutLedger(submitted=20, accepted=16, failed=1)  # 3 running
+    state = run.snapshot(12, version=3) | {"step": 3}
+    for key in ("consumed", "in_flight", "in_flight_accepted"):
+        del state[key]
+    resumed = RunState.restore(1, state)
+    assert resumed.data == DataCursor(12)
+    assert resumed.ledger == RolloutLedger(submitted=17, accepted=16, failed=1) and resumed.ledger.running == 0
+
+
+def _saved(state):
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return buffer
