@@ -33,6 +33,7 @@ import aiohttp
 
 from areal_agents.errors import ArealAgentsError, EnvError, RunHalted, UnknownEnvError
 from areal_agents.net import free_port, wait_healthy
+from areal_agents.workers import die_with_parent
 
 _EPISODE_ERRORS = ("env_error", "timeout", "worker_died")
 # a batched step's failed item carries its error type, not a status: the status its single step answers
@@ -340,7 +341,10 @@ class EnvServerProcess:
                 args += [f"--{key.replace('_', '-')}", str(v)]
         # stderr to a file, not a pipe nobody reads while the server runs: a full pipe would block the server
         self.stderr = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self.stderr, text=True)
+        # SIGTERM if this process dies, even by SIGKILL: a run's server never outlives the run (`die_with_parent`)
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=self.stderr, text=True, preexec_fn=die_with_parent
+        )
         self._wait_healthy(startup_timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
