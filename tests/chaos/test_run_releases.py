@@ -124,8 +124,10 @@ def test_a_run_stopped_by_sigterm_mid_step_leaves_no_process_and_no_session(tmp_
             proc.kill()
             log.close()
     text = (tmp_path / "train.log").read_text(errors="replace")
-    report(f"chaos run releases (SIGTERM, {servers} servers): exit {rc}; {len(tree)} processes under the driver, "
-           f"{len(left)} left; external sessions open after: {still_open}")
+    report(
+        f"chaos run releases (SIGTERM, {servers} servers): exit {rc}; {len(tree)} processes under the driver, "
+        f"{len(left)} left; external sessions open after: {still_open}"
+    )
     assert rc == 143, text[-2000:]  # 128 + SIGTERM, as documented (docs/training.md)
     if servers == "own":
         commands = " | ".join(tree.values())
@@ -135,18 +137,21 @@ def test_a_run_stopped_by_sigterm_mid_step_leaves_no_process_and_no_session(tmp_
     assert "stopped by SIGTERM" in text, text[-2000:]
 
 
-def test_the_next_start_closes_what_a_sigkilled_run_left_open(tmp_path, tiny_dir):
+def test_a_sigkilled_run_takes_its_processes_along_and_the_next_start_closes_its_sessions(tmp_path, tiny_dir):
     with EnvServerProcess(workers=2) as external:
-        config = write_config(tmp_path, tiny_dir, f"backend: server, server_url: {external.url}")
+        env = f"backend: server, server_url: {external.url}"
+        config = write_config(tmp_path, tiny_dir, env, engine="serve-model", trainer="process")
         run_dir = tmp_path / "run"
         proc, log = start_train(config, tmp_path / "killed.log")
         try:
             mid_step(proc, run_dir, external.url)
+            tree = descendants(proc.pid)
             proc.send_signal(signal.SIGKILL)
             assert proc.wait(timeout=60) == -signal.SIGKILL
         finally:
             proc.kill()
             log.close()
+        left = survivors(tree)  # the model server by the parent-death signal, the trainer by its parent watch
         left_open = sessions_open(external.url)  # nothing closes them now but the server's idle expiry (600 s)
         assert left_open > 0
         resume = ["--resume"] if any((run_dir / "checkpoints").glob("step_*")) else ["--overwrite"]
@@ -159,8 +164,36 @@ def test_the_next_start_closes_what_a_sigkilled_run_left_open(tmp_path, tiny_dir
         still_open = sessions_open(external.url)
     text = (tmp_path / "next.log").read_text(errors="replace")
     closed = re.search(r"closed (\d+) sessions? the run left open", text)
-    report(f"chaos run releases (SIGKILL, next start): {left_open} sessions left open; the next start: "
-           f"{closed.group(0) if closed else 'closed none'}, exit {rc}; open after: {still_open}")
+    report(
+        f"chaos run releases (SIGKILL, next start): {len(tree)} processes under the driver, {len(left)} left; "
+        f"{left_open} sessions left open; the next start {closed.group(0) if closed else 'closed none'}, "
+        f"exit {rc}; open after: {still_open}"
+    )
+    assert "serve-model" in " | ".join(tree.values()) and not left, f"processes outlived the run: {left}"
     assert closed is not None and int(closed.group(1)) == left_open, text[-2000:]
     assert rc == 0, text[-2000:]
     assert still_open == 0
+
+
+def test_a_worker_busy_in_a_call_dies_with_its_sigkilled_parent(tmp_path):
+    """An idle worker sees its pipe close when its parent dies; one in the middle of a long call (a hung env
+    step, a trainer's update) would not, and runs on, orphaned, without the parent watch."""
+    busy = tmp_path / "busy"
+    script = (
+        "import sys, time\nfrom areal_agents.workers import WorkerPool\npool = WorkerPool(1)\n"
+        "print(pool.pids[0], flush=True)\n"
+        f"pool.call_sync(exec, {f'import pathlib, time; pathlib.Path({str(busy)!r}).touch(); time.sleep(600)'!r})\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    worker = int(parent.stdout.readline())
+    try:
+        wait_until(busy.exists, parent, "the worker's call")
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=60)
+        left = survivors({worker: "worker"})
+    finally:
+        parent.kill()
+        parent.stdout.close()
+        if alive(worker):
+            os.kill(worker, signal.SIGKILL)
+    assert not left
