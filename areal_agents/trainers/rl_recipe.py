@@ -96,6 +96,7 @@ def run_train(
     torch.set_num_threads(1)
     with Interrupt() as interrupt:  # SIGTERM before the loop runs: SystemExit(143), servers stopped
         try:
+            sessions.hold()
             launcher.start()
             for name, start in starts.items():
                 path = str(found / model_dir(name)) if found else start.path

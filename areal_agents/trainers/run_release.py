@@ -15,6 +15,7 @@ the others raise, and die with the driver when it is killed (`areal_agents.worke
 Example::
 
     sessions = RunSessions.claim(run_dir, cfg)  # a killed run's sessions closed; raises if one still runs
+    sessions.hold()  # owner.json: this process holds the run directory now
     try:
         ...  # pools made with owner=sessions.owner; `await sessions.close(pool)` in the loop's finally
     finally:
@@ -75,17 +76,21 @@ class RunSessions:
 
     @classmethod
     def claim(cls, run_dir: str | Path, cfg: TrainConfig) -> RunSessions:
-        """Take ``run_dir``'s owner record for this process: `ConfigError` if another process of this host
-        still runs there; a record left by a process that is gone (killed) has its sessions closed first."""
+        """The sessions of the run in ``run_dir``, before it writes anything there: `ConfigError` if another
+        process of this host still runs there; a record left by a process that is gone (killed) has its
+        sessions closed now. Writes nothing: `hold` does."""
         run_dir = Path(run_dir)
         held = cls(run_dir, run_owner(run_dir), external_servers(cfg))
         previous = _read(run_dir / RECORD)
         if previous is not None:
             held._reclaim(previous)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        record = {"owner": held.owner, "pid": os.getpid(), "started": _started(os.getpid()), "host": _host()}
-        _write(run_dir / RECORD, {**record, "servers": held.servers})
         return held
+
+    def hold(self) -> None:
+        """Record in the run directory that this process holds it and may open sessions (`release` removes it)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        record = {"owner": self.owner, "pid": os.getpid(), "started": _started(os.getpid()), "host": _host()}
+        _write(self.run_dir / RECORD, {**record, "servers": self.servers})
 
     def _reclaim(self, previous: dict[str, Any]) -> None:
         pid, owner = int(previous.get("pid", 0)), str(previous.get("owner", ""))

@@ -128,7 +128,7 @@ def test_a_run_stopped_by_sigterm_mid_step_leaves_no_process_and_no_session(tmp_
         f"chaos run releases (SIGTERM, {servers} servers): exit {rc}; {len(tree)} processes under the driver, "
         f"{len(left)} left; external sessions open after: {still_open}"
     )
-    assert rc == 143, text[-2000:]  # 128 + SIGTERM, as documented (docs/training.md)
+    assert rc == 143, text[-2000:]  # 128 + SIGTERM, as documented (docs/quickstart.md)
     if servers == "own":
         commands = " | ".join(tree.values())
         assert "serve-env" in commands and "serve-model" in commands, commands  # the run did start them

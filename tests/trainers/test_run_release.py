@@ -49,6 +49,8 @@ def test_a_record_left_by_a_killed_run_is_taken_over_and_release_removes_it(tmp_
     text = "{not json" if left == "a torn record" else json.dumps({**record, "servers": []})
     (tmp_path / RECORD).write_text(text)
     sessions = RunSessions.claim(tmp_path, TrainConfig())
+    assert (tmp_path / RECORD).read_text() == text  # claim writes nothing
+    sessions.hold()
     mine = json.loads((tmp_path / RECORD).read_text())
     assert mine["pid"] == os.getpid() and mine["owner"] == sessions.owner == run_owner(tmp_path)
     assert mine["started"] == _started(os.getpid()) and mine["servers"] == []
