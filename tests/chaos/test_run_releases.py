@@ -137,6 +137,22 @@ def test_a_run_stopped_by_sigterm_mid_step_leaves_no_process_and_no_session(tmp_
     assert "stopped by SIGTERM" in text, text[-2000:]
 
 
+def test_a_run_that_stops_on_an_error_leaves_no_session_open(tmp_path, tiny_dir):
+    with EnvServerProcess(workers=2, max_action_chars=1) as external:  # every step: 400 action_too_long
+        config = write_config(tmp_path, tiny_dir, f"backend: server, server_url: {external.url}")
+        proc, log = start_train(config, tmp_path / "train.log")
+        try:
+            rc = proc.wait(timeout=LIVENESS_S)
+        finally:
+            proc.kill()
+            log.close()
+        still_open = sessions_open(external.url)
+    last = (tmp_path / "train.log").read_text(errors="replace").strip().splitlines()[-1]
+    report(f"chaos run releases (error): exit {rc} | {last}; external sessions open after: {still_open}")
+    assert rc == 2 and "action_too_long (400)" in last, last
+    assert still_open == 0
+
+
 def test_a_sigkilled_run_takes_its_processes_along_and_the_next_start_closes_its_sessions(tmp_path, tiny_dir):
     with EnvServerProcess(workers=2) as external:
         env = f"backend: server, server_url: {external.url}"
