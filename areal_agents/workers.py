@@ -14,17 +14,24 @@ script without ``if __name__ == "__main__":``, ``python -`` from stdin, ``python
 work alike, and no worker runs the user's script again. So what a call sends must be importable from a
 module: a function or class defined in ``__main__`` is refused with `WorkerImportError` before it is sent.
 A worker that cannot start raises `WorkerStartError`; neither is ever turned into a result.
+
+No process started here outlives its parent: a spawned child exits when the process that started it is
+gone (killed, even by SIGKILL: `_exit_with_parent`), and `die_with_parent` does the same for a server
+started with ``subprocess.Popen``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import io
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import threading
+import time
 import traceback
 import types
 from collections.abc import Callable
@@ -64,6 +71,19 @@ class WorkerImportError(ArealAgentsError):
 
 
 STARTUP_TIMEOUT_S = 300.0  # a new worker's start-up (interpreter, imports, initializer) is not a call's time
+PARENT_POLL_S = 1.0  # how often a spawned child checks that its parent still runs
+_PR_SET_PDEATHSIG = 1
+# resolved here, once: the forked child of `die_with_parent` calls it before exec and must not load anything
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def die_with_parent() -> None:
+    """A ``preexec_fn`` for ``subprocess.Popen``: the kernel sends the child SIGTERM when its parent dies, a
+    SIGKILL included, so a server a run started never outlives the run (Linux; elsewhere a no-op). The
+    kernel ties this to the parent *thread*: start the child from a thread that lives as long as it should
+    (the main thread, or one that stops it anyway when it ends)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def _defined_in_main(obj: type | types.FunctionType) -> str:
@@ -162,7 +182,7 @@ def spawn_child(target: Callable[..., Any], args: tuple, name: str) -> tuple[Any
     if not os.access(python, os.X_OK):  # spawn's exec would fail silently in the child (exit code 255)
         raise WorkerStartError(f"could not start process {name!r}: no executable interpreter at {python}")
     conn, child = mp.Pipe()
-    process = _Process(target=target, args=(child, *args), name=name, daemon=True)
+    process = _Process(target=_exit_with_parent, args=(child, os.getpid(), target, *args), name=name, daemon=True)
     try:
         process.start()
     except BaseException as e:
@@ -173,6 +193,22 @@ def spawn_child(target: Callable[..., Any], args: tuple, name: str) -> tuple[Any
     finally:
         child.close()
     return process, conn
+
+
+def _exit_with_parent(conn: Connection, parent: int, target: Callable[..., Any], *args: Any) -> None:
+    """In a spawned child: run ``target(conn, *args)``, and exit at once if process ``parent`` goes (killed,
+    even by SIGKILL): an idle child would see its pipe close, but one mid-call (a long update, a hung env
+    step, a collective waiting for a dead peer) would not. Polled by pid, not by the kernel's parent-death
+    signal, which fires when the parent *thread* that started the child ends (pools start workers from
+    threads that come and go)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    target(conn, *args)
 
 
 def first_answer(process: Any, conn: Connection, timeout: float) -> tuple[str, Any]:

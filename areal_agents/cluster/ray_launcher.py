@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -144,13 +145,15 @@ class RayLauncher:
         }
 
     def shutdown(self) -> None:
-        """Stop every actor of the run (and the local cluster, if this run started it)."""
-        if self.workers is not None:
-            self.workers.kill()
-        if self.env_servers is not None:
-            self.env_servers.kill()
-        if self.started and ray.is_initialized():
-            ray.shutdown()
+        """Stop every actor of the run (and the local cluster, if this run started it), each whatever the
+        others raise; its model-server and trainer actors go with its policies (`TrainablePolicy.close`)."""
+        with contextlib.ExitStack() as stack:  # the last pushed runs first
+            if self.started:
+                stack.callback(lambda: ray.is_initialized() and ray.shutdown())
+            if self.env_servers is not None:
+                stack.callback(self.env_servers.kill)
+            if self.workers is not None:
+                stack.callback(self.workers.kill)
 
 
 def connect(cfg: TrainConfig) -> bool:

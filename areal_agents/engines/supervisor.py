@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from areal_agents.engines.server_control import admin_headers, admin_key_from_env, health_state
 from areal_agents.net import wait_healthy
+from areal_agents.workers import die_with_parent
 
 # (index, model path, tokenizer path, weight_version) -> the server's command line
 CommandFor = Callable[[int, str, str, "str | None"], list[str]]
@@ -254,9 +255,12 @@ class Supervisor:
 
 def spawn_server(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a server in a session of its own (so its process group can be stopped), appending to ``log``
-    (``env``: its environment, default this process's)."""
+    (``env``: its environment, default this process's); it gets SIGTERM if this process dies (`die_with_parent`:
+    started from the run's main thread, or the supervisor's, which stops them all when it ends)."""
     with open(log, "ab") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        return subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env, preexec_fn=die_with_parent
+        )
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> tuple[str, float]:

@@ -8,7 +8,9 @@ too. A second signal stops at once, without a checkpoint. `Interrupt.run` then e
 signal asks: ``KeyboardInterrupt`` for SIGINT (the CLI's exit 130), ``SystemExit(143)`` for SIGTERM.
 
 Outside the event loop (loading models, launching servers) SIGTERM raises ``SystemExit(143)`` like
-SIGINT's ``KeyboardInterrupt``, so launched servers are stopped either way.
+SIGINT's ``KeyboardInterrupt``, so launched servers are stopped either way. While the run stops what it
+started (`Interrupt.stopping`: its sessions on env servers, its servers and processes), a signal is held
+until that is done, then acted on: no stop is cut short, nothing is left behind.
 
 Example::
 
@@ -55,9 +57,12 @@ class Interrupt:
         self.signum: int | None = None  # the first signal received
         self.forced = False  # a second signal: stop now, save nothing
         self._task: asyncio.Task | None = None
-        self._held = False
+        self._holding = False
         self._cancelled = False  # the task was cancelled (not only flagged while held)
         self._previous: Any = None  # SIGTERM's handler before `__enter__`
+        self._in_loop = False  # the loop's handlers route signals to `_on_signal` (`_installed`)
+        self._stopping = False  # in `stopping`: a signal is held, not acted on
+        self._held: int | None = None  # the signal that came while stopping
         self.on_stop: Callable[[], Awaitable[None]] | None = None  # saves the last finished step (the recipe's)
 
     @property
@@ -102,15 +107,20 @@ class Interrupt:
             for signum in SIGNALS:
                 installed.append((signum, signal.getsignal(signum)))
                 loop.add_signal_handler(signum, self._on_signal, signum)
+        self._in_loop = True
         try:
             yield
         finally:
+            self._in_loop = False
             for signum, previous in installed:
                 loop.remove_signal_handler(signum)
                 signal.signal(signum, previous)
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
+        if self._stopping:
+            self._hold(signum)
+            return
         if self.signum is not None:
             if not self.forced:
                 note(f"{name} again: stopping now, without a checkpoint")
@@ -118,7 +128,7 @@ class Interrupt:
             self._cancel()
             return
         self.signum = signum
-        if self._held:
+        if self._holding:
             note(f"{name}: finishing this step's update, then saving a checkpoint ({name} again stops now)")
             return
         self._cancel()
@@ -130,13 +140,49 @@ class Interrupt:
 
     def hold(self) -> None:
         """The step trains from here: a signal waits for `release`."""
-        self._held = True
+        self._holding = True
 
     def release(self) -> None:
         """The step is finished (trained, pushed, logged); act on a signal that came while held."""
-        self._held = False
+        self._holding = False
         if self.signum is not None:
             raise asyncio.CancelledError
+
+    @contextmanager
+    def stopping(self) -> Iterator[None]:
+        """Stop what the run started (in the event loop, or after `run`) with SIGINT and SIGTERM held: one
+        that comes meanwhile is noted and acted on at the block's end (in the loop: `Interrupted`; after:
+        ``KeyboardInterrupt`` or ``SystemExit(128 + signum)``, as `run`), unless the block ends in an
+        exception already (the run is ending anyway). Outside the loop, in the main thread only."""
+        installed = []
+        if not self._in_loop and threading.current_thread() is threading.main_thread():
+            for signum in SIGNALS:
+                installed.append((signum, signal.signal(signum, lambda n, _: self._hold(n))))
+        self._stopping, self._held = True, None
+        failed = False
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            self._stopping = False
+            for signum, previous in installed:
+                signal.signal(signum, previous)
+            held = self._held
+            if held is not None and not failed:
+                if self.signum is None:
+                    self.signum = held
+                if self._in_loop:
+                    raise Interrupted(held)
+                if held == signal.SIGINT:
+                    raise KeyboardInterrupt
+                raise SystemExit(128 + held)
+
+    def _hold(self, signum: int) -> None:
+        if self._held is None:
+            self._held = signum
+            note(f"{signal.Signals(signum).name}: stopping the run's servers, processes and sessions first")
 
     async def stop(self) -> None:
         """After `caught`: close the progress bars (their last lines before the stop's), run `on_stop` (unless

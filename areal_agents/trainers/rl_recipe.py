@@ -47,6 +47,7 @@ from areal_agents.trainers.policy import SHARED
 from areal_agents.trainers.policy_api import Launcher, TrainablePolicy, TrainSpec, policy_starts
 from areal_agents.trainers.ppo import streamable
 from areal_agents.trainers.resume import check_resume_config, forget_after
+from areal_agents.trainers.run_release import RunSessions, close_in_loop, stop_after_loop
 from areal_agents.trainers.run_start import held_out_seeds, open_checked_backend, prepare_run_dir, seed_everything
 from areal_agents.trainers.run_state import RunState, model_dir, restore_policies, save_run
 from areal_agents.trainers.run_summary import write_summary
@@ -64,12 +65,15 @@ def run_train(
     """Run RL as configured (``resume``: from the run's newest checkpoint, with the run's saved config
     less `FREE_KEYS` unless ``allow_config_change``) on ``launcher`` (default: this machine; for
     ``launcher: ray``, ``areal_agents.cluster.open_launcher(cfg)``); return the summary also written to
-    ``run_dir/summary.json``. SIGINT or SIGTERM save the last finished step first (`Interrupt`)."""
+    ``run_dir/summary.json``. SIGINT or SIGTERM save the last finished step first (`Interrupt`). Every exit
+    stops the servers and processes the run started and closes its sessions on env servers it did not
+    start; a start after a kill closes what the killed run left open (`RunSessions`)."""
     if launcher is None and cfg.launcher != "local":
         raise ConfigError(
             f"launcher={cfg.launcher}: pass run_train(..., launcher=open_launcher(cfg)) (areal_agents.cluster)"
         )
     found, changes = _checkpoint_to_resume(cfg, resume, allow_config_change)
+    sessions = RunSessions.claim(cfg.run_dir, cfg)  # before anything is written: refused if a run holds run_dir
     tokenizer = load_tokenizer(cfg.model.path)
     starts = policy_starts(cfg)  # policy name -> its starting model and adapter
     for start in starts.values():  # before any rollout: a budget past the model's context is a config error
@@ -92,17 +96,17 @@ def run_train(
     torch.set_num_threads(1)
     with Interrupt() as interrupt:  # SIGTERM before the loop runs: SystemExit(143), servers stopped
         try:
+            sessions.hold()
             launcher.start()
             for name, start in starts.items():
                 path = str(found / model_dir(name)) if found else start.path
                 policies[name] = launcher.open_policy(name, path, start.path, replace(spec, lora=start.lora))
             adapters = frozenset(name for name, start in starts.items() if start.lora is not None)
             run = Run(cfg, tokenizer, policies, launcher, run_dir, interrupt, progress, state, found, adapters)
-            return interrupt.run(_train(run))
+            return interrupt.run(_train(run, sessions))
         finally:
-            for policy in policies.values():
-                policy.close()
-            launcher.shutdown()
+            with interrupt.stopping():  # a signal waits: a stop cut short would leave servers or sessions
+                stop_after_loop(policies.values(), launcher, sessions)
             torch.set_num_threads(threads)
 
 
@@ -137,10 +141,10 @@ def _checkpoint_to_resume(cfg: TrainConfig, resume: bool, allow_change: bool) ->
     return found[-1], check_resume_config(cfg.run_dir, cfg, allow_change)
 
 
-async def _train(run: Run) -> dict[str, Any]:
+async def _train(run: Run, sessions: RunSessions) -> dict[str, Any]:
     cfg, policies = run.cfg, run.policies
     # a bad env id or kwargs fail here
-    backend = await open_checked_backend(cfg.env, cfg.eval, run.launcher.env_backend())
+    backend = await open_checked_backend(cfg.env, cfg.eval, run.launcher.env_backend(), owner=sessions.owner)
     r = cfg.rollout
     engine = policies[SHARED].engine if SHARED in policies else {name: p.engine for name, p in policies.items()}
     agents = []  # the sampling agent, and the same agent logic decoding greedily for evaluation
@@ -157,11 +161,8 @@ async def _train(run: Run) -> dict[str, Any]:
             raise
         await run.interrupt.stop()  # the loop's handler: save the last finished step; raises Interrupted
     finally:
-        for agent in agents:
-            await agent.aclose()
-        await backend.aclose()
-        for policy in policies.values():
-            await policy.engine.aclose()
+        with run.interrupt.stopping():
+            await close_in_loop(agents, sessions, backend, [p.engine for p in policies.values()])
 
 
 async def _serve_starting_weights(run: Run) -> None:

@@ -29,10 +29,12 @@ def prepare_run_dir(run_dir: str | Path, cfg: Any) -> Path:
     return out
 
 
-async def open_checked_backend(env: EnvConfig, eval_cfg: EvalConfig, backend: EnvBackend | None = None) -> EnvBackend:
+async def open_checked_backend(
+    env: EnvConfig, eval_cfg: EvalConfig, backend: EnvBackend | None = None, owner: str | None = None
+) -> EnvBackend:
     """The configured env backend (or ``backend``, e.g. a cluster's env servers), with one train and one
-    eval env reset now so mistakes fail early."""
-    backend = backend or open_env_backend(env, datasets_in(eval_cfg.env_kwargs))
+    eval env reset now so mistakes fail early; ``owner`` names the run on the env servers (`run_owner`)."""
+    backend = backend or open_env_backend(env, datasets_in(eval_cfg.env_kwargs), owner=owner)
     try:
         await backend.check()
         await backend.check(**eval_cfg.env_kwargs)

@@ -89,6 +89,30 @@ def test_a_second_signal_stops_at_once_without_saving():
     assert interrupt.forced and events == []
 
 
+def test_a_signal_while_the_run_stops_its_servers_waits_for_the_stop_then_exits_as_signalled():
+    """In the event loop (sessions, env servers) and after it (trainer processes, model servers): a signal
+    cuts no stop short (it would leave a server or a session behind); it is acted on when the stop is done."""
+    events = []
+
+    async def train(interrupt):
+        with interrupt.stopping():
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.05)  # not cancelled
+            events.append("sessions closed")
+
+    with Interrupt() as interrupt, pytest.raises(SystemExit) as stop:
+        interrupt.run(train(interrupt))
+    assert stop.value.code == 143 and events == ["sessions closed"]
+
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with Interrupt() as interrupt, pytest.raises(KeyboardInterrupt):
+        with interrupt.stopping():
+            os.kill(os.getpid(), signal.SIGINT)  # Python runs a handler at once: it would raise here
+            events.append("servers stopped")
+    assert events == ["sessions closed", "servers stopped"] and interrupt.name == "SIGINT"
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # put back
+
+
 # ---- the recipe, in this process: where the signal lands is chosen -------------------------------
 
 

@@ -37,16 +37,20 @@ class EnvBackend:
             self.server.stop()
 
 
-def open_env_backend(cfg: EnvConfig, datasets: Sequence[str] = ()) -> EnvBackend:
-    """A launched server may load the datasets ``cfg.kwargs`` names and ``datasets`` (e.g. the eval kwargs')."""
+def open_env_backend(cfg: EnvConfig, datasets: Sequence[str] = (), owner: str | None = None) -> EnvBackend:
+    """A launched server may load the datasets ``cfg.kwargs`` names and ``datasets`` (e.g. the eval kwargs');
+    ``owner`` tags the sessions of a remote pool (`RemoteEnvPool`)."""
     if cfg.backend == "local":
         import_env_module(cfg.module)
         return EnvBackend(cfg, LocalEnvPool(cfg.mode, cfg.workers, cfg.step_timeout, [cfg.module]))
     if cfg.server_url:
-        return EnvBackend(cfg, RemoteEnvPool(cfg.server_url, unreachable_timeout_s=cfg.unreachable_timeout_s))
+        return EnvBackend(
+            cfg, RemoteEnvPool(cfg.server_url, unreachable_timeout_s=cfg.unreachable_timeout_s, owner=owner)
+        )
     modules = modules_for(cfg.id, cfg.module)
     allowed = datasets_in(cfg.kwargs) + list(datasets)
     server = EnvServerProcess(
         mode=cfg.mode, workers=cfg.workers, step_timeout=cfg.step_timeout, module=modules, dataset=allowed
     )
-    return EnvBackend(cfg, RemoteEnvPool(server.url, unreachable_timeout_s=cfg.unreachable_timeout_s), server)
+    pool = RemoteEnvPool(server.url, unreachable_timeout_s=cfg.unreachable_timeout_s, owner=owner)
+    return EnvBackend(cfg, pool, server)
