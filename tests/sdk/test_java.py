@@ -1,5 +1,6 @@
-"""The Java SDK (sdk/java): its EnvServer passes the conformance suite and an RL run trains against it, its
-clients talk to the Python servers (serve-env, serve-model), and its JSON carries unicode and escapes intact."""
+"""The Java SDK (sdk/java): its EnvServer passes the conformance suite and an RL run trains against it, over v1
+and (with several agents) v2, its clients talk to the Python servers (serve-env, serve-model), and its JSON
+carries unicode and escapes intact."""
 
 import json
 import os
@@ -23,6 +24,8 @@ pytestmark = pytest.mark.process
 
 SDK = Path(__file__).parents[2] / "sdk" / "java"
 GRID = "java/GridPuzzle-v0"
+RELAY = "java/Relay-v0"
+PAIR = "test/EchoPair-v0"
 GRID_LIMITS = ["--max-sessions", "16", "--max-body-bytes", "65536", "--max-action-chars", "1000", "--idle-timeout", "5"]
 NASTY = 'é\n"𝄞\\ \t\u0001 \u2028 end'  # two-byte, escape-worthy, a surrogate pair, a control character
 
@@ -337,7 +340,7 @@ def test_env_client_covers_the_protocol(classes, probe_server):
     out = java(classes, "ClientTour", probe_server)
     assert out.returncode == 0, out.stderr
     tour = json.loads(out.stdout)
-    assert tour["envs"] == {"test/Echo-v0": "echoes the action"}
+    assert tour["envs"] == {"test/Echo-v0": "echoes the action", PAIR: "two agents echo each other"}
     assert tour["limits"] == {
         "max_sessions": 64,
         "max_body_bytes": 8388608,
@@ -350,3 +353,222 @@ def test_env_client_covers_the_protocol(classes, probe_server):
     assert tour["step_over"] == [409, "episode_over"]
     assert tour["closed_twice"] == [404, "unknown_session"]
     assert tour["unknown_env"] == [404, "unknown_env"]
+
+
+# -- protocol v2: several agents in a session -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def relay_server(classes):
+    """The Relay example's server: java/Relay-v0 (two runners, turn by turn) and java/GridPuzzle-v0."""
+    with java_server(classes, "Relay", *GRID_LIMITS) as url:
+        yield url
+
+
+def create_v2(url: str, env_id: str, **body) -> dict:
+    reply = httpx.post(f"{url}/v2/sessions", json={"env_id": env_id, **body})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def step_v2(url: str, sid: str, actions: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v2/sessions/{sid}/step", json={"actions": actions})
+
+
+def refused(reply: httpx.Response, status: int, type_: str, *named: str) -> None:
+    """``reply`` is the protocol's error ``type_`` with HTTP ``status``, its message naming each of ``named``."""
+    assert reply.status_code == status and reply.json()["error"]["type"] == type_, reply.text
+    for name in named:
+        assert name in reply.json()["error"]["message"], (name, reply.text)
+
+
+def test_relay_runners_take_turns_and_each_sees_what_the_other_said(relay_server):
+    health = httpx.get(f"{relay_server}/health").json()
+    assert (health["protocol"], health["protocols"]) == ("v2", ["v1", "v2"])
+    created = create_v2(relay_server, RELAY, seed=3, kwargs={"terms": 4})
+    again = create_v2(relay_server, RELAY, seed=3, kwargs={"terms": 4})
+    httpx.delete(f"{relay_server}/v2/sessions/{again['session_id']}")
+    assert again["observations"] == created["observations"]  # the seed fixes the numbers
+    sid = created["session_id"]
+    assert (created["multi_agent"], created["agents"]) == (True, ["runner_0", "runner_1"])
+    assert created["acting"] == ["runner_0"] and created["infos"] == {"runner_0": {"turn": 0}}
+    a, b = map(int, re.fullmatch(r"Relay: .*\. (\d+)\+(\d+)=", created["observations"]["runner_0"]).groups())
+    first = step_v2(relay_server, sid, {"runner_0": f" {a + b} I think "}).json()
+    assert (first["rewards"], first["terminations"], first["acting"]) == (
+        {"runner_0": 1.0},
+        {"runner_0": False},
+        ["runner_1"],
+    )
+    seen = re.fullmatch(
+        rf'runner_0 said "{a + b} I think"; the total is {a + b}\. {a + b}\+(\d+)=', first["observations"]["runner_1"]
+    )
+    assert seen and list(first["observations"]) == ["runner_1"], first  # only the next runner is shown anything
+    total = a + b + int(seen.group(1))
+    second = step_v2(relay_server, sid, {"runner_1": f"{total + 1}"}).json()  # wrong: reward 0, the relay goes on
+    assert (second["rewards"], second["acting"]) == ({"runner_1": 0.0}, ["runner_0"])
+    assert second["infos"] == {"runner_1": {"turn": 2, "total": total, "right": False}}
+    total += int(re.search(r"\+(\d+)=$", second["observations"]["runner_0"]).group(1))
+    last = step_v2(relay_server, sid, {"runner_0": str(total)}).json()
+    assert (last["rewards"], last["acting"], last["observations"]) == ({"runner_0": 1.0}, [], {})
+    assert last["terminations"] == {"runner_0": True, "runner_1": True} and last["error"] is None
+    refused(step_v2(relay_server, sid, {"runner_1": "1"}), 409, "episode_over")
+    assert httpx.delete(f"{relay_server}/v2/sessions/{sid}").json() == {"session_id": sid, "closed": True}
+
+
+def test_v2_refusals_are_4xx_naming_the_field_and_change_nothing(relay_server):
+    url = relay_server
+    sid = create_v2(url, RELAY, seed=1)["session_id"]
+    bodies = [
+        ({}, "bad_request", "body.actions"),
+        ({"actions": "3"}, "bad_request", "body.actions"),
+        ({"actions": ["3"]}, "bad_request", "body.actions"),
+        ({"actions": {"runner_0": 3}}, "bad_request", "body.actions.runner_0"),
+        ({"actions": {"runner_0": "3"}, "action": "3"}, "bad_request", "body.action"),
+        ({"actions": {}}, "bad_request", "missing [runner_0]"),
+        ({"actions": {"runner_1": "3"}}, "bad_request", "unexpected [runner_1]"),
+        ({"actions": {"runner_0": "3", "runner_1": "3"}}, "bad_request", "unexpected [runner_1]"),
+        ({"actions": {"runner_0": "𝄞" * 1001}}, "action_too_long", "runner_0"),
+    ]
+    for body, type_, named in bodies:
+        refused(httpx.post(f"{url}/v2/sessions/{sid}/step", json=body), 400, type_, named)
+    refused(httpx.post(f"{url}/v2/sessions/{sid}/step", content=b"{"), 400, "bad_request", "body")
+    refused(httpx.post(f"{url}/v1/sessions/{sid}/step", json={"action": "3"}), 400, "bad_request", "/v2/sessions/")
+    refused(step_v2(url, "nope", {"runner_0": "3"}), 404, "unknown_session")
+    for owner in ("", "a b", "x" * 129, 5, "é"):
+        refused(
+            httpx.post(f"{url}/v2/sessions", json={"env_id": RELAY, "owner": owner}), 400, "bad_request", "body.owner"
+        )
+    refused(
+        httpx.post(f"{url}/v1/sessions", json={"env_id": RELAY}), 400, "bad_request", "POST /v2/sessions", "runner_1"
+    )
+    refused(
+        httpx.post(f"{url}/v2/sessions", json={"env_id": RELAY, "kwargs": {"terms": 1}}),
+        400,
+        "bad_request",
+        "kwargs.terms",
+    )
+    refused(httpx.post(f"{url}/v2/sessions", json={"env_id": RELAY, "x": 1}), 400, "bad_request", "body.x")
+    refused(httpx.post(f"{url}/v2/sessions", json={"env_id": "nope/None-v0"}), 404, "unknown_env", "nope/None-v0")
+    refused(httpx.delete(f"{url}/v2/sessions"), 400, "bad_request", "query.owner")
+    refused(httpx.delete(f"{url}/v2/sessions", params={"owner": "bad name"}), 400, "bad_request", "query.owner")
+    refused(httpx.delete(f"{url}/v2/sessions", params={"owner": "a", "all": "1"}), 400, "bad_request", "query.all")
+    refused(httpx.put(f"{url}/v2/sessions"), 405, "method_not_allowed")
+    refused(httpx.get(f"{url}/v2/step"), 405, "method_not_allowed")
+    task = create_v2(url, RELAY, seed=1)
+    httpx.delete(f"{url}/v2/sessions/{task['session_id']}")
+    a, b = map(int, re.findall(r"(\d+)\+(\d+)=$", task["observations"]["runner_0"])[0])
+    right = step_v2(url, sid, {"runner_0": str(a + b)}).json()  # as if nothing had come before
+    assert (right["rewards"], right["acting"]) == ({"runner_0": 1.0}, ["runner_1"]), right
+    httpx.delete(f"{url}/v2/sessions/{sid}")
+
+
+def test_v2_batches_run_each_item_and_refuse_a_malformed_batch_whole(relay_server):
+    url = relay_server
+    sids = [create_v2(url, RELAY, seed=s)["session_id"] for s in (1, 2)]
+    steps = [
+        {"session_id": sids[0], "actions": {"runner_0": "1"}},
+        {"session_id": sids[0], "actions": {"runner_0": "1"}},
+    ]
+    refused(httpx.post(f"{url}/v2/step", json={"steps": steps}), 400, "bad_request", "appears twice")
+    refused(
+        httpx.post(f"{url}/v2/step", json={"steps": [{"session_id": sids[0]}]}),
+        400,
+        "bad_request",
+        "body.steps[0].actions",
+    )
+    refused(
+        httpx.post(f"{url}/v2/step", json={"steps": [{"session_id": sids[0], "action": "1"}]}),
+        400,
+        "bad_request",
+        "body.steps[0].action",
+    )
+    items = [
+        {"session_id": sids[0], "actions": {"runner_0": "1"}},
+        {"session_id": "nope", "actions": {"runner_0": "1"}},
+        {"session_id": sids[1], "actions": {"runner_1": "1"}},
+    ]
+    results = httpx.post(f"{url}/v2/step", json={"steps": items}).json()["results"]
+    assert [r["session_id"] for r in results] == [sids[0], "nope", sids[1]]
+    assert results[0]["error"] is None and results[0]["acting"] == ["runner_1"]  # the good item ran
+    assert [r["error"]["type"] for r in results[1:]] == ["unknown_session", "bad_request"]
+    assert all(r["acting"] == [] and r["rewards"] == {} for r in results[1:])
+    unchanged = step_v2(url, sids[1], {"runner_0": "1"}).json()  # the refused item left its session as it was
+    assert unchanged["acting"] == ["runner_1"], unchanged
+    for sid in sids:
+        httpx.delete(f"{url}/v1/sessions/{sid}")  # either protocol's path closes any session
+
+
+def test_a_single_agent_env_is_agent_on_v2_and_steps_on_either_path(relay_server):
+    url, kwargs = relay_server, {"size": 2, "max_turns": 2}
+    created = create_v2(url, GRID, seed=5, kwargs=kwargs)
+    v1 = httpx.post(f"{url}/v1/sessions", json={"env_id": GRID, "seed": 5, "kwargs": kwargs}).json()
+    assert (created["multi_agent"], created["agents"], created["acting"]) == (False, ["agent"], ["agent"])
+    assert (created["observations"], created["infos"]) == ({"agent": v1["observation"]}, {"agent": v1["info"]})
+    sid = created["session_id"]
+    one = step_v2(url, sid, {"agent": "jump"}).json()
+    assert one["observations"]["agent"].startswith("Unknown move.") and one["acting"] == ["agent"], one
+    assert (one["rewards"], one["terminations"], one["truncations"]) == (
+        {"agent": 0.0},
+        {"agent": False},
+        {"agent": False},
+    )
+    two = httpx.post(f"{url}/v1/sessions/{sid}/step", json={"action": "jump"}).json()  # v1 steps it too
+    assert two["truncated"] and two["info"] == {"turn": 2}, two
+    refused(step_v2(url, sid, {"agent": "up"}), 409, "episode_over")
+    refused(step_v2(url, v1["session_id"], {"player": "up"}), 400, "bad_request", "player", "agent")
+    assert step_v2(url, v1["session_id"], {"agent": "jump"}).json()["acting"] == ["agent"]  # a v1 session on v2
+    for s in (sid, v1["session_id"]):
+        httpx.delete(f"{url}/v2/sessions/{s}")
+
+
+def test_an_owner_closes_its_sessions_on_either_protocol_and_no_others(relay_server):
+    url = relay_server
+    mine = [
+        create_v2(url, RELAY, owner="run-a:1.x_y")["session_id"],
+        httpx.post(f"{url}/v1/sessions", json={"env_id": GRID, "owner": "run-a:1.x_y"}).json()["session_id"],
+    ]
+    others = [create_v2(url, RELAY, owner="run-b")["session_id"], create_v2(url, GRID)["session_id"]]
+    closed = httpx.delete(f"{url}/v2/sessions", params={"owner": "run-a:1.x_y"})
+    assert closed.json() == {"owner": "run-a:1.x_y", "closed": 2}, closed.text
+    for sid in mine:
+        refused(httpx.delete(f"{url}/v2/sessions/{sid}"), 404, "unknown_session")
+    assert httpx.delete(f"{url}/v2/sessions?owner=run-a:1.x_y").json()["closed"] == 0
+    assert httpx.get(f"{url}/health").json()["sessions_open"] == 2
+    for sid in others:
+        assert httpx.delete(f"{url}/v2/sessions/{sid}").status_code == 200
+
+
+def test_agents_acting_at_once_and_env_failures_over_v2(probe_server):
+    url = probe_server
+    created = create_v2(url, PAIR, seed=2)
+    assert (created["acting"], created["observations"]) == (["a", "b"], {"a": "seed 2", "b": "seed 2"})
+    assert created["infos"] == {"a": {"role": "user"}, "b": {}}
+    sid = created["session_id"]
+    both = step_v2(url, sid, {"b": NASTY, "a": "yo"}).json()
+    assert both["observations"] == {"a": NASTY, "b": "yo"} and both["acting"] == ["a", "b"], both
+    assert both["rewards"] == {"a": 2.0, "b": float(len(NASTY.encode("utf-16-le")) // 2)}  # Java counts UTF-16 units
+    assert both["terminations"] == {"a": False, "b": False} and both["infos"] == {"a": {}, "b": {}}
+    left = step_v2(url, sid, {"a": "leave", "b": "x"}).json()
+    assert (left["acting"], left["observations"]) == (["b"], {"b": "leave"})
+    unseen = step_v2(url, sid, {"b": "x"}).json()  # b acts next but the env showed it nothing: the env's fault
+    assert unseen["error"]["type"] == "env_error" and "no observation for b" in unseen["error"]["message"], unseen
+    assert unseen["acting"] == [] and unseen["observations"] == {}
+    refused(step_v2(url, sid, {"b": "x"}), 404, "unknown_session")  # a failed env's session is gone
+    stranger = create_v2(url, PAIR)["session_id"]
+    strange = step_v2(url, stranger, {"a": "stranger", "b": "x"}).json()
+    assert "names z, not one of the env's agents [a, b]" in strange["error"]["message"], strange
+    failing, ending = create_v2(url, PAIR)["session_id"], create_v2(url, PAIR)["session_id"]
+    items = [
+        {"session_id": failing, "actions": {"a": "raise", "b": "x"}},
+        {"session_id": ending, "actions": {"a": "end", "b": "x"}},
+    ]
+    results = httpx.post(f"{url}/v2/step", json={"steps": items}).json()["results"]
+    assert results[0]["error"]["type"] == "env_error" and "asked to raise" in results[0]["error"]["message"]
+    assert (
+        results[1]["error"] is None
+        and results[1]["acting"] == []
+        and results[1]["terminations"] == {"a": True, "b": True}
+    )
+    refused(step_v2(url, ending, {"a": "x", "b": "x"}), 409, "episode_over")
+    httpx.delete(f"{url}/v2/sessions/{ending}")
+    assert httpx.get(f"{url}/health").json()["sessions_open"] == 0
