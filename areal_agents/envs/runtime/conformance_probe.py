@@ -195,15 +195,21 @@ def check_fields(obj: Any, fields: dict[str, Any], what: str) -> None:
 
 def check_step_result(result: Any, sid: str, what: str, *, failed: bool = False) -> None:
     """The StepResult shape; ``failed``: a refused batch item (error set, episode over) rather than a normal step."""
-    check_fields(result, {**STEP_FIELDS, "info": dict}, what)
+    check_result_frame(result, {**STEP_FIELDS, "info": dict}, sid, what, failed)
+    if failed and not result["terminated"]:
+        raise Violation(f"{what}: a failed step must end the episode (terminated true): {json.dumps(result)}")
+
+
+def check_result_frame(result: Any, fields: dict[str, Any], sid: str, what: str, failed: bool) -> None:
+    """What every step result has, v1 or v2: ``fields``, its session id, and an error: null, or when ``failed``
+    a typed record."""
+    check_fields(result, fields, what)
     if "error" not in result:
         raise Violation(f"{what} has no 'error' (null for a normal step): {json.dumps(result)[:300]}")
     if result["session_id"] != sid:
         raise Violation(f"{what}: session_id is {result['session_id']!r}, expected {sid!r}")
     if failed:
         check_fields(result["error"], {"type": str, "message": str}, f"{what}'s error")
-        if not result["terminated"]:
-            raise Violation(f"{what}: a failed step must end the episode (terminated true): {json.dumps(result)}")
     elif result["error"] is not None:
         raise Violation(f"{what}: error should be null, got {result['error']!r}")
 
@@ -258,18 +264,11 @@ def check_step_result_v2(
 ) -> None:
     """A MultiStepResult: per-agent dicts over the episode's agents, a reward, termination, truncation and info
     for every agent that ``acted``; ``failed``: a refused batch item (error set, nobody acts next)."""
-    check_fields(result, STEP_V2_FIELDS, what)
-    if "error" not in result:
-        raise Violation(f"{what} has no 'error' (null for a normal step): {json.dumps(result)[:300]}")
-    if result["session_id"] != sid:
-        raise Violation(f"{what}: session_id is {result['session_id']!r}, expected {sid!r}")
+    check_result_frame(result, STEP_V2_FIELDS, sid, what, failed)
     if failed:
-        check_fields(result["error"], {"type": str, "message": str}, f"{what}'s error")
         if result["acting"] != []:
             raise Violation(f"{what}: a failed step must end the episode (acting []): {json.dumps(result)[:300]}")
         return
-    if result["error"] is not None:
-        raise Violation(f"{what}: error should be null, got {result['error']!r}")
     check_acting(result["acting"], agents, what)
     for key, kind in (("observations", str), ("rewards", NUMBER), ("terminations", bool), ("truncations", bool)):
         check_per_agent(result[key], kind, agents, f"{what}'s {key}")

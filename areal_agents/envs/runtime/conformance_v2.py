@@ -318,6 +318,9 @@ async def check_owner(p: Probe) -> None:
             expect_error(reply, 400, "bad_request", f"POST /{version}/sessions with owner {bad!r}", "owner")
     if await p.sessions_open() != before:
         raise Violation("a creation refused for its owner opened a session")
+    for query in ("", "?owner=", "?owner=my%20run"):
+        reply = await p.request("DELETE", f"/v2/sessions{query}")
+        expect_error(reply, 400, "bad_request", f"DELETE /v2/sessions{query}", "owner")
     owner, other = f"conformance-{uuid.uuid4().hex[:12]}", f"conformance.other:{uuid.uuid4().hex[:12]}"
     mine = [(await p.create_v2(seed=i, env_id=p.env_id, kwargs=p.kwargs, owner=owner))["session_id"] for i in (0, 1)]
     mine.append((await p.create(seed=2, owner=owner))["session_id"])
