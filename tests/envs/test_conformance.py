@@ -1,5 +1,6 @@
-"""The conformance suite (`check-env-server`): it passes against our Python server, and each rule broken on
-purpose in a copy of that server is caught by the check for that rule, and by that check alone."""
+"""The conformance suite (`check-env-server`): it passes against our Python server (v1 and v2), each rule broken on
+purpose in a copy of that server is caught by the check for that rule, and by that check alone, and a server that
+speaks v1 only passes on v1 (its v2 checks are not run)."""
 
 import asyncio
 import contextlib
@@ -10,11 +11,13 @@ from app_in_thread import serving_app
 
 from areal_agents.cli import main
 from areal_agents.envs.runtime.conformance import CHECKS, check_env_server
+from areal_agents.envs.runtime.conformance_v2 import V2_CHECKS
 from areal_agents.envs.runtime.remote import EnvServerProcess
 from areal_agents.envs.runtime.server import EnvServer, HTTPError, ServerConfig, build_app
 from areal_agents.net import free_port
 
-ARITHMETIC = "areal_agents/Arithmetic-v0"
+ARITHMETIC, DEBATE = "areal_agents/Arithmetic-v0", "areal_agents/Debate-v0"
+V2_NAMES = [name for name, _ in V2_CHECKS]
 LIMITS = {"max_sessions": 16, "max_body_bytes": 65536, "max_action_chars": 1000, "idle_timeout": 5}
 
 
@@ -68,6 +71,7 @@ def test_the_cli_prints_a_line_per_check_and_exits_1_on_a_failure(capsys):
         (["http://127.0.0.1:1"], "cannot check http://127.0.0.1:1: ClientConnectorError"),
         (["http://127.0.0.1:1", "--kwargs", "{digits: 2}"], "--kwargs is not JSON"),
         (["http://127.0.0.1:1", "--kwargs", "[2]"], "--kwargs should be a JSON object"),
+        (["http://127.0.0.1:1", "--multi-agent-kwargs", "{rounds: 1}"], "--multi-agent-kwargs is not JSON"),
     ],
 )
 def test_cli_errors_are_one_line(argv, message, capsys):
@@ -229,3 +233,26 @@ def test_without_limits_in_health_nothing_else_is_checked():
         report = check_env_server(url, env_id=ARITHMETIC)
     assert report.failed == ["health reports the protocol and limits"]
     assert len(report.skipped) == len(CHECKS) - 1
+
+
+# -- v1-only servers, and v2 servers without a multi-agent env ----------------------------------------------------
+
+
+class V1Only(EnvServer):
+    """Says it speaks v1 only, as the C++ and Java SDK servers did before v2."""
+
+    def health(self):
+        health = super().health()
+        health.pop("protocols", None)
+        return {**health, "protocol": "v1"}
+
+
+@pytest.mark.process
+def test_a_v1_only_server_passes_on_v1_alone_under_strict_too(capsys):
+    with serving(V1Only) as url:
+        assert main(["check-env-server", url, "--env-id", ARITHMETIC, "--kwargs", '{"max_turns": 2}', "--strict"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS ") == len(CHECKS) - len(V2_NAMES)
+    for name in V2_NAMES:
+        assert f"SKIP {name}: the server speaks v1 only (/health protocols ['v1'])" in out
+    assert "0 failed, 0 skipped" in out and "the server speaks v1 only, so its 10 v2 checks were not run" in out
