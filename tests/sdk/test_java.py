@@ -83,20 +83,23 @@ def probe_server(classes):
 # -- the env server ---------------------------------------------------------------------------------
 
 
-def test_grid_puzzle_passes_the_conformance_suite(grid_server):
+def test_relay_and_grid_puzzle_pass_the_conformance_suite_v1_and_v2(relay_server):
+    """The Relay example's server: GridPuzzle over v1 and v2, Relay (two agents) over v2; every check runs."""
     from areal_agents.envs.runtime.conformance import check_env_server
 
-    report = check_env_server(grid_server, env_id=GRID)
+    report = check_env_server(relay_server, env_id=GRID, multi_agent_env=RELAY)
     assert report.ok, "\n".join(report.lines())
     assert not report.skipped, "\n".join(report.lines())
+    v2_passed = [r.name for r in report.results if r.status == "PASS" and r.name.startswith("v2: ")]
+    assert len(v2_passed) >= 10 and report.protocols == ["v1", "v2"], "\n".join(report.lines())
 
 
-def test_grid_puzzle_passes_the_suite_at_the_default_limits(classes):
+def test_the_examples_pass_the_suite_at_the_default_limits(classes):
     """65,536-character actions and 8 MiB bodies (4096 sessions are too many to fill, 600 s too long to idle)."""
     from areal_agents.envs.runtime.conformance import check_env_server
 
-    with java_server(classes, "GridPuzzle") as url:
-        report = check_env_server(url, env_id=GRID)
+    with java_server(classes, "Relay") as url:
+        report = check_env_server(url, env_id=GRID, multi_agent_env=RELAY)
     assert report.ok and report.skipped == ["session cap (429)", "idle sessions expire"], "\n".join(report.lines())
 
 
