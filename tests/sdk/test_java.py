@@ -16,6 +16,7 @@ import httpx
 import pytest
 from sdk_helpers import server_process, slow_requests, train_two_steps
 
+from areal_agents.cli import main
 from areal_agents.envs import make_env
 from areal_agents.models import load_tokenizer
 from areal_agents.net import free_port
@@ -383,6 +384,42 @@ def refused(reply: httpx.Response, status: int, type_: str, *named: str) -> None
     assert reply.status_code == status and reply.json()["error"]["type"] == type_, reply.text
     for name in named:
         assert name in reply.json()["error"]["message"], (name, reply.text)
+
+
+MULTI_AGENT = "areal_agents.agents.multi_agent:MultiAgentChatAgent"
+
+
+def test_rl_trains_two_steps_against_relay_turn_by_turn(relay_server, tiny_dir, tmp_path):
+    """Both runners of every episode play over v2, in turn: runner_1's chat opens with what runner_0 replied."""
+    run = tmp_path / "relay"
+    config = tmp_path / "relay.yaml"
+    config.write_text(
+        f"run_dir: {run}\nsteps: 2\nmodel: {{path: {tiny_dir}}}\n"
+        f"env: {{id: {RELAY}, backend: server, server_url: {relay_server}, kwargs: {{terms: 3}}}}\n"
+        f"rollout: {{agent: '{MULTI_AGENT}', batch_size: 4, group_size: 4, max_new_tokens: 4,"
+        " dump_trajectories: true}\n"
+        "ppo: {filter_zero_variance_groups: false}\neval: {num_problems: 4, env_kwargs: {}}\n"
+    )
+    assert main(["train", str(config), "--no-progress"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["engine_version"] == 2 and summary["episodes"]["accepted"] >= 2 * 4 * 4, summary
+    assert httpx.get(f"{relay_server}/health").json()["sessions_open"] == 0  # the run closed every session
+    for step in (1, 2):
+        rows = [json.loads(line) for line in (run / "trajectories" / f"step_{step}.jsonl").read_text().splitlines()]
+        by_episode = {}
+        for row in rows:
+            by_episode.setdefault(row["metadata"]["episode"], {})[row["agent_id"]] = row
+        assert len(by_episode) >= 16 and all(set(e) == {"runner_0", "runner_1"} for e in by_episode.values())
+        for episode in by_episode.values():
+            first, second = episode["runner_0"]["metadata"]["messages"], episode["runner_1"]["metadata"]["messages"]
+            said = [m["content"] for m in first if m["role"] == "assistant"]
+            shown = [m["content"] for m in second if m["role"] == "user"]
+            assert len(said) == 1 and len(shown) == 1, (first, second)  # terms 3: one turn each
+            quoted = said[0].strip()
+            quoted = quoted[:40] + "..." if len(quoted) > 40 else quoted
+            assert shown[0].startswith(f'runner_0 said "{quoted}"; the total is '), (said, shown)
+            for row in episode.values():
+                assert row["reward"] in (0.0, 1.0) and len(row["turn_rewards"]) == 1, row
 
 
 def test_relay_runners_take_turns_and_each_sees_what_the_other_said(relay_server):
