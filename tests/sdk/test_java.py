@@ -357,6 +357,12 @@ def test_env_client_covers_the_protocol(classes, probe_server):
     assert tour["step_over"] == [409, "episode_over"]
     assert tour["closed_twice"] == [404, "unknown_session"]
     assert tour["unknown_env"] == [404, "unknown_env"]
+    assert tour["agents_created"] == [True, ["a", "b"], ["a", "b"], {"a": "seed 4", "b": "seed 4"}]
+    assert tour["agents_step"] == [{"b": "hi", "a": "yo!"}, {"a": 2.0, "b": 3.0}, ["a", "b"]]
+    assert tour["agents_end"] == [[], {"a": True, "b": True}, True]
+    assert tour["agents_over"] == [409, "episode_over"]
+    assert tour["single"] == [False, ["agent"], {"agent": "seed null"}]
+    assert tour["closed_owned"] == 2 and tour["protocols"] == ["v1", "v2"]  # the finished pair and the echo
 
 
 # -- protocol v2: several agents in a session -------------------------------------------------------------
@@ -453,6 +459,17 @@ def test_relay_runners_take_turns_and_each_sees_what_the_other_said(relay_server
     assert last["terminations"] == {"runner_0": True, "runner_1": True} and last["error"] is None
     refused(step_v2(relay_server, sid, {"runner_1": "1"}), 409, "episode_over")
     assert httpx.delete(f"{relay_server}/v2/sessions/{sid}").json() == {"session_id": sid, "closed": True}
+
+
+def test_play_agents_plays_relay_over_v2(classes, relay_server):
+    """The v2 client (EnvClient.createAgents, stepAgents, closeOwned) in the PlayAgents example."""
+    out = java(classes, "PlayAgents", "--kwargs", '{"terms": 3}', relay_server, RELAY, "3", "12", "12", "12")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [line["acting"] for line in lines] == [["runner_0"], ["runner_1"], []]
+    assert lines[1]["observations"]["runner_1"].startswith('runner_0 said "12"')
+    assert all(line["error"] is None for line in lines[1:]) and lines[2]["terminations"]["runner_1"] is True
+    assert httpx.get(f"{relay_server}/health").json()["sessions_open"] == 0
 
 
 def test_v2_refusals_are_4xx_naming_the_field_and_change_nothing(relay_server):

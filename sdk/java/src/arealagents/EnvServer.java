@@ -262,27 +262,13 @@ public final class EnvServer {
         String owner = RequestBody.owner(body.get("owner"), "body.owner");
         ProtocolV2.Served env = served(envId);
         if (env.multiAgent()) {
-            throw Refusal.badRequest(envId + " is a multi-agent env" + agentsOf(env, kwargs)
+            throw Refusal.badRequest(envId + " is a multi-agent env" + sessions.agentsOf(env.make(), kwargs)
                     + ": create it with POST /v2/sessions");
         }
         SessionTable.Opened s = sessions.open(envId, env.make(), kwargs, seed, options, owner);
         String agent = SingleAgent.AGENT;
         return object("session_id", s.sessionId(), "observation", s.observations().get(agent), "info",
                 s.infos().get(agent));
-    }
-
-    /** " (agents [...])" of a multi-agent env made with {@code kwargs}, or nothing when it cannot be made. */
-    private static String agentsOf(ProtocolV2.Served env, Map<String, Object> kwargs) {
-        try {
-            MultiAgentEnv made = env.make().apply(kwargs);
-            try {
-                return " (agents " + EnvReplies.agents(made) + ")";
-            } finally {
-                made.close();
-            }
-        } catch (Throwable t) {
-            return "";
-        }
     }
 
     private Map<String, Object> stepOne(String sid, Map<String, Object> body) {

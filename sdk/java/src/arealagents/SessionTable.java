@@ -88,6 +88,28 @@ final class SessionTable {
         }
     }
 
+    /** " (agents [...])" of an env made with {@code kwargs} and closed at once, in a session slot (so refused
+     * creations cost no more than sessions); nothing when it cannot be made or no slot is free. */
+    String agentsOf(Function<Map<String, Object>, MultiAgentEnv> factory, Map<String, Object> kwargs) {
+        try {
+            reserveSlot();
+        } catch (Refusal full) {
+            return "";
+        }
+        try {
+            MultiAgentEnv env = factory.apply(kwargs);
+            try {
+                return " (agents " + EnvReplies.agents(env) + ")";
+            } finally {
+                env.close();
+            }
+        } catch (Throwable t) {
+            return "";
+        } finally {
+            slots.decrementAndGet();
+        }
+    }
+
     /** Takes a session slot atomically (open + opening sessions never pass max_sessions), or refuses with 429. */
     private void reserveSlot() {
         int taken = slots.getAndUpdate(n -> n < opts.maxSessions ? n + 1 : n);
