@@ -580,6 +580,7 @@ def test_a_single_agent_env_is_agent_on_v2_and_steps_on_either_path(relay_server
 
 def test_an_owner_closes_its_sessions_on_either_protocol_and_no_others(relay_server):
     url = relay_server
+    before = httpx.get(f"{url}/health").json()["sessions_open"]
     mine = [
         create_v2(url, RELAY, owner="run-a:1.x_y")["session_id"],
         httpx.post(f"{url}/v1/sessions", json={"env_id": GRID, "owner": "run-a:1.x_y"}).json()["session_id"],
@@ -590,13 +591,14 @@ def test_an_owner_closes_its_sessions_on_either_protocol_and_no_others(relay_ser
     for sid in mine:
         refused(httpx.delete(f"{url}/v2/sessions/{sid}"), 404, "unknown_session")
     assert httpx.delete(f"{url}/v2/sessions?owner=run-a:1.x_y").json()["closed"] == 0
-    assert httpx.get(f"{url}/health").json()["sessions_open"] == 2
+    assert httpx.get(f"{url}/health").json()["sessions_open"] == before + 2  # the others' two
     for sid in others:
         assert httpx.delete(f"{url}/v2/sessions/{sid}").status_code == 200
 
 
 def test_agents_acting_at_once_and_env_failures_over_v2(probe_server):
     url = probe_server
+    before = httpx.get(f"{url}/health").json()["sessions_open"]  # other tests' sessions on this server
     created = create_v2(url, PAIR, seed=2)
     assert (created["acting"], created["observations"]) == (["a", "b"], {"a": "seed 2", "b": "seed 2"})
     assert created["infos"] == {"a": {"role": "user"}, "b": {}}
@@ -628,4 +630,4 @@ def test_agents_acting_at_once_and_env_failures_over_v2(probe_server):
     )
     refused(step_v2(url, ending, {"a": "x", "b": "x"}), 409, "episode_over")
     httpx.delete(f"{url}/v2/sessions/{ending}")
-    assert httpx.get(f"{url}/health").json()["sessions_open"] == 0
+    assert httpx.get(f"{url}/health").json()["sessions_open"] == before  # the failed envs' sessions are gone
