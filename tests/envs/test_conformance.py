@@ -22,6 +22,17 @@ from areal_agents.net import free_port
 
 ARITHMETIC, DEBATE, TURNS = "areal_agents/Arithmetic-v0", "areal_agents/Debate-v0", "areal_agents_testing/Turns-v0"
 V2_NAMES = [name for name, _ in V2_CHECKS]
+V2_SINGLE, V2_OWNER, V2_V1_REFUSES = (
+    "v2: a single-agent env is the one agent 'agent'",
+    "v2: owner tags, close by owner",
+    "v2: v1 refuses a multi-agent env (400)",
+)
+V2_END, V2_SEED, V2_KEYS = (
+    "v2: episode end, single and batched steps (409 episode_over)",
+    "v2: same seed, same episode",
+    "v2: actions of exactly the acting agents (400)",
+)
+V2_ACTION_LIMIT, V2_BATCH = "v2: action limit (400 action_too_long)", "v2: batched step"
 LIMITS = {"max_sessions": 16, "max_body_bytes": 65536, "max_action_chars": 1000, "idle_timeout": 5}
 
 
@@ -61,7 +72,7 @@ def test_the_cli_prints_a_line_per_check_and_exits_1_on_a_failure(capsys):
         assert main(argv) == 0
         out = capsys.readouterr().out
         assert "SKIP episode end (409 episode_over): an episode did not end within 1 steps of action '0'" in out
-        assert "0 failed, 5 skipped" in out
+        assert "0 failed, 10 skipped" in out  # 5 of v1, 5 of v2 (debates of 2 rounds)
         assert main([*argv, "--strict"]) == 1  # strict: what could not be checked fails
     with serving(NoEpisodeEnd) as url:
         assert main(["check-env-server", url, "--env-id", ARITHMETIC]) == 1
@@ -190,7 +201,8 @@ ACTION_LIMIT, OPTIONAL, IDLE = (
     "server_class, failing",
     [
         (NoEpisodeEnd, [EPISODE_END]),
-        (SeedIgnored, [SAME_SEED, BATCH, "malformed bodies (400)", "concurrent sessions"]),  # all replay seeds
+        # every check that replays a seed
+        (SeedIgnored, [SAME_SEED, BATCH, "malformed bodies (400)", "concurrent sessions", V2_SINGLE]),
         (RacyCap, ["session cap (429)"]),
         (BatchOutOfOrder, [BATCH]),
         (CloseKeepsTheSession, [LIFECYCLE, "session cap (429)", IDLE]),  # closed sessions fill the cap
@@ -355,25 +367,14 @@ def single_agent_named_player(monkeypatch):
     monkeypatch.setattr(server_module, "SINGLE_AGENT", "player")
 
 
-V2_SEED, V2_BATCH, V2_KEYS = (
-    "v2: same seed, same episode",
-    "v2: batched step",
-    "v2: actions of exactly the acting agents (400)",
-)
-V2_END, V2_SINGLE = (
-    "v2: episode end, single and batched steps (409 episode_over)",
-    "v2: a single-agent env is the one agent 'agent'",
-)
-
-
 @pytest.mark.process
 @pytest.mark.parametrize(
     "server_class, patch, failing",
     [
-        (V1TakesMultiAgentEnvs, None, ["v2: v1 refuses a multi-agent env (400)"]),
-        (OwnerClosesEverything, None, ["v2: owner tags, close by owner"]),
-        (V1ForgetsTheOwner, None, ["v2: owner tags, close by owner"]),
-        (ActionLimitOnV1Only, None, ["v2: action limit (400 action_too_long)"]),
+        (V1TakesMultiAgentEnvs, None, [V2_V1_REFUSES]),
+        (OwnerClosesEverything, None, [V2_OWNER]),
+        (V1ForgetsTheOwner, None, [V2_OWNER]),
+        (ActionLimitOnV1Only, None, [V2_ACTION_LIMIT]),
         (MultiAgentEpisodesNeverEnd, None, [V2_END]),
         (V2SeedIgnored, None, [V2_SINGLE, V2_END, V2_SEED, V2_KEYS, V2_BATCH]),
         (EnvServer, lenient_keys, [V2_KEYS, V2_BATCH]),
