@@ -205,7 +205,7 @@ ACTION_LIMIT, OPTIONAL, IDLE = (
         (SeedIgnored, [SAME_SEED, BATCH, "malformed bodies (400)", "concurrent sessions", V2_SINGLE]),
         (RacyCap, ["session cap (429)"]),
         (BatchOutOfOrder, [BATCH]),
-        (CloseKeepsTheSession, [LIFECYCLE, "session cap (429)", IDLE]),  # closed sessions fill the cap
+        (CloseKeepsTheSession, [LIFECYCLE, "session cap (429)", IDLE, *V2_NAMES]),  # closed sessions fill the cap
         (ActionLimitOffByOne, [ACTION_LIMIT]),
         (SeedRequired, [OPTIONAL, "unknown env and session (404)"]),  # it asks for a seed before the env id
         (ActionBytesCounted, [ACTION_LIMIT]),
