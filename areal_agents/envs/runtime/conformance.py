@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +38,7 @@ from areal_agents.envs.runtime.conformance_probe import (
     status_on_new_connection,
     trajectory_step,
 )
-from areal_agents.envs.runtime.conformance_v2 import V2_CHECKS, choose_multi_agent_env
+from areal_agents.envs.runtime.conformance_v2 import V2_CHECKS, Check, choose_multi_agent_env
 from areal_agents.envs.runtime.protocol import Limits
 from areal_agents.errors import ArealAgentsError
 
@@ -371,7 +370,7 @@ def _create_body(p: Probe, seed: int) -> dict[str, Any]:
     return {"env_id": p.env_id, "kwargs": p.kwargs, "seed": seed}
 
 
-CHECKS: list[tuple[str, Callable[[Probe], Awaitable[None]]]] = [
+CHECKS: list[tuple[str, Check]] = [
     ("health reports the protocol and limits", check_health),
     ("/v1/envs lists the env", check_env_list),
     ("session lifecycle", check_session_lifecycle),
@@ -393,10 +392,10 @@ CHECKS: list[tuple[str, Callable[[Probe], Awaitable[None]]]] = [
 ]
 
 
-async def run_checks(probe: Probe) -> Report:
+async def run_checks(probe: Probe, checks: list[tuple[str, Check]] = CHECKS) -> Report:
     """Every check in order; one that breaks a rule is reported and the next one runs."""
     report = Report()
-    for name, check in CHECKS:
+    for name, check in checks:
         try:
             await check(probe)
             report.results.append(CheckResult(name, "PASS"))
@@ -411,8 +410,10 @@ async def run_checks(probe: Probe) -> Report:
     return report
 
 
-async def acheck_env_server(url: str, *, env_id: str = "", timeout: float = 60.0, **options: Any) -> Report:
-    """`check_env_server`, in a running event loop."""
+async def acheck_env_server(
+    url: str, *, env_id: str = "", timeout: float = 60.0, checks: list[tuple[str, Check]] = CHECKS, **options: Any
+) -> Report:
+    """`check_env_server`, in a running event loop; ``checks``: the suite's, or some of them in its order."""
     probe = Probe(url.rstrip("/"), env_id=env_id, **options)
     connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as client:
@@ -429,7 +430,7 @@ async def acheck_env_server(url: str, *, env_id: str = "", timeout: float = 60.0
             report = Report([CheckResult(CHECKS[0][0], "FAIL", f"GET /health gave no limits: {health.describe()}")])
             report.results += [CheckResult(name, "SKIP", "the server's limits are unknown") for name, _ in CHECKS[1:]]
         else:
-            report = await run_checks(probe)
+            report = await run_checks(probe, checks)
         report.env_id, report.multi_agent_env, report.protocols = probe.env_id, probe.multi_agent_env, probe.protocols
         return report
 
