@@ -9,8 +9,8 @@ import java.util.regex.Pattern;
 
 /**
  * java/Relay-v0, a turn-based multi-agent env: two runners add a list of numbers in turns. runner_0 adds the first
- * two, then each runner in turn adds the next number to the total; each sees what the other said. A runner's reward
- * for its turn is 1.0 when the first integer of its answer is the right total, else 0.0.
+ * two, then each runner in turn adds the next number to the total; each sees what the other said (the first integer
+ * of its answer). A runner's reward for its turn is 1.0 when that integer is the right total, else 0.0.
  */
 public final class Relay implements MultiAgentEnv {
     private static final List<String> RUNNERS = List.of("runner_0", "runner_1");
@@ -59,8 +59,9 @@ public final class Relay implements MultiAgentEnv {
     @Override
     public Step step(Map<String, String> actions) {
         String runner = acting().get(0), answer = actions.get(runner); // the server sends exactly acting()'s actions
-        Matcher said = INTEGER.matcher(answer);
-        boolean right = said.find() && said.group().equals(Integer.toString(total));
+        Matcher named = INTEGER.matcher(answer);
+        String said = named.find() ? named.group() : "no number";
+        boolean right = said.equals(Integer.toString(total));
         double reward = right ? 1.0 : 0.0;
         Map<String, Object> info = Map.of("turn", added - 1, "total", total, "right", right);
         if (added == terms) { // that was the last number: the episode ends for both runners
@@ -69,9 +70,8 @@ public final class Relay implements MultiAgentEnv {
             return new Step(Map.of(), Map.of(runner, reward), over, Map.of(), Map.of(runner, info));
         }
         String next = RUNNERS.get(1 - RUNNERS.indexOf(runner)); // the other runner sees what this one said
-        String quoted = answer.strip().length() > 40 ? answer.strip().substring(0, 40) + "..." : answer.strip();
-        String observation = runner + " said \"" + quoted + "\"; the total is " + total + ". " + total + "+"
-                + numbers[added] + "=";
+        String observation = runner + " said " + said + "; the total is " + total + ". " + total + "+" + numbers[added]
+                + "=";
         total += numbers[added++];
         return new Step(Map.of(next, observation), Map.of(runner, reward), Map.of(runner, false), Map.of(),
                 Map.of(runner, info));
