@@ -308,6 +308,24 @@ def test_play_episode_reports_an_unknown_env_in_one_line(classes, serve_env_url)
     assert re.fullmatch(r"error: 404 unknown_env: .*nope/Missing-v0.*\n", out.stderr), out.stderr
 
 
+def test_play_agents_plays_debate_on_python_serve_env(classes, serve_env_url):
+    """The Java v2 client against the Python server: two debaters acting at once, each reading the other."""
+    debaters = ["debater_0", "debater_1"]
+    question = make_env("areal_agents/Debate-v0").reset(seed=3)[0]["debater_0"]
+    a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)=", question).groups()
+    answer = str({"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op])
+    before = httpx.get(f"{serve_env_url}/health").json()["sessions_open"]  # the server is shared with other tests
+    out = java(classes, "PlayAgents", serve_env_url, "areal_agents/Debate-v0", "3", answer, answer, answer)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert (lines[0]["agents"], lines[0]["acting"]) == (debaters, debaters)
+    assert lines[0]["observations"] == {d: question for d in debaters}
+    assert [line["acting"] for line in lines[1:]] == [debaters, []]  # two rounds, then the end
+    assert all(answer in lines[1]["observations"][d] for d in debaters), lines[1]
+    assert lines[2]["rewards"] == {d: 1.0 for d in debaters} and lines[2]["error"] is None, lines[2]
+    assert httpx.get(f"{serve_env_url}/health").json()["sessions_open"] == before  # PlayAgents closed by owner
+
+
 def test_generate_from_ids_and_text_agree_with_a_python_client(classes, serve_model_url, tiny_dir):
     prompt = "12+30="
     ids = load_tokenizer(tiny_dir).encode(prompt, add_special_tokens=False)
