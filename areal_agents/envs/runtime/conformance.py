@@ -455,7 +455,7 @@ def run_cli(
     envs = f"env {report.env_id}" + (f", multi-agent env {report.multi_agent_env}" if report.multi_agent_env else "")
     summary = f"{passed} passed, {len(report.failed)} failed, {len(report.skipped)} skipped ({url}, {envs})"
     if report.not_spoken:
-        summary += f"; the server speaks v1 only, so its {len(report.not_spoken)} v2 checks were not run"
+        summary += f"; the server speaks v1 only, so its {len(report.not_spoken)} v2 checks were not run (no mark)"
     print("\n".join([*report.lines(), summary]))
     return 0 if report.ok and not (strict and report.skipped) else 1
 

@@ -49,7 +49,7 @@ def speaks_v2(check: Check) -> Check:
     @functools.wraps(check)
     async def run(p: Probe) -> None:
         if "v2" not in p.protocols:
-            raise NotSpoken(f"the server speaks v1 only (/health protocols {p.protocols}): not a v2 rule for it")
+            raise NotSpoken(f"the server speaks v1 only (/health protocols {p.protocols}): not run, no mark")
         await check(p)
 
     return run
