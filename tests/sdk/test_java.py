@@ -1,5 +1,6 @@
-"""The Java SDK (sdk/java): its EnvServer passes the conformance suite and an RL run trains against it, its
-clients talk to the Python servers (serve-env, serve-model), and its JSON carries unicode and escapes intact."""
+"""The Java SDK (sdk/java): its EnvServer passes the conformance suite and an RL run trains against it, over v1
+and (with several agents) v2, its clients talk to the Python servers (serve-env, serve-model), and its JSON
+carries unicode and escapes intact."""
 
 import json
 import os
@@ -15,6 +16,7 @@ import httpx
 import pytest
 from sdk_helpers import server_process, slow_requests, train_two_steps
 
+from areal_agents.cli import main
 from areal_agents.envs import make_env
 from areal_agents.models import load_tokenizer
 from areal_agents.net import free_port
@@ -23,6 +25,8 @@ pytestmark = pytest.mark.process
 
 SDK = Path(__file__).parents[2] / "sdk" / "java"
 GRID = "java/GridPuzzle-v0"
+RELAY = "java/Relay-v0"
+PAIR = "test/EchoPair-v0"
 GRID_LIMITS = ["--max-sessions", "16", "--max-body-bytes", "65536", "--max-action-chars", "1000", "--idle-timeout", "5"]
 NASTY = 'é\n"𝄞\\ \t\u0001 \u2028 end'  # two-byte, escape-worthy, a surrogate pair, a control character
 
@@ -80,20 +84,23 @@ def probe_server(classes):
 # -- the env server ---------------------------------------------------------------------------------
 
 
-def test_grid_puzzle_passes_the_conformance_suite(grid_server):
+def test_relay_and_grid_puzzle_pass_the_conformance_suite_v1_and_v2(relay_server):
+    """The Relay example's server: GridPuzzle over v1 and v2, Relay (two agents) over v2; every check runs."""
     from areal_agents.envs.runtime.conformance import check_env_server
 
-    report = check_env_server(grid_server, env_id=GRID)
+    report = check_env_server(relay_server, env_id=GRID, multi_agent_env=RELAY)
     assert report.ok, "\n".join(report.lines())
     assert not report.skipped, "\n".join(report.lines())
+    v2_passed = [r.name for r in report.results if r.status == "PASS" and r.name.startswith("v2: ")]
+    assert len(v2_passed) >= 10 and report.protocols == ["v1", "v2"], "\n".join(report.lines())
 
 
-def test_grid_puzzle_passes_the_suite_at_the_default_limits(classes):
+def test_the_examples_pass_the_suite_at_the_default_limits(classes):
     """65,536-character actions and 8 MiB bodies (4096 sessions are too many to fill, 600 s too long to idle)."""
     from areal_agents.envs.runtime.conformance import check_env_server
 
-    with java_server(classes, "GridPuzzle") as url:
-        report = check_env_server(url, env_id=GRID)
+    with java_server(classes, "Relay") as url:
+        report = check_env_server(url, env_id=GRID, multi_agent_env=RELAY)
     assert report.ok and report.skipped == ["session cap (429)", "idle sessions expire"], "\n".join(report.lines())
 
 
@@ -301,6 +308,24 @@ def test_play_episode_reports_an_unknown_env_in_one_line(classes, serve_env_url)
     assert re.fullmatch(r"error: 404 unknown_env: .*nope/Missing-v0.*\n", out.stderr), out.stderr
 
 
+def test_play_agents_plays_debate_on_python_serve_env(classes, serve_env_url):
+    """The Java v2 client against the Python server: two debaters acting at once, each reading the other."""
+    debaters = ["debater_0", "debater_1"]
+    question = make_env("areal_agents/Debate-v0").reset(seed=3)[0]["debater_0"]
+    a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)=", question).groups()
+    answer = str({"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op])
+    before = httpx.get(f"{serve_env_url}/health").json()["sessions_open"]  # the server is shared with other tests
+    out = java(classes, "PlayAgents", serve_env_url, "areal_agents/Debate-v0", "3", answer, answer, answer)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert (lines[0]["agents"], lines[0]["acting"]) == (debaters, debaters)
+    assert lines[0]["observations"] == {d: question for d in debaters}
+    assert [line["acting"] for line in lines[1:]] == [debaters, []]  # two rounds, then the end
+    assert all(answer in lines[1]["observations"][d] for d in debaters), lines[1]
+    assert lines[2]["rewards"] == {d: 1.0 for d in debaters} and lines[2]["error"] is None, lines[2]
+    assert httpx.get(f"{serve_env_url}/health").json()["sessions_open"] == before  # PlayAgents closed by owner
+
+
 def test_generate_from_ids_and_text_agree_with_a_python_client(classes, serve_model_url, tiny_dir):
     prompt = "12+30="
     ids = load_tokenizer(tiny_dir).encode(prompt, add_special_tokens=False)
@@ -337,7 +362,7 @@ def test_env_client_covers_the_protocol(classes, probe_server):
     out = java(classes, "ClientTour", probe_server)
     assert out.returncode == 0, out.stderr
     tour = json.loads(out.stdout)
-    assert tour["envs"] == {"test/Echo-v0": "echoes the action"}
+    assert tour["envs"] == {"test/Echo-v0": "echoes the action", PAIR: "two agents echo each other"}
     assert tour["limits"] == {
         "max_sessions": 64,
         "max_body_bytes": 8388608,
@@ -350,3 +375,283 @@ def test_env_client_covers_the_protocol(classes, probe_server):
     assert tour["step_over"] == [409, "episode_over"]
     assert tour["closed_twice"] == [404, "unknown_session"]
     assert tour["unknown_env"] == [404, "unknown_env"]
+    assert tour["agents_created"] == [True, ["a", "b"], ["a", "b"], {"a": "seed 4", "b": "seed 4"}]
+    assert tour["agents_step"] == [{"b": "hi", "a": "yo!"}, {"a": 2.0, "b": 3.0}, ["a", "b"]]
+    assert tour["agents_end"] == [[], {"a": True, "b": True}, True]
+    assert tour["agents_over"] == [409, "episode_over"]
+    assert tour["single"] == [False, ["agent"], {"agent": "seed null"}]
+    assert tour["closed_owned"] == 2 and tour["protocols"] == ["v1", "v2"]  # the finished pair and the echo
+
+
+# -- protocol v2: several agents in a session -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def relay_server(classes):
+    """The Relay example's server: java/Relay-v0 (two runners, turn by turn) and java/GridPuzzle-v0."""
+    with java_server(classes, "Relay", *GRID_LIMITS) as url:
+        yield url
+
+
+def create_v2(url: str, env_id: str, **body) -> dict:
+    reply = httpx.post(f"{url}/v2/sessions", json={"env_id": env_id, **body})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def step_v2(url: str, sid: str, actions: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v2/sessions/{sid}/step", json={"actions": actions})
+
+
+def refused(reply: httpx.Response, status: int, type_: str, *named: str) -> None:
+    """``reply`` is the protocol's error ``type_`` with HTTP ``status``, its message naming each of ``named``."""
+    assert reply.status_code == status and reply.json()["error"]["type"] == type_, reply.text
+    for name in named:
+        assert name in reply.json()["error"]["message"], (name, reply.text)
+
+
+MULTI_AGENT = "areal_agents.agents.multi_agent:MultiAgentChatAgent"
+
+
+def test_rl_trains_two_steps_against_relay_turn_by_turn(relay_server, tiny_dir, tmp_path):
+    """Both runners of every episode play over v2, in turn: runner_1's chat opens with what runner_0 replied."""
+    run = tmp_path / "relay"
+    config = tmp_path / "relay.yaml"
+    config.write_text(
+        f"run_dir: {run}\nsteps: 2\nmodel: {{path: {tiny_dir}}}\n"
+        f"env: {{id: {RELAY}, backend: server, server_url: {relay_server}, kwargs: {{terms: 3}}}}\n"
+        f"rollout: {{agent: '{MULTI_AGENT}', batch_size: 4, group_size: 4, max_new_tokens: 4,"
+        " dump_trajectories: true}\n"
+        "ppo: {filter_zero_variance_groups: false}\neval: {num_problems: 4, env_kwargs: {}}\n"
+    )
+    assert main(["train", str(config), "--no-progress"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["engine_version"] == 2 and summary["episodes"]["accepted"] >= 2 * 4 * 4, summary
+    tokenizer = load_tokenizer(tiny_dir)
+    assert httpx.get(f"{relay_server}/health").json()["sessions_open"] == 0  # the run closed every session
+    for step in (1, 2):
+        rows = [json.loads(line) for line in (run / "trajectories" / f"step_{step}.jsonl").read_text().splitlines()]
+        by_episode = {}
+        for row in rows:
+            by_episode.setdefault(row["metadata"]["episode"], {})[row["agent_id"]] = row
+        assert len(by_episode) >= 16 and all(set(e) == {"runner_0", "runner_1"} for e in by_episode.values())
+        for episode in by_episode.values():
+            first, second = episode["runner_0"]["metadata"]["messages"], episode["runner_1"]["metadata"]["messages"]
+            shown = [m["content"] for m in second if m["role"] == "user"]
+            assert sum(m["role"] == "assistant" for m in first) == 1 and len(shown) == 1, (first, second)  # a turn each
+            row = episode["runner_0"]  # its action: the text of its generated tokens, special tokens left out
+            action = tokenizer.decode(
+                [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m], skip_special_tokens=True
+            )
+            said = re.search(r"-?[0-9]+", action)
+            assert shown[0].startswith(f"runner_0 said {said.group() if said else 'no number'}; the total is "), shown
+            for row in episode.values():
+                assert row["reward"] in (0.0, 1.0) and len(row["turn_rewards"]) == 1, row
+
+
+def test_relay_runners_take_turns_and_each_sees_what_the_other_said(relay_server):
+    health = httpx.get(f"{relay_server}/health").json()
+    assert (health["protocol"], health["protocols"]) == ("v2", ["v1", "v2"])
+    created = create_v2(relay_server, RELAY, seed=3, kwargs={"terms": 4})
+    again = create_v2(relay_server, RELAY, seed=3, kwargs={"terms": 4})
+    httpx.delete(f"{relay_server}/v2/sessions/{again['session_id']}")
+    assert again["observations"] == created["observations"]  # the seed fixes the numbers
+    sid = created["session_id"]
+    assert (created["multi_agent"], created["agents"]) == (True, ["runner_0", "runner_1"])
+    assert created["acting"] == ["runner_0"] and created["infos"] == {"runner_0": {"turn": 0}}
+    a, b = map(int, re.fullmatch(r"Relay: .*\. (\d+)\+(\d+)=", created["observations"]["runner_0"]).groups())
+    first = step_v2(relay_server, sid, {"runner_0": f"I think {a + b}, not {a + b + 1}"}).json()
+    assert (first["rewards"], first["terminations"], first["acting"]) == (
+        {"runner_0": 1.0},
+        {"runner_0": False},
+        ["runner_1"],
+    )
+    seen = re.fullmatch(
+        rf"runner_0 said {a + b}; the total is {a + b}\. {a + b}\+(\d+)=", first["observations"]["runner_1"]
+    )
+    assert seen and list(first["observations"]) == ["runner_1"], first  # only the next runner is shown anything
+    total = a + b + int(seen.group(1))
+    second = step_v2(relay_server, sid, {"runner_1": "no idea"}).json()  # wrong: reward 0, the relay goes on
+    assert (second["rewards"], second["acting"]) == ({"runner_1": 0.0}, ["runner_0"])
+    assert second["infos"] == {"runner_1": {"turn": 2, "total": total, "right": False}}
+    seen = re.fullmatch(
+        rf"runner_1 said no number; the total is {total}\. {total}\+(\d+)=", second["observations"]["runner_0"]
+    )
+    total += int(seen.group(1))
+    last = step_v2(relay_server, sid, {"runner_0": str(total)}).json()
+    assert (last["rewards"], last["acting"], last["observations"]) == ({"runner_0": 1.0}, [], {})
+    assert last["terminations"] == {"runner_0": True, "runner_1": True} and last["error"] is None
+    refused(step_v2(relay_server, sid, {"runner_1": "1"}), 409, "episode_over")
+    assert httpx.delete(f"{relay_server}/v2/sessions/{sid}").json() == {"session_id": sid, "closed": True}
+
+
+def test_play_agents_plays_relay_over_v2(classes, relay_server):
+    """The v2 client (EnvClient.createAgents, stepAgents, closeOwned) in the PlayAgents example."""
+    out = java(classes, "PlayAgents", "--kwargs", '{"terms": 3}', relay_server, RELAY, "3", "12", "12", "12")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [line["acting"] for line in lines] == [["runner_0"], ["runner_1"], []]
+    assert lines[1]["observations"]["runner_1"].startswith("runner_0 said 12; the total is ")
+    assert all(line["error"] is None for line in lines[1:]) and lines[2]["terminations"]["runner_1"] is True
+    assert httpx.get(f"{relay_server}/health").json()["sessions_open"] == 0
+
+
+def test_v2_refusals_are_4xx_naming_the_field_and_change_nothing(relay_server):
+    url = relay_server
+    sid = create_v2(url, RELAY, seed=1)["session_id"]
+    bodies = [
+        ({}, "bad_request", "body.actions"),
+        ({"actions": "3"}, "bad_request", "body.actions"),
+        ({"actions": ["3"]}, "bad_request", "body.actions"),
+        ({"actions": {"runner_0": 3}}, "bad_request", "body.actions.runner_0"),
+        ({"actions": {"runner_0": "3"}, "action": "3"}, "bad_request", "body.action"),
+        ({"actions": {}}, "bad_request", "missing [runner_0]"),
+        ({"actions": {"runner_1": "3"}}, "bad_request", "unexpected [runner_1]"),
+        ({"actions": {"runner_0": "3", "runner_1": "3"}}, "bad_request", "unexpected [runner_1]"),
+        ({"actions": {"runner_0": "𝄞" * 1001}}, "action_too_long", "runner_0"),
+    ]
+    for body, type_, named in bodies:
+        refused(httpx.post(f"{url}/v2/sessions/{sid}/step", json=body), 400, type_, named)
+    refused(httpx.post(f"{url}/v2/sessions/{sid}/step", content=b"{"), 400, "bad_request", "body")
+    refused(httpx.post(f"{url}/v1/sessions/{sid}/step", json={"action": "3"}), 400, "bad_request", "/v2/sessions/")
+    refused(step_v2(url, "nope", {"runner_0": "3"}), 404, "unknown_session")
+    for owner in ("", "a b", "x" * 129, 5, "é"):
+        refused(
+            httpx.post(f"{url}/v2/sessions", json={"env_id": RELAY, "owner": owner}), 400, "bad_request", "body.owner"
+        )
+    refused(
+        httpx.post(f"{url}/v1/sessions", json={"env_id": RELAY}), 400, "bad_request", "POST /v2/sessions", "runner_1"
+    )
+    refused(
+        httpx.post(f"{url}/v2/sessions", json={"env_id": RELAY, "kwargs": {"terms": 1}}),
+        400,
+        "bad_request",
+        "kwargs.terms",
+    )
+    refused(httpx.post(f"{url}/v2/sessions", json={"env_id": RELAY, "x": 1}), 400, "bad_request", "body.x")
+    refused(httpx.post(f"{url}/v2/sessions", json={"env_id": "nope/None-v0"}), 404, "unknown_env", "nope/None-v0")
+    refused(httpx.delete(f"{url}/v2/sessions"), 400, "bad_request", "query.owner")
+    refused(httpx.delete(f"{url}/v2/sessions", params={"owner": "bad name"}), 400, "bad_request", "query.owner")
+    refused(httpx.delete(f"{url}/v2/sessions", params={"owner": "a", "all": "1"}), 400, "bad_request", "query.all")
+    refused(httpx.put(f"{url}/v2/sessions"), 405, "method_not_allowed")
+    refused(httpx.get(f"{url}/v2/step"), 405, "method_not_allowed")
+    task = create_v2(url, RELAY, seed=1)
+    httpx.delete(f"{url}/v2/sessions/{task['session_id']}")
+    a, b = map(int, re.findall(r"(\d+)\+(\d+)=$", task["observations"]["runner_0"])[0])
+    right = step_v2(url, sid, {"runner_0": str(a + b)}).json()  # as if nothing had come before
+    assert (right["rewards"], right["acting"]) == ({"runner_0": 1.0}, ["runner_1"]), right
+    httpx.delete(f"{url}/v2/sessions/{sid}")
+
+
+def test_v2_batches_run_each_item_and_refuse_a_malformed_batch_whole(relay_server):
+    url = relay_server
+    sids = [create_v2(url, RELAY, seed=s)["session_id"] for s in (1, 2)]
+    steps = [
+        {"session_id": sids[0], "actions": {"runner_0": "1"}},
+        {"session_id": sids[0], "actions": {"runner_0": "1"}},
+    ]
+    refused(httpx.post(f"{url}/v2/step", json={"steps": steps}), 400, "bad_request", "appears twice")
+    refused(
+        httpx.post(f"{url}/v2/step", json={"steps": [{"session_id": sids[0]}]}),
+        400,
+        "bad_request",
+        "body.steps[0].actions",
+    )
+    refused(
+        httpx.post(f"{url}/v2/step", json={"steps": [{"session_id": sids[0], "action": "1"}]}),
+        400,
+        "bad_request",
+        "body.steps[0].action",
+    )
+    items = [
+        {"session_id": sids[0], "actions": {"runner_0": "1"}},
+        {"session_id": "nope", "actions": {"runner_0": "1"}},
+        {"session_id": sids[1], "actions": {"runner_1": "1"}},
+    ]
+    results = httpx.post(f"{url}/v2/step", json={"steps": items}).json()["results"]
+    assert [r["session_id"] for r in results] == [sids[0], "nope", sids[1]]
+    assert results[0]["error"] is None and results[0]["acting"] == ["runner_1"]  # the good item ran
+    assert [r["error"]["type"] for r in results[1:]] == ["unknown_session", "bad_request"]
+    assert all(r["acting"] == [] and r["rewards"] == {} for r in results[1:])
+    unchanged = step_v2(url, sids[1], {"runner_0": "1"}).json()  # the refused item left its session as it was
+    assert unchanged["acting"] == ["runner_1"], unchanged
+    for sid in sids:
+        httpx.delete(f"{url}/v1/sessions/{sid}")  # either protocol's path closes any session
+
+
+def test_a_single_agent_env_is_agent_on_v2_and_steps_on_either_path(relay_server):
+    url, kwargs = relay_server, {"size": 2, "max_turns": 2}
+    created = create_v2(url, GRID, seed=5, kwargs=kwargs)
+    v1 = httpx.post(f"{url}/v1/sessions", json={"env_id": GRID, "seed": 5, "kwargs": kwargs}).json()
+    assert (created["multi_agent"], created["agents"], created["acting"]) == (False, ["agent"], ["agent"])
+    assert (created["observations"], created["infos"]) == ({"agent": v1["observation"]}, {"agent": v1["info"]})
+    sid = created["session_id"]
+    one = step_v2(url, sid, {"agent": "jump"}).json()
+    assert one["observations"]["agent"].startswith("Unknown move.") and one["acting"] == ["agent"], one
+    assert (one["rewards"], one["terminations"], one["truncations"]) == (
+        {"agent": 0.0},
+        {"agent": False},
+        {"agent": False},
+    )
+    two = httpx.post(f"{url}/v1/sessions/{sid}/step", json={"action": "jump"}).json()  # v1 steps it too
+    assert two["truncated"] and two["info"] == {"turn": 2}, two
+    refused(step_v2(url, sid, {"agent": "up"}), 409, "episode_over")
+    refused(step_v2(url, v1["session_id"], {"player": "up"}), 400, "bad_request", "player", "agent")
+    assert step_v2(url, v1["session_id"], {"agent": "jump"}).json()["acting"] == ["agent"]  # a v1 session on v2
+    for s in (sid, v1["session_id"]):
+        httpx.delete(f"{url}/v2/sessions/{s}")
+
+
+def test_an_owner_closes_its_sessions_on_either_protocol_and_no_others(relay_server):
+    url = relay_server
+    before = httpx.get(f"{url}/health").json()["sessions_open"]
+    mine = [
+        create_v2(url, RELAY, owner="run-a:1.x_y")["session_id"],
+        httpx.post(f"{url}/v1/sessions", json={"env_id": GRID, "owner": "run-a:1.x_y"}).json()["session_id"],
+    ]
+    others = [create_v2(url, RELAY, owner="run-b")["session_id"], create_v2(url, GRID)["session_id"]]
+    closed = httpx.delete(f"{url}/v2/sessions", params={"owner": "run-a:1.x_y"})
+    assert closed.json() == {"owner": "run-a:1.x_y", "closed": 2}, closed.text
+    for sid in mine:
+        refused(httpx.delete(f"{url}/v2/sessions/{sid}"), 404, "unknown_session")
+    assert httpx.delete(f"{url}/v2/sessions?owner=run-a:1.x_y").json()["closed"] == 0
+    assert httpx.get(f"{url}/health").json()["sessions_open"] == before + 2  # the others' two
+    for sid in others:
+        assert httpx.delete(f"{url}/v2/sessions/{sid}").status_code == 200
+
+
+def test_agents_acting_at_once_and_env_failures_over_v2(probe_server):
+    url = probe_server
+    before = httpx.get(f"{url}/health").json()["sessions_open"]  # other tests' sessions on this server
+    created = create_v2(url, PAIR, seed=2)
+    assert (created["acting"], created["observations"]) == (["a", "b"], {"a": "seed 2", "b": "seed 2"})
+    assert created["infos"] == {"a": {"role": "user"}, "b": {}}
+    sid = created["session_id"]
+    both = step_v2(url, sid, {"b": NASTY, "a": "yo"}).json()
+    assert both["observations"] == {"a": NASTY, "b": "yo"} and both["acting"] == ["a", "b"], both
+    assert both["rewards"] == {"a": 2.0, "b": float(len(NASTY.encode("utf-16-le")) // 2)}  # Java counts UTF-16 units
+    assert both["terminations"] == {"a": False, "b": False} and both["infos"] == {"a": {}, "b": {}}
+    left = step_v2(url, sid, {"a": "leave", "b": "x"}).json()
+    assert (left["acting"], left["observations"]) == (["b"], {"b": "leave"})
+    unseen = step_v2(url, sid, {"b": "x"}).json()  # b acts next but the env showed it nothing: the env's fault
+    assert unseen["error"]["type"] == "env_error" and "no observation for b" in unseen["error"]["message"], unseen
+    assert unseen["acting"] == [] and unseen["observations"] == {}
+    refused(step_v2(url, sid, {"b": "x"}), 404, "unknown_session")  # a failed env's session is gone
+    stranger = create_v2(url, PAIR)["session_id"]
+    strange = step_v2(url, stranger, {"a": "stranger", "b": "x"}).json()
+    assert "names z, not one of the env's agents [a, b]" in strange["error"]["message"], strange
+    failing, ending = create_v2(url, PAIR)["session_id"], create_v2(url, PAIR)["session_id"]
+    items = [
+        {"session_id": failing, "actions": {"a": "raise", "b": "x"}},
+        {"session_id": ending, "actions": {"a": "end", "b": "x"}},
+    ]
+    results = httpx.post(f"{url}/v2/step", json={"steps": items}).json()["results"]
+    assert results[0]["error"]["type"] == "env_error" and "asked to raise" in results[0]["error"]["message"]
+    assert (
+        results[1]["error"] is None
+        and results[1]["acting"] == []
+        and results[1]["terminations"] == {"a": True, "b": True}
+    )
+    refused(step_v2(url, ending, {"a": "x", "b": "x"}), 409, "episode_over")
+    httpx.delete(f"{url}/v2/sessions/{ending}")
+    assert httpx.get(f"{url}/health").json()["sessions_open"] == before  # the failed envs' sessions are gone

@@ -7,8 +7,8 @@ import java.util.List;
 import java.util.Map;
 
 /**
- * Test helper: every EnvClient call against ProbeEnvs' test/Echo-v0 at URL, the outcomes printed as one JSON object
- * (a refusal as {@code [status, type]}) for the Python test to check.
+ * Test helper: every EnvClient call against ProbeEnvs' test/Echo-v0 and test/EchoPair-v0 at URL, the outcomes
+ * printed as one JSON object (a refusal as {@code [status, type]}) for the Python test to check.
  */
 public final class ClientTour {
     public static void main(String[] args) throws IOException {
@@ -29,6 +29,17 @@ public final class ClientTour {
         envs.close(b.sessionId());
         out.put("closed_twice", refusal(() -> envs.close(a.sessionId())));
         out.put("unknown_env", refusal(() -> envs.create("nope", null, null, null)));
+        EnvClient.AgentsCreated pair = envs.createAgents("test/EchoPair-v0", null, 4L, null, "tour");
+        out.put("agents_created", List.of(pair.multiAgent(), pair.agents(), pair.acting(), pair.observations()));
+        EnvClient.AgentsStep said = envs.stepAgents(pair.sessionId(), Map.of("a", "hi", "b", "yo!"));
+        out.put("agents_step", List.of(said.observations(), said.rewards(), said.acting()));
+        EnvClient.AgentsStep end = envs.stepAgents(pair.sessionId(), Map.of("a", "end", "b", "x"));
+        out.put("agents_end", List.of(end.acting(), end.terminations(), end.error() == null));
+        out.put("agents_over", refusal(() -> envs.stepAgents(pair.sessionId(), Map.of("a", "x", "b", "x"))));
+        EnvClient.AgentsCreated echo = envs.createAgents("test/Echo-v0", null, null, null, "tour");
+        out.put("single", List.of(echo.multiAgent(), echo.agents(), echo.observations()));
+        out.put("closed_owned", envs.closeOwned("tour"));
+        out.put("protocols", envs.health().get("protocols"));
         System.out.println(Json.write(out));
     }
 

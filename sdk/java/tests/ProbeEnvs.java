@@ -6,7 +6,8 @@ import java.util.concurrent.atomic.AtomicInteger;
 
 /**
  * Test helper: serves {@code test/Echo-v0}, whose observation is the action, to probe what the conformance suite
- * cannot: unicode through the server, env failures, a busy session and idle expiry.
+ * cannot: unicode through the server, env failures, a busy session and idle expiry; and {@link ProbePair}'s
+ * {@code test/EchoPair-v0}, two agents at once.
  *
  * <p>Reset options {@code {"fail": "argument"}} throw IllegalArgumentException, {@code {"fail": "state"}}
  * IllegalStateException; the action {@code raise} throws in step, {@code sleep MS} sleeps (its info holds when it
@@ -60,6 +61,7 @@ public final class ProbeEnvs implements Env {
     public static void main(String[] args) throws IOException {
         EnvServer server = EnvServer.fromArgs(args);
         server.addEnv("test/Echo-v0", "echoes the action", ProbeEnvs::new);
+        server.addMultiAgentEnv("test/EchoPair-v0", "two agents echo each other", ProbePair::new);
         server.start();
     }
 }

@@ -8,12 +8,15 @@ import java.util.List;
 import java.util.Map;
 
 /**
- * A client of the env-step protocol v1 (any server: Python's serve-env, {@link EnvServer}, the C++ SDK).
+ * A client of the env-step protocol (any server: Python's serve-env, {@link EnvServer}, the C++ SDK): v1, and v2's
+ * sessions of several agents ({@link #createAgents}, {@link #stepAgents}, {@link #closeOwned}).
  *
  * <pre>
  *   EnvClient envs = new EnvClient("http://127.0.0.1:8765");
  *   EnvClient.Created s = envs.create("areal_agents/Arithmetic-v0", Map.of(), 7L, null);
  *   EnvClient.StepResult r = envs.step(s.sessionId(), "42");
+ *   EnvClient.AgentsCreated d = envs.createAgents("areal_agents/Debate-v0", Map.of(), 7L, null, "my-run");
+ *   EnvClient.AgentsStep next = envs.stepAgents(d.sessionId(), Map.of("debater_0", "42", "debater_1", "41"));
  * </pre>
  *
  * A refused request (4xx/5xx) throws {@link ProtocolException} with the server's status, error type and message.
@@ -28,6 +31,15 @@ public final class EnvClient {
             return terminated || truncated;
         }
     }
+
+    /** A v2 session: its agents, who acts first, and the first observations and infos by agent id. */
+    public record AgentsCreated(String sessionId, boolean multiAgent, List<String> agents, List<String> acting,
+                                Map<String, Object> observations, Map<String, Object> infos) {}
+
+    /** A v2 step's result by agent id; {@code acting} empty: the episode is over; {@code error} as in StepResult. */
+    public record AgentsStep(String sessionId, Map<String, Object> observations, Map<String, Object> rewards,
+                             Map<String, Object> terminations, Map<String, Object> truncations,
+                             Map<String, Object> infos, List<String> acting, Map<String, Object> error) {}
 
     /** One item of {@link #stepBatch}. */
     public record BatchStep(String sessionId, String action) {}
@@ -72,7 +84,38 @@ public final class EnvClient {
         http.send("DELETE", "/v1/sessions/" + sessionId, null);
     }
 
-    /** GET /health: status, protocol, sessions_open, limits. */
+    /** POST /v2/sessions; {@code kwargs}, {@code seed}, {@code options} and {@code owner} (the run's name, for
+     * {@link #closeOwned}) may be null. */
+    public AgentsCreated createAgents(String envId, Map<String, Object> kwargs, Long seed, Map<String, Object> options,
+                                      String owner) throws IOException {
+        Map<String, Object> body = new LinkedHashMap<>();
+        body.put("env_id", envId);
+        body.put("kwargs", kwargs == null ? Map.of() : kwargs);
+        body.put("seed", seed);
+        body.put("options", options);
+        if (owner != null) body.put("owner", owner);
+        Map<String, Object> r = object(http.send("POST", "/v2/sessions", body));
+        return new AgentsCreated(string(r, "session_id"), (Boolean) r.get("multi_agent"), strings(r.get("agents")),
+                strings(r.get("acting")), object(r.get("observations")), object(r.get("infos")));
+    }
+
+    /** POST /v2/sessions/{id}/step with one action for each acting agent. */
+    public AgentsStep stepAgents(String sessionId, Map<String, String> actions) throws IOException {
+        Map<String, Object> r = object(http.send("POST", "/v2/sessions/" + sessionId + "/step",
+                Map.of("actions", actions)));
+        Map<String, Object> error = r.get("error") == null ? null : object(r.get("error"));
+        return new AgentsStep(string(r, "session_id"), object(r.get("observations")), object(r.get("rewards")),
+                object(r.get("terminations")), object(r.get("truncations")), object(r.get("infos")),
+                strings(r.get("acting")), error);
+    }
+
+    /** DELETE /v2/sessions?owner=: closes every session created with {@code owner}; how many. */
+    public long closeOwned(String owner) throws IOException {
+        String query = java.net.URLEncoder.encode(owner, java.nio.charset.StandardCharsets.UTF_8);
+        return ((Number) object(http.send("DELETE", "/v2/sessions?owner=" + query, null)).get("closed")).longValue();
+    }
+
+    /** GET /health: status, protocol (and protocols), sessions_open, limits. */
     public Map<String, Object> health() throws IOException {
         return object(http.send("GET", "/health", null));
     }
@@ -98,6 +141,11 @@ public final class EnvClient {
     static Map<String, Object> object(Object json) {
         if (!(json instanceof Map)) throw new IllegalStateException("expected a JSON object in the reply, got " + json);
         return (Map<String, Object>) json;
+    }
+
+    private static List<String> strings(Object json) {
+        if (!(json instanceof List<?> list)) throw new IllegalStateException("expected a JSON list in the reply");
+        return list.stream().map(String.class::cast).toList();
     }
 
     static String string(Map<String, Object> json, String key) {

@@ -11,8 +11,7 @@ import java.util.Collections;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
-import java.util.UUID;
-import java.util.concurrent.ConcurrentHashMap;
+import java.util.concurrent.Callable;
 import java.util.concurrent.ExecutionException;
 import java.util.concurrent.ExecutorService;
 import java.util.concurrent.Executors;
@@ -22,51 +21,41 @@ import java.util.concurrent.ScheduledExecutorService;
 import java.util.concurrent.ThreadFactory;
 import java.util.concurrent.ThreadPoolExecutor;
 import java.util.concurrent.TimeUnit;
-import java.util.concurrent.atomic.AtomicBoolean;
 import java.util.concurrent.atomic.AtomicInteger;
 import java.util.regex.Matcher;
 import java.util.regex.Pattern;
 
 /**
- * The env-step protocol v1 server (docs/env-protocol.md) for envs written in Java, on the JDK's HttpServer.
+ * The env-step protocol server (docs/env-protocol.md: v1, and v2 beside it) for envs written in Java, on the JDK's
+ * HttpServer.
  *
  * <pre>
  *   EnvServer server = EnvServer.fromArgs(args);          // --port 8765 --max-sessions 4096 ...
  *   server.addEnv("java/GridPuzzle-v0", "a grid walk", GridPuzzle::new);
+ *   server.addMultiAgentEnv("java/Relay-v0", "a relay sum", Relay::new);
  *   server.start();                                       // serving envs on http://127.0.0.1:8765
  * </pre>
  *
- * <p>Each session is one {@link Env}; requests run on a pool of {@code --threads} threads, sessions independently.
+ * <p>A single-agent {@link Env} is served over v1 and over v2 (as the agent {@code "agent"}); a
+ * {@link MultiAgentEnv} over v2 only ({@link ProtocolV2}). Each session is one env; requests run on a pool of {@code --threads} threads, sessions independently.
  * A request holds its thread from its first byte, so the JDK's server closes a connection whose request has not
  * arrived within {@code --read-timeout} seconds (its {@code sun.net.httpserver.maxReqTime}). Not provided (the
  * Python server has them): step timeouts, process isolation, /metrics.
  */
 public final class EnvServer {
-    public static final String PROTOCOL = "v1";
-    private static final Pattern SESSION_PATH = Pattern.compile("/v1/sessions/([^/]+)(/step)?");
+    public static final String PROTOCOL = "v2";
+    public static final List<String> PROTOCOLS = List.of("v1", "v2");
+    private static final Pattern SESSION_PATH = Pattern.compile("/(v1|v2)/sessions/([^/]+)(/step)?");
     private static final String MAX_REQ_TIME = "sun.net.httpserver.maxReqTime";
     // The JDK reads its server settings once per JVM, when its first server starts: that start's read timeout.
     private static Integer jvmReadTimeoutS;
 
-    private record Registered(String description, EnvFactory factory) {}
-
-    private static final class Session {
-        final Env env;
-        final AtomicBoolean busy = new AtomicBoolean();
-        final AtomicBoolean closed = new AtomicBoolean();
-        volatile boolean done;
-        volatile boolean removed;
-        volatile long lastUsedNanos = System.nanoTime();
-
-        Session(Env env) {
-            this.env = env;
-        }
-    }
+    private record Registered(String description, ProtocolV2.Served served) {}
 
     private final ServerOptions opts;
     private volatile Map<String, Registered> envs = Map.of();
-    private final Map<String, Session> sessions = new ConcurrentHashMap<>();
-    private final AtomicInteger slots = new AtomicInteger(); // sessions open or being opened
+    private final SessionTable sessions;
+    private final ProtocolV2 v2;
     private HttpServer http;
     private ExecutorService handlers;
     private ExecutorService batchSteps;
@@ -74,6 +63,8 @@ public final class EnvServer {
 
     public EnvServer(ServerOptions opts) {
         this.opts = opts;
+        this.sessions = new SessionTable(opts);
+        this.v2 = new ProtocolV2(opts, sessions);
     }
 
     /** A server configured from command-line flags; a bad flag prints its message and exits with status 2. */
@@ -87,13 +78,24 @@ public final class EnvServer {
         }
     }
 
-    /** Serves envs made by {@code factory} under {@code id} (listed by GET /v1/envs with {@code description}). */
-    public synchronized EnvServer addEnv(String id, String description, EnvFactory factory) {
-        if (id == null || id.isEmpty()) throw new IllegalArgumentException("env id: expected a non-empty string");
+    /** Serves single-agent envs made by {@code factory} under {@code id} (listed by GET /v1/envs with
+     * {@code description}), over v1 and v2. */
+    public EnvServer addEnv(String id, String description, EnvFactory factory) {
         if (factory == null) throw new IllegalArgumentException("factory of " + id + ": expected a factory, got null");
+        return register(id, description, new ProtocolV2.Served(false, kw -> new SingleAgent(factory.make(kw))));
+    }
+
+    /** Serves multi-agent envs made by {@code factory} under {@code id}, over v2 (POST /v2/sessions). */
+    public EnvServer addMultiAgentEnv(String id, String description, MultiAgentEnvFactory factory) {
+        if (factory == null) throw new IllegalArgumentException("factory of " + id + ": expected a factory, got null");
+        return register(id, description, new ProtocolV2.Served(true, factory::make));
+    }
+
+    private synchronized EnvServer register(String id, String description, ProtocolV2.Served served) {
+        if (id == null || id.isEmpty()) throw new IllegalArgumentException("env id: expected a non-empty string");
         if (envs.containsKey(id)) throw new IllegalArgumentException("env id " + id + " is already served");
         Map<String, Registered> next = new LinkedHashMap<>(envs);
-        next.put(id, new Registered(description == null ? "" : description, factory));
+        next.put(id, new Registered(description == null ? "" : description, served));
         envs = Collections.unmodifiableMap(next);
         return this;
     }
@@ -112,7 +114,7 @@ public final class EnvServer {
         batchSteps = Executors.newFixedThreadPool(batchThreads, daemonThreads("env-batch"));
         reaper = Executors.newSingleThreadScheduledExecutor(daemonThreads("env-idle"));
         long periodMs = (long) Math.max(50, Math.min(opts.idleTimeoutS * 1000 / 4, 5000));
-        reaper.scheduleWithFixedDelay(this::expireIdle, periodMs, periodMs, TimeUnit.MILLISECONDS);
+        reaper.scheduleWithFixedDelay(sessions::expireIdle, periodMs, periodMs, TimeUnit.MILLISECONDS);
         http.createContext("/", this::handle);
         http.setExecutor(handlers);
         http.start();
@@ -140,12 +142,7 @@ public final class EnvServer {
         handlers.shutdownNow();
         batchSteps.shutdownNow();
         reaper.shutdownNow();
-        for (Session session : sessions.values()) {
-            session.removed = true; // a step still running closes its env when it returns
-            closeEnv(session);
-        }
-        sessions.clear();
-        slots.set(0);
+        sessions.closeAll();
         http = null;
     }
 
@@ -191,25 +188,35 @@ public final class EnvServer {
             case "/health": allow(method, "GET"); return health();
             case "/v1/envs": allow(method, "GET"); return listEnvs();
             case "/v1/sessions": allow(method, "POST"); return create(readBody(ex));
-            case "/v1/step": allow(method, "POST"); return stepBatch(readBody(ex));
+            case "/v1/step": allow(method, "POST"); return stepBatch(readBody(ex), false);
+            case "/v2/sessions":
+                allow(method, "POST", "DELETE");
+                if (method.equals("DELETE")) return v2.closeOwned(ex.getRequestURI().getRawQuery());
+                return v2.create(readBody(ex), this::served);
+            case "/v2/step": allow(method, "POST"); return stepBatch(readBody(ex), true);
             default: break;
         }
         Matcher m = SESSION_PATH.matcher(path);
         if (!m.matches()) {
             throw new Refusal(404, "not_found", "no route " + path + "; the routes are GET /health, GET /v1/envs, "
-                    + "POST /v1/sessions, POST /v1/sessions/{id}/step, DELETE /v1/sessions/{id}, POST /v1/step");
+                    + "POST /v1/sessions, POST /v1/sessions/{id}/step, DELETE /v1/sessions/{id}, POST /v1/step, "
+                    + "POST /v2/sessions, DELETE /v2/sessions?owner=, POST /v2/sessions/{id}/step, "
+                    + "DELETE /v2/sessions/{id}, POST /v2/step");
         }
-        if (m.group(2) != null) {
+        String sid = m.group(2);
+        if (m.group(3) != null) {
             allow(method, "POST");
-            return stepOne(m.group(1), readBody(ex));
+            return m.group(1).equals("v1") ? stepOne(sid, readBody(ex)) : v2.stepOne(sid, readBody(ex));
         }
         allow(method, "DELETE");
-        return close(m.group(1));
+        sessions.close(sid); // either protocol's path closes any session
+        return object("session_id", sid, "closed", true);
     }
 
-    private static void allow(String method, String allowed) {
-        if (!method.equals(allowed)) {
-            throw new Refusal(405, "method_not_allowed", method + " is not allowed here; use " + allowed);
+    private static void allow(String method, String... allowed) {
+        if (!List.of(allowed).contains(method)) {
+            throw new Refusal(405, "method_not_allowed", method + " is not allowed here; use "
+                    + String.join(" or ", allowed));
         }
     }
 
@@ -225,7 +232,8 @@ public final class EnvServer {
         limits.put("max_body_bytes", opts.maxBodyBytes);
         limits.put("max_action_chars", opts.maxActionChars);
         limits.put("idle_timeout_s", opts.idleTimeoutS);
-        return object("status", "ok", "protocol", PROTOCOL, "sessions_open", sessions.size(), "limits", limits);
+        return object("status", "ok", "protocol", PROTOCOL, "protocols", PROTOCOLS, "sessions_open", sessions.size(),
+                "limits", limits);
     }
 
     private Map<String, Object> listEnvs() {
@@ -234,57 +242,33 @@ public final class EnvServer {
         return object("envs", list);
     }
 
-    private Map<String, Object> create(Map<String, Object> body) {
-        RequestBody.onlyKeys(body, "body", "env_id", "kwargs", "seed", "options");
-        String envId = RequestBody.requiredString(body, "env_id", "body");
-        Map<String, Object> kwargs = RequestBody.optionalObject(body, "kwargs");
-        Long seed = RequestBody.seed(body);
-        Map<String, Object> options = RequestBody.optionalObject(body, "options");
+    /** An env id this server serves, or 404 {@code unknown_env}. */
+    private ProtocolV2.Served served(String envId) {
         Registered env = envs.get(envId);
         if (env == null) {
             throw new Refusal(404, "unknown_env", "no env '" + envId + "' on this server; it serves "
                     + String.join(", ", envs.keySet()));
         }
-        reserveSlot();
-        boolean opened = false;
-        try {
-            Session session = new Session(env.factory().make(kwargs));
-            Env.Reset reset;
-            try {
-                reset = reset(session.env, envId, seed, options);
-            } catch (Throwable t) {
-                closeEnv(session);
-                throw t;
-            }
-            String sid = UUID.randomUUID().toString().replace("-", "");
-            sessions.put(sid, session);
-            opened = true;
-            return object("session_id", sid, "observation", reset.observation(), "info", reset.info());
-        } catch (IllegalArgumentException e) {
-            throw Refusal.badRequest("cannot make " + envId + ": " + e.getMessage()
-                    + "; check the kwargs, seed and options");
-        } catch (Throwable t) {
-            throw new Refusal(500, "env_error", "cannot make " + envId + ": " + describe(t));
-        } finally {
-            if (!opened) slots.decrementAndGet();
-        }
+        return env.served();
     }
 
-    /** Takes a session slot atomically (open + opening sessions never pass max_sessions), or refuses with 429. */
-    private void reserveSlot() {
-        int taken = slots.getAndUpdate(n -> n < opts.maxSessions ? n + 1 : n);
-        if (taken >= opts.maxSessions) {
-            throw new Refusal(429, "too_many_sessions", taken + " sessions are open or opening, the cap is "
-                    + opts.maxSessions + "; close finished sessions or start the server with a larger --max-sessions");
+    /** POST /v1/sessions: a single-agent env's session (a multi-agent env id is a 400 pointing at v2). */
+    private Map<String, Object> create(Map<String, Object> body) {
+        RequestBody.onlyKeys(body, "body", "env_id", "kwargs", "seed", "options", "owner");
+        String envId = RequestBody.requiredString(body, "env_id", "body");
+        Map<String, Object> kwargs = RequestBody.optionalObject(body, "kwargs");
+        Long seed = RequestBody.seed(body);
+        Map<String, Object> options = RequestBody.optionalObject(body, "options");
+        String owner = RequestBody.owner(body.get("owner"), "body.owner");
+        ProtocolV2.Served env = served(envId);
+        if (env.multiAgent()) {
+            throw Refusal.badRequest(envId + " is a multi-agent env" + sessions.agentsOf(env.make(), kwargs)
+                    + ": create it with POST /v2/sessions");
         }
-    }
-
-    private static Env.Reset reset(Env env, String envId, Long seed, Map<String, Object> options) {
-        Env.Reset reset = env.reset(seed, options);
-        if (reset == null || reset.observation() == null) {
-            throw new IllegalStateException(envId + ".reset returned no observation");
-        }
-        return new Env.Reset(reset.observation(), snapshot(reset.info(), "reset's info"));
+        SessionTable.Opened s = sessions.open(envId, env.make(), kwargs, seed, options, owner);
+        String agent = SingleAgent.AGENT;
+        return object("session_id", s.sessionId(), "observation", s.observations().get(agent), "info",
+                s.infos().get(agent));
     }
 
     private Map<String, Object> stepOne(String sid, Map<String, Object> body) {
@@ -292,55 +276,48 @@ public final class EnvServer {
         return step(sid, RequestBody.requiredString(body, "action", "body"));
     }
 
+    /** A v1 step: its session must hold a single-agent env. */
     private Map<String, Object> step(String sid, String action) {
-        Session session = sessions.get(sid);
-        if (session == null) throw unknownSession(sid);
+        return sessions.step(sid, s -> checkAction(sid, s, action), s -> runStep(sid, s, action));
+    }
+
+    private void checkAction(String sid, SessionTable.Session session, String action) {
         int chars = action.codePointCount(0, action.length());
         if (chars > opts.maxActionChars) {
             throw new Refusal(400, "action_too_long", "action is " + chars + " characters; the limit is "
                     + opts.maxActionChars + " (--max-action-chars)");
         }
-        if (session.done) {
-            throw new Refusal(409, "episode_over", "the episode of session " + sid
-                    + " has ended; close it or create a new one");
-        }
-        if (!session.busy.compareAndSet(false, true)) {
-            if (sessions.get(sid) != session) throw unknownSession(sid); // expired while we looked
-            throw new Refusal(409, "session_busy", "session " + sid + " is already running a step");
-        }
-        try {
-            if (sessions.get(sid) != session) throw unknownSession(sid);
-            return runStep(sid, session, action);
-        } finally {
-            session.busy.set(false);
-            if (session.removed) closeEnv(session); // closed while this step ran: its env ends now
+        if (session.single == null) {
+            throw Refusal.badRequest("session " + sid + " is a multi-agent env (agents " + session.agents
+                    + "): step it with POST /v2/sessions/" + sid + "/step");
         }
     }
 
     /** One env step; an env that throws (or returns something unusable) ends its own session with an error. */
-    private Map<String, Object> runStep(String sid, Session session, String action) {
+    private Map<String, Object> runStep(String sid, SessionTable.Session session, String action) {
         Env.Step r;
         Map<String, Object> info;
         try {
-            r = session.env.step(action);
-            if (r == null || r.observation() == null) throw new IllegalStateException("step returned no observation");
-            if (!Double.isFinite(r.reward())) throw new IllegalStateException("step returned reward " + r.reward());
-            info = snapshot(r.info(), "step's info");
+            r = session.single.stepOne(action);
+            info = EnvReplies.snapshot(r.info(), "step's info");
         } catch (Throwable t) {
-            if (sessions.remove(sid, session)) release(session);
+            sessions.fail(sid, session);
             return failedStep(sid, "env_error", "step failed: " + describe(t) + "; the session is closed");
         }
-        session.lastUsedNanos = System.nanoTime();
         if (r.terminated() || r.truncated()) session.done = true;
         Map<String, Object> result = object("session_id", sid, "observation", r.observation(), "reward", r.reward());
         result.putAll(object("terminated", r.terminated(), "truncated", r.truncated(), "info", info, "error", null));
         return result;
     }
 
-    private Map<String, Object> stepBatch(Map<String, Object> body) {
+    /** POST /v1/step or POST /v2/step: the items run side by side, each refusal in its own result. */
+    private Map<String, Object> stepBatch(Map<String, Object> body, boolean multiAgent) {
         List<Future<Map<String, Object>>> running = new ArrayList<>();
-        for (RequestBody.BatchItem item : RequestBody.batchItems(body)) {
-            running.add(batchSteps.submit(() -> stepOrRefusal(item.sessionId(), item.action())));
+        for (RequestBody.BatchItem item : RequestBody.batchItems(body, multiAgent)) {
+            Callable<Map<String, Object>> one = multiAgent
+                    ? () -> v2.stepOrRefusal(item.sessionId(), item.actions())
+                    : () -> stepOrRefusal(item.sessionId(), item.action());
+            running.add(batchSteps.submit(one));
         }
         List<Object> results = new ArrayList<>();
         for (Future<Map<String, Object>> f : running) results.add(await(f));
@@ -366,65 +343,7 @@ public final class EnvServer {
         }
     }
 
-    private Map<String, Object> close(String sid) {
-        Session session = sessions.remove(sid);
-        if (session == null) throw unknownSession(sid);
-        release(session);
-        return object("session_id", sid, "closed", true);
-    }
-
-    /** Frees a removed session's place; its env is closed now, or by the step still running on it. */
-    private void release(Session session) {
-        slots.decrementAndGet();
-        session.removed = true;
-        closeEnv(session);
-    }
-
-    /** Env.close, once, and only when no step is running (a busy session is closed by its step's end). */
-    private static void closeEnv(Session session) {
-        if (!session.busy.compareAndSet(false, true)) return;
-        if (session.closed.compareAndSet(false, true)) {
-            try {
-                session.env.close();
-            } catch (Throwable t) {
-                System.err.println("env close failed: " + describe(t));
-            }
-        }
-    }
-
-    /** Closes sessions with no step for idle_timeout_s; a session in the middle of a step is left alone. */
-    private void expireIdle() {
-        long cutoff = System.nanoTime() - (long) (opts.idleTimeoutS * 1e9);
-        for (Map.Entry<String, Session> e : sessions.entrySet()) {
-            Session s = e.getValue();
-            if (s.lastUsedNanos - cutoff < 0 && s.busy.compareAndSet(false, true)) {
-                try {
-                    if (sessions.remove(e.getKey(), s)) release(s);
-                } finally {
-                    s.busy.set(false);
-                }
-                if (s.removed) closeEnv(s);
-            }
-        }
-    }
-
     // -- helpers ----------------------------------------------------------------------------------
-
-    private static Refusal unknownSession(String sid) {
-        return new Refusal(404, "unknown_session", "no open session '" + sid + "' (closed, expired, failed or "
-                + "never created); create one with POST /v1/sessions");
-    }
-
-    /** A JSON copy of an env's info map (null: empty), so the reply never depends on what the env does next. */
-    @SuppressWarnings("unchecked")
-    private static Map<String, Object> snapshot(Map<String, Object> info, String what) {
-        if (info == null) return new LinkedHashMap<>();
-        try {
-            return (Map<String, Object>) Json.parse(Json.write(info));
-        } catch (IllegalArgumentException e) {
-            throw new IllegalStateException(what + " is not JSON: " + e.getMessage());
-        }
-    }
 
     private static Map<String, Object> failedStep(String sid, String type, String message) {
         Map<String, Object> result = object("session_id", sid, "observation", "", "reward", 0.0, "terminated", true);
@@ -436,16 +355,16 @@ public final class EnvServer {
         return object("error", errorRecord(type, message));
     }
 
-    private static Map<String, Object> errorRecord(String type, String message) {
+    static Map<String, Object> errorRecord(String type, String message) {
         return object("type", type, "message", message);
     }
 
-    private static String describe(Throwable t) {
+    static String describe(Throwable t) {
         return t.getClass().getSimpleName() + (t.getMessage() == null ? "" : ": " + t.getMessage());
     }
 
     /** An ordered map from alternating keys and values. */
-    private static Map<String, Object> object(Object... keysAndValues) {
+    static Map<String, Object> object(Object... keysAndValues) {
         Map<String, Object> map = new LinkedHashMap<>();
         for (int i = 0; i < keysAndValues.length; i += 2) map.put((String) keysAndValues[i], keysAndValues[i + 1]);
         return map;

@@ -10,14 +10,17 @@ import java.util.HashSet;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
+import java.util.regex.Pattern;
 
 /**
- * The strict request bodies of protocol v1: a bounded read of the JSON object, and the checks of its keys and types,
+ * The strict request bodies of protocols v1 and v2: a bounded read of the JSON object, and the checks of its keys and types,
  * each refusing with a 400 that names the field ({@code body.<field>: ...}).
  */
 final class RequestBody {
-    /** One item of a POST /v1/step batch. */
-    record BatchItem(String sessionId, String action) {}
+    /** One item of a POST /v1/step batch ({@code action}) or a POST /v2/step batch ({@code actions}). */
+    record BatchItem(String sessionId, String action, Map<String, String> actions) {}
+
+    private static final Pattern OWNER = Pattern.compile("[A-Za-z0-9_.:-]{1,128}");
 
     private RequestBody() {}
 
@@ -85,8 +88,35 @@ final class RequestBody {
         return seed;
     }
 
-    /** The items of {@code {"steps": [...]}}, in order; a session named twice refuses the whole batch. */
-    static List<BatchItem> batchItems(Map<String, Object> body) {
+    /** The optional owner tag ({@code where} names it): 1 to 128 characters of A-Z a-z 0-9 _ . : -, or null. */
+    static String owner(Object value, String where) {
+        if (value == null) return null;
+        if (!(value instanceof String owner) || !OWNER.matcher(owner).matches()) {
+            throw Refusal.badRequest(where + ": expected 1 to 128 characters of A-Z a-z 0-9 _ . : - (the run's name)");
+        }
+        return owner;
+    }
+
+    /** A v2 step's {@code actions}: an object of strings keyed by agent id (its keys checked against the session's
+     * acting agents later, where the session is known). */
+    static Map<String, String> actions(Map<String, Object> body, String where) {
+        if (!body.containsKey("actions")) throw Refusal.badRequest(where + ".actions: required");
+        if (!(body.get("actions") instanceof Map<?, ?> raw)) {
+            throw Refusal.badRequest(where + ".actions: expected an object of actions keyed by agent id");
+        }
+        Map<String, String> actions = new LinkedHashMap<>();
+        for (Map.Entry<?, ?> e : raw.entrySet()) {
+            if (!(e.getValue() instanceof String action)) {
+                throw Refusal.badRequest(where + ".actions." + e.getKey() + ": expected a string");
+            }
+            actions.put((String) e.getKey(), action);
+        }
+        return actions;
+    }
+
+    /** The items of {@code {"steps": [...]}}, in order; a session named twice refuses the whole batch. Each item has
+     * {@code action} (v1) or, when {@code multiAgent}, {@code actions} (v2). */
+    static List<BatchItem> batchItems(Map<String, Object> body, boolean multiAgent) {
         onlyKeys(body, "body", "steps");
         if (!body.containsKey("steps")) throw Refusal.badRequest("body.steps: required");
         if (!(body.get("steps") instanceof List<?> items)) throw Refusal.badRequest("body.steps: expected a list");
@@ -97,13 +127,14 @@ final class RequestBody {
             if (!(items.get(i) instanceof Map<?, ?> raw)) throw Refusal.badRequest(where + ": expected an object");
             @SuppressWarnings("unchecked")
             Map<String, Object> item = (Map<String, Object>) raw;
-            onlyKeys(item, where, "session_id", "action");
+            onlyKeys(item, where, "session_id", multiAgent ? "actions" : "action");
             String sid = requiredString(item, "session_id", where);
             if (!seen.add(sid)) {
                 throw Refusal.badRequest(where + ".session_id: session " + sid + " appears twice; a batch steps "
                         + "each session at most once");
             }
-            steps.add(new BatchItem(sid, requiredString(item, "action", where)));
+            steps.add(multiAgent ? new BatchItem(sid, null, actions(item, where))
+                    : new BatchItem(sid, requiredString(item, "action", where), null));
         }
         return steps;
     }
