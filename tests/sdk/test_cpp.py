@@ -7,17 +7,16 @@ import json
 import os
 import re
 import selectors
-import shutil
 import socket
 import subprocess
 import threading
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import requests
-from sdk_helpers import server_process, slow_requests, train_two_steps
+from cpp_helpers import SDK, CppServer, build_examples, compile_env, require_toolchain, run_checked
+from sdk_helpers import slow_requests, train_two_steps
 
 from areal_agents.envs import make_env
 from areal_agents.models import load_tokenizer
@@ -25,49 +24,14 @@ from areal_agents.net import free_port
 
 pytestmark = pytest.mark.process
 
-SDK = Path(__file__).resolve().parents[2] / "sdk" / "cpp"
 GUESS = "cpp/GuessNumber-v0"
 LIMITS = ["--max-sessions", "16", "--max-body-bytes", "65536", "--max-action-chars", "1000", "--idle-timeout", "5"]
-
-
-def require_toolchain() -> None:
-    """Skip (a failure under CI=true) when the compiler, cmake or the Debian packages are missing."""
-    missing = [tool for tool in ("g++", "cmake", "pkg-config") if shutil.which(tool) is None]
-    if not missing:
-        for package in ("cpp-httplib", "nlohmann_json"):
-            if subprocess.run(["pkg-config", "--exists", package], timeout=30).returncode != 0:
-                missing.append(f"{package} (Debian: libcpp-httplib-dev / nlohmann-json3-dev)")
-    if missing:
-        pytest.skip(f"the C++ SDK needs {', '.join(missing)}")
-
-
-def run_checked(args: list[str], timeout: float) -> None:
-    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        pytest.fail(f"{' '.join(args)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory) -> Path:
     """The SDK's examples, built once (the directory holding guess_number, play_episode and generate)."""
-    require_toolchain()
-    out = tmp_path_factory.mktemp("cpp-build")
-    run_checked(["cmake", "-S", str(SDK), "-B", str(out)], timeout=120)
-    run_checked(["cmake", "--build", str(out), "-j2"], timeout=600)
-    return out
-
-
-class CppServer:
-    """A C++ env server binary on a free port, healthy, stopped by ``stop``."""
-
-    def __init__(self, binary: Path, *args: str) -> None:
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self._running = ExitStack()
-        self.process = self._running.enter_context(server_process([str(binary), "--port", str(port), *args], self.url))
-
-    def stop(self) -> None:
-        self._running.close()
+    return build_examples(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -240,14 +204,7 @@ FAULTY_MAX_SESSIONS = 16
 @pytest.fixture(scope="module")
 def faulty_binary(build, tmp_path_factory) -> Path:
     """An env server whose factory, reset and step throw on request, compiled against the SDK's headers."""
-    out = tmp_path_factory.mktemp("faulty")
-    (out / "faulty.cpp").write_text(FAULTY_ENV)
-    flags = subprocess.run(
-        ["pkg-config", "--cflags", "--libs", "cpp-httplib", "nlohmann_json"], capture_output=True, text=True, timeout=30
-    ).stdout.split()
-    compile_ = ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", f"-I{SDK / 'include'}", str(out / "faulty.cpp")]
-    run_checked([*compile_, "-o", str(out / "faulty"), *flags, "-pthread"], timeout=300)
-    return out / "faulty"
+    return compile_env(FAULTY_ENV, tmp_path_factory.mktemp("faulty"), "faulty")
 
 
 @pytest.fixture(scope="module")
