@@ -105,6 +105,7 @@ def cmd_check_env_server(args: argparse.Namespace) -> int:
     from areal_agents.envs.runtime.conformance import run_cli
 
     options = {"action": args.action, "max_steps": args.max_steps, "session_probe_limit": args.session_probe_limit}
+    options.update(multi_agent_env=args.multi_agent_env, multi_agent_kwargs=args.multi_agent_kwargs)
     return run_cli(args.url, args.env_id, args.kwargs, strict=args.strict, **options)
 
 
@@ -360,10 +361,24 @@ def _add_serve_env(sub: argparse._SubParsersAction) -> None:
     p.add_argument("url", help="the server, e.g. http://127.0.0.1:8765")
     p.add_argument("--env-id", default="", help="the env to play (default: the first /v1/envs lists)")
     p.add_argument("--kwargs", default="{}", help="its kwargs, as a JSON object")
-    p.add_argument("--action", default="0", help="the action every step sends; episodes must end within --max-steps")
+    p.add_argument(
+        "--action",
+        default="0",
+        help="the action every step sends (over v2: every acting agent); episodes must end within --max-steps",
+    )
+    p.add_argument(
+        "--multi-agent-env",
+        default="",
+        help="the multi-agent env the v2 checks play (default: areal_agents/Debate-v0 when /v1/envs lists it)",
+    )
+    p.add_argument("--multi-agent-kwargs", default="{}", help="its kwargs, as a JSON object")
     p.add_argument("--max-steps", type=int, default=64, help="steps an episode may take")
     p.add_argument("--session-probe-limit", type=int, default=256, help="fill the session cap when it is this or less")
-    p.add_argument("--strict", action="store_true", help="a check that could not run fails too (exit 1)")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="a check that could not run fails too (exit 1); a v1-only server's v2 checks do not: it conforms to v1",
+    )
     p.set_defaults(fn=cmd_check_env_server)
 
 

@@ -1,5 +1,6 @@
-"""The conformance suite (`check-env-server`): it passes against our Python server, and each rule broken on
-purpose in a copy of that server is caught by the check for that rule, and by that check alone."""
+"""The conformance suite (`check-env-server`): it passes against our Python server (v1 and v2), each rule broken on
+purpose in a copy of that server is caught by the check for that rule, and by that check alone, and a server that
+speaks v1 only passes on v1 (its v2 checks are not run)."""
 
 import asyncio
 import contextlib
@@ -9,12 +10,29 @@ import pytest
 from app_in_thread import serving_app
 
 from areal_agents.cli import main
+from areal_agents.envs.registry import describe_envs
+from areal_agents.envs.runtime import server as server_module
+from areal_agents.envs.runtime import server_v2
 from areal_agents.envs.runtime.conformance import CHECKS, check_env_server
+from areal_agents.envs.runtime.conformance_v2 import V2_CHECKS
+from areal_agents.envs.runtime.protocol import MultiBatchStepResult, OwnerClosed, SessionCreated, reply
 from areal_agents.envs.runtime.remote import EnvServerProcess
 from areal_agents.envs.runtime.server import EnvServer, HTTPError, ServerConfig, build_app
 from areal_agents.net import free_port
 
-ARITHMETIC = "areal_agents/Arithmetic-v0"
+ARITHMETIC, DEBATE, TURNS = "areal_agents/Arithmetic-v0", "areal_agents/Debate-v0", "areal_agents_testing/Turns-v0"
+V2_NAMES = [name for name, _ in V2_CHECKS]
+V2_SINGLE, V2_OWNER, V2_V1_REFUSES = (
+    "v2: a single-agent env is the one agent 'agent'",
+    "v2: owner tags, close by owner",
+    "v2: v1 refuses a multi-agent env (400)",
+)
+V2_END, V2_SEED, V2_KEYS = (
+    "v2: episode end, single and batched steps (409 episode_over)",
+    "v2: same seed, same episode",
+    "v2: actions of exactly the acting agents (400)",
+)
+V2_ACTION_LIMIT, V2_BATCH = "v2: action limit (400 action_too_long)", "v2: batched step"
 LIMITS = {"max_sessions": 16, "max_body_bytes": 65536, "max_action_chars": 1000, "idle_timeout": 5}
 
 
@@ -54,7 +72,7 @@ def test_the_cli_prints_a_line_per_check_and_exits_1_on_a_failure(capsys):
         assert main(argv) == 0
         out = capsys.readouterr().out
         assert "SKIP episode end (409 episode_over): an episode did not end within 1 steps of action '0'" in out
-        assert "0 failed, 5 skipped" in out
+        assert "0 failed, 10 skipped" in out  # 5 of v1, 5 of v2 (debates of 2 rounds)
         assert main([*argv, "--strict"]) == 1  # strict: what could not be checked fails
     with serving(NoEpisodeEnd) as url:
         assert main(["check-env-server", url, "--env-id", ARITHMETIC]) == 1
@@ -68,6 +86,7 @@ def test_the_cli_prints_a_line_per_check_and_exits_1_on_a_failure(capsys):
         (["http://127.0.0.1:1"], "cannot check http://127.0.0.1:1: ClientConnectorError"),
         (["http://127.0.0.1:1", "--kwargs", "{digits: 2}"], "--kwargs is not JSON"),
         (["http://127.0.0.1:1", "--kwargs", "[2]"], "--kwargs should be a JSON object"),
+        (["http://127.0.0.1:1", "--multi-agent-kwargs", "{rounds: 1}"], "--multi-agent-kwargs is not JSON"),
     ],
 )
 def test_cli_errors_are_one_line(argv, message, capsys):
@@ -182,7 +201,8 @@ ACTION_LIMIT, OPTIONAL, IDLE = (
     "server_class, failing",
     [
         (NoEpisodeEnd, [EPISODE_END]),
-        (SeedIgnored, [SAME_SEED, BATCH, "malformed bodies (400)", "concurrent sessions"]),  # all replay seeds
+        # every check that replays a seed
+        (SeedIgnored, [SAME_SEED, BATCH, "malformed bodies (400)", "concurrent sessions", V2_SINGLE]),
         (RacyCap, ["session cap (429)"]),
         (BatchOutOfOrder, [BATCH]),
         (CloseKeepsTheSession, [LIFECYCLE, "session cap (429)", IDLE]),  # closed sessions fill the cap
@@ -229,3 +249,143 @@ def test_without_limits_in_health_nothing_else_is_checked():
         report = check_env_server(url, env_id=ARITHMETIC)
     assert report.failed == ["health reports the protocol and limits"]
     assert len(report.skipped) == len(CHECKS) - 1
+
+
+# -- v1-only servers, and v2 servers without a multi-agent env ----------------------------------------------------
+
+
+class V1Only(EnvServer):
+    """Says it speaks v1 only, as the C++ and Java SDK servers did before v2."""
+
+    def health(self):
+        health = super().health()
+        health.pop("protocols", None)
+        return {**health, "protocol": "v1"}
+
+
+@pytest.mark.process
+def test_a_v1_only_server_passes_on_v1_alone_under_strict_too(capsys):
+    with serving(V1Only) as url:
+        assert main(["check-env-server", url, "--env-id", ARITHMETIC, "--kwargs", '{"max_turns": 2}', "--strict"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS ") == len(CHECKS) - len(V2_NAMES)
+    for name in V2_NAMES:
+        assert f"SKIP {name}: the server speaks v1 only (/health protocols ['v1'])" in out
+    assert "0 failed, 0 skipped" in out and "the server speaks v1 only, so its 10 v2 checks were not run" in out
+
+
+@pytest.mark.process
+def test_without_a_multi_agent_env_its_checks_say_which_flag_to_pass(monkeypatch, capsys):
+    listed = [(env_id, about) for env_id, about in describe_envs() if env_id != DEBATE]
+    monkeypatch.setattr(server_module, "describe_envs", lambda: listed)
+    with serving(EnvServer) as url:
+        argv = ["check-env-server", url, "--env-id", ARITHMETIC, "--kwargs", '{"max_turns": 2}']
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert f"SKIP v2: batched step: no multi-agent env to play (/v1/envs does not list {DEBATE}); pass " in out
+        assert "PASS v2: owner tags, close by owner" in out and "0 failed, 7 skipped" in out
+        assert main([*argv, "--strict"]) == 1
+        assert main([*argv, "--multi-agent-env", DEBATE, "--multi-agent-kwargs", '{"rounds": 3}', "--strict"]) == 0
+    assert f"multi-agent env {DEBATE})" in capsys.readouterr().out
+
+
+@pytest.mark.process
+def test_a_turn_based_env_passes_the_v2_checks():
+    """Turns-v0 acts one agent at a time: a step with an action of an agent whose turn it is not is refused."""
+    with EnvServerProcess(module="areal_agents.envs.testing", **LIMITS) as server:
+        kwargs = {"num_agents": 3, "turns": 5}
+        report = check_env_server(server.url, env_id=ARITHMETIC, multi_agent_env=TURNS, multi_agent_kwargs=kwargs)
+    assert report.ok and not report.skipped and not report.not_spoken, report.lines()
+    assert report.protocols == ["v1", "v2"] and report.multi_agent_env == TURNS
+
+
+# -- the Python server with one v2 rule broken --------------------------------------------------------------------
+
+
+class V1TakesMultiAgentEnvs(EnvServer):
+    async def create(self, req):
+        sid, _, (observation, info) = await self.open(req)
+        return reply(SessionCreated, session_id=sid, observation=observation, info=info)
+
+
+class OwnerClosesEverything(EnvServer):
+    async def close_owner(self, owner):
+        closed = len(self.sessions)
+        for sid in list(self.sessions):
+            await self.close(sid)
+        return reply(OwnerClosed, owner=owner, closed=closed)
+
+
+class V1ForgetsTheOwner(EnvServer):
+    async def create(self, req):
+        return await super().create(req.model_copy(update={"owner": None}))
+
+
+class ActionLimitOnV1Only(EnvServer):
+    def check_action(self, action, who="action"):
+        if who == "action":
+            super().check_action(action, who)
+
+
+class MultiAgentEpisodesNeverEnd(EnvServer):
+    """Never marks a multi-agent episode over: a step after its end is refused for its keys, not 409."""
+
+    def ended(self, session):
+        if not session.env.multi_agent:
+            super().ended(session)
+
+
+class V2SeedIgnored(EnvServer):
+    async def open(self, req, multi_agent_ok=True):
+        if multi_agent_ok:  # a v2 creation
+            req = req.model_copy(update={"seed": random.randrange(10**6)})
+        return await super().open(req, multi_agent_ok)
+
+
+def lenient_keys(monkeypatch):
+    """Actions go to the env whichever agents they name (the env refuses a wrong set: an env error)."""
+
+    def check_actions(server, sid, session, actions):
+        server.check_ready(sid, session)
+        for agent, action in actions.items():
+            server.check_action(action, f"the action of {agent!r}")
+
+    monkeypatch.setattr(server_v2, "_check_actions", check_actions)
+
+
+def batch_reversed(monkeypatch):
+    step_batch = server_v2.step_batch
+
+    async def reversed_batch(server, req):
+        return reply(MultiBatchStepResult, results=(await step_batch(server, req)).results[::-1])
+
+    monkeypatch.setattr(server_v2, "step_batch", reversed_batch)
+
+
+def single_agent_named_player(monkeypatch):
+    monkeypatch.setattr(server_v2, "SINGLE_AGENT", "player")
+    monkeypatch.setattr(server_module, "SINGLE_AGENT", "player")
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(
+    "server_class, patch, failing",
+    [
+        (V1TakesMultiAgentEnvs, None, [V2_V1_REFUSES]),
+        (OwnerClosesEverything, None, [V2_OWNER]),
+        (V1ForgetsTheOwner, None, [V2_OWNER]),
+        (ActionLimitOnV1Only, None, [V2_ACTION_LIMIT]),
+        (MultiAgentEpisodesNeverEnd, None, [V2_END]),
+        (V2SeedIgnored, None, [V2_SINGLE, V2_END, V2_SEED, V2_KEYS, V2_BATCH]),
+        (EnvServer, lenient_keys, [V2_KEYS, V2_BATCH]),
+        (EnvServer, batch_reversed, [V2_BATCH]),
+        (EnvServer, single_agent_named_player, [V2_SINGLE]),
+    ],
+    ids=lambda case: getattr(case, "__name__", "") if callable(case) else "",
+)
+def test_a_broken_v2_rule_fails_its_check(server_class, patch, failing, monkeypatch):
+    if patch:
+        patch(monkeypatch)
+    with serving(server_class) as url:
+        report = check_env_server(url, env_id=ARITHMETIC, kwargs={"max_turns": 3}, checks=V2_CHECKS)
+    assert report.failed == failing, report.lines()

@@ -1,6 +1,7 @@
 """The env-step protocol's conformance suite: every rule of docs/env-protocol.md, checked against a live server.
 
     areal-agents check-env-server http://127.0.0.1:8765 --env-id cpp/GuessNumber-v0
+    areal-agents check-env-server http://127.0.0.1:8765 --multi-agent-env areal_agents/Debate-v0
 
     report = check_env_server("http://127.0.0.1:8765", env_id="areal_agents/Arithmetic-v0")
     assert report.ok, report.failed
@@ -10,6 +11,7 @@ of that action. Limits come from ``/health``; the session cap is tested by filli
 ``session_probe_limit``, idle expiry by waiting when the timeout is at most 5 s. Run it against a server
 nobody else uses: it counts open sessions. Not checked (they need a slow or failing env): ``session_busy``,
 step timeouts, env failures; nor how long a server lets a slow request go on (only that it serves others).
+A server whose /health lists v2 gets the v2 checks too (`conformance_v2`); a v1-only server passes on v1 alone.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from areal_agents.envs.runtime.conformance_probe import (
+    NotSpoken,
     NotTestable,
     Probe,
     Violation,
@@ -31,13 +33,16 @@ from areal_agents.envs.runtime.conformance_probe import (
     check_step_result,
     expect_error,
     expect_ok,
+    play,
     slow_clients,
     status_on_new_connection,
     trajectory_step,
 )
-from areal_agents.envs.runtime.protocol import PROTOCOL_VERSION, Limits
+from areal_agents.envs.runtime.conformance_v2 import V2_CHECKS, Check, choose_multi_agent_env
+from areal_agents.envs.runtime.protocol import Limits
 from areal_agents.errors import ArealAgentsError
 
+PROTOCOLS = ("v1", "v2")
 # /health's limits, as the protocol's schema has them (a float field also takes a JSON integer)
 LIMIT_FIELDS = {
     name: (int, float) if f.annotation is float else f.annotation for name, f in Limits.model_fields.items()
@@ -56,12 +61,15 @@ class CheckResult:
     name: str
     status: str  # PASS | FAIL | SKIP
     detail: str = ""
+    applies: bool = True  # False: a rule of a protocol version the server does not speak (a SKIP that is no mark)
 
 
 @dataclass
 class Report:
     results: list[CheckResult] = field(default_factory=list)
     env_id: str = ""
+    multi_agent_env: str = ""
+    protocols: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> list[str]:
@@ -69,7 +77,13 @@ class Report:
 
     @property
     def skipped(self) -> list[str]:
-        return [r.name for r in self.results if r.status == "SKIP"]
+        """The checks that could not run as the server is configured (a v1-only server's v2 checks are not here)."""
+        return [r.name for r in self.results if r.status == "SKIP" and r.applies]
+
+    @property
+    def not_spoken(self) -> list[str]:
+        """The checks of a protocol version the server does not speak."""
+        return [r.name for r in self.results if not r.applies]
 
     @property
     def ok(self) -> bool:
@@ -83,10 +97,17 @@ class Report:
 
 
 async def check_health(p: Probe) -> None:
+    """Status, protocol (v1, or v2 with ``protocols`` listing v1 and v2) and limits."""
     health = expect_ok(await p.request("GET", "/health"), "GET /health")
     check_fields(health, {"status": str, "protocol": str, "sessions_open": int, "limits": dict}, "/health")
-    if health["status"] != "ok" or health["protocol"] != PROTOCOL_VERSION:
-        raise Violation(f"/health: expected status 'ok' and protocol {PROTOCOL_VERSION!r}, got {json.dumps(health)}")
+    if health["status"] != "ok" or health["protocol"] not in PROTOCOLS:
+        raise Violation(f"/health: expected status 'ok' and protocol 'v1' or 'v2', got {json.dumps(health)}")
+    if health["protocol"] != "v1" or "protocols" in health:
+        check_fields(health, {"protocols": list}, "/health of a server that speaks v2")
+        if not {"v1", health["protocol"]} <= set(health["protocols"]):
+            raise Violation(
+                f"/health: protocols should list v1 and the protocol ({health['protocol']!r}): {json.dumps(health)}"
+            )
     check_fields(health["limits"], LIMIT_FIELDS, "/health's limits")
     if any(health["limits"][k] <= 0 for k in LIMIT_FIELDS):
         raise Violation(f"/health's limits must be positive: {health['limits']}")
@@ -142,26 +163,6 @@ async def check_idle_expiry(p: Probe) -> None:
             raise Violation(f"a session idle for {2 * idle + 3:.1f}s is still open (idle_timeout_s {idle})")
         await asyncio.sleep(0.1)
     expect_error(await p.step(sid), 404, "unknown_session", "a step on an expired session")
-
-
-async def play(
-    p: Probe, seed: int, step: Callable[[str], Awaitable[dict]] | None = None, *, keep: bool = False
-) -> tuple[str, list]:
-    """One episode of ``seed`` to its end: (its session id, its first observation and info, then each step).
-    The session is closed after it unless ``keep``."""
-    created = await p.create(seed=seed)
-    sid, trajectory = created["session_id"], [(created["observation"], created["info"])]
-    for _ in range(p.max_steps):
-        result = await (step(sid) if step else p.step_ok(sid))
-        trajectory.append(trajectory_step(result))
-        if result["terminated"] or result["truncated"]:
-            if not keep:
-                expect_ok(await p.close(sid), "closing a finished session")
-            return sid, trajectory
-    await p.close(sid)
-    raise NotTestable(
-        f"an episode did not end within {p.max_steps} steps of action {p.action!r}; pass --action or --max-steps"
-    )
 
 
 async def check_episode_end(p: Probe) -> None:
@@ -369,7 +370,7 @@ def _create_body(p: Probe, seed: int) -> dict[str, Any]:
     return {"env_id": p.env_id, "kwargs": p.kwargs, "seed": seed}
 
 
-CHECKS: list[tuple[str, Callable[[Probe], Awaitable[None]]]] = [
+CHECKS: list[tuple[str, Check]] = [
     ("health reports the protocol and limits", check_health),
     ("/v1/envs lists the env", check_env_list),
     ("session lifecycle", check_session_lifecycle),
@@ -386,17 +387,20 @@ CHECKS: list[tuple[str, Callable[[Probe], Awaitable[None]]]] = [
     ("unknown path (404)", check_unknown_path),
     ("slow clients do not stall the server", check_slow_clients),
     ("idle sessions expire", check_idle_expiry),
+    *V2_CHECKS,
     ("JSON replies", check_json_replies),
 ]
 
 
-async def run_checks(probe: Probe) -> Report:
+async def run_checks(probe: Probe, checks: list[tuple[str, Check]] = CHECKS) -> Report:
     """Every check in order; one that breaks a rule is reported and the next one runs."""
     report = Report()
-    for name, check in CHECKS:
+    for name, check in checks:
         try:
             await check(probe)
             report.results.append(CheckResult(name, "PASS"))
+        except NotSpoken as e:
+            report.results.append(CheckResult(name, "SKIP", str(e), applies=False))
         except NotTestable as e:
             report.results.append(CheckResult(name, "SKIP", str(e)))
         except Violation as e:
@@ -406,8 +410,10 @@ async def run_checks(probe: Probe) -> Report:
     return report
 
 
-async def acheck_env_server(url: str, *, env_id: str = "", timeout: float = 60.0, **options: Any) -> Report:
-    """`check_env_server`, in a running event loop."""
+async def acheck_env_server(
+    url: str, *, env_id: str = "", timeout: float = 60.0, checks: list[tuple[str, Check]] = CHECKS, **options: Any
+) -> Report:
+    """`check_env_server`, in a running event loop; ``checks``: the suite's, or some of them in its order."""
     probe = Probe(url.rstrip("/"), env_id=env_id, **options)
     connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as client:
@@ -415,39 +421,53 @@ async def acheck_env_server(url: str, *, env_id: str = "", timeout: float = 60.0
         health = await probe.request("GET", "/health")
         if isinstance(health.body, dict) and isinstance(health.body.get("limits"), dict):
             probe.limits = health.body["limits"]
+        if isinstance(health.body, dict) and isinstance(health.body.get("protocols"), list):
+            probe.protocols = [str(version) for version in health.body["protocols"]]
         if not probe.env_id:
             probe.env_id = await _first_env(probe)
+        await choose_multi_agent_env(probe)
         if not all(isinstance(probe.limits.get(k), int | float) for k in LIMIT_FIELDS):
             report = Report([CheckResult(CHECKS[0][0], "FAIL", f"GET /health gave no limits: {health.describe()}")])
             report.results += [CheckResult(name, "SKIP", "the server's limits are unknown") for name, _ in CHECKS[1:]]
         else:
-            report = await run_checks(probe)
-        report.env_id = probe.env_id
+            report = await run_checks(probe, checks)
+        report.env_id, report.multi_agent_env, report.protocols = probe.env_id, probe.multi_agent_env, probe.protocols
         return report
 
 
 def check_env_server(url: str, *, env_id: str = "", **options: Any) -> Report:
-    """Check the env-step server at ``url`` against the protocol, playing ``env_id`` (default: the first listed)."""
+    """Check the env-step server at ``url`` against the protocol, playing ``env_id`` (default: the first listed)
+    and, on a v2 server, ``multi_agent_env`` (default: areal_agents/Debate-v0 when listed)."""
     return asyncio.run(acheck_env_server(url, env_id=env_id, **options))
 
 
-def run_cli(url: str, env_id: str, kwargs: str, *, strict: bool = False, **options: Any) -> int:
-    """``areal-agents check-env-server``: a line per check; exit 1 when one failed (or, ``strict``, was skipped)."""
+def run_cli(
+    url: str, env_id: str, kwargs: str, *, strict: bool = False, multi_agent_kwargs: str = "{}", **options: Any
+) -> int:
+    """``areal-agents check-env-server``: a line per check; exit 1 when one failed (or, ``strict``, was skipped).
+    A v1-only server's v2 checks are shown as SKIP but are no failure, under ``strict`` too: it conforms to v1."""
+    options["multi_agent_kwargs"] = _json_object(multi_agent_kwargs, "--multi-agent-kwargs")
     try:
-        parsed = json.loads(kwargs)
-    except ValueError as e:
-        raise ArealAgentsError(f"--kwargs is not JSON: {e}") from None
-    if not isinstance(parsed, dict):
-        raise ArealAgentsError(f"--kwargs should be a JSON object, got {kwargs!r}")
-    try:
-        report = check_env_server(url, env_id=env_id, kwargs=parsed, **options)
+        report = check_env_server(url, env_id=env_id, kwargs=_json_object(kwargs, "--kwargs"), **options)
     except (aiohttp.ClientError, TimeoutError, Violation) as e:
         raise ArealAgentsError(f"cannot check {url}: {type(e).__name__}: {e}") from None
-    for line in report.lines():
-        print(line)
     passed = sum(r.status == "PASS" for r in report.results)
-    print(f"{passed} passed, {len(report.failed)} failed, {len(report.skipped)} skipped ({url}, env {report.env_id})")
+    envs = f"env {report.env_id}" + (f", multi-agent env {report.multi_agent_env}" if report.multi_agent_env else "")
+    summary = f"{passed} passed, {len(report.failed)} failed, {len(report.skipped)} skipped ({url}, {envs})"
+    if report.not_spoken:
+        summary += f"; the server speaks v1 only, so its {len(report.not_spoken)} v2 checks were not run"
+    print("\n".join([*report.lines(), summary]))
     return 0 if report.ok and not (strict and report.skipped) else 1
+
+
+def _json_object(text: str, flag: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(text)
+    except ValueError as e:
+        raise ArealAgentsError(f"{flag} is not JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        raise ArealAgentsError(f"{flag} should be a JSON object, got {text!r}")
+    return parsed
 
 
 async def _first_env(p: Probe) -> str:

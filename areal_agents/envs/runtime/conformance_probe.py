@@ -1,20 +1,38 @@
 """The conformance suite's HTTP side: one `Probe` per run (a client, the server's limits, the env under test),
 the shape checks every reply goes through, and raw connections for what a well-behaved client never does
-(slow clients). The checks themselves are in `conformance`."""
+(slow clients). The checks themselves are in `conformance` (v1) and `conformance_v2` (multi-agent sessions)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 
 STEP_FIELDS = {"session_id": str, "observation": str, "reward": (int, float), "terminated": bool, "truncated": bool}
+CREATED_V2_FIELDS = {
+    "session_id": str,
+    "multi_agent": bool,
+    "agents": list,
+    "acting": list,
+    "observations": dict,
+    "infos": dict,
+}
+STEP_V2_FIELDS = {
+    "session_id": str,
+    "observations": dict,
+    "rewards": dict,
+    "terminations": dict,
+    "truncations": dict,
+    "infos": dict,
+    "acting": list,
+}
+NUMBER = (int, float)
 
 
 class Violation(Exception):
@@ -23,6 +41,11 @@ class Violation(Exception):
 
 class NotTestable(Exception):
     """The rule cannot be checked against this server as configured (the message says why and what to pass)."""
+
+
+class NotSpoken(NotTestable):
+    """The rule belongs to a protocol version the server does not speak (a v1-only server and the v2 rules):
+    not checked, and no mark against the server, which conforms to what it speaks."""
 
 
 @dataclass
@@ -47,6 +70,9 @@ class Probe:
     max_steps: int = 64
     session_probe_limit: int = 256
     limits: dict[str, Any] = field(default_factory=dict)
+    protocols: list[str] = field(default_factory=lambda: ["v1"])  # what /health says the server speaks
+    multi_agent_env: str = ""  # the multi-agent env the v2 checks play ("" when there is none to play)
+    multi_agent_kwargs: dict[str, Any] = field(default_factory=dict)
     client: aiohttp.ClientSession | None = None
     not_json: list[str] = field(default_factory=list)  # replies whose Content-Type was not JSON
     opened: set[str] = field(default_factory=set)  # sessions the suite created and has not closed
@@ -73,7 +99,8 @@ class Probe:
             body = json.loads(text) if text else None
         except ValueError:
             body = None
-        if method == "POST" and path == "/v1/sessions" and response.status == 200 and isinstance(body, dict):
+        created = path in ("/v1/sessions", "/v2/sessions")
+        if method == "POST" and created and response.status == 200 and isinstance(body, dict):
             self.opened.add(str(body.get("session_id")))
         elif method == "DELETE":
             self.opened.discard(path.rsplit("/", 1)[-1])
@@ -101,8 +128,31 @@ class Probe:
         check_step_result(result, sid, "the step's reply")
         return result
 
-    async def close(self, sid: str) -> Reply:
-        return await self.request("DELETE", f"/v1/sessions/{sid}")
+    async def close(self, sid: str, version: str = "v1") -> Reply:
+        return await self.request("DELETE", f"/{version}/sessions/{sid}")
+
+    # -- v2: sessions of several agents -------------------------------------------------------------
+
+    def actions(self, acting: list[str]) -> dict[str, str]:
+        """Every acting agent's action: ``action`` each."""
+        return {agent: self.action for agent in acting}
+
+    async def create_v2(
+        self, seed: int | None = 0, env_id: str = "", kwargs: dict[str, Any] | None = None, **extra: Any
+    ) -> dict[str, Any]:
+        """Open a v2 session of ``env_id`` (default: the multi-agent env under test); its reply, checked for shape."""
+        env_id, kwargs = (env_id, kwargs or {}) if env_id else (self.multi_agent_env, self.multi_agent_kwargs)
+        body = {"env_id": env_id, "kwargs": kwargs, "seed": seed, **extra}
+        reply = await self.request("POST", "/v2/sessions", body)
+        created = expect_ok(reply, f"POST /v2/sessions {json.dumps(body)[:200]}")
+        check_created_v2(created, f"the created v2 session of {env_id}")
+        return created
+
+    async def step_v2(self, sid: str, actions: dict[str, Any]) -> Reply:
+        return await self.request("POST", f"/v2/sessions/{sid}/step", {"actions": actions})
+
+    async def close_owned(self, owner: str) -> Reply:
+        return await self.request("DELETE", f"/v2/sessions?owner={quote(owner, safe='')}")
 
     async def close_leftovers(self) -> None:
         """Closes the sessions that checks which failed midway left open."""
@@ -145,15 +195,21 @@ def check_fields(obj: Any, fields: dict[str, Any], what: str) -> None:
 
 def check_step_result(result: Any, sid: str, what: str, *, failed: bool = False) -> None:
     """The StepResult shape; ``failed``: a refused batch item (error set, episode over) rather than a normal step."""
-    check_fields(result, {**STEP_FIELDS, "info": dict}, what)
+    check_result_frame(result, {**STEP_FIELDS, "info": dict}, sid, what, failed)
+    if failed and not result["terminated"]:
+        raise Violation(f"{what}: a failed step must end the episode (terminated true): {json.dumps(result)}")
+
+
+def check_result_frame(result: Any, fields: dict[str, Any], sid: str, what: str, failed: bool) -> None:
+    """What every step result has, v1 or v2: ``fields``, its session id, and an error: null, or when ``failed``
+    a typed record."""
+    check_fields(result, fields, what)
     if "error" not in result:
         raise Violation(f"{what} has no 'error' (null for a normal step): {json.dumps(result)[:300]}")
     if result["session_id"] != sid:
         raise Violation(f"{what}: session_id is {result['session_id']!r}, expected {sid!r}")
     if failed:
         check_fields(result["error"], {"type": str, "message": str}, f"{what}'s error")
-        if not result["terminated"]:
-            raise Violation(f"{what}: a failed step must end the episode (terminated true): {json.dumps(result)}")
     elif result["error"] is not None:
         raise Violation(f"{what}: error should be null, got {result['error']!r}")
 
@@ -161,6 +217,88 @@ def check_step_result(result: Any, sid: str, what: str, *, failed: bool = False)
 def trajectory_step(result: dict[str, Any]) -> tuple:
     """What must repeat when an episode is replayed with the same seed and actions."""
     return (result["observation"], float(result["reward"]), result["terminated"], result["truncated"], result["info"])
+
+
+async def play(
+    p: Probe, seed: int, step: Callable[[str], Awaitable[dict]] | None = None, *, keep: bool = False
+) -> tuple[str, list]:
+    """One v1 episode of ``seed`` to its end: (its session id, its first observation and info, then each step).
+    The session is closed after it unless ``keep``."""
+    created = await p.create(seed=seed)
+    sid, trajectory = created["session_id"], [(created["observation"], created["info"])]
+    for _ in range(p.max_steps):
+        result = await (step(sid) if step else p.step_ok(sid))
+        trajectory.append(trajectory_step(result))
+        if result["terminated"] or result["truncated"]:
+            if not keep:
+                expect_ok(await p.close(sid), "closing a finished session")
+            return sid, trajectory
+    await p.close(sid)
+    raise NotTestable(
+        f"an episode did not end within {p.max_steps} steps of action {p.action!r}; pass --action or --max-steps"
+    )
+
+
+# -- v2 shapes -----------------------------------------------------------------------------------------------
+
+
+def check_created_v2(created: Any, what: str) -> None:
+    """A v2 create reply: its agents, who acts first (never nobody) and an observation for each of them."""
+    check_fields(created, CREATED_V2_FIELDS, what)
+    agents = created["agents"]
+    if not agents or not all(isinstance(a, str) and a for a in agents) or len(set(agents)) != len(agents):
+        raise Violation(f"{what}: agents should be distinct non-empty strings, got {agents!r}")
+    if not created["session_id"]:
+        raise Violation(f"{what}: session_id is empty")
+    check_acting(created["acting"], agents, what)
+    if not created["acting"]:
+        raise Violation(f"{what}: acting is empty right after a reset")
+    check_per_agent(created["observations"], str, agents, f"{what}'s observations")
+    check_per_agent(created["infos"], dict, agents, f"{what}'s infos")
+    if missing := [a for a in created["acting"] if a not in created["observations"]]:
+        raise Violation(f"{what}: no observation for the acting agents {missing}: {json.dumps(created)[:300]}")
+
+
+def check_step_result_v2(
+    result: Any, sid: str, acted: list[str], agents: list[str], what: str, *, failed: bool = False
+) -> None:
+    """A MultiStepResult: per-agent dicts over the episode's agents, a reward, termination, truncation and info
+    for every agent that ``acted``; ``failed``: a refused batch item (error set, nobody acts next)."""
+    check_result_frame(result, STEP_V2_FIELDS, sid, what, failed)
+    if failed:
+        if result["acting"] != []:
+            raise Violation(f"{what}: a failed step must end the episode (acting []): {json.dumps(result)[:300]}")
+        return
+    check_acting(result["acting"], agents, what)
+    for key, kind in (("observations", str), ("rewards", NUMBER), ("terminations", bool), ("truncations", bool)):
+        check_per_agent(result[key], kind, agents, f"{what}'s {key}")
+    check_per_agent(result["infos"], dict, agents, f"{what}'s infos")
+    for key in ("rewards", "terminations", "truncations", "infos"):
+        if missing := [a for a in acted if a not in result[key]]:
+            raise Violation(f"{what}: {key} has nothing for {missing}, who acted in this step")
+
+
+def check_acting(acting: Any, agents: list[str], what: str) -> None:
+    if not all(isinstance(a, str) for a in acting) or len(set(acting)) != len(acting):
+        raise Violation(f"{what}: acting should be distinct agent ids, got {acting!r}")
+    if strangers := [a for a in acting if a not in agents]:
+        raise Violation(f"{what}: acting names {strangers}, not agents of the episode {agents}")
+
+
+def check_per_agent(values: dict[str, Any], kind: Any, agents: list[str], what: str) -> None:
+    """``values`` maps agents of the episode to values of ``kind``."""
+    if strangers := [a for a in values if a not in agents]:
+        raise Violation(f"{what} name {strangers}, not agents of the episode {agents}")
+    for agent, value in values.items():
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise Violation(f"{what}: {agent!r} should have {_kind_name(kind)}, got {value!r}")
+
+
+def trajectory_step_v2(result: dict[str, Any]) -> tuple:
+    """What must repeat when a v2 episode is replayed with the same seed and actions."""
+    rewards = {agent: float(reward) for agent, reward in result["rewards"].items()}
+    kept = ("observations", "terminations", "truncations", "infos", "acting")
+    return (rewards, *(result[key] for key in kept))
 
 
 # -- raw connections -----------------------------------------------------------------------------------------
