@@ -85,6 +85,15 @@ def test_health_says_the_server_speaks_v1_and_v2(sum_product):
     assert health["protocol"] == "v2" and health["protocols"] == ["v1", "v2"]
 
 
+def test_the_example_passes_the_conformance_suite_with_every_v2_check(sum_product):
+    """Its single-agent env cpp/Sum-v0 plays the v1 checks (and v2's for one agent), cpp/SumProduct-v0 the rest."""
+    from areal_agents.envs.runtime.conformance import check_env_server
+
+    report = check_env_server(sum_product, multi_agent_env=SUM_PRODUCT)
+    assert report.env_id == "cpp/Sum-v0" and any(r.name.startswith("v2: ") for r in report.results)
+    assert report.ok and not report.skipped, "\n".join(report.lines())
+
+
 def test_sum_product_plays_by_its_rules(sum_product):
     url, kwargs = sum_product, {"rounds": 2, "max_operand": 9}
     first = session(url, env_id=SUM_PRODUCT, kwargs=kwargs, seed=5)

@@ -1,6 +1,6 @@
 // cpp/SumProduct-v0: a two-agent game played in parallel. Both agents see the same two small numbers; at once,
 // the adder answers their sum and the multiplier their product, each rewarded 1 for a right answer; then come
-// new numbers, for `rounds` rounds.
+// new numbers, for `rounds` rounds. The server also serves cpp/Sum-v0, the adder alone (a single-agent env).
 //   ./sum_product --port 8768   then   areal-agents train CONFIG env.backend=server env.id=cpp/SumProduct-v0
 //       env.server_url=http://127.0.0.1:8768 rollout.agent=areal_agents.agents.multi_agent:MultiAgentChatAgent
 #include <areal_agents/env_server.hpp>
@@ -75,9 +75,28 @@ class SumProduct : public areal_agents::MultiAgentEnv {
   std::mt19937_64 rng_;
 };
 
+// cpp/Sum-v0: the adder's game alone, a single-agent env (served over v1, and over v2 as the agent "agent").
+class Sum : public areal_agents::Env {
+ public:
+  explicit Sum(const json& kwargs) : game_(kwargs) {}
+
+  areal_agents::Reset reset(std::optional<std::uint64_t> seed, const json& options) override {
+    return {game_.reset(seed, options).observations.at("adder"), json::object()};
+  }
+
+  areal_agents::Step step(const std::string& action) override {
+    areal_agents::MultiStep out = game_.step({{"adder", action}, {"multiplier", ""}});
+    return {out.observations["adder"], out.rewards["adder"], out.terminations["adder"], false, out.infos["adder"]};
+  }
+
+ private:
+  SumProduct game_;
+};
+
 int main(int argc, char** argv) {
   areal_agents::EnvServer server(areal_agents::parse_server_options_or_exit(argc, argv));
   server.add_multi_agent_env("cpp/SumProduct-v0", "an adder and a multiplier answer about the same two numbers",
                              [](const json& kwargs) { return std::make_unique<SumProduct>(kwargs); });
+  server.add_env("cpp/Sum-v0", "the adder alone", [](const json& kwargs) { return std::make_unique<Sum>(kwargs); });
   return server.listen() ? 0 : 1;
 }
