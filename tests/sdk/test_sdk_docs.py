@@ -11,7 +11,11 @@ EMBEDDED = re.compile(r"<!-- (sdk/\S+) -->\n```(\w+)\n(.*?)```", re.DOTALL)
 
 def test_the_protocol_page_shows_each_example_env_as_its_file_is():
     blocks = {path: (lang, body) for path, lang, body in EMBEDDED.findall(DOC.read_text())}
-    assert set(blocks) == {"sdk/cpp/examples/guess_number.cpp", "sdk/java/examples/GridPuzzle.java"}
+    assert set(blocks) == {
+        "sdk/cpp/examples/guess_number.cpp",
+        "sdk/cpp/examples/sum_product.cpp",
+        "sdk/java/examples/GridPuzzle.java",
+    }
     for path, (lang, body) in blocks.items():
         assert lang == {"cpp": "cpp", "java": "java"}[path.split("/")[1]]
         assert body == (ROOT / path).read_text(), f"docs/env-protocol.md's copy of {path} is out of date"
