@@ -136,6 +136,12 @@ def test_bad_kwargs_are_a_400_naming_the_key(sum_product, kwargs, named):
 REFUSED_STEPS = [
     ({"actions": {"adder": "1"}}, 400, "bad_request", "missing ['multiplier']"),
     ({"actions": {"adder": "1", "multiplier": "1", "judge": "1"}}, 400, "bad_request", "not acting ['judge']"),
+    (
+        {"actions": {"adder": "1", "multiplier": "1", **{f"x{i:02}": "" for i in range(40)}}},
+        400,
+        "bad_request",
+        "x15', ... 24 more]",
+    ),
     ({"actions": {"adder": 1, "multiplier": "1"}}, 400, "bad_request", "body.actions.adder"),
     ({"actions": ["1", "1"]}, 400, "bad_request", "body.actions"),
     ({"action": "1"}, 400, "bad_request", "body.action"),

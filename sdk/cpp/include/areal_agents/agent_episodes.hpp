@@ -1,7 +1,8 @@
 // areal_agents/agent_episodes.hpp: how EnvServer serves every env as agents (protocol v2): a single-agent Env as
-// the one agent "agent" (SingleAgentEnv), and an env's per-agent results checked and written as the protocol's
-// dicts, and a step's actions checked against who acts. An env that breaks the MultiAgentEnv contract (an unknown agent id, a non-finite reward, an agent acting
-// after it terminated) throws std::runtime_error here: its episode fails with env_error, the server lives on.
+// the one agent "agent" (SingleAgentEnv), an env's per-agent results checked and written as the protocol's dicts,
+// and a step's actions checked against who acts. An env that breaks the MultiAgentEnv contract (an unknown agent
+// id, a non-finite reward, an agent acting after it terminated) throws std::runtime_error here: its episode fails
+// with env_error, the server lives on.
 #pragma once
 
 #include <areal_agents/env.hpp>
@@ -60,9 +61,14 @@ class SingleAgentEnv final : public MultiAgentEnv {
   bool over_ = false;
 };
 
+// Ids as a message shows them: ['a', 'b'], the first 16 (a client may send thousands).
 inline std::string listed(const std::vector<std::string>& ids) {
+  constexpr std::size_t kShown = 16;
   std::string out;
-  for (const auto& id : ids) out += (out.empty() ? "'" : ", '") + id + "'";
+  for (std::size_t i = 0; i < std::min(ids.size(), kShown); ++i) {
+    out += (i ? ", '" : "'") + ids[i].substr(0, 128) + "'";
+  }
+  if (ids.size() > kShown) out += ", ... " + std::to_string(ids.size() - kShown) + " more";
   return "[" + out + "]";
 }
 
@@ -78,7 +84,9 @@ inline std::vector<std::string> checked_agents(const MultiAgentEnv& env) {
   if (agents.empty()) throw std::runtime_error("agents() is empty");
   std::set<std::string> seen;
   for (const auto& id : agents) {
-    if (id.empty() || !seen.insert(id).second) throw std::runtime_error("agents() " + listed(agents) + ": ids must be non-empty and distinct");
+    if (id.empty() || !seen.insert(id).second) {
+      throw std::runtime_error("agents() " + listed(agents) + ": ids must be non-empty and distinct");
+    }
   }
   return agents;
 }

@@ -74,7 +74,7 @@ struct MultiStep {
 class MultiAgentEnv {
  public:
   virtual ~MultiAgentEnv() = default;
-  // Every agent id of the episode, in a fixed order (PettingZoo's possible_agents); read after reset.
+  // Every agent id of its episodes, in a fixed order (PettingZoo's possible_agents), fixed once constructed.
   virtual std::vector<std::string> agents() const = 0;
   // Same seed (and kwargs, options) -> same episode. `options` is an object ({} when the request has none).
   virtual MultiReset reset(std::optional<std::uint64_t> seed, const json& options) = 0;

@@ -162,7 +162,8 @@ class EnvServer {
     routes_.post("/v1/step", [this](const Request&, const std::string& body) {
       return batch(detail::parse_batch(detail::parse_body(body)), &EnvServer::step, detail::failed_step);
     });
-    routes_.del(R"(/v1/sessions/([^/]+))", [this](const Request& req, const std::string&) { return close(req.matches[1]); });
+    auto close_one = [this](const Request& req, const std::string&) { return close(req.matches[1]); };
+    routes_.del(R"(/v1/sessions/([^/]+))", close_one);
     routes_.post("/v2/sessions", [this](const Request&, const std::string& body) {
       return create(detail::parse_create(detail::parse_body(body)), true);
     });
@@ -174,7 +175,7 @@ class EnvServer {
                    detail::failed_multi_step);
     });
     routes_.del("/v2/sessions", [this](const Request& req, const std::string&) { return close_owned(req); });
-    routes_.del(R"(/v2/sessions/([^/]+))", [this](const Request& req, const std::string&) { return close(req.matches[1]); });
+    routes_.del(R"(/v2/sessions/([^/]+))", close_one);
     routes_.not_found_elsewhere();
   }
 
@@ -236,7 +237,9 @@ class EnvServer {
       give_back_place.dismiss();
     }
     const std::string& agent = detail::kSingleAgent;
-    if (!v2) return {{"session_id", id}, {"observation", first["observations"][agent]}, {"info", first["infos"][agent]}};
+    if (!v2) {
+      return {{"session_id", id}, {"observation", first["observations"][agent]}, {"info", first["infos"][agent]}};
+    }
     return {{"session_id", id},
             {"multi_agent", env_type.multi_agent},
             {"agents", session->agents},
@@ -423,7 +426,9 @@ class EnvServer {
   // DELETE /v2/sessions?owner=NAME: every open session created with that owner (a run's, at its end or restart).
   json close_owned(const httplib::Request& req) {
     for (const auto& param : req.params) {
-      if (param.first != "owner") throw detail::bad_request("query." + param.first + ": unknown parameter (allowed: owner)");
+      if (param.first != "owner") {
+        throw detail::bad_request("query." + param.first + ": unknown parameter (allowed: owner)");
+      }
     }
     if (req.get_param_value_count("owner") != 1) throw detail::bad_request("query.owner: required, once");
     std::string owner = detail::checked_owner(req.get_param_value("owner"), "query.owner");
