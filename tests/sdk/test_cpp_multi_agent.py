@@ -4,6 +4,7 @@ envs as the one agent "agent", and a turn-based env that breaks the MultiAgentEn
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 from cpp_helpers import CppServer, build_examples, compile_env
+from sdk_helpers import train_two_steps
 
 pytestmark = pytest.mark.process
 
@@ -410,3 +412,39 @@ def test_a_second_step_while_one_runs_is_session_busy(turns):
     assert sorted(r.status_code for r in replies) == [200, 409]
     assert [r.json()["error"]["type"] for r in replies if r.status_code == 409] == ["session_busy"]
     assert step(turns, sid, {"actions": {"b": "y"}}).json()["acting"] == ["a"]  # the one step ran, once
+
+
+# -- training against it ----------------------------------------------------------------------------------------
+
+
+def first_integer(text: str) -> int | None:
+    """As the example reads an answer: the first run of digits, negative after a '-'."""
+    found = re.search(r"-?\d+", text)
+    return int(found[0]) if found and len(found[0].lstrip("-")) <= 18 else None
+
+
+def test_two_training_steps_train_both_agents_on_the_cpp_server(sum_product, tiny_dir, tmp_path):
+    """MultiAgentChatAgent plays both agents over v2; each agent's turns train as its own trajectories, rewarded by
+    the C++ env for exactly its right answers."""
+    rollout = {"agent": "areal_agents.agents.multi_agent:MultiAgentChatAgent", "dump_trajectories": True}
+    kwargs = {"max_operand": 1, "rounds": 2}
+    summary = train_two_steps(sum_product, SUM_PRODUCT, kwargs, tiny_dir, tmp_path / "rl", 1, rollout=rollout)
+    assert summary["episodes"]["accepted"] == 32 and summary["episodes"]["env_failed"] == 0
+    assert sessions_open(sum_product) == 0  # every episode's session closed
+    rows = [
+        json.loads(line) for step in (1, 2) for line in (tmp_path / "rl" / f"trajectories/step_{step}.jsonl").open()
+    ]
+    agents_by_episode: dict[str, set[str]] = {}
+    for row in rows:
+        agents_by_episode.setdefault(row["metadata"]["episode"], set()).add(row["agent_id"])
+    assert len(agents_by_episode) == 32 and all(a == {"adder", "multiplier"} for a in agents_by_episode.values())
+    whole = [row for row in rows if row["metadata"]["segment"] == row["metadata"]["num_segments"] - 1]
+    for row in whole:  # the last segment holds the whole conversation: 2 questions, 2 answers
+        questions = [m["content"] for m in row["metadata"]["messages"] if m["role"] == "user"]
+        answers = [m["content"] for m in row["metadata"]["messages"] if m["role"] == "assistant"]
+        operator = {"adder": "+", "multiplier": "*"}[row["agent_id"]]
+        assert len(questions) == len(answers) == len(row["turn_rewards"]) == 2, row["metadata"]["messages"]
+        for question, answer, reward in zip(questions, answers, row["turn_rewards"]):
+            a, b = map(int, re.fullmatch(rf"([01])\{operator}([01])=", question).groups())
+            assert reward == float(first_integer(answer) == (a + b if operator == "+" else a * b)), (question, answer)
+        assert row["reward"] == sum(row["turn_rewards"])
