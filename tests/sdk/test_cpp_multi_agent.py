@@ -361,6 +361,17 @@ def test_agents_take_turns_as_the_env_says(turns):
     requests.delete(f"{turns}/v2/sessions/{sid}", timeout=30)
 
 
+def test_a_turn_based_env_passes_the_suites_multi_agent_checks(turns):
+    """The v2 checks that play a multi-agent env, on one agent at a time (the server serves no single-agent env for
+    the others to play)."""
+    from areal_agents.envs.runtime.conformance import check_env_server
+    from areal_agents.envs.runtime.conformance_v2 import V2_CHECKS
+
+    checks = [(name, check) for name, check in V2_CHECKS if "single-agent" not in name and "owner" not in name]
+    report = check_env_server(turns, env_id=TURNS, multi_agent_env=TURNS, checks=checks)
+    assert report.ok and not report.skipped and len(report.results) == len(checks) > 5, "\n".join(report.lines())
+
+
 @pytest.mark.parametrize(
     ("fail", "said"),
     [
