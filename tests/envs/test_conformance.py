@@ -12,7 +12,7 @@ from app_in_thread import serving_app
 from areal_agents.cli import main
 from areal_agents.envs.registry import describe_envs
 from areal_agents.envs.runtime import server as server_module
-from areal_agents.envs.runtime import server_v2
+from areal_agents.envs.runtime import server_v2, sessions
 from areal_agents.envs.runtime.conformance import CHECKS, check_env_server
 from areal_agents.envs.runtime.conformance_v2 import V2_CHECKS
 from areal_agents.envs.runtime.protocol import MultiBatchStepResult, OwnerClosed, SessionCreated, reply
@@ -205,7 +205,7 @@ ACTION_LIMIT, OPTIONAL, IDLE = (
         (SeedIgnored, [SAME_SEED, BATCH, "malformed bodies (400)", "concurrent sessions", V2_SINGLE]),
         (RacyCap, ["session cap (429)"]),
         (BatchOutOfOrder, [BATCH]),
-        (CloseKeepsTheSession, [LIFECYCLE, "session cap (429)", IDLE]),  # closed sessions fill the cap
+        (CloseKeepsTheSession, [LIFECYCLE, "session cap (429)", IDLE, *V2_NAMES]),  # closed sessions fill the cap
         (ActionLimitOffByOne, [ACTION_LIMIT]),
         (SeedRequired, [OPTIONAL, "unknown env and session (404)"]),  # it asks for a seed before the env id
         (ActionBytesCounted, [ACTION_LIMIT]),
@@ -364,7 +364,7 @@ def batch_reversed(monkeypatch):
 
 def single_agent_named_player(monkeypatch):
     monkeypatch.setattr(server_v2, "SINGLE_AGENT", "player")
-    monkeypatch.setattr(server_module, "SINGLE_AGENT", "player")
+    monkeypatch.setattr(sessions, "SINGLE_AGENT", "player")
 
 
 @pytest.mark.process

@@ -113,7 +113,8 @@ async def play_v2(p: Probe, seed: int, step: Step = single_step, *, keep: bool =
 
 async def expect_next_step_v2(p: Probe, created: dict[str, Any], solo: list, k: int, when: str) -> None:
     """The session's next step is step ``k`` of its seed played alone (refused requests changed nothing)."""
-    sid, agents, acting = created["session_id"], created["agents"], solo[k - 1][-1] if k > 1 else created["acting"]
+    sid, agents = created["session_id"], created["agents"]
+    acting = solo[k - 1][-1] if k > 1 else created["acting"]  # who acts after step k - 1
     if k >= len(solo):
         expect_error(await p.step_v2(sid, p.actions(acting)), 409, "episode_over", f"a v2 step {when}")
         return
