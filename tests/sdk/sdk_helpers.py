@@ -73,13 +73,24 @@ def slow_requests(url: str, copies: int, every: float = 0.2) -> list[tuple[str, 
     return asyncio.run(all_at_once())
 
 
-def train_two_steps(url: str, env_id: str, kwargs: dict, model: Path, run_dir: Path, eval_problems: int = 4) -> dict:
-    """``areal-agents train`` for 2 steps with episodes played on the env server at ``url``; its summary."""
+def train_two_steps(
+    url: str,
+    env_id: str,
+    kwargs: dict,
+    model: Path,
+    run_dir: Path,
+    eval_problems: int = 4,
+    *,
+    rollout: dict | None = None,
+) -> dict:
+    """``areal-agents train`` for 2 steps with episodes played on the env server at ``url``; its summary.
+    ``rollout``: more settings of the rollout section (``{"agent": "module:Class"}`` for a multi-agent env)."""
     config = run_dir.parent / f"{run_dir.name}.yaml"
+    rollout = {"batch_size": 4, "group_size": 4, "max_new_tokens": 4, **(rollout or {})}
     config.write_text(
         f"run_dir: {run_dir}\nsteps: 2\nmodel: {{path: {model}}}\n"
         f"env: {{id: {env_id}, backend: server, server_url: {url}, kwargs: {json.dumps(kwargs)}}}\n"
-        "rollout: {batch_size: 4, group_size: 4, max_new_tokens: 4}\n"
+        f"rollout: {json.dumps(rollout)}\n"
         f"ppo: {{filter_zero_variance_groups: false}}\neval: {{num_problems: {eval_problems}, env_kwargs: {{}}}}\n"
     )
     assert main(["train", str(config), "--no-progress"]) == 0

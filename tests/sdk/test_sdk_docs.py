@@ -13,6 +13,7 @@ def test_the_protocol_page_shows_each_example_env_as_its_file_is():
     blocks = {path: (lang, body) for path, lang, body in EMBEDDED.findall(DOC.read_text())}
     assert set(blocks) == {
         "sdk/cpp/examples/guess_number.cpp",
+        "sdk/cpp/examples/sum_product.cpp",
         "sdk/java/examples/GridPuzzle.java",
         "sdk/java/examples/Relay.java",
     }

@@ -1,6 +1,6 @@
-// areal_agents/env_server.hpp: serve C++ environments over the env-step protocol v1 (docs/env-protocol.md).
+// areal_agents/env_server.hpp: serve C++ environments over the env-step protocol, v1 and v2 (docs/env-protocol.md).
 //
-//   class MyEnv : public areal_agents::Env { ... reset(...) / step(...) ... };
+//   class MyEnv : public areal_agents::Env { ... reset(...) / step(...) ... };                 // env.hpp
 //   int main(int argc, char** argv) {
 //     areal_agents::EnvServer server(areal_agents::parse_server_options_or_exit(argc, argv));
 //     server.add_env("me/MyEnv-v0", "what it is", [](const nlohmann::json& kwargs) {
@@ -8,11 +8,14 @@
 //     return server.listen() ? 0 : 1;
 //   }
 //
-// Header-only; needs cpp-httplib (linked, pkg-config cpp-httplib) and nlohmann-json. Not implemented:
-// step timeouts, process isolation, /metrics (the Python server has them).
+// A single-agent Env is served over v1 and over v2 (as the one agent "agent"); a MultiAgentEnv, registered with
+// add_multi_agent_env, over v2 only. Header-only; needs cpp-httplib (linked, pkg-config cpp-httplib) and
+// nlohmann-json. Not implemented: step timeouts, process isolation, /metrics (the Python server has them).
 #pragma once
 
-#include <areal_agents/deadline_server.hpp>
+#include <areal_agents/agent_episodes.hpp>
+#include <areal_agents/env.hpp>
+#include <areal_agents/json_routes.hpp>
 #include <areal_agents/server_options.hpp>
 #include <areal_agents/server_replies.hpp>
 #include <httplib.h>
@@ -25,18 +28,13 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
-#include <ctime>
 #include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
-#include <random>
 #include <stdexcept>
 #include <string>
-#include <string_view>
 #include <system_error>
 #include <thread>
 #include <unordered_map>
@@ -44,8 +42,6 @@
 #include <vector>
 
 namespace areal_agents {
-
-using json = nlohmann::json;
 
 namespace detail {
 
@@ -69,61 +65,37 @@ class OnExit {
 
 }  // namespace detail
 
-// The first observation of an episode.
-struct Reset {
-  std::string observation;
-  json info = json::object();
-};
-
-// The outcome of one action.
-struct Step {
-  std::string observation;
-  double reward = 0.0;
-  bool terminated = false;
-  bool truncated = false;
-  json info = json::object();
-};
-
-// One episode at a time; the server makes one Env per session and never calls it from two threads at once.
-// It is destroyed when its session ends (closed, failed, expired, server stopped), never during a step.
-// Throw std::invalid_argument from the factory or reset for a request's bad kwargs/seed/options (a 400);
-// any other exception is the env's failure (a 500 at creation, an env_error step result mid-episode).
-class Env {
- public:
-  virtual ~Env() = default;
-  // Same seed (and kwargs, options) -> same episode. `options` is an object ({} when the request has none).
-  virtual Reset reset(std::optional<std::uint64_t> seed, const json& options) = 0;
-  virtual Step step(const std::string& action) = 0;
-};
-
-using EnvFactory = std::function<std::unique_ptr<Env>(const json& kwargs)>;
-
-// The env-step protocol v1 over HTTP: a session table under one mutex, a thread pool for requests,
+// The env-step protocol over HTTP: a session table under one mutex, a thread pool for requests,
 // and a background thread that closes idle sessions.
 class EnvServer {
  public:
-  explicit EnvServer(ServerOptions options = {})
-      : options_(std::move(options)),
-        http_(std::chrono::seconds(options_.read_timeout_s), kMaxHeaderBytes,
-              [this](const httplib::Request& req, httplib::Response& res) { refuse(req, res); }) {
+  explicit EnvServer(ServerOptions options = {}) : options_(options), routes_(std::move(options)) {
     install_routes();
   }
   ~EnvServer() { stop(); }
   EnvServer(const EnvServer&) = delete;
   EnvServer& operator=(const EnvServer&) = delete;
 
-  // Serve `id` (listed with `description` in GET /v1/envs); `factory` makes one env per session from its kwargs.
+  // Serve the single-agent env `id` (listed with `description` in GET /v1/envs); `factory` makes one env per
+  // session from its kwargs.
   void add_env(const std::string& id, const std::string& description, EnvFactory factory) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    envs_[id] = Registered{description, std::move(factory)};
+    add(id, description, false, [factory = std::move(factory)](const json& kwargs) -> std::unique_ptr<MultiAgentEnv> {
+      std::unique_ptr<Env> env = factory(kwargs);
+      return env ? std::make_unique<detail::SingleAgentEnv>(std::move(env)) : nullptr;
+    });
+  }
+
+  // Serve the multi-agent env `id` (created with POST /v2/sessions; listed in GET /v1/envs).
+  void add_multi_agent_env(const std::string& id, const std::string& description, MultiAgentEnvFactory factory) {
+    add(id, description, true, std::move(factory));
   }
 
   // Blocks until stop(). Prints "serving envs on http://HOST:PORT" (flushed) once connections are accepted;
   // false (with the reason on stderr) when the address cannot be bound.
   bool listen() {
     int port = options_.port;
-    bool bound = port == 0 ? (port = http_.bind_to_any_port(options_.host)) > 0
-                           : http_.bind_to_port(options_.host, port);
+    bool bound = port == 0 ? (port = http().bind_to_any_port(options_.host)) > 0
+                           : http().bind_to_port(options_.host, port);
     if (!bound) {
       std::cerr << "env server: cannot listen on " << options_.host << ":" << options_.port
                 << " (address in use, or not an address of this machine)" << std::endl;
@@ -132,7 +104,7 @@ class EnvServer {
     port_ = port;
     std::cout << "serving envs on http://" << options_.host << ":" << port << std::endl;
     std::thread expiry([this] { expire_idle_sessions(); });
-    bool ok = http_.listen_after_bind();
+    bool ok = http().listen_after_bind();
     stop();
     expiry.join();
     return ok;
@@ -145,7 +117,7 @@ class EnvServer {
       stopping_ = true;
     }
     stopped_.notify_all();
-    http_.stop();
+    http().stop();
   }
 
   // The port being listened on (the chosen one when options.port was 0); 0 before listen().
@@ -156,115 +128,55 @@ class EnvServer {
  private:
   struct Registered {
     std::string description;
-    EnvFactory factory;
+    bool multi_agent;
+    MultiAgentEnvFactory factory;  // a single-agent env's makes it a detail::SingleAgentEnv
   };
 
   struct Session {
-    std::unique_ptr<Env> env;
+    std::unique_ptr<MultiAgentEnv> env;
+    Env* single = nullptr;  // a single-agent session's own env, which v1 steps call; null for a multi-agent env
+    std::vector<std::string> agents;
+    std::vector<std::string> acting;  // who acts next; empty: the episode is over and further steps are refused
+    std::string owner;
     std::chrono::steady_clock::time_point last_used;
     bool busy = false;  // a step is running (the env is not called concurrently)
-    bool done = false;  // terminated or truncated: further steps are refused
   };
 
-  using JsonHandler = std::function<json(const httplib::Request&, const std::string& body)>;
+  void add(const std::string& id, const std::string& description, bool multi_agent, MultiAgentEnvFactory factory) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    envs_[id] = Registered{description, multi_agent, std::move(factory)};
+  }
 
-  // -- routes ---------------------------------------------------------------------------------------
+  DeadlineServer& http() { return routes_.http(); }
 
   void install_routes() {
-    http_.new_task_queue = [threads = options_.threads] { return new httplib::ThreadPool(threads); };
-    http_.set_payload_max_length(options_.max_body_bytes);
-    http_.set_keep_alive_max_count(100000);
-    http_.set_keep_alive_timeout(kKeepAliveTimeoutS);  // an idle connection gives its thread back after this
-    http_.set_tcp_nodelay(true);  // a reply's header and body writes must not wait for the client's delayed ACK
-    http_.Get("/health", plain([this](const httplib::Request&, const std::string&) { return health(); }));
-    http_.Get("/v1/envs", plain([this](const httplib::Request&, const std::string&) { return list_envs(); }));
-    http_.Post("/v1/sessions", with_body([this](const httplib::Request&, const std::string& body) {
-                 return create(detail::parse_create(detail::parse_body(body)));
-               }));
-    http_.Post(R"(/v1/sessions/([^/]+)/step)", with_body([this](const httplib::Request& req, const std::string& body) {
-                 return step(req.matches[1], detail::parse_action(detail::parse_body(body)));
-               }));
-    http_.Post("/v1/step", with_body([this](const httplib::Request&, const std::string& body) {
-                 return step_batch(detail::parse_body(body));
-               }));
-    http_.Delete(R"(/v1/sessions/([^/]+))", with_body([this](const httplib::Request& req, const std::string&) {
-                   return close(req.matches[1]);
-                 }));
-    // Any other path: read (at most max_body_bytes of) the body, then 404, all in the protocol's error shape.
-    auto not_found = with_body([](const httplib::Request& req, const std::string&) -> json {
-      throw detail::HttpError(404, "not_found", "no route " + req.method + " " + req.path + "; see docs/env-protocol.md");
+    using Request = httplib::Request;
+    routes_.get("/health", [this](const Request&, const std::string&) { return health(); });
+    routes_.get("/v1/envs", [this](const Request&, const std::string&) { return list_envs(); });
+    routes_.post("/v1/sessions", [this](const Request&, const std::string& body) {
+      return create(detail::parse_create(detail::parse_body(body)), false);
     });
-    http_.Post(".*", not_found).Put(".*", not_found).Patch(".*", not_found).Delete(".*", not_found);
-    http_.Get(".*", plain([](const httplib::Request& req, const std::string&) -> json {
-      throw detail::HttpError(404, "not_found", "no route GET " + req.path + "; see docs/env-protocol.md");
-    }));
-  }
-
-  // A refusal the server makes itself (what cpp-httplib refuses, or a request cut off), in the protocol's shape.
-  void refuse(const httplib::Request& req, httplib::Response& res) const {
-    std::string message = "HTTP " + std::to_string(res.status) + " for " +
-                          (req.method.empty() ? "a malformed request" : req.method + " " + req.path);
-    if (res.status == 408) message = late_message();
-    if (res.status == 431) message = "request line and headers over " + std::to_string(kMaxHeaderBytes) + " bytes";
-    if (res.status == 413) message = too_large_message();
-    if (res.status == 414) message = "request URI too long";
-    detail::reply(res, res.status, detail::error_body(detail::error_type_for(res.status), message));
-  }
-
-  std::string late_message() const {
-    return "request not received in time: its headers and body must arrive within " +
-           std::to_string(options_.read_timeout_s) + " s of its first byte (--read-timeout)";
-  }
-
-  std::string too_large_message() const {
-    return "request body over " + std::to_string(options_.max_body_bytes) + " bytes (--max-body-bytes)";
-  }
-
-  // A handler for requests without a body; HttpError becomes the error reply.
-  httplib::Server::Handler plain(JsonHandler handler) {
-    return [handler = std::move(handler)](const httplib::Request& req, httplib::Response& res) {
-      respond(res, [&] { return handler(req, std::string()); });
-    };
-  }
-
-  // A handler that reads the body itself, so chunked bodies are bounded too (cpp-httplib 0.11 bounds only
-  // a declared Content-Length), then answers as `plain` does.
-  httplib::Server::HandlerWithContentReader with_body(JsonHandler handler) {
-    return [this, handler = std::move(handler)](const httplib::Request& req, httplib::Response& res,
-                                                const httplib::ContentReader& reader) {
-      std::string body;
-      std::size_t received = 0;
-      bool read = reader([&](const char* data, std::size_t length) {
-        received += length;
-        if (received <= options_.max_body_bytes) body.append(data, length);
-        // Past the limit the rest is read and dropped (up to kBodyDrainBytes more), so that the reply is the
-        // connection's last word on this request: cpp-httplib would read what is left as the next request.
-        return received <= options_.max_body_bytes + kBodyDrainBytes;
-      });
-      if (received > options_.max_body_bytes || res.status == 413) {
-        if (!read) res.set_header("Connection", "close");  // not drained: the connection is spent
-        return detail::reply(res, 413, detail::error_body("payload_too_large", too_large_message()));
-      }
-      if (!read && DeadlineServer::cut() == Cut::deadline) {  // the connection ends after this reply
-        res.set_header("Connection", "close");
-        return detail::reply(res, 408, detail::error_body("request_timeout", late_message()));
-      }
-      if (!read) return detail::reply(res, 400, detail::error_body("bad_request", "body: could not be read"));
-      respond(res, [&] { return handler(req, body); });
-    };
-  }
-
-  template <typename Produce>
-  static void respond(httplib::Response& res, Produce produce) {
-    try {
-      detail::reply(res, 200, produce());
-    } catch (const detail::HttpError& e) {
-      detail::reply(res, e.status, detail::error_body(e.type, e.what()));
-    } catch (const std::exception& e) {
-      detail::reply(res, 500, detail::error_body("internal_error", e.what()));
-    } catch (...) {
-      detail::reply(res, 500, detail::error_body("internal_error", "the request threw a non-standard exception"));
-    }
+    routes_.post(R"(/v1/sessions/([^/]+)/step)", [this](const Request& req, const std::string& body) {
+      return step(req.matches[1], detail::parse_action(detail::parse_body(body)));
+    });
+    routes_.post("/v1/step", [this](const Request&, const std::string& body) {
+      return batch(detail::parse_batch(detail::parse_body(body)), &EnvServer::step, detail::failed_step);
+    });
+    auto close_one = [this](const Request& req, const std::string&) { return close(req.matches[1]); };
+    routes_.del(R"(/v1/sessions/([^/]+))", close_one);
+    routes_.post("/v2/sessions", [this](const Request&, const std::string& body) {
+      return create(detail::parse_create(detail::parse_body(body)), true);
+    });
+    routes_.post(R"(/v2/sessions/([^/]+)/step)", [this](const Request& req, const std::string& body) {
+      return step_agents(req.matches[1], detail::parse_actions(detail::parse_body(body)));
+    });
+    routes_.post("/v2/step", [this](const Request&, const std::string& body) {
+      return batch(detail::parse_batch_v2(detail::parse_body(body)), &EnvServer::step_agents,
+                   detail::failed_multi_step);
+    });
+    routes_.del("/v2/sessions", [this](const Request& req, const std::string&) { return close_owned(req); });
+    routes_.del(R"(/v2/sessions/([^/]+))", close_one);
+    routes_.not_found_elsewhere();
   }
 
   // -- the protocol -----------------------------------------------------------------------------------
@@ -272,7 +184,8 @@ class EnvServer {
   json health() {
     std::lock_guard<std::mutex> lock(mutex_);
     return {{"status", "ok"},
-            {"protocol", "v1"},
+            {"protocol", "v2"},
+            {"protocols", json::array({"v1", "v2"})},
             {"sessions_open", sessions_.size()},
             {"limits",
              {{"max_sessions", options_.max_sessions},
@@ -288,19 +201,23 @@ class EnvServer {
     return {{"envs", envs}};
   }
 
-  json create(const detail::CreateRequest& request) {
-    EnvFactory factory = reserve_session(request.env_id);
+  // POST /v1/sessions (`v2` false: single-agent envs only, the v1 reply) and POST /v2/sessions.
+  json create(const detail::CreateRequest& request, bool v2) {
+    Registered env_type = reserve_session(request.env_id);
     detail::OnExit give_back_place([this] {  // when no session is made, however this returns or throws
       std::lock_guard<std::mutex> lock(mutex_);
       --opening_;
     });
-    std::unique_ptr<Env> env;
-    Reset first;
+    if (!v2 && env_type.multi_agent) throw multi_agent_over_v1(request, env_type.factory);
+    auto session = std::make_shared<Session>();
+    json first;
     try {
-      env = factory(request.kwargs);
-      if (!env) throw std::runtime_error("the factory returned no env");
-      first = env->reset(request.seed, request.options);
-      check_info(first.info);
+      session->env = env_type.factory(request.kwargs);
+      if (!session->env) throw std::runtime_error("the factory returned no env");
+      MultiReset reset = session->env->reset(request.seed, request.options);
+      session->agents = detail::checked_agents(*session->env);
+      session->acting = detail::checked_acting(*session->env, session->agents);
+      first = detail::reset_json(reset, session->agents, session->acting);
     } catch (const std::invalid_argument& e) {
       throw detail::bad_request("cannot make " + request.env_id + ": " + e.what() +
                                 "; check the kwargs, seed and options");
@@ -309,22 +226,42 @@ class EnvServer {
     } catch (...) {
       throw detail::HttpError(500, "env_error", "cannot make " + request.env_id + ": " + kNonStandard);
     }
-    std::string id = detail::new_session_id();
-    auto session = std::make_shared<Session>();
-    session->env = std::move(env);
+    if (!env_type.multi_agent) session->single = &static_cast<detail::SingleAgentEnv&>(*session->env).env();
+    session->owner = request.owner;
     session->last_used = std::chrono::steady_clock::now();
+    std::string id = detail::new_session_id();
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      sessions_[id] = std::move(session);
+      sessions_[id] = session;
       --opening_;  // the place passes to the session under the same lock: it is never counted twice
       give_back_place.dismiss();
     }
-    return {{"session_id", id}, {"observation", first.observation}, {"info", first.info}};
+    const std::string& agent = detail::kSingleAgent;
+    if (!v2) {
+      return {{"session_id", id}, {"observation", first["observations"][agent]}, {"info", first["infos"][agent]}};
+    }
+    return {{"session_id", id},
+            {"multi_agent", env_type.multi_agent},
+            {"agents", session->agents},
+            {"acting", session->acting},
+            {"observations", first["observations"]},
+            {"infos", first["infos"]}};
   }
 
-  // The factory of `env_id`, with a place under max_sessions taken for the new session (atomically, so the
+  // The 400 of a v1 creation of a multi-agent env, naming its agents when an env can be made from the kwargs.
+  static detail::HttpError multi_agent_over_v1(const detail::CreateRequest& request, const MultiAgentEnvFactory& make) {
+    std::string agents;
+    try {
+      if (auto env = make(request.kwargs)) agents = " (agents " + detail::listed(env->agents()) + ")";
+    } catch (...) {  // the kwargs are for v2 to judge
+    }
+    return detail::bad_request("'" + request.env_id + "' is a multi-agent env" + agents +
+                               ": create it with POST /v2/sessions");
+  }
+
+  // The registration of `env_id`, with a place under max_sessions taken for the new session (atomically, so the
   // cap holds under concurrent creations); the caller gives it back when the session is made or not.
-  EnvFactory reserve_session(const std::string& env_id) {
+  Registered reserve_session(const std::string& env_id) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto found = envs_.find(env_id);
     if (found == envs_.end()) {
@@ -341,30 +278,27 @@ class EnvServer {
                                   "; close finished sessions or start the server with a larger --max-sessions");
     }
     ++opening_;
-    return found->second.factory;
+    return found->second;
   }
 
+  // POST /v1/sessions/{id}/step: a single-agent session's step.
   json step(const std::string& id, const std::string& action) {
-    std::shared_ptr<Session> session = claim_for_step(id, action);
+    std::shared_ptr<Session> session = claim(id, {{detail::kSingleAgent, action}}, false);
     // Unless the step ends well, the session is removed, so it is never left busy for good; its env is
     // destroyed after the lock is released (`session` outlives the guard).
     detail::OnExit remove_unless_done([&] { remove_session(id, session); });
     Step result;
     try {
-      result = session->env->step(action);
-      check_info(result.info);
+      result = session->single->step(action);
+      detail::check_info(result.info);
       if (!std::isfinite(result.reward)) throw std::runtime_error("reward is not a finite number");
     } catch (const std::exception& e) {  // the episode ends with a typed record; nothing else is affected
       return detail::failed_step(id, "env_error", std::string("step failed: ") + e.what());
     } catch (...) {
       return detail::failed_step(id, "env_error", std::string("step failed: ") + kNonStandard);
     }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      session->busy = false;
-      session->done = result.terminated || result.truncated;
-      session->last_used = std::chrono::steady_clock::now();
-    }
+    bool over = result.terminated || result.truncated;
+    release(*session, over ? std::vector<std::string>{} : std::vector<std::string>{detail::kSingleAgent});
     remove_unless_done.dismiss();
     return {{"session_id", id},
             {"observation", result.observation},
@@ -375,33 +309,91 @@ class EnvServer {
             {"error", nullptr}};
   }
 
-  // The session `id`, marked busy, after the protocol's checks in the protocol's order.
-  std::shared_ptr<Session> claim_for_step(const std::string& id, const std::string& action) {
+  // POST /v2/sessions/{id}/step: the acting agents' actions, in one step of any session.
+  json step_agents(const std::string& id, const detail::Actions& actions) {
+    std::shared_ptr<Session> session = claim(id, actions, true);
+    detail::OnExit remove_unless_done([&] { remove_session(id, session); });
+    json reply;
+    std::vector<std::string> next;
+    try {
+      MultiStep result = session->env->step(actions);
+      next = detail::checked_acting(*session->env, session->agents);
+      reply = detail::step_json(result, session->agents, actions, next);
+    } catch (const std::exception& e) {
+      return detail::failed_multi_step(id, "env_error", std::string("step failed: ") + e.what());
+    } catch (...) {
+      return detail::failed_multi_step(id, "env_error", std::string("step failed: ") + kNonStandard);
+    }
+    release(*session, next);
+    remove_unless_done.dismiss();
+    reply["session_id"] = id;
+    reply["acting"] = next;
+    reply["error"] = nullptr;
+    return reply;
+  }
+
+  // The session `id`, marked busy, after the protocol's checks in the protocol's order (nothing changes when one
+  // fails): known, v1 steps of single-agent sessions only, the episode not over, the actions of exactly the acting
+  // agents (v2), none too long (v1 checks this before the episode), no step running.
+  std::shared_ptr<Session> claim(const std::string& id, const detail::Actions& actions, bool v2) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto found = sessions_.find(id);
     if (found == sessions_.end()) throw unknown_session(id);
-    std::size_t length = detail::utf8_length(action);
-    if (length > options_.max_action_chars) {
-      throw detail::HttpError(400, "action_too_long",
-                              "action is " + std::to_string(length) + " characters; the limit is " +
-                                  std::to_string(options_.max_action_chars) + " (--max-action-chars)");
-    }
     Session& session = *found->second;
-    if (session.done) {
+    if (!v2 && !session.single) {
+      throw detail::bad_request("session " + id + " holds a multi-agent env (agents " + detail::listed(session.agents) +
+                                "): step it with POST /v2/sessions/" + id + "/step");
+    }
+    auto check_lengths = [&] {
+      for (const auto& [agent, action] : actions) {
+        std::size_t length = detail::utf8_length(action);
+        if (length > options_.max_action_chars) {
+          throw detail::HttpError(400, "action_too_long",
+                                  (v2 ? "the action of agent '" + agent + "'" : std::string("action")) + " is " +
+                                      std::to_string(length) + " characters; the limit is " +
+                                      std::to_string(options_.max_action_chars) + " (--max-action-chars)");
+        }
+      }
+    };
+    if (!v2) check_lengths();  // v1's order: the action's length, then the episode
+    if (session.acting.empty()) {
       throw detail::HttpError(409, "episode_over",
                               "the episode of session " + id + " has ended; close it or create a new one");
     }
+    if (v2) detail::check_actions(actions, session.acting);
+    if (v2) check_lengths();
     if (session.busy) throw detail::HttpError(409, "session_busy", "session " + id + " is already running a step");
     session.busy = true;
     return found->second;
   }
 
-  json step_batch(const json& body) {
-    auto items = detail::parse_batch(body);
+  // A step done well: the session is free again, `next` act next.
+  void release(Session& session, std::vector<std::string> next) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    session.busy = false;
+    session.acting = std::move(next);
+    session.last_used = std::chrono::steady_clock::now();
+  }
+
+  // POST /v1/step and /v2/step: each item stepped by `step_one`, a refused one answered by `failed` (a failed
+  // result of the refusal's type), in order.
+  template <typename Input, typename StepOne, typename Failed>
+  json batch(const std::vector<std::pair<std::string, Input>>& items, StepOne step_one, Failed failed) {
     std::vector<json> results(items.size());
     std::atomic<std::size_t> next{0};
     auto work = [&] {
-      for (std::size_t i; (i = next++) < items.size();) results[i] = step_or_failed(items[i].first, items[i].second);
+      for (std::size_t i; (i = next++) < items.size();) {
+        const std::string& id = items[i].first;
+        try {
+          results[i] = (this->*step_one)(id, items[i].second);
+        } catch (const detail::HttpError& e) {
+          results[i] = failed(id, e.type, e.what());
+        } catch (const std::exception& e) {
+          results[i] = failed(id, "internal_error", e.what());
+        } catch (...) {
+          results[i] = failed(id, "internal_error", "the step threw a non-standard exception");
+        }
+      }
     };
     // Items run concurrently (sessions are independent), on at most one thread per core.
     std::size_t helpers = std::min<std::size_t>(items.size(), std::max(1u, std::thread::hardware_concurrency())) - 1;
@@ -419,19 +411,6 @@ class EnvServer {
     return {{"results", results}};
   }
 
-  // A batch item: its StepResult, or a failed one typed as the single step's refusal would be.
-  json step_or_failed(const std::string& id, const std::string& action) {
-    try {
-      return step(id, action);
-    } catch (const detail::HttpError& e) {
-      return detail::failed_step(id, e.type, e.what());
-    } catch (const std::exception& e) {
-      return detail::failed_step(id, "internal_error", e.what());
-    } catch (...) {
-      return detail::failed_step(id, "internal_error", "the step threw a non-standard exception");
-    }
-  }
-
   json close(const std::string& id) {
     std::shared_ptr<Session> closing;  // its env is destroyed outside the lock (or after a running step)
     {
@@ -444,14 +423,30 @@ class EnvServer {
     return {{"session_id", id}, {"closed", true}};
   }
 
+  // DELETE /v2/sessions?owner=NAME: every open session created with that owner (a run's, at its end or restart).
+  json close_owned(const httplib::Request& req) {
+    for (const auto& param : req.params) {
+      if (param.first != "owner") {
+        throw detail::bad_request("query." + param.first + ": unknown parameter (allowed: owner)");
+      }
+    }
+    if (req.get_param_value_count("owner") != 1) throw detail::bad_request("query.owner: required, once");
+    std::string owner = detail::checked_owner(req.get_param_value("owner"), "query.owner");
+    std::vector<std::shared_ptr<Session>> closing;  // destroyed outside the lock
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto it = sessions_.begin(); it != sessions_.end();) {
+        bool owned = it->second->owner == owner;
+        if (owned) closing.push_back(std::move(it->second));
+        it = owned ? sessions_.erase(it) : std::next(it);
+      }
+    }
+    return {{"owner", owner}, {"closed", closing.size()}};
+  }
+
   static detail::HttpError unknown_session(const std::string& id) {
     return detail::HttpError(404, "unknown_session",
                              "no open session '" + id + "' (closed, expired, failed or never created)");
-  }
-
-  static void check_info(json& info) {
-    if (info.is_null()) info = json::object();
-    if (!info.is_object()) throw std::runtime_error("info must be a JSON object, got " + info.dump());
   }
 
   // Removes `id` if it is still `session` (a DELETE may have closed it, and a new one cannot reuse the id).
@@ -480,15 +475,12 @@ class EnvServer {
     }
   }
 
-  static constexpr std::time_t kKeepAliveTimeoutS = 5;
-  static constexpr std::size_t kMaxHeaderBytes = 64 * 1024;  // a request line and its headers, together
-  static constexpr std::size_t kBodyDrainBytes = 64 * 1024 * 1024;  // read past the body limit, then give up
   static constexpr const char* kNonStandard = "the env threw a non-standard exception (not a std::exception)";
 
   ServerOptions options_;
-  DeadlineServer http_;
+  detail::JsonRoutes routes_;
   std::atomic<int> port_{0};
-  std::mutex mutex_;  // guards everything below, and each Session's busy/done/last_used
+  std::mutex mutex_;  // guards everything below, and each Session's busy/acting/last_used
   std::condition_variable stopped_;
   bool stopping_ = false;
   std::map<std::string, Registered> envs_;

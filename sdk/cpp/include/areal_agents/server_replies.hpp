@@ -8,7 +8,9 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <random>
 #include <set>
@@ -99,11 +101,21 @@ struct CreateRequest {
   json kwargs = json::object();
   std::optional<std::uint64_t> seed;
   json options = json::object();
+  std::string owner;  // the client run that owns the session; empty: none
 };
 
-// The body of POST /v1/sessions, checked strictly.
+// An owner tag: 1..128 characters of [A-Za-z0-9_.:-]; `where` names it in the message ("body.owner").
+inline std::string checked_owner(const std::string& owner, const std::string& where) {
+  bool allowed = !owner.empty() && owner.size() <= 128 && std::all_of(owner.begin(), owner.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == ':' || c == '-';
+  });
+  if (!allowed) throw bad_request(where + ": expected 1 to 128 characters of A-Z a-z 0-9 _ . : -");
+  return owner;
+}
+
+// The body of POST /v1/sessions and POST /v2/sessions, checked strictly.
 inline CreateRequest parse_create(const json& body) {
-  check_object(body, "body", {"env_id", "kwargs", "seed", "options"});
+  check_object(body, "body", {"env_id", "kwargs", "seed", "options", "owner"});
   CreateRequest request;
   request.env_id = required_string(body, "body", "env_id");
   if (body.contains("kwargs")) {
@@ -118,6 +130,7 @@ inline CreateRequest parse_create(const json& body) {
     if (!body["options"].is_object()) throw bad_request("body.options: expected an object or null");
     request.options = body["options"];
   }
+  if (body.contains("owner")) request.owner = checked_owner(required_string(body, "body", "owner"), "body.owner");
   return request;
 }
 
@@ -127,18 +140,41 @@ inline std::string parse_action(const json& body) {
   return required_string(body, "body", "action");
 }
 
-// The (session_id, action) pairs of a batch body, each session at most once.
-inline std::vector<std::pair<std::string, std::string>> parse_batch(const json& body) {
+using Actions = std::map<std::string, std::string>;  // agent id -> action
+
+// The `actions` object of `object` (a v2 step body, or a v2 batch item): agent id -> a string each.
+inline Actions required_actions(const json& object, const std::string& where) {
+  auto found = object.find("actions");
+  if (found == object.end()) throw bad_request(where + ".actions: required");
+  if (!found->is_object()) throw bad_request(where + ".actions: expected an object of agent id -> action");
+  Actions actions;
+  for (const auto& item : found->items()) {
+    if (!item.value().is_string()) throw bad_request(where + ".actions." + item.key() + ": expected a string");
+    actions.emplace(item.key(), item.value().get<std::string>());
+  }
+  return actions;
+}
+
+// The actions of a POST /v2/sessions/{id}/step body.
+inline Actions parse_actions(const json& body) {
+  check_object(body, "body", {"actions"});
+  return required_actions(body, "body");
+}
+
+// The (session_id, what `read` reads) pairs of a batch body, each session at most once; `field` is the item's
+// other field ("action" in v1, "actions" in v2).
+template <typename Read>
+auto parse_steps(const json& body, const std::string& field, Read read) {
   check_object(body, "body", {"steps"});
   if (!body.contains("steps")) throw bad_request("body.steps: required");
   const json& steps = body["steps"];
   if (!steps.is_array()) throw bad_request("body.steps: expected a list");
-  std::vector<std::pair<std::string, std::string>> items;
+  std::vector<std::pair<std::string, decltype(read(steps, std::string()))>> items;
   std::set<std::string> seen;
   for (std::size_t i = 0; i < steps.size(); ++i) {
     std::string where = "body.steps[" + std::to_string(i) + "]";
-    check_object(steps[i], where, {"session_id", "action"});
-    items.emplace_back(required_string(steps[i], where, "session_id"), required_string(steps[i], where, "action"));
+    check_object(steps[i], where, {"session_id", field});
+    items.emplace_back(required_string(steps[i], where, "session_id"), read(steps[i], where));
     if (!seen.insert(items.back().first).second) {
       throw bad_request(where + ".session_id: session " + items.back().first +
                         " appears twice; each session may appear once per batch");
@@ -147,9 +183,28 @@ inline std::vector<std::pair<std::string, std::string>> parse_batch(const json& 
   return items;
 }
 
+// The (session_id, action) pairs of a POST /v1/step body.
+inline std::vector<std::pair<std::string, std::string>> parse_batch(const json& body) {
+  return parse_steps(body, "action", [](const json& item, const std::string& where) {
+    return required_string(item, where, "action");
+  });
+}
+
+// The (session_id, actions) pairs of a POST /v2/step body.
+inline std::vector<std::pair<std::string, Actions>> parse_batch_v2(const json& body) {
+  return parse_steps(body, "actions", required_actions);
+}
+
 inline json failed_step(const std::string& session_id, const std::string& type, const std::string& message) {
   return {{"session_id", session_id}, {"observation", ""}, {"reward", 0.0}, {"terminated", true},
           {"truncated", false},       {"info", json::object()},  {"error", {{"type", type}, {"message", message}}}};
+}
+
+// A v2 step that failed (an env error, or a batch item refused): nobody acts next.
+inline json failed_multi_step(const std::string& session_id, const std::string& type, const std::string& message) {
+  return {{"session_id", session_id},     {"observations", json::object()}, {"rewards", json::object()},
+          {"terminations", json::object()}, {"truncations", json::object()}, {"infos", json::object()},
+          {"acting", json::array()},        {"error", {{"type", type}, {"message", message}}}};
 }
 
 // 128 bits from std::random_device (the OS's or the CPU's entropy) for each id, not a seeded generator,
