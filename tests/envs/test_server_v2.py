@@ -117,6 +117,8 @@ def test_refusals_are_4xx_naming_the_problem_and_change_nothing(server):
         ({"debater_0": "1"}, 400, "bad_request", "missing ['debater_1'], unexpected []"),
         ({"debater_0": "1", "debater_1": "1", "judge": "1"}, 400, "bad_request", "unexpected ['judge']"),
         ({}, 400, "bad_request", "missing ['debater_0', 'debater_1']"),
+        ({f"x{i}" + "y" * 100: "1" for i in range(20)}, 400, "bad_request", "'x10" + "y" * 61 + "', 'x11"),
+        ({f"x{i}": "1" for i in range(20)}, 400, "bad_request", "and 12 more"),
         ({"debater_0": "1", "debater_1": "y" * 101}, 400, "action_too_long", "'debater_1' is 101 characters"),
     ]
     for actions, status, type_, text in refusals:

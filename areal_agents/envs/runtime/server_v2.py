@@ -59,11 +59,13 @@ def _check_actions(server: EnvServer, sid: str, session: Session, actions: dict[
     missing = [a for a in acting if a not in actions]
     unexpected = sorted(set(actions) - set(acting))
     if missing or unexpected:
+        shown = [a[:64] for a in unexpected[:8]]  # a client's ids, echoed within bounds
+        more = f" and {len(unexpected) - len(shown)} more" if len(unexpected) > len(shown) else ""
         raise HTTPError(
             400,
             "bad_request",
             f"actions: expects one per acting agent {acting} of session {sid}; missing {missing}, "
-            f"unexpected {unexpected}",
+            f"unexpected {shown}{more}",
         )
     for agent, action in actions.items():
         server.check_action(action, f"the action of {agent!r}")
