@@ -5,6 +5,11 @@ tokens, and what the env shows it (the task, other agents' answers) arrives as o
 its loss mask. Agent ids map to policies: one shared engine (all agents' turns train one model) or an
 engine per agent id (separate policies). Agents acting in the same step generate concurrently.
 
+Who acts is the env's call: ``env.acting`` after each reset and step (a turn-based env names one agent at a
+time; [] ends the episode). An observation to an agent that is not acting waits in its chat's queue and
+joins its conversation before it next generates. An env without ``acting`` (None) is parallel: every agent
+that got an observation and has not terminated acts.
+
     agent = MultiAgentChatAgent({"debater_0": engine_a, "debater_1": engine_b}, tokenizer, sampling)
     trajectories = await agent.run_episode(pool.make("areal_agents/Debate-v0"), seed=0, episode_id="ep0")
 """
@@ -57,13 +62,6 @@ class MultiAgentChatAgent(Agent):
             raise ArealAgentsError(f"no policy for agent id {agent_id!r}; policies: {sorted(self.engines)}")
         return self.engines[agent_id]
 
-    def _start(self, agent_id: str, observation: str, info: dict[str, Any]) -> ChatTokens:
-        prompt = self.system_prompts.get(agent_id, self.system_prompt)
-        messages = [{"role": "system", "content": prompt}] if prompt else []
-        chat = ChatTokens(self.tokenizer)
-        chat.start([*messages, {"role": info.get("role", "user"), "content": observation}])
-        return chat
-
     async def run_episode(self, env: AsyncEnv, *, seed: int | None, episode_id: str) -> list[Trajectory]:
         try:
             segments, turn_rewards, final_info, stop_reasons, cut = await self._play(env, seed, episode_id)
@@ -103,16 +101,21 @@ class MultiAgentChatAgent(Agent):
 
     async def _play(self, env: AsyncEnv, seed: int | None, episode_id: str):
         observations, infos = await env.areset(seed=seed)
-        chats = {a: self._start(a, o, infos.get(a, {})) for a, o in observations.items()}
+        pending: dict[str, list[dict[str, Any]]] = defaultdict(list)  # observations not yet in the chat
+        chats: dict[str, ChatTokens] = {}
         segments: dict[str, list[ChatTokens]] = defaultdict(list)
         turn_rewards: dict[str, list[float]] = defaultdict(list)
         final_info: dict[str, dict[str, Any]] = {}
         stop_reasons: dict[str, list[StopReason]] = defaultdict(list)
         cut: set[str] = set()  # the agents still acting when a conversation ran out of room
-        acting = list(observations)
+        done: set[str] = set()
+        self._queue(pending, observations, infos, done)
+        acting = env.acting if env.acting is not None else list(observations)
         for turn in range(self.max_turns):
             if not acting:
                 break
+            for a in acting:
+                self._catch_up(a, chats, segments, pending)
             budgets = {
                 a: min(self.sampling.max_new_tokens, self.max_total_tokens - len(chats[a].input_ids)) for a in acting
             }
@@ -138,19 +141,35 @@ class MultiAgentChatAgent(Agent):
                 for a, r in zip(acting, responses)
             }
             observations, rewards, terminations, truncations, infos = await env.astep(actions)
-            still = []
             for a in acting:
                 turn_rewards[a].append(float(rewards.get(a, 0.0)))
+            for a, r in rewards.items():  # a reward to an agent that did not act: its last turn's
+                if a not in acting and turn_rewards[a]:
+                    turn_rewards[a][-1] += float(r)
+            for a in {*terminations, *truncations}:
                 if terminations.get(a) or truncations.get(a):
                     final_info[a] = infos.get(a, {})
-                    continue
-                still.append(a)
-                role = infos.get(a, {}).get("role", "user")
-                if not chats[a].append_message(role, observations[a]):
-                    segments[a].append(chats[a])  # the template rewrote history: a new segment
-                    chats[a] = ChatTokens(self.tokenizer)
-                    chats[a].start([*segments[a][-1].messages, {"role": role, "content": observations[a]}])
-            acting = still
+                    done.add(a)
+            self._queue(pending, observations, infos, done)
+            acting = env.acting if env.acting is not None else [a for a in acting if a not in done]
         for a, chat in chats.items():
             segments[a].append(chat)
         return segments, turn_rewards, final_info, stop_reasons, cut
+
+    @staticmethod
+    def _queue(pending: dict[str, list], observations: dict[str, str], infos: dict[str, Any], done: set[str]) -> None:
+        for a, observation in observations.items():
+            if a not in done:
+                pending[a].append({"role": infos.get(a, {}).get("role", "user"), "content": observation})
+
+    def _catch_up(self, a: str, chats: dict[str, ChatTokens], segments: dict, pending: dict[str, list]) -> None:
+        """Agent ``a``'s chat with every observation it got since it last generated, ready to generate."""
+        messages, pending[a] = pending[a], []
+        if a not in chats:
+            prompt = self.system_prompts.get(a, self.system_prompt)
+            chats[a] = ChatTokens(self.tokenizer)
+            chats[a].start([*([{"role": "system", "content": prompt}] if prompt else []), *messages])
+        elif not chats[a].append_messages(messages):
+            segments[a].append(chats[a])  # the template rewrote history: a new segment
+            chats[a] = ChatTokens(self.tokenizer)
+            chats[a].start([*segments[a][-1].messages, *messages])

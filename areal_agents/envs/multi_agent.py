@@ -1,7 +1,11 @@
 """`MultiAgentTextEnv`: several agents acting at once, PettingZoo's parallel API with text spaces.
 
 ``reset -> (observations, infos)`` and ``step(actions) -> (observations, rewards, terminations,
-truncations, infos)``, every value a dict keyed by agent id; ``agents`` lists the agents still acting.
+truncations, infos)``, every value a dict keyed by agent id; ``agents`` lists the agents still in the
+episode. ``acting_agents()`` says who acts next: every live agent at once by default (parallel); a
+turn-based env returns the agent whose turn it is, and ``step`` then gets that agent's action alone.
+Rewards, terminations, truncations and infos cover at least the agents that acted (a missing agent: 0.0,
+false, false, {}); observations go to every agent that gets one (e.g. the next speaker).
 
     class Guess(MultiAgentTextEnv):
         possible_agents = ["a", "b"]
@@ -60,6 +64,11 @@ class MultiAgentTextEnv(abc.ABC):
     def step(self, actions: dict[str, str]) -> Dicts:
         """Apply every acting agent's action; return the five per-agent dicts and update ``agents``."""
 
+    def acting_agents(self) -> list[str]:
+        """Who acts next, in order (``step`` gets exactly their actions); [] once the episode is over. The
+        default: every live agent (parallel); a turn-based env returns the one whose turn it is."""
+        return list(self.agents)
+
     def close(self) -> None:  # noqa: B027  (an optional hook, not abstract)
         """Release resources; the default has none."""
 
@@ -67,14 +76,24 @@ class MultiAgentTextEnv(abc.ABC):
 def check_multi_agent_env(env: MultiAgentTextEnv, seed: int = 0, max_steps: int = 1000) -> None:
     """Gymnasium-style checks of the parallel API; raises AssertionError naming what is wrong.
 
-    Reset and step return dicts keyed by exactly the acting agents, observations lie in their spaces,
-    a whole episode replays identically under the same seed and actions, agents that terminate leave
-    ``agents``, and episodes end within ``max_steps``."""
+    ``acting_agents()`` is a non-empty subset of ``agents`` while the episode runs and [] after it; reset
+    observes at least every acting agent; a step's rewards, terminations, truncations and infos cover at
+    least the agents that acted, and every dict names only possible agents; observations lie in their
+    spaces; a whole episode replays identically under the same seed and actions; agents that terminate leave
+    ``agents``; episodes end within ``max_steps``."""
     _check_reset(env, seed)
     _check_determinism(env, seed)
     _check_step(env, seed)
     first = _play(env, seed, max_steps)
     assert first == _play(env, seed, max_steps), "Expects the same seed and actions to replay the same episode"
+
+
+def _acting(env: MultiAgentTextEnv) -> list[str]:
+    acting = env.acting_agents()
+    assert isinstance(acting, list), f"Expects acting_agents() to return a list, got {type(acting).__name__}"
+    assert set(acting) <= set(env.agents), f"Expects acting_agents() {acting} to be live agents {env.agents}"
+    assert len(set(acting)) == len(acting), f"Expects acting_agents() without repeats, got {acting}"
+    return acting
 
 
 def _play(env: MultiAgentTextEnv, seed: int, max_steps: int) -> list[Any]:
@@ -84,23 +103,27 @@ def _play(env: MultiAgentTextEnv, seed: int, max_steps: int) -> list[Any]:
         space.seed(seed)
     transcript: list[Any] = [observations]
     for _ in range(max_steps):
+        acting = _acting(env)
         if not env.agents:
             return transcript
-        acting = list(env.agents)
+        assert acting, f"Expects acting_agents() to name someone while agents {env.agents} are live"
         actions = {a: env.action_space(a).sample() for a in acting}
         observations, rewards, terminations, truncations, _ = env.step(actions)
         transcript.append((actions, observations, rewards, terminations, truncations))
-        for a in acting:
-            if terminations[a] or truncations[a]:
+        for a in set(terminations) | set(truncations):
+            if terminations.get(a) or truncations.get(a):
                 assert a not in env.agents, f"Expects {a!r} to leave env.agents once terminated or truncated"
-            else:
-                assert env.observation_space(a).contains(observations[a]), f"Observation of {a!r} not in its space"
+        for a, obs in observations.items():
+            if a in env.agents:
+                assert env.observation_space(a).contains(obs), f"Observation of {a!r} not in its space"
     raise AssertionError(f"Expects an episode to end within {max_steps} steps with sampled actions")
 
 
-def _check_keys(name: str, d: Any, agents: list[str]) -> None:
+def _check_keys(name: str, d: Any, required: list[str], allowed: list[str]) -> None:
     assert isinstance(d, dict), f"Expects {name} to be a dict keyed by agent id, got {type(d).__name__}"
-    assert set(d) == set(agents), f"Expects {name} keys {sorted(agents)}, got {sorted(d)}"
+    missing, unknown = sorted(set(required) - set(d)), sorted(set(d) - set(allowed))
+    assert not missing, f"Expects {name} keys {sorted(required)}, got {sorted(d)} (at least the acting agents)"
+    assert not unknown, f"Expects {name} keys among the possible agents {sorted(allowed)}, got {unknown}"
 
 
 def _check_reset(env: MultiAgentTextEnv, seed: int) -> None:
@@ -109,8 +132,10 @@ def _check_reset(env: MultiAgentTextEnv, seed: int) -> None:
     assert isinstance(out, tuple) and len(out) == 2, "Expects reset() to return (observations, infos)"
     observations, infos = out
     assert env.agents, "Expects env.agents to be non-empty after reset()"
-    _check_keys("reset() observations", observations, env.agents)
-    _check_keys("reset() infos", infos, env.agents)
+    acting = _acting(env)
+    assert acting, "Expects acting_agents() to be non-empty after reset()"
+    _check_keys("reset() observations", observations, acting, env.possible_agents)
+    _check_keys("reset() infos", infos, [], env.possible_agents)
     for agent, obs in observations.items():
         assert env.observation_space(agent).contains(obs), f"Observation of {agent!r} is not in its space: {obs!r}"
 
@@ -123,15 +148,16 @@ def _check_determinism(env: MultiAgentTextEnv, seed: int) -> None:
 
 def _check_step(env: MultiAgentTextEnv, seed: int) -> None:
     env.reset(seed=seed)
-    acting = list(env.agents)
+    acting = _acting(env)
     actions = {a: env.action_space(a).sample() for a in acting}
     out = env.step(actions)
     assert isinstance(out, tuple) and len(out) == 5, "Expects step() to return 5 dicts"
     names = ("observations", "rewards", "terminations", "truncations", "infos")
     for name, d in zip(names, out):
-        _check_keys(f"step() {name}", d, acting)
-    for agent in acting:
+        _check_keys(f"step() {name}", d, [] if name == "observations" else acting, env.possible_agents)
+    for agent in out[1]:
         assert isinstance(out[1][agent], (int, float)), f"Expects a number as the reward of {agent!r}"
-        assert isinstance(out[2][agent], bool) and isinstance(out[3][agent], bool), (
+    for agent in set(out[2]) | set(out[3]):
+        assert isinstance(out[2].get(agent, False), bool) and isinstance(out[3].get(agent, False), bool), (
             f"Expects bool termination and truncation for {agent!r}"
         )

@@ -7,6 +7,9 @@
 - ``areal_agents_testing/Faulty-v0``: like Echo, but the action ``raise`` raises, ``hang`` sleeps for
   ``hang_seconds``, ``die`` kills the process running the env; ``error_rate`` makes a seeded fraction
   of steps raise (soak tests).
+- ``areal_agents_testing/Turns-v0``: a turn-based multi-agent env: ``num_agents`` agents speak one at a time,
+  in order, for ``turns`` turns; each speech is shown to every other agent; a speaker earns 1 when it says
+  ``target``. Tests the protocol's turn order (``acting``) end to end.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import gymnasium as gym
 
 from areal_agents.envs.base import TextEnv
+from areal_agents.envs.multi_agent import Dicts, MultiAgentTextEnv
 
 
 class EchoEnv(TextEnv):
@@ -56,6 +60,50 @@ class FaultyEnv(EchoEnv):
         return super().step(action)
 
 
-for _id, _cls in (("areal_agents_testing/Echo-v0", EchoEnv), ("areal_agents_testing/Faulty-v0", FaultyEnv)):
+class TurnsEnv(MultiAgentTextEnv):
+    """Agents ``p0..pN-1`` speak in turn; each hears the others; saying ``target`` earns 1 (turn order tests)."""
+
+    def __init__(self, num_agents: int = 2, turns: int = 4, target: str = "hi") -> None:
+        if not isinstance(num_agents, int) or not 1 <= num_agents <= 8:
+            raise ValueError(f"num_agents: expects an int in [1, 8], got {num_agents!r}")
+        if not isinstance(turns, int) or not 1 <= turns <= 64:
+            raise ValueError(f"turns: expects an int in [1, 64], got {turns!r}")
+        super().__init__(max_observation_length=4096, max_action_length=4096)
+        self.possible_agents = [f"p{i}" for i in range(num_agents)]
+        self.turns, self.target, self.turn = turns, target, 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.turn = 0
+        return {a: f"You are {a}. Say {self.target} on your turn." for a in self.agents}, {
+            a: {"role": "user"} for a in self.agents
+        }
+
+    def acting_agents(self) -> list[str]:
+        return [self.possible_agents[self.turn % len(self.possible_agents)]] if self.agents else []
+
+    def step(self, actions: dict[str, str]) -> Dicts:
+        (speaker,) = self.acting_agents()
+        if set(actions) != {speaker}:
+            raise ValueError(f"actions: expects {speaker!r} alone (its turn), got {sorted(actions)}")
+        said = str(actions[speaker])[-200:]
+        self.turn += 1
+        over = self.turn >= self.turns
+        listeners = [a for a in self.agents if a != speaker]
+        observations = {} if over else {a: f"{speaker}: {said}" for a in listeners}
+        rewards = {speaker: float(said.strip() == self.target)}
+        everyone = list(self.agents) if over else [speaker]
+        if over:
+            self.agents = []
+        done = {a: over for a in everyone}
+        infos = {a: {"turn": self.turn, "role": "user"} for a in everyone}
+        return observations, rewards, done, {a: False for a in everyone}, infos
+
+
+for _id, _cls in (
+    ("areal_agents_testing/Echo-v0", EchoEnv),
+    ("areal_agents_testing/Faulty-v0", FaultyEnv),
+    ("areal_agents_testing/Turns-v0", TurnsEnv),
+):
     if _id not in gym.registry:
         gym.register(id=_id, entry_point=_cls)

@@ -37,6 +37,7 @@ class InlineEnv:
 
     def __init__(self, env):
         self.env = env
+        self.acting = None  # a multi-agent env here is parallel: its agent follows the observations
 
     async def areset(self, *, seed=None, options=None):
         return self.env.reset(seed=seed, options=options)

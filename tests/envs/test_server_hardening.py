@@ -123,7 +123,8 @@ def test_module_class_ids_resolve_in_modules_imported_at_start(user_module):
         assert marker.exists()
         status, body = create(port, f"{name}:Picky", kwargs={"times": 2}, seed=0)
         assert status == 200 and body["observation"] == "word word 0", body
-        status, body = create(port, "areal_agents/Debate-v0", kwargs={"task_env": f"{name}:Picky"})
+        debate = {"env_id": "areal_agents/Debate-v0", "kwargs": {"task_env": f"{name}:Picky"}}
+        status, body = request(port, "POST", "/v2/sessions", debate)  # a multi-agent env: v2
         assert status == 200, body
 
 

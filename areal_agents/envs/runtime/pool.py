@@ -11,6 +11,9 @@
     pool = LocalEnvPool(mode="thread", workers=4, step_timeout=30)
     env = pool.make("areal_agents/Arithmetic-v0", digits=2)
     obs, info = await env.areset(seed=0)
+
+A `MultiAgentTextEnv` works the same with dicts keyed by agent id; its session's ``acting`` (who acts next,
+`MultiAgentTextEnv.acting_agents`) and ``agents`` are set after every reset and step, in every mode.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, Literal
 
 import gymnasium as gym
 
+from areal_agents.envs.multi_agent import MultiAgentTextEnv
 from areal_agents.envs.registry import import_env_module, make_env, register_builtin_envs
 from areal_agents.errors import ArealAgentsError, EnvError
 from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerImportError, WorkerPool
@@ -51,16 +55,23 @@ def _worker_make(modules: tuple[str, ...], env_id: str, kwargs: dict) -> gym.Env
     return make_env(env_id, **kwargs)
 
 
+def turn_order(env: Any) -> tuple[list[str], list[str]] | None:
+    """``(agents, acting)`` of a multi-agent env after a reset or step (None for a single-agent env)."""
+    if not isinstance(env, MultiAgentTextEnv):
+        return None
+    return [str(a) for a in env.possible_agents], [str(a) for a in env.acting_agents()]
+
+
 def _process_reset(state: bytes | None, spec: tuple, seed: int | None, options: dict | None) -> tuple:
     env = pickle.loads(state) if state is not None else _worker_make(*spec)
     result = env.reset(seed=seed, options=options)
-    return pickle.dumps(env), result
+    return pickle.dumps(env), result, turn_order(env)
 
 
-def _process_step(state: bytes, action: str) -> tuple:
+def _process_step(state: bytes, action: Any) -> tuple:
     env = pickle.loads(state)
     result = env.step(action)
-    return pickle.dumps(env), result
+    return pickle.dumps(env), result, turn_order(env)
 
 
 MAX_IDLE_ENVS = 1024
@@ -72,15 +83,28 @@ def _idle_key(env_id: str, kwargs: dict[str, Any]) -> tuple[str, str]:
 
 
 class PooledEnv:
-    """One env session of a `LocalEnvPool`; implements the `AsyncEnv` interface."""
+    """One env session of a `LocalEnvPool`; implements the `AsyncEnv` interface.
 
-    def __init__(self, pool: LocalEnvPool, env_id: str, kwargs: dict[str, Any]) -> None:
+    ``multi_agent``: the env is a `MultiAgentTextEnv` (dict actions and results); then ``agents`` (its
+    possible agents) and ``acting`` (who acts next; [] once the episode is over) follow every reset and step.
+    """
+
+    def __init__(self, pool: LocalEnvPool, env_id: str, kwargs: dict[str, Any], agents: list[str] | None) -> None:
         self.pool, self.env_id, self.kwargs = pool, env_id, kwargs
-        self.env: gym.Env | None = None
+        self.multi_agent = agents is not None
+        self.agents: list[str] = agents or []
+        self.acting: list[str] | None = None
+        self.env: gym.Env | MultiAgentTextEnv | None = None
         self._state: bytes | None = None  # process mode: the pickled env between calls
         self._broken = False  # a call raised: the env is closed, not reused
         if pool.mode != "process":
             self.env = pool._take(env_id, kwargs) or make_env(env_id, **kwargs)
+            self.multi_agent = isinstance(self.env, MultiAgentTextEnv)
+            self.agents = [str(a) for a in self.env.possible_agents] if self.multi_agent else []
+
+    def _follow(self, order: tuple[list[str], list[str]] | None) -> None:
+        if order is not None:
+            self.agents, self.acting = order
 
     async def _run(self, name: str, fn: Any, *args: Any) -> Any:
         try:
@@ -110,19 +134,26 @@ class PooledEnv:
         except Exception as e:
             raise EnvError("env_error", f"{self.env_id} {name} raised {type(e).__name__}: {e}") from e
 
-    async def areset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+    async def areset(self, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
         if self.pool.mode != "process":
-            return await self._run("reset", lambda: self.env.reset(seed=seed, options=options))
-        spec = (self.pool.modules, self.env_id, self.kwargs)
-        self._state, result = await self._run("reset", _process_reset, self._state, spec, seed, options)
+            env = self.env
+            result, order = await self._run("reset", lambda: (env.reset(seed=seed, options=options), turn_order(env)))
+        else:
+            spec = (self.pool.modules, self.env_id, self.kwargs)
+            self._state, result, order = await self._run("reset", _process_reset, self._state, spec, seed, options)
+        self._follow(order)
         return result
 
-    async def astep(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    async def astep(self, action: Any) -> tuple[Any, Any, Any, Any, Any]:
+        """One step: a text action, or (multi-agent) a dict of one action per acting agent."""
         if self.pool.mode != "process":
-            return await self._run("step", self.env.step, action)
-        if self._state is None:
-            raise EnvError("env_error", f"{self.env_id}: step() before reset()")
-        self._state, result = await self._run("step", _process_step, self._state, action)
+            env = self.env
+            result, order = await self._run("step", lambda: (env.step(action), turn_order(env)))
+        else:
+            if self._state is None:
+                raise EnvError("env_error", f"{self.env_id}: step() before reset()")
+            self._state, result, order = await self._run("step", _process_step, self._state, action)
+        self._follow(order)
         return result
 
     async def aclose(self) -> None:
@@ -178,8 +209,10 @@ class LocalEnvPool:
 
     def make(self, env_id: str, **kwargs: Any) -> PooledEnv:
         """A new env session; unknown ids and bad kwargs fail here, before any episode starts."""
+        agents = None
         if self.mode == "process":
             env = make_env(env_id, **kwargs)  # validate here; workers import the env's module
+            agents = [str(a) for a in env.possible_agents] if isinstance(env, MultiAgentTextEnv) else None
             spec = getattr(env, "spec", None)  # a MultiAgentTextEnv has none: its class names the module
             entry = spec.entry_point if spec is not None else type(env)
             module = entry.split(":")[0] if isinstance(entry, str) else getattr(entry, "__module__", "")
@@ -192,7 +225,7 @@ class LocalEnvPool:
                 )
             if module and module not in self.modules:
                 self.modules = (*self.modules, module)
-        return PooledEnv(self, env_id, kwargs)
+        return PooledEnv(self, env_id, kwargs, agents)
 
     async def aclose(self) -> None:
         for idle in self._idle.values():

@@ -3,7 +3,9 @@
 These pydantic models are the request/response bodies (and the server's OpenAPI schema). Errors are
 ``{"error": {"type": ..., "message": ...}}`` with a 4xx status; an env that fails mid-episode is not an
 HTTP error but a `StepResult` whose ``error`` is set (``env_error``, ``timeout``, ``worker_died``) and
-whose episode is over. See docs/env-protocol.md.
+whose episode is over. v1 (``/v1/...``) steps one text action of a single-agent env; v2 (``/v2/...``) steps
+one action per acting agent of any env (a single-agent env is the one agent ``"agent"``). See
+docs/env-protocol.md.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from typing import Any, TypeVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-PROTOCOL_VERSION = "v1"
+PROTOCOL_VERSION = "v2"  # the newest this server speaks; it serves every version of PROTOCOLS
+PROTOCOLS = ["v1", "v2"]
+SINGLE_AGENT = "agent"  # the agent id of a single-agent env over v2
+OWNER_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
@@ -32,6 +37,12 @@ class CreateSession(_Strict):
         default=None, ge=0, description="reset seed, an integer >= 0; the same seed gives the same episode"
     )
     options: dict[str, Any] | None = Field(default=None, description="reset options")
+    owner: str | None = Field(
+        default=None,
+        pattern=OWNER_PATTERN,
+        description="the client run that owns the session (1..128 of [A-Za-z0-9_.:-]); "
+        "DELETE /v2/sessions?owner= closes all of its sessions",
+    )
 
 
 class SessionCreated(BaseModel):
@@ -80,6 +91,48 @@ class SessionClosed(BaseModel):
     closed: bool
 
 
+class SessionCreatedV2(BaseModel):
+    session_id: str
+    multi_agent: bool = Field(description="false: a single-agent env served as the one agent 'agent'")
+    agents: list[str] = Field(description="every agent id of the episode, in a fixed order")
+    acting: list[str] = Field(description="who acts next, in order (never empty after a reset)")
+    observations: dict[str, str] = Field(description="per agent that gets one (at least every acting agent)")
+    infos: dict[str, dict[str, Any]]
+
+
+class MultiStepRequest(_Strict):
+    actions: dict[str, str] = Field(description="one text action per acting agent: keys exactly the session's acting")
+
+
+class MultiBatchItem(_Strict):
+    session_id: str
+    actions: dict[str, str]
+
+
+class MultiBatchStepRequest(_Strict):
+    steps: list[MultiBatchItem] = Field(description="one step per session; sessions must be distinct")
+
+
+class MultiStepResult(BaseModel):
+    session_id: str
+    observations: dict[str, str] = Field(default_factory=dict, description="every agent with a new observation")
+    rewards: dict[str, float] = Field(default_factory=dict, description="at least every agent that acted; missing: 0")
+    terminations: dict[str, bool] = Field(default_factory=dict)
+    truncations: dict[str, bool] = Field(default_factory=dict)
+    infos: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    acting: list[str] = Field(default_factory=list, description="who acts next; [] when the episode is over")
+    error: ErrorRecord | None = Field(default=None, description="set when this step failed; the episode is over")
+
+
+class MultiBatchStepResult(BaseModel):
+    results: list[MultiStepResult]
+
+
+class OwnerClosed(BaseModel):
+    owner: str
+    closed: int = Field(description="how many open sessions of this owner were closed (may be 0)")
+
+
 class EnvInfo(BaseModel):
     id: str
     description: str
@@ -98,13 +151,22 @@ class Limits(BaseModel):
 
 class Health(BaseModel):
     status: str
-    protocol: str = Field(description=f"the env-step protocol version the server speaks ({PROTOCOL_VERSION})")
+    protocol: str = Field(description=f"the newest env-step protocol version the server speaks ({PROTOCOL_VERSION})")
+    protocols: list[str] = Field(description=f"every version it serves ({', '.join(PROTOCOLS)})")
     sessions_open: int
     limits: Limits
 
 
 class ErrorResponse(BaseModel):
     error: ErrorRecord
+
+
+class HTTPError(Exception):
+    """A refusal: the status, the error type and the message of an `ErrorResponse`."""
+
+    def __init__(self, status: int, type_: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.type, self.message = status, type_, message
 
 
 def reply(model: type[ModelT], **fields: Any) -> ModelT:

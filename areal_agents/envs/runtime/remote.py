@@ -5,6 +5,12 @@ requests/s at hundreds of concurrent sessions; docs/benchmarks.md). Steps issued
 different sessions of one server are coalesced into one ``POST /v1/step`` (``batch_steps=True``), which
 is what lets thousands of concurrent episodes share a server cheaply.
 
+A multi-agent env speaks protocol v2: on a server whose /health lists v2 (asked once per server), sessions are
+created with ``POST /v2/sessions``, whose reply says whether the env is multi-agent; a multi-agent session is
+stepped with a dict of actions over ``/v2`` (batched like v1's) and its env's ``acting`` says who acts next; a
+single-agent one keeps v1's steps. ``owner`` tags a run's sessions, so ``close_sessions`` (or `close_owned`
+after a crash) closes them all on every server.
+
 Several servers (replicas): new sessions go round-robin to those that answer; a session stays on its
 server. A server lost mid-episode ends that episode as an env failure (``server_lost``, retried by the
 rollout controller); ``resolve`` (optional) gives the current addresses, e.g. of restarted Ray actors.
@@ -20,10 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import subprocess
-import sys
-import tempfile
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -31,8 +34,9 @@ from typing import Any
 
 import aiohttp
 
+from areal_agents.envs.runtime.protocol import OWNER_PATTERN, SINGLE_AGENT
+from areal_agents.envs.runtime.server_process import EnvServerProcess  # re-exported: where clients import it
 from areal_agents.errors import ArealAgentsError, EnvError, RunHalted, UnknownEnvError
-from areal_agents.net import free_port, wait_healthy
 
 _EPISODE_ERRORS = ("env_error", "timeout", "worker_died")
 # a batched step's failed item carries its error type, not a status: the status its single step answers
@@ -89,20 +93,33 @@ def _raise_for(response: _Reply) -> dict[str, Any]:
     return body
 
 
-def _step_tuple(result: dict[str, Any]) -> tuple[str, float, bool, bool, dict[str, Any]]:
+def _raise_item_error(result: dict[str, Any]) -> None:
     err = result.get("error")
     if err:
         raise _error(_ITEM_STATUS.get(err["type"], 400), err["type"], err["message"])
+
+
+def _step_tuple(result: dict[str, Any]) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    _raise_item_error(result)
     return result["observation"], result["reward"], result["terminated"], result["truncated"], result["info"]
 
 
-def _by_size(items: list[tuple[str, str, Any]], limit: int) -> list[list[tuple[str, str, Any]]]:
-    """``(session_id, action, ...)`` items in batches of at most ``limit`` characters of actions and ids (one
-    item alone may be more): many long actions together must not pass a server's body limit (413)."""
-    batches: list[list[tuple[str, str, Any]]] = [[]]
+def _check_owner(owner: str | None) -> None:
+    if owner is not None and not re.fullmatch(OWNER_PATTERN, owner):
+        raise ArealAgentsError(f"owner: expects 1 to 128 characters of [A-Za-z0-9_.:-], got {owner!r}")
+
+
+def _chars(action: str | dict[str, str]) -> int:
+    return len(action) if isinstance(action, str) else sum(len(a) + len(x) + 8 for a, x in action.items())
+
+
+def _by_size(items: list[tuple[str, Any, Any]], limit: int) -> list[list[tuple[str, Any, Any]]]:
+    """``(session_id, action or actions, ...)`` items in batches of at most ``limit`` characters of actions and
+    ids (one item alone may be more): many long actions together must not pass a server's body limit (413)."""
+    batches: list[list[tuple[str, Any, Any]]] = [[]]
     size = 0
     for item in items:
-        n = len(item[0]) + len(item[1]) + 32
+        n = len(item[0]) + _chars(item[1]) + 32
         if batches[-1] and size + n > limit:
             batches.append([])
             size = 0
@@ -112,48 +129,78 @@ def _by_size(items: list[tuple[str, str, Any]], limit: int) -> list[list[tuple[s
 
 
 class RemoteEnv:
-    """One episode at a time on the server; ``areset`` opens a session (closing the previous one)."""
+    """One episode at a time on the server; ``areset`` opens a session (closing the previous one).
+
+    ``multi_agent``, ``agents`` and ``acting`` are known once a session is open (a v2 server's create reply);
+    ``acting`` is None for a single-agent env."""
 
     def __init__(self, pool: RemoteEnvPool, env_id: str, kwargs: dict[str, Any]) -> None:
         self.pool, self.env_id, self.kwargs = pool, env_id, kwargs
         self.session_id: str | None = None
-
         self.server: str = ""  # the address of the server holding the session
+        self.multi_agent = False
+        self.agents: list[str] = []
+        self.acting: list[str] | None = None
 
-    async def areset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+    async def areset(self, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
         await self.aclose()
         body = {"env_id": self.env_id, "kwargs": self.kwargs, "seed": seed, "options": options}
         try:
-            self.server, reply = await self.pool._create(body)
+            self.server, reply, v2 = await self.pool._create(body)
         except EnvServerError as e:  # no server answered: an env failure, retried
             raise EnvError("unreachable", e.detail) from None
         created = _raise_for(reply)
         self.session_id = created["session_id"]
-        return created["observation"], created["info"]
+        self.pool._held(self.server).add(self.session_id)
+        if not v2:
+            return created["observation"], created["info"]
+        self.multi_agent = bool(created["multi_agent"])
+        if not self.multi_agent:
+            return created["observations"][SINGLE_AGENT], created["infos"].get(SINGLE_AGENT, {})
+        self.agents, self.acting = list(created["agents"]), list(created["acting"])
+        return created["observations"], created["infos"]
 
-    async def astep(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    async def astep(self, action: Any) -> tuple[Any, Any, Any, Any, Any]:
+        """A text action (single-agent) or a dict of one action per acting agent (multi-agent: over v2)."""
         if self.session_id is None:
             raise ArealAgentsError("RemoteEnv.astep() before areset()")
         try:
-            if self.pool.batch_steps:
-                result = await self.pool._batched_step(self.server, self.session_id, action)
-            else:
-                url = f"/v1/sessions/{self.session_id}/step"
-                result = _raise_for(await self.pool._request("POST", self.server + url, {"action": action}))
-            return _step_tuple(result)
+            if self.multi_agent:
+                return self._follow(await self._step("/v2", {"actions": action}, action))
+            return _step_tuple(await self._step("/v1", {"action": action}, action))
         except EnvServerError as e:
             if e.type != "unreachable":
                 raise
-            self.session_id = None
+            self._lost()
             raise EnvError("server_lost", e.detail) from None  # the session went with its server
         except EnvError:
-            self.session_id = None  # the server already closed it
+            self._lost()  # the server already closed it
             raise
+
+    async def _step(self, version: str, body: dict[str, Any], action: Any) -> dict[str, Any]:
+        if self.pool.batch_steps:
+            return await self.pool._batched_step(self.server, version, self.session_id, action)
+        url = f"{self.server}{version}/sessions/{self.session_id}/step"
+        return _raise_for(await self.pool._request("POST", url, body))
+
+    def _follow(self, result: dict[str, Any]) -> tuple[Any, Any, Any, Any, Any]:
+        _raise_item_error(result)
+        self.acting = list(result["acting"])
+        keys = ("observations", "rewards", "terminations", "truncations", "infos")
+        return tuple(result[k] for k in keys)
+
+    def _lost(self) -> None:
+        if self.session_id is not None:
+            self.pool._held(self.server).discard(self.session_id)
+        self.session_id = None
+        if self.multi_agent:
+            self.acting = []
 
     async def aclose(self) -> None:
         if self.session_id is None:
             return
-        sid, self.session_id = self.session_id, None
+        sid = self.session_id
+        self._lost()
         try:
             response = await self.pool._request("DELETE", f"{self.server}/v1/sessions/{sid}")
         except EnvServerError as e:
@@ -176,9 +223,15 @@ class RemoteEnvPool:
         batch_steps: bool = True,
         resolve: Callable[[], Awaitable[list[str]]] | None = None,
         unreachable_timeout_s: float = 30.0,
+        owner: str | None = None,
     ) -> None:
         """``unreachable_timeout_s``: once no server has answered for this long, a request that finds none
-        raises `EnvServerUnreachable` (the run stops) instead of failing its episode (retried)."""
+        raises `EnvServerUnreachable` (the run stops) instead of failing its episode (retried). ``owner``: the
+        run's name, sent with every session created on a v2 server (1..128 of ``[A-Za-z0-9_.:-]``)."""
+        _check_owner(owner)
+        self.owner = owner
+        self._v2: dict[str, bool] = {}  # per server: its /health lists v2
+        self._open: dict[str, set[str]] = {}  # per server: the sessions this pool holds
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ArealAgentsError("RemoteEnvPool needs at least one server URL")
@@ -194,7 +247,7 @@ class RemoteEnvPool:
         self._next = 0
         self._client: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending: dict[str, list[tuple[str, str, asyncio.Future]]] = {}
+        self._pending: dict[tuple[str, str], list[tuple[str, Any, asyncio.Future]]] = {}
 
     @property
     def client(self) -> aiohttp.ClientSession:
@@ -231,25 +284,37 @@ class RemoteEnvPool:
     def make(self, env_id: str, **kwargs: Any) -> RemoteEnv:
         return RemoteEnv(self, env_id, kwargs)
 
-    async def _create(self, body: dict[str, Any]) -> tuple[str, _Reply]:
+    def _held(self, server: str) -> set[str]:
+        return self._open.setdefault(server, set())
+
+    async def speaks_v2(self, server: str) -> bool:
+        """Whether ``server`` serves protocol v2 (its /health lists it); asked once per server."""
+        if server not in self._v2:
+            reply = await self._request("GET", f"{server}/health")
+            protocols = reply.body.get("protocols", []) if isinstance(reply.body, dict) else []
+            self._v2[server] = reply.status == 200 and isinstance(protocols, list) and "v2" in protocols
+        return self._v2[server]
+
+    async def _create(self, body: dict[str, Any]) -> tuple[str, _Reply, bool]:
         """Open a session, waiting while every server is at its session cap (429 too_many_sessions): a run may
         want more episodes at once than a server takes, and each episode frees its place when it ends. Gives
         the last 429 after ``timeout`` seconds of waiting."""
         deadline = asyncio.get_running_loop().time() + self.timeout
         pause = 0.02
         while True:
-            server, reply = await self._create_once(body)
+            server, reply, v2 = await self._create_once(body)
             if reply.status != 429 or asyncio.get_running_loop().time() + pause > deadline:
-                return server, reply
+                return server, reply, v2
             await asyncio.sleep(pause)
             pause = min(pause * 2, 1.0)
 
-    async def _create_once(self, body: dict[str, Any]) -> tuple[str, _Reply]:
-        """Open a session on the next server that answers and has room; (its address, the reply). When one
+    async def _create_once(self, body: dict[str, Any]) -> tuple[str, _Reply, bool]:
+        """Open a session on the next server that answers and has room; (its address, the reply, whether it
+        was made over v2: every session on a v2 server is, so its reply says if the env is multi-agent). When one
         does not answer, the addresses are re-resolved in the background (a restarted replica rejoins); when
         none does, this waits for that."""
         error: EnvServerError | None = None
-        full: tuple[str, _Reply] | None = None
+        full: tuple[str, _Reply, bool] | None = None
         for attempt in range(2 if self.resolve else 1):
             if attempt:
                 await self._refresh()
@@ -257,10 +322,12 @@ class RemoteEnvPool:
                 server = self.urls[self._next % len(self.urls)]
                 self._next += 1
                 try:
-                    reply = await self._request("POST", f"{server}/v1/sessions", body)
+                    v2 = await self.speaks_v2(server)
+                    owned = {**body, "owner": self.owner} if v2 and self.owner else body
+                    reply = await self._request("POST", f"{server}/{'v2' if v2 else 'v1'}/sessions", owned)
                     if reply.status != 429:
-                        return server, reply
-                    full = server, reply  # at its cap: try the next replica
+                        return server, reply, v2
+                    full = server, reply, v2  # at its cap: try the next replica
                 except EnvServerError as e:
                     error = e  # unreachable: try the next replica
                     if self.resolve:
@@ -282,22 +349,25 @@ class RemoteEnvPool:
         self._refresh_soon()
         await asyncio.shield(self._refreshing)
 
-    async def _batched_step(self, server: str, sid: str, action: str) -> dict[str, Any]:
+    async def _batched_step(self, server: str, version: str, sid: str, action: Any) -> dict[str, Any]:
+        """One step, sent with the other steps of this tick to the same server and protocol version."""
         future = asyncio.get_running_loop().create_future()
-        pending = self._pending.setdefault(server, [])
+        key = (server, version)
+        pending = self._pending.setdefault(key, [])
         pending.append((sid, action, future))
         if len(pending) == 1:  # the first of this tick: flush after the others have joined
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush(server)))
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush(key)))
         return await future
 
-    async def _flush(self, server: str) -> None:
-        pending = self._pending.pop(server, [])
-        await asyncio.gather(*(self._send(server, batch) for batch in _by_size(pending, _BATCH_BYTES)))
+    async def _flush(self, key: tuple[str, str]) -> None:
+        pending = self._pending.pop(key, [])
+        await asyncio.gather(*(self._send(*key, batch) for batch in _by_size(pending, _BATCH_BYTES)))
 
-    async def _send(self, server: str, batch: list[tuple[str, str, asyncio.Future]]) -> None:
-        body = {"steps": [{"session_id": sid, "action": action} for sid, action, _ in batch]}
+    async def _send(self, server: str, version: str, batch: list[tuple[str, Any, asyncio.Future]]) -> None:
+        field = "action" if version == "/v1" else "actions"
+        body = {"steps": [{"session_id": sid, field: action} for sid, action, _ in batch]}
         try:
-            results = _raise_for(await self._request("POST", f"{server}/v1/step", body))["results"]
+            results = _raise_for(await self._request("POST", f"{server}{version}/step", body))["results"]
         except Exception as e:
             for *_, fut in batch:
                 if not fut.done():
@@ -316,6 +386,27 @@ class RemoteEnvPool:
     async def health(self) -> dict[str, Any]:
         return _raise_for(await self._request("GET", f"{self.base_url}/health"))
 
+    async def close_sessions(self) -> int:
+        """Close every session this pool still holds: by owner on a v2 server (one request closes the run's
+        sessions there), one DELETE each otherwise. Never raises for a server that does not answer (its
+        sessions went with it, or expire there); returns how many the servers closed."""
+        closed = 0
+        for server, sids in list(self._open.items()):
+            if not sids:
+                continue
+            try:
+                if self.owner and await self.speaks_v2(server):
+                    reply = await self._request("DELETE", f"{server}/v2/sessions?owner={self.owner}")
+                    closed += int(reply.body.get("closed", 0)) if reply.status == 200 else 0
+                else:
+                    for sid in list(sids):
+                        reply = await self._request("DELETE", f"{server}/v1/sessions/{sid}")
+                        closed += reply.status == 200
+            except (EnvServerError, EnvServerUnreachable):
+                pass
+            sids.clear()
+        return closed
+
     async def aclose(self) -> None:
         if self._client is not None:
             if self._loop is asyncio.get_running_loop():
@@ -323,52 +414,20 @@ class RemoteEnvPool:
             self._client = None
 
 
-class EnvServerProcess:
-    """Launch ``areal-agents serve-env`` as a child process, wait for /health, stop it on exit.
-
-    with EnvServerProcess(workers=2) as server:
-        pool = RemoteEnvPool(server.url)
-    """
-
-    def __init__(self, *, port: int | None = None, startup_timeout: float = 60.0, **options: Any) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "areal_agents.cli", "serve-env", "--port", str(self.port)]
-        for key, value in options.items():
-            values = value if isinstance(value, (list, tuple)) else [value]
-            for v in values:
-                args += [f"--{key.replace('_', '-')}", str(v)]
-        # stderr to a file, not a pipe nobody reads while the server runs: a full pipe would block the server
-        self.stderr = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self.stderr, text=True)
-        self._wait_healthy(startup_timeout)
-
-    def _wait_healthy(self, timeout: float) -> None:
-        if wait_healthy(self.url, timeout, alive=lambda: self.process.poll() is None, poll_s=0.1):
-            return
-        if self.process.poll() is not None:
-            self.stderr.seek(0)
-            err = self.stderr.read().strip().splitlines()
-            self.stderr.close()
-            raise ArealAgentsError(f"env server exited with code {self.process.returncode}: {' | '.join(err[-3:])}")
-        self.stop()
-        raise ArealAgentsError(f"env server at {self.url} not healthy after {timeout}s")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
+async def close_owned(urls: str | list[str], owner: str, *, timeout: float = 10.0) -> int:
+    """Close every session ``owner`` holds on the v2 servers among ``urls`` (a run starting again after it was
+    killed); a server that does not answer or speaks only v1 is passed over. Returns how many were closed."""
+    _check_owner(owner)
+    closed = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as client:
+        for url in [urls] if isinstance(urls, str) else urls:
             try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.stderr.close()
-
-    def __enter__(self) -> EnvServerProcess:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+                async with client.delete(f"{url.rstrip('/')}/v2/sessions", params={"owner": owner}) as response:
+                    body = await response.json(content_type=None) if response.status == 200 else {}
+                closed += int(body.get("closed", 0)) if isinstance(body, dict) else 0
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                continue
+    return closed
 
 
-__all__ = ["EnvServerError", "EnvServerProcess", "RemoteEnv", "RemoteEnvPool"]
+__all__ = ["EnvServerError", "EnvServerProcess", "RemoteEnv", "RemoteEnvPool", "close_owned"]
