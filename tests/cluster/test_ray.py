@@ -197,8 +197,7 @@ def test_run_survives_a_killed_env_server_and_rollout_worker(tiny_dir, tmp_path)
 def test_a_lora_policy_on_ray(tiny_dir, tmp_path):
     """``model.lora`` on Ray: the base model's servers start LoRA-enabled, the trainer actor trains the
     adapter alone and pushes it (the servers load it by name), the rollout workers name it on every request,
-    and checkpoints hold PEFT's directory. (One adapter per agent needs a multi-agent env, which the env-step
-    server does not carry yet.)"""
+    and checkpoints hold PEFT's directory. (One adapter per agent: tests/cluster/test_ray_debate.py.)"""
     from safetensors.torch import load_file
 
     run = tmp_path / "lora"
