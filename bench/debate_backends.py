@@ -22,10 +22,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "debate" / "rl.yaml"
+RAY = [
+    "launcher=ray", "ray.env_servers=1", "ray.rollout_workers=1", "ray.trainer_ranks=1", "ray.env_server_cpus=0.25",
+    "ray.rollout_worker_cpus=0.25", "ray.trainer_cpus=0.25", "ray.engine_server_cpus=0.5",
+]  # fmt: skip
 BACKENDS = {
     "in-process": [],
     "serve-env (v2)": ["env.backend=server"],
-    "ray": ["launcher=ray", "ray.env_servers=1", "ray.rollout_workers=1", "ray.trainer_ranks=1"],
+    "ray": RAY,
 }
 
 
