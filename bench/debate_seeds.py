@@ -9,8 +9,8 @@ each run's TensorBoard logs and trajectory dumps and prints, per seed: the held-
 evaluation, each debater's batch reward (the mean of the first and of the last 10 steps), and what a
 collapse would show: the lowest accuracy after the peak, the per-token entropy of the sampled answers
 (mean -log π_behav at temperature 1: an estimate of the policy's entropy), the fraction of empty answers,
-how often a debater's final answer changed to the other's, PPO's clip fraction and the fraction of
-zero-variance groups. ``--report-only`` prints the table of runs already there. The first lines printed
+how often a debater's final answer changed to the other's, how often the two agree at the end, PPO's
+clip fraction and the fraction of zero-variance groups. ``--report-only`` prints the table of runs already there. The first lines printed
 are the commands that reproduce each run.
 """
 
@@ -51,7 +51,7 @@ def answer_stats(run_dir: Path) -> dict[int, dict[str, float]]:
     out = {}
     for path in sorted((run_dir / "trajectories").glob("step_*.jsonl")):
         step = int(path.stem.split("_")[1])
-        nll, empty, answers, switched, changed = [], 0, 0, 0, 0
+        nll, empty, answers, switched, changed, agree, debates = [], 0, 0, 0, 0, 0, 0
         rounds: dict[str, dict[str, list[str]]] = {}  # episode -> agent -> its answers by round
         for line in path.open():
             t = json.loads(line)
@@ -64,6 +64,7 @@ def answer_stats(run_dir: Path) -> dict[int, dict[str, float]]:
             if len(agents) != 2 or min(len(a) for a in agents.values()) < 2:
                 continue
             (a0, b0), (a1, b1) = ((x[0], x[-1]) for x in agents.values())
+            agree, debates = agree + (b0 == b1), debates + 1
             for first, last, other in ((a0, b0, a1), (a1, b1, a0)):
                 changed += first != other  # the debaters disagreed in round 1
                 switched += first != other and last == other  # ... and this one took the other's answer
@@ -71,6 +72,7 @@ def answer_stats(run_dir: Path) -> dict[int, dict[str, float]]:
             "entropy": float(np.mean(nll)) if nll else float("nan"),
             "empty": empty / max(answers, 1),
             "switched": switched / max(changed, 1),
+            "agree": agree / max(debates, 1),
         }
     return out
 
@@ -96,17 +98,20 @@ def report(run_dir: Path, seed: int) -> tuple[str, list[tuple[int, float]]]:
     low_after = min((v for _, v in evals[peak:]), default=float("nan"))
     answers = answer_stats(run_dir)
     shape = {k: (mean_over({s: v[k] for s, v in answers.items()}, first), mean_over(
-        {s: v[k] for s, v in answers.items()}, last)) for k in ("entropy", "empty", "switched")}  # fmt: skip
+        {s: v[k] for s, v in answers.items()}, last)) for k in ("entropy", "empty", "switched", "agree")}  # fmt: skip
     clip = [k for k in tags if k.startswith("train/") and k.endswith("clip_fraction") and "dual" not in k]
     flat = [k for k in tags if k.endswith("zero_variance_group_fraction")]
     line = (
         f"seed {seed}: held-out accuracy "
         + " ".join(f"{s}:{v:.1%}" for s, v in evals)
-        + f" | lowest after the peak {low_after:.1%}\n"
+        + f" | lowest after the peak {low_after:.1%} | final, each debater's own: "
+        + ", ".join(f"{a} {tags[f'eval/accuracy/{a}'][evals[-1][0]]:.1%}" for a in agents if evals)
+        + "\n"
         f"        reward (first 10 -> last 10 steps) {rewards}\n"
         f"        entropy/token {shape['entropy'][0]:.3f} -> {shape['entropy'][1]:.3f} | empty answers "
         f"{shape['empty'][0]:.1%} -> {shape['empty'][1]:.1%} | took the other's answer "
-        f"{shape['switched'][0]:.1%} -> {shape['switched'][1]:.1%} | clip fraction (last 10) "
+        f"{shape['switched'][0]:.1%} -> {shape['switched'][1]:.1%} | final answers agree "
+        f"{shape['agree'][0]:.1%} -> {shape['agree'][1]:.1%}\n        clip fraction (last 10) "
         + ", ".join(f"{mean_over(tags[k], last):.3f}" for k in clip)
         + " | zero-variance groups (last 10) "
         + ", ".join(f"{mean_over(tags[k], last):.0%}" for k in flat)
