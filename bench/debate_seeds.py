@@ -10,8 +10,8 @@ evaluation, each debater's batch reward (the mean of the first and of the last 1
 collapse would show: the lowest accuracy after the peak, the per-token entropy of the sampled answers
 (mean -log π_behav at temperature 1: an estimate of the policy's entropy), the fraction of empty answers,
 how often a debater's final answer changed to the other's, how often the two agree at the end, PPO's
-clip fraction and the fraction of zero-variance groups. ``--report-only`` prints the table of runs already there. The first lines printed
-are the commands that reproduce each run.
+clip fraction and the fraction of zero-variance groups. ``--report-only`` prints the table of the runs
+already there. The first lines printed are the commands that reproduce each run.
 """
 
 from __future__ import annotations
