@@ -33,7 +33,7 @@ def train_command(args: argparse.Namespace, seed: int) -> list[str]:
     overrides = [f"seed={seed}", f"run_dir={args.out}/seed{seed}", f"steps={args.steps}"]
     overrides += [f"eval.every={args.eval_every}", f"eval.num_problems={args.problems}"]
     overrides += [f"model.path={sft_model}", "rollout.dump_trajectories=true"]
-    if "policies" in Path(recipe).read_text():  # the separate-policy recipe: each debater starts from the model
+    if "policies" in (ROOT / recipe).read_text():  # the separate-policy recipe: each debater starts from the model
         overrides += [f"policies.debater_0={sft_model}", f"policies.debater_1={sft_model}"]
     return ["areal-agents", "train", recipe, "--overwrite", *overrides]
 
