@@ -14,7 +14,7 @@ from areal_agents.engines import HFEngine
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.envs.runtime.remote import EnvRequestRefused, EnvServerProcess, RemoteEnvPool, close_owned
 from areal_agents.envs.runtime.server import EnvServer, ServerConfig, build_app
-from areal_agents.errors import ArealAgentsError
+from areal_agents.errors import ArealAgentsError, EnvError
 from areal_agents.net import free_port
 from areal_agents.types import GenResponse, SamplingParams
 
@@ -142,6 +142,37 @@ class V1Only(EnvServer):
 
     def health(self):
         return {k: v for k, v in super().health().items() if k != "protocols"} | {"protocol": "v1"}
+
+
+class HealthFailsOnce(EnvServer):
+    """A v2 server whose first /health fails (a 500), as a server may while it is overloaded."""
+
+    failed = False
+
+    def health(self):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("overloaded")
+        return super().health()
+
+
+def test_a_failed_health_is_an_env_failure_asked_again_not_a_v1_server():
+    """A 5xx from /health says nothing of the protocols: the episode fails as an env failure (retried) and the
+    next creation asks again, so a multi-agent env is not sent to v1 (a 400 that would stop the run)."""
+    port = free_port()
+    with serving_app(build_app(HealthFailsOnce(ServerConfig(port=port, workers=2))), port) as url:
+
+        async def play():
+            pool = RemoteEnvPool(url)
+            env = pool.make(DEBATE)
+            with pytest.raises(EnvError, match="server_error"):
+                await env.areset(seed=0)
+            observations, _ = await env.areset(seed=0)
+            assert env.multi_agent and set(observations) == {"debater_0", "debater_1"}
+            await env.aclose()
+            await pool.aclose()
+
+        run(play())
 
 
 def test_a_v1_only_server_gets_v1_requests_and_per_session_closes():

@@ -291,6 +291,8 @@ class RemoteEnvPool:
         """Whether ``server`` serves protocol v2 (its /health lists it); asked once per server."""
         if server not in self._v2:
             reply = await self._request("GET", f"{server}/health")
+            if reply.status >= 500:  # it cannot say now: an env failure of this episode (retried), nothing kept
+                raise EnvError("server_error", f"{server}/health answered {reply.status}: {reply.text[:200]}")
             protocols = reply.body.get("protocols", []) if isinstance(reply.body, dict) else []
             self._v2[server] = reply.status == 200 and isinstance(protocols, list) and "v2" in protocols
         return self._v2[server]
