@@ -86,7 +86,6 @@ def run_train(
     for start in starts.values():  # before any rollout: a budget past the model's context is a config error
         check_max_new_tokens(cfg.rollout.max_new_tokens, start.path, "rollout.max_new_tokens")
     run_dir = prepare_run_dir(cfg.run_dir, cfg)
-    open_run_timeline(run_dir)  # before any engine, server or trainer starts: they all record into it
     seed_everything(cfg.seed)
     state = None
     if found is not None:
@@ -105,6 +104,7 @@ def run_train(
     with Interrupt() as interrupt:  # SIGTERM before the loop runs: SystemExit(143), servers stopped
         try:
             sessions.hold()
+            open_run_timeline(run_dir, cfg.timeline)  # before any engine, server or trainer: they record into it
             launcher.start()
             for name, start in starts.items():
                 path = str(found / model_dir(name)) if found else start.path
@@ -200,7 +200,7 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
     failures = FailureLog(run.run_dir / "failures.log")  # failed episodes: rate-limited lines, a traceback per cause
     episodes_at = run.launcher.episode_runner(main)
     controller = _controller(cfg, agent, backend, position, main.engine.get_version, episodes_at, failures)
-    log = StepLog(metrics, controller, position.ledger, cfg.env.id, main.engine)
+    log = StepLog(metrics, controller, position.ledger, cfg.env.id, main.engine, cfg.timeline, run.run_dir)
     saver = _Saver(run, controller, metrics, saved=position.first_step - 1)
     interrupt.on_stop = saver.save_on_interrupt
 
@@ -262,7 +262,7 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
         await saver.save_on_halt()
         raise
     ckpt = saver.save(saver.done, position.snapshot(controller.cursor, main.engine.get_version()))
-    metrics.close()
+    log.close()  # TensorBoard's files, the timeline's last series in them
     return write_summary(
         run.run_dir,
         accuracy={"before": position.accuracy_before, "after": after},
