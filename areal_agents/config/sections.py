@@ -124,7 +124,9 @@ class RolloutConfig:
         default=False,
     )
     dump_trajectories: bool = config_field(
-        "write each step's trajectories to run_dir/trajectories/step_N.jsonl (to inspect what trains)", default=False
+        "write each step's trajectories to run_dir/trajectories/step_N.jsonl and each held-out eval's samples to "
+        "run_dir/eval_samples/step_N.jsonl (to inspect what trains: the dashboard's trajectory viewer)",
+        default=False,
     )
 
     def __post_init__(self) -> None:

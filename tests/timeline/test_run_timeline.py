@@ -4,6 +4,7 @@ queues, CPU use, and the driver's and the episodes' spans, each episode's calls 
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -33,7 +34,7 @@ def _config(run, tiny_dir, *extra):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tiny_dir):
     run = tmp_path_factory.mktemp("timeline") / "rl"
-    run_train(_config(run, tiny_dir), progress=False)
+    run_train(_config(run, tiny_dir, "rollout.dump_trajectories=true"), progress=False)
     return run
 
 
@@ -91,3 +92,11 @@ def test_a_trainer_process_records_into_the_runs_timeline(tmp_path, tiny_dir):
     assert tl.processes["trainer/policy"].startswith("trainer-policy")
     assert tl.busy_share("trainer/policy") > 0
     assert {p.name.split(".")[0] for p in (run / "timeline").iterdir()} == {"driver", "trainer-policy"}
+
+
+def test_eval_samples_are_dumped_beside_the_trajectories(run):
+    """What the dashboard's viewer shows of the held-out evals: every sample, in the trajectories' row format."""
+    for step in (0, 3):
+        rows = [json.loads(x) for x in (run / "eval_samples" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == 4  # eval.num_problems, one sample each
+        assert set(rows[0]) == set(json.loads((run / "trajectories" / "step_1.jsonl").read_text().splitlines()[0]))
