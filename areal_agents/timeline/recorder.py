@@ -266,6 +266,7 @@ class NullTimeline:
     """The timeline of a process that records none: every call does nothing, cheaply."""
 
     dropped_spans = 0
+    dt = DEFAULT_DT
 
     @contextmanager
     def busy(self, worker: str) -> Iterator[None]:
