@@ -43,8 +43,8 @@ class RolloutWorker:
         self, cfg: TrainConfig, engine_urls: list[str], env_servers: EnvServers, admin_key: str | None = None
     ) -> None:
         quiet_transformers()
-        timeline_from_env("rollout-worker")  # the run's timeline, through the actors' environment
         self.engine = engine_client(cfg.engine, engine_urls, admin_key=admin_key)  # the servers' key
+        timeline_from_env("rollout-worker")  # the run's timeline (after the client: the driver polls the servers)
         self.agent = make_rollout_agent(cfg.rollout, adapter_views(cfg, self.engine), load_tokenizer(cfg.model.path))
         self.envs = EnvBackend(cfg.env, env_servers.pool())
         self.episode = local_episode(self.agent, self.envs.make)
