@@ -196,3 +196,14 @@ def test_the_null_timeline_records_nothing():
         assert args == {"a": 1}
     null.gauge("q", lambda: 1)
     null.close()
+
+
+def test_a_flush_after_close_writes_nothing_and_close_twice_is_fine(tmp_path, clock):
+    tl = make(tmp_path, clock)
+    tl.gauge("q", lambda: 1.0)
+    tl.sample()
+    tl.close()
+    size = tl.path.stat().st_size
+    tl.flush()
+    tl.close()
+    assert tl.path.stat().st_size == size
