@@ -69,6 +69,7 @@ class Timeline:
         self._fractions: dict[str, Callable[[], float]] = {}  # workers whose busy share is read, not timed
         self._samples: dict[str, dict[int, float]] = defaultdict(dict)  # gauge -> bin -> value (last sample)
         self._spans: list[str] = []
+        self._names: dict[str, int] = defaultdict(int)  # `unique`'s counts
         self.dropped_spans = 0
         self._dropped_written = 0
         self._written = 0
@@ -106,6 +107,14 @@ class Timeline:
             self._active[worker] -= 1
             if self._active[worker] == 0:
                 self._add_busy(worker, self._since.pop(worker), now)
+
+    def unique(self, name: str) -> str:
+        """``name`` the first time this timeline is asked for it, then ``name-1``, ``name-2``, ...: rows of
+        several workers of one kind in a process (two policies' engines)."""
+        with self._lock:
+            n = self._names[name]
+            self._names[name] += 1
+        return name if n == 0 else f"{name}-{n}"
 
     def idle(self, worker: str) -> None:
         """List ``worker`` from now on, busy or not, so an idle worker still has a row in the heatmap."""
@@ -285,6 +294,9 @@ class NullTimeline:
     @contextmanager
     def span(self, track: str, name: str, *, keep: bool = False, **args: Any) -> Iterator[dict[str, Any]]:
         yield args
+
+    def unique(self, name: str) -> str:
+        return name
 
     def enter(self, worker: str) -> None: ...
     def leave(self, worker: str) -> None: ...

@@ -207,3 +207,12 @@ def test_a_flush_after_close_writes_nothing_and_close_twice_is_fine(tmp_path, cl
     tl.flush()
     tl.close()
     assert tl.path.stat().st_size == size
+
+
+def test_workers_of_one_kind_get_their_own_rows_per_timeline(tmp_path, clock):
+    tl = make(tmp_path, clock)
+    assert [tl.unique("engine/hf") for _ in range(3)] == ["engine/hf", "engine/hf-1", "engine/hf-2"]
+    other = make(tmp_path / "other", clock)
+    assert other.unique("engine/hf") == "engine/hf"  # a new run counts from 0
+    for t in (tl, other):
+        t.close()
