@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from areal_agents.timeline import timeline
 from areal_agents.timeline.heatmap import heatmap_image
 from areal_agents.timeline.reader import RunTimeline
 from areal_agents.timeline.tail import TimelineTail
@@ -37,6 +38,7 @@ class TimelineLog:
     def record(self, step: int, heatmap: bool = True) -> None:
         """Read what the run's processes wrote since the last step and log it (``heatmap``: the image too, on
         schedule: the bins since the last image's)."""
+        timeline().flush()  # this process's finished bins now (its own sampler writes once a second)
         self.tail.read()
         read = self.tail.window(-math.inf)  # everything read and not yet forgotten: logged once each
         if self.origin is None and read.bins:
