@@ -27,11 +27,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from areal_agents.dashboard.trajectory_view import EpisodeFilter, episode_detail, summaries
 from areal_agents.dashboard.runs import ClientError, Run, RunSet, parse_kind, parse_step, read_jsonl
 from areal_agents.dashboard.scalars import ScalarReader
 from areal_agents.dashboard.timeline_panel import timeline
 from areal_agents.dashboard.tokenizers import TokenizerCache
+from areal_agents.dashboard.trajectory_view import EpisodeFilter, episode_detail, summaries
 from areal_agents.errors import ArealAgentsError
 
 STATIC = ("dashboard.js", "dashboard.css")
@@ -187,5 +187,11 @@ def serve(paths: list[str], host: str = "127.0.0.1", port: int = 8790) -> None:
     import uvicorn
 
     app = build_app(RunSet.of(paths))
+    # The heavy imports here, before the server's threads start: importing torch (the tokenizer's loader) in one
+    # request's thread while another imports tensorboard hung the server in the browser test.
+    import tensorboard.backend.event_processing.event_accumulator  # noqa: F401
+
+    import areal_agents.models.loading  # noqa: F401
+
     print(f"dashboard of {len(paths)} run(s): http://{host}:{port}/  (Ctrl-C stops it)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -13,11 +13,11 @@ const PANELS = [
   { id: "reward-turn", title: "Reward per turn", prefix: "rollout/reward_turn/" },
   { id: "reward-agent", title: "Reward per agent", prefix: "rollout/reward_agent/" },
   { id: "accuracy", title: "Held-out greedy accuracy", tags: ["eval/accuracy"], markers: true, percent: true },
-  { id: "staleness", title: "Staleness of trained samples (policy versions behind)", tags: ["rollout/staleness_mean", "rollout/staleness_max"] },
+  { id: "staleness", title: "Staleness of trained samples (versions behind)", tags: ["rollout/staleness_mean", "rollout/staleness_max"] },
   { id: "throughput", title: "Throughput", tags: ["perf/gen_tokens_per_s", "perf/trained_samples_per_s"], twin: true },
   { id: "queues", title: "Queues at step end", tags: ["rollout/queued_groups", "rollout/running_groups", "rollout/episodes_running"] },
-  { id: "time", title: "Where a step's time went (seconds)", tags: ["perf/step_seconds", "perf/rollout_wait_seconds", "perf/weight_sync_seconds"] },
-  { id: "episodes", title: "Episodes: truncated share, tool-call parse failures, failures", tags: ["rollout/truncated_fraction", "rollout/tool_parse_failures", "rollout/episodes_failed"] },
+  { id: "time", title: "Where a step's time went (s)", tags: ["perf/step_seconds", "perf/rollout_wait_seconds", "perf/weight_sync_seconds"] },
+  { id: "episodes", title: "Episodes: truncated share, parse failures, failed", tags: ["rollout/truncated_fraction", "rollout/tool_parse_failures", "rollout/episodes_failed"] },
   { id: "engine", title: "Engines and GPUs", tags: ["engine/busy_fraction"], regex: /^perf\/gpu\d+_utilisation$/ },
 ];
 
@@ -82,7 +82,7 @@ function drawPanel(panel, allTags) {
   const box = ensurePanel(panel);
   box.classList.toggle("hidden", traces.length === 0);
   if (!traces.length) return;
-  $("latest-" + panel.id).innerHTML = latest.join("");
+  $("latest-" + panel.id).innerHTML = latest.join(" ");
   const layout = {
     margin: { l: 50, r: panel.twin ? 55 : 15, t: 8, b: 35 }, uirevision: panel.id,
     legend: { orientation: "h", y: -0.2, font: { size: 10 } }, showlegend: true,
@@ -119,7 +119,7 @@ async function refreshCurves() {
   Object.values(state.scalars).forEach((s) => Object.keys(s).forEach((t) => allTags.add(t)));
   PANELS.forEach((p) => drawPanel(p, allTags));
   drawCustom(allTags);
-  if (!allTags.size) $("panels").innerHTML = '<div class="note">No TensorBoard scalars yet (the runs have logged no step).</div>';
+  $("curves-note").textContent = allTags.size ? "" : "No TensorBoard scalars yet (the runs have logged no step).";
 }
 
 // ---- runs and polling ---------------------------------------------------------------------------------------
