@@ -17,7 +17,7 @@ DOC = ROOT / "docs" / "architecture.md"
 # (lazy imports included). docs/architecture.md ("Layers") says the same; change both together.
 LAYERS = [
     {"types", "errors"},
-    {"config", "importing", "workers", "net", "progress", "_moved", "chat"},
+    {"config", "importing", "workers", "net", "progress", "_moved", "chat", "timeline"},
     {"models", "data", "sandbox"},
     {"rewards", "engines"},
     {"envs"},
