@@ -12,7 +12,8 @@ API (every route under ``/api`` answers JSON):
 - ``GET /api/runs/{run}/{kind}/{step}``: the episodes of a dump (``kind``: trajectories, eval_samples),
   filtered by ``agent``, ``truncated``, ``failed``, ``min_reward``, ``max_reward``
 - ``GET /api/runs/{run}/{kind}/{step}/{episode}``: one episode, decoded with the run's tokenizer
-- ``GET /api/runs/{run}/timeline``: the workers' timeline, when the run recorded one (`timeline_panel`)
+- ``GET /api/runs/{run}/timeline``: the workers' busy heatmap, gauges and steps, when the run recorded a
+  timeline (`timeline_panel`)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from areal_agents.dashboard.runs import ClientError, Run, RunSet, parse_kind, parse_step, read_jsonl
 from areal_agents.dashboard.scalars import ScalarReader
-from areal_agents.dashboard.timeline_panel import timeline
+from areal_agents.dashboard.timeline_panel import TimelinePanel
 from areal_agents.dashboard.tokenizers import TokenizerCache
 from areal_agents.dashboard.trajectory_view import EpisodeFilter, episode_detail, summaries
 from areal_agents.errors import ArealAgentsError
@@ -58,6 +59,7 @@ class Dashboard:
     def __init__(self, runs: RunSet, reload_seconds: float = 2.0) -> None:
         self.runs = runs
         self.scalars = {r.index: ScalarReader(r.path, reload_seconds) for r in runs.runs}
+        self.timelines = {r.index: TimelinePanel(r, reload_seconds) for r in runs.runs}
         self.tokenizers = TokenizerCache()
         self._dumps: dict[Path, tuple[tuple[int, int], list[dict[str, Any]], int]] = {}
         self._lock = threading.Lock()
@@ -146,7 +148,7 @@ def build_app(runs: RunSet, reload_seconds: float = 2.0) -> FastAPI:
 
     @app.get("/api/runs/{run}/timeline")
     def timeline_route(run: str) -> dict[str, Any]:
-        return timeline(runs.get(run))
+        return state.timelines[runs.get(run).index].payload()
 
     @app.get("/api/runs/{run}/{kind}/{step}")
     def episodes(

@@ -232,3 +232,42 @@ def test_the_dashboard_command(tmp_path, capsys):
         .err.strip()
         .endswith("run directory not found: " + str(tmp_path / "missing") + " (a train run's run_dir)")
     )
+
+
+def write_timeline(run, *extra: str) -> None:
+    """One process's timeline file in the recorder's format: 3 bins of 0.1 s from t = 10 s, a step's span."""
+    rows = [
+        {"k": "meta", "process": "driver", "dt": 0.1},
+        {
+            "k": "bins",
+            "dt": 0.1,
+            "busy": {"engine/hf": [100, [1.0, 0.5, None]], "trainer/p": [100, [0.0, 0.0, 1.0]]},
+            "gauges": {"rollout/queued_groups": [100, [2, 3, 4]], "cpu/driver": [100, [1.5, 1.0, 0.5]]},
+        },
+        {"k": "span", "track": "driver", "name": "step", "t": 10.1, "d": 0.2, "args": {"step": 1}},
+    ]
+    (run / "timeline").mkdir(exist_ok=True)
+    (run / "timeline" / "driver.1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "".join(extra))
+
+
+def test_the_timeline_gives_the_heatmap_the_gauges_and_the_steps(client, run):
+    assert client.get("/api/runs/0/timeline").json() == {
+        "available": False,
+        "why": "rl has recorded no timeline yet (RUN/timeline/)",
+    }
+    write_timeline(run, '{"k": "bins", "dt": 0.1, "bu')  # and a line being written
+    t = client.get("/api/runs/0/timeline").json()
+    assert t["available"] and t["workers"] == ["engine/hf", "trainer/p"]
+    assert t["busy"] == [[1.0, 0.5, None], [0.0, 0.0, 1.0]] and t["times"] == pytest.approx([0.0, 0.1, 0.2])
+    assert t["busy_share"] == {"engine/hf": 0.75, "trainer/p": pytest.approx(1 / 3)}
+    assert t["gauges"] == {
+        "cpu/driver": {"group": "cores", "values": [1.5, 1.0, 0.5]},
+        "rollout/queued_groups": {"group": "queues", "values": [2, 3, 4]},
+    }
+    assert t["steps"] == [{"step": 1, "start": pytest.approx(0.1), "end": pytest.approx(0.3)}]
+
+
+def test_an_unreadable_timeline_is_said_so_not_a_5xx(client, run):
+    write_timeline(run, '{"k": "bins", "busy": {}}\n')  # a whole line without its bin width
+    t = client.get("/api/runs/0/timeline").json()
+    assert not t["available"] and t["why"].startswith("rl's timeline is unreadable: KeyError")

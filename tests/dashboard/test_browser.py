@@ -20,8 +20,10 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from areal_agents.cli import main
+from areal_agents.dashboard.timeline_panel import GAUGE_BINS, HEATMAP_BINS, values
 from areal_agents.models import load_tokenizer
 from areal_agents.net import free_port, log_tail, wait_healthy
+from areal_agents.timeline import read_timeline
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -154,6 +156,25 @@ def check_curves(driver, run) -> int:
     return compared
 
 
+def expected_timeline(run) -> dict:
+    """The run's timeline, read here: each worker's busy row and each queue gauge, as the page should draw them."""
+    tl = read_timeline(run)
+    assert {"engine/hf", "trainer/policy"} <= set(tl.busy) and "rollout/queued_groups" in tl.gauges
+    heat, lines = tl.coarse(HEATMAP_BINS), tl.coarse(GAUGE_BINS)
+    queues = {k: values(v) for k, v in lines.gauges.items() if not k.startswith("cpu/") and "memory" not in k}
+    return {"workers": list(heat.busy), "z": [values(v) for v in heat.busy.values()], "drawn": 1, "queues": queues}
+
+
+def shown_timeline(driver) -> dict:
+    """What the heatmap and the queue panel hold, and whether the heatmap's image was drawn."""
+    return driver.execute_script(
+        "const h = document.getElementById('panel-heatmap'), g = document.getElementById('panel-gauges');"
+        "if (!h.data || !g.data) return null;"
+        "return {workers: h.data[0].meta.workers, z: h.data[0].z, drawn: h.querySelectorAll('.hm image').length,"
+        "queues: Object.fromEntries(g.data.map(t => [t.meta.gauge, t.y]))};"
+    )
+
+
 def check_episode(driver, row, tokenizer) -> None:
     """The viewer shows the dumped row: its reward, per-turn rewards, decoded tokens and loss mask."""
     reward = driver.find_element(By.ID, "ep-reward")
@@ -189,6 +210,7 @@ def test_the_dashboard_follows_a_training_run_in_chromium(tmp_path, tiny_dir, da
     wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, last))
     wait_for(browser, lambda d: "finished" in d.find_element(By.ID, "runs").text)
     assert check_curves(browser, run) >= 10
+    wait_for(browser, lambda d: shown_timeline(d) == expected_timeline(run))  # the heatmap and queues: the run's
     whole_page(browser, tmp_path / "dashboard.png")
 
     rows = [json.loads(line) for line in (run / "trajectories" / f"step_{STEPS}.jsonl").read_text().splitlines()]

@@ -56,6 +56,12 @@ function ensurePanel(panel) {
   return box;
 }
 
+// Steps are whole: a short run gets a tick per step, not 1.5 and 2.5.
+function integerTicks(traces) {
+  const xs = traces.flatMap((t) => t.x);
+  return Math.max(...xs) - Math.min(...xs) <= 12 ? { dtick: 1 } : { tickformat: "d" };
+}
+
 function drawPanel(panel, allTags) {
   const multi = state.runs.length > 1;
   const traces = [], latest = [];
@@ -86,7 +92,7 @@ function drawPanel(panel, allTags) {
   const layout = {
     margin: { l: 50, r: panel.twin ? 55 : 15, t: 8, b: 35 }, uirevision: panel.id,
     legend: { orientation: "h", y: -0.2, font: { size: 10 } }, showlegend: true,
-    xaxis: { title: { text: "step", font: { size: 11 } } },
+    xaxis: { zeroline: false, ...integerTicks(traces) },
     yaxis: panel.percent ? { tickformat: ".0%", rangemode: "tozero" } : { rangemode: panel.twin ? "tozero" : "normal" },
   };
   if (panel.twin) {
@@ -128,10 +134,12 @@ function drawRuns() {
   $("runs").innerHTML = state.runs.map((r) =>
     `<span class="run-chip" title="${esc(r.path)}"><span class="dot" style="background:${runColour(r.index)}"></span>` +
     `${esc(r.name)} <span class="state">${r.finished ? "finished" : "running"}</span></span>`).join("");
-  const sel = $("t-run");
-  if (sel.options.length !== state.runs.length) {
-    sel.innerHTML = state.runs.map((r) => `<option value="${r.index}">${esc(r.name)}</option>`).join("");
-  }
+  ["t-run", "w-run"].forEach((id) => {
+    const sel = $(id);
+    if (sel.options.length !== state.runs.length) {
+      sel.innerHTML = state.runs.map((r) => `<option value="${r.index}">${esc(r.name)}</option>`).join("");
+    }
+  });
 }
 
 function drawSteps() {
@@ -175,11 +183,66 @@ async function tick() {
 // ---- the workers' timeline (heatmap, queues, bottleneck report) -----------------------------------------------
 
 async function refreshTimeline() {
-  const run = state.runs[0];
+  const run = state.runs[Number($("w-run").value)] || state.runs[0];
   if (!run) return;
   const t = await getJSON(`/api/runs/${run.index}/timeline`);
-  if (!t.available) { $("timeline-note").textContent = t.why; return; }
-  if (window.drawTimeline) window.drawTimeline(t);
+  ["panel-heatmap", "panel-gauges"].forEach((id) => $(id).parentElement.classList.toggle("hidden", !t.available));
+  if (!t.available) { $("timeline-note").textContent = t.why; $("box-cores").classList.add("hidden"); return; }
+  $("timeline-note").textContent = `${t.workers.length} workers over ${fmt(t.seconds)} s; heatmap bins ${fmt(t.heatmap_dt)} s, ` +
+    `queues ${fmt(t.gauge_dt)} s` + (t.dropped_spans ? `; ${t.dropped_spans} spans over the file's budget dropped` : "");
+  drawHeatmap(t);
+  drawGauges(t, "queues", "panel-gauges", "count");
+  const other = Object.values(t.gauges).some((g) => g.group !== "queues");
+  $("box-cores").classList.toggle("hidden", !other);
+  if (other) drawGauges(t, ["cores", "memory"], "panel-cores", "cores busy", "GiB");
+  const report = $("bottleneck");
+  report.classList.toggle("hidden", !t.bottleneck);
+  if (t.bottleneck) report.textContent = typeof t.bottleneck === "string" ? t.bottleneck : JSON.stringify(t.bottleneck, null, 1);
+}
+
+// Where each step began: dotted lines over a time axis, labelled with the step at the top.
+function stepMarks(t) {
+  const every = Math.max(1, Math.ceil(t.steps.length / 20));
+  const marks = t.steps.filter((s, i) => i % every === 0);
+  return {
+    shapes: marks.map((s) => ({ type: "line", xref: "x", yref: "paper", x0: s.start, x1: s.start, y0: 0, y1: 1,
+      line: { color: "rgba(0,0,0,0.35)", width: 1, dash: "dot" } })),
+    annotations: marks.map((s) => ({ x: s.start, y: 1, xref: "x", yref: "paper", yanchor: "bottom", showarrow: false,
+      text: `step ${s.step}`, font: { size: 9, color: "#555" } })),
+  };
+}
+
+function drawHeatmap(t) {
+  const labels = t.workers.map((w) => `${w} (${Math.round(100 * t.busy_share[w])}%)`);
+  const trace = {
+    type: "heatmap", z: t.busy, x: t.times, y: labels, zmin: 0, zmax: 1, colorscale: "Viridis",
+    colorbar: { title: { text: "busy", side: "right" }, tickformat: ".0%", thickness: 12 },
+    hovertemplate: "%{y}<br>t = %{x:.1f} s<br>busy %{z:.0%}<extra></extra>", xgap: 0, ygap: 1,
+    meta: { workers: t.workers },
+  };
+  const marks = stepMarks(t);
+  Plotly.react("panel-heatmap", [trace], {
+    height: 90 + 26 * t.workers.length, margin: { l: 190, r: 20, t: 22, b: 40 }, uirevision: "heat",
+    xaxis: { title: { text: "seconds since the run's first bin", font: { size: 11 } } },
+    yaxis: { autorange: "reversed", automargin: true }, ...marks,
+  }, PLOT_CONFIG);
+}
+
+function drawGauges(t, groups, id, unit, unit2) {
+  groups = [].concat(groups);
+  const names = Object.keys(t.gauges).filter((k) => groups.includes(t.gauges[k].group));
+  const traces = names.map((k, i) => ({
+    x: t.gauge_times, y: t.gauges[k].values, name: k, type: "scatter", mode: "lines", connectgaps: false,
+    line: { width: 1.5, shape: "hv", color: RUN_COLOURS[(i + 1) % RUN_COLOURS.length] },
+    yaxis: unit2 && t.gauges[k].group === groups[1] ? "y2" : "y", meta: { gauge: k },
+  }));
+  const layout = {
+    margin: { l: 50, r: unit2 ? 55 : 15, t: 22, b: 40 }, uirevision: id, legend: { orientation: "h", y: -0.25, font: { size: 10 } },
+    xaxis: { title: { text: "seconds", font: { size: 11 } } }, yaxis: { title: { text: unit, font: { size: 10 } }, rangemode: "tozero" },
+    ...stepMarks(t),
+  };
+  if (unit2) layout.yaxis2 = { overlaying: "y", side: "right", rangemode: "tozero", title: { text: unit2, font: { size: 10 } } };
+  Plotly.react(id, traces, layout, PLOT_CONFIG);
 }
 
 // ---- the trajectory viewer ----------------------------------------------------------------------------------
@@ -314,6 +377,7 @@ function drawEpisode() {
 
 $("live").addEventListener("change", () => { clearTimeout(state.timer); if ($("live").checked) tick(); });
 $("custom-tag").addEventListener("change", () => refreshCurves());
+$("w-run").addEventListener("change", () => refreshTimeline());
 $("t-run").addEventListener("change", () => { drawSteps(); loadEpisodes(); });
 $("t-kind").addEventListener("change", () => { $("t-step").innerHTML = ""; drawSteps(); loadEpisodes(); });
 $("t-step").addEventListener("change", loadEpisodes);
