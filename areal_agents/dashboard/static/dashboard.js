@@ -325,9 +325,13 @@ function legend(ep, versions) {
 
 function drawTokens(ep) {
   const versions = [...new Set(ep.versions.filter((v, i) => ep.loss_mask[i] === 1))].sort((a, b) => a - b);
+  // One generation per turn (no tool calls, one segment): each generation's label carries its turn's reward.
+  const gens = ep.spans.filter((s) => s.generated).length;
+  const perTurn = ep.num_segments === 1 && !ep.tool_calls && ep.turn_rewards.length === gens;
   const html = ep.spans.map((s) => {
     const label = s.generated
-      ? `generation ${s.generation + 1}${s.stop_reason ? `<br>stop: ${esc(s.stop_reason)}` : ""}`
+      ? `generation ${s.generation + 1}${s.stop_reason ? `<br>stop: ${esc(s.stop_reason)}` : ""}` +
+        (perTurn ? `<br>turn reward ${fmt(ep.turn_rewards[s.generation])}` : "")
       : "model read<br><small>prompt, env, template</small>";
     let toks = "";
     for (let i = s.start; i < s.end; i++) {
