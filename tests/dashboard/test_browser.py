@@ -217,21 +217,19 @@ def test_the_dashboard_follows_a_training_run_in_chromium(tmp_path, tiny_dir, da
     wait_for(browser, lambda d: Select(d.find_element(By.ID, "t-step")).first_selected_option.text == str(STEPS))
     pick = max(range(len(rows)), key=lambda i: (rows[i]["reward"], i))  # the best episode of the last step
     wait_for(browser, lambda d: click(d, f'#episodes tr[data-index="{pick}"]'))  # retried if the poll redrew it
-    wait_for(browser, lambda d: rows[pick]["episode_id"] in d.find_element(By.CSS_SELECTOR, "#episode .head").text)
+    wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, f'#episode[data-key="0/trajectories/{STEPS}/{pick}"]'))
     tokenizer = load_tokenizer(tiny_dir)
     check_episode(browser, rows[pick], tokenizer)
     whole_page(browser, tmp_path / "page-with-trajectory.png")
     browser.find_element(By.ID, "trajectories").screenshot(str(tmp_path / "trajectory.png"))
 
-    # Held-out eval samples, in the trajectories' row format, appear when written.
-    sample = dict(rows[0], reward=0.875, turn_rewards=[0.5, 0.375], episode_id="eval-0")
-    (run / "eval_samples").mkdir()
-    (run / "eval_samples" / f"step_{STEPS}.jsonl").write_text(json.dumps(sample) + "\n")
-    option = 'select#t-kind option[value="eval_samples"]'
-    wait_for(browser, lambda d: d.find_element(By.CSS_SELECTOR, option).is_enabled())
+    # The run's held-out eval samples (RUN/eval_samples, in the trajectories' row format), its last step's.
+    samples = [json.loads(line) for line in (run / "eval_samples" / f"step_{STEPS}.jsonl").read_text().splitlines()]
     Select(browser.find_element(By.ID, "t-kind")).select_by_value("eval_samples")
-    wait_for(browser, lambda d: "eval-0" in d.find_element(By.CSS_SELECTOR, "#episode .head").text)
-    check_episode(browser, sample, tokenizer)
+    wait_for(browser, lambda d: Select(d.find_element(By.ID, "t-step")).first_selected_option.text == str(STEPS))
+    wait_for(browser, lambda d: click(d, '#episodes tr[data-index="1"]'))
+    wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, f'#episode[data-key="0/eval_samples/{STEPS}/1"]'))
+    check_episode(browser, samples[1], tokenizer)
 
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors

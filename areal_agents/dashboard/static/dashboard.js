@@ -202,7 +202,7 @@ async function refreshTimeline() {
 
 // Where each step began: dotted lines over a time axis, labelled with the step at the top.
 function stepMarks(t) {
-  const every = Math.max(1, Math.ceil(t.steps.length / 20));
+  const every = Math.max(1, Math.ceil(t.steps.length / 15));
   const marks = t.steps.filter((s, i) => i % every === 0);
   return {
     shapes: marks.map((s) => ({ type: "line", xref: "x", yref: "paper", x0: s.start, x1: s.start, y0: 0, y1: 1,
@@ -292,10 +292,13 @@ async function loadEpisode(index) {
   const run = $("t-run").value, kind = $("t-kind").value, step = $("t-step").value;
   state.lastSelection = `${run}/${kind}/${step}/${index}`;
   [...$("episodes").tBodies[0].rows].forEach((tr) => tr.classList.toggle("selected", Number(tr.dataset.index) === index));
+  const key = `${run}/${kind}/${step}/${index}`;
   try {
     state.episode = await getJSON(`/api/runs/${run}/${kind}/${step}/${index}`);
   } catch (e) { $("episode").innerHTML = `<div class="note warn">${esc(e.message)}</div>`; return; }
+  if (state.lastSelection !== key) return;  // another episode was picked while this one loaded
   drawEpisode();
+  $("episode").dataset.key = key;  // which episode is shown: run/kind/step/row
 }
 
 // Colour of one token under the chosen mode, or "" to leave it plain.
