@@ -1,9 +1,9 @@
 """The workers' timeline for the dashboard: a workers x time busy heatmap, the queue and in-flight gauges at the
 timeline's own resolution (100 ms bins, not one point a step), and where each step began and ended.
 
-`areal_agents.timeline.read_timeline` reads the run's ``RUN/timeline/`` files; a run re-reads them at most every
-``min_interval`` seconds and only when a file changed. A run that recorded none says so: ``{"available": false,
-"why": ...}``.
+A `TimelineTail` follows the run's ``RUN/timeline/`` files, parsing only the lines added since its last read, at
+most every ``min_interval`` seconds and only when a file changed. A run that recorded none says so:
+``{"available": false, "why": ...}``.
 
     panel = TimelinePanel(run)
     panel.payload()    # {"available": True, "workers": [...], "busy": [[...]], "times": [...], "gauges": {...}, ...}
@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 
 from areal_agents.dashboard.runs import Run
-from areal_agents.timeline import RunTimeline, read_timeline
+from areal_agents.timeline import RunTimeline
+from areal_agents.timeline.heatmap import row_order
+from areal_agents.timeline.tail import TimelineTail
 
 HEATMAP_BINS = 600  # columns of the heatmap: coarser bins (means) past this
 GAUGE_BINS = 3000  # points of a gauge's line
@@ -53,14 +55,15 @@ def payload(run: Run, tl: RunTimeline) -> dict[str, Any]:
     if not tl.bins:
         return {"available": False, "why": f"{run.name} has recorded no timeline yet (RUN/timeline/)"}
     heat, lines = tl.coarse(HEATMAP_BINS), tl.coarse(GAUGE_BINS)
+    workers = row_order(list(heat.busy))  # as TensorBoard's heatmap image: engines, trainers, envs, reward, GPUs
     return {
         "available": True,
         "run": run.index,
         "dt": tl.dt,
         "heatmap_dt": heat.dt,
-        "workers": list(heat.busy),
+        "workers": workers,
         "times": values(heat.times()),
-        "busy": [values(v) for v in heat.busy.values()],
+        "busy": [values(heat.busy[w]) for w in workers],
         "busy_share": {w: tl.busy_share(w) for w in tl.busy},
         "gauge_dt": lines.dt,
         "gauge_times": values(lines.times()),
@@ -80,6 +83,7 @@ class TimelinePanel:
         self.min_interval = min_interval
         self._lock = threading.Lock()
         self._checked = -math.inf
+        self._tail = TimelineTail(run.path)
         self._key: tuple = ()
         self._payload: dict[str, Any] = payload(run, RunTimeline(0.0, 0.1, {}, {}, [], {}))
 
@@ -104,7 +108,8 @@ class TimelinePanel:
 
     def _read(self) -> dict[str, Any]:
         try:
-            tl = read_timeline(self.run.path)
+            self._tail.read()
+            tl = self._tail.window()
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # a file written by something else
             return {"available": False, "why": f"{self.run.name}'s timeline is unreadable: {type(e).__name__}: {e}"}
         return payload(self.run, tl)

@@ -265,6 +265,10 @@ def test_the_timeline_gives_the_heatmap_the_gauges_and_the_steps(client, run):
         "rollout/queued_groups": {"group": "queues", "values": [2, 3, 4]},
     }
     assert t["steps"] == [{"step": 1, "start": pytest.approx(0.1), "end": pytest.approx(0.3)}]
+    with (run / "timeline" / "driver.1.jsonl").open("a") as f:  # the half-written line ends; the run goes on
+        f.write('sy": {"engine/hf": [103, [0.25]]}, "gauges": {}}\n')
+    t = client.get("/api/runs/0/timeline").json()
+    assert t["busy"][0] == [1.0, 0.5, 0.0, 0.25]  # bin 102: between recorded bins, idle (the reader's rule)
 
 
 def test_an_unreadable_timeline_is_said_so_not_a_5xx(client, run):

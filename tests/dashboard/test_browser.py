@@ -24,6 +24,7 @@ from areal_agents.dashboard.timeline_panel import GAUGE_BINS, HEATMAP_BINS, valu
 from areal_agents.models import load_tokenizer
 from areal_agents.net import free_port, log_tail, wait_healthy
 from areal_agents.timeline import read_timeline
+from areal_agents.timeline.heatmap import row_order
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -162,7 +163,8 @@ def expected_timeline(run) -> dict:
     assert {"engine/hf", "trainer/policy"} <= set(tl.busy) and "rollout/queued_groups" in tl.gauges
     heat, lines = tl.coarse(HEATMAP_BINS), tl.coarse(GAUGE_BINS)
     queues = {k: values(v) for k, v in lines.gauges.items() if not k.startswith("cpu/") and "memory" not in k}
-    return {"workers": list(heat.busy), "z": [values(v) for v in heat.busy.values()], "drawn": 1, "queues": queues}
+    workers = row_order(list(heat.busy))
+    return {"workers": workers, "z": [values(heat.busy[w]) for w in workers], "drawn": 1, "queues": queues}
 
 
 def shown_timeline(driver) -> dict:
