@@ -1,7 +1,7 @@
 """The docs' pictures of the dashboard (docs/dashboard.md), taken in headless Chromium from a dashboard that runs.
 
     areal-agents dashboard runs/arith/rl-2turns runs/arith/rl-2turns-lr3e-4 --port 8790 &
-    python scripts/dashboard_screenshots.py http://127.0.0.1:8790 docs/images --step 30 --episode 5
+    python scripts/dashboard_screenshots.py http://127.0.0.1:8790 docs/images --step 29 --episode 141
 
 Writes OUT/dashboard.png (the whole page) and OUT/dashboard-trajectory.png (the trajectory viewer on one
 episode). Needs chromium, chromium-driver (scripts/setup.sh --with-browser) and selenium (the dev extra).

@@ -222,7 +222,7 @@ function drawHeatmap(t) {
   };
   const marks = stepMarks(t);
   Plotly.react("panel-heatmap", [trace], {
-    height: 90 + 26 * t.workers.length, margin: { l: 190, r: 20, t: 22, b: 40 }, uirevision: "heat",
+    height: 90 + (t.workers.length > 24 ? 14 : 26) * t.workers.length, margin: { l: 190, r: 20, t: 22, b: 40 }, uirevision: "heat",
     xaxis: { title: { text: "seconds since the run's first bin", font: { size: 11 } } },
     yaxis: { autorange: "reversed", automargin: true }, ...marks,
   }, PLOT_CONFIG);
@@ -291,7 +291,15 @@ async function loadEpisodes() {
 async function loadEpisode(index) {
   const run = $("t-run").value, kind = $("t-kind").value, step = $("t-step").value;
   state.lastSelection = `${run}/${kind}/${step}/${index}`;
-  [...$("episodes").tBodies[0].rows].forEach((tr) => tr.classList.toggle("selected", Number(tr.dataset.index) === index));
+  [...$("episodes").tBodies[0].rows].forEach((tr) => {
+    tr.classList.toggle("selected", Number(tr.dataset.index) === index);
+    if (Number(tr.dataset.index) === index) {  // in view in the list (the page itself does not jump)
+      const list = tr.closest(".episode-list");
+      if (tr.offsetTop < list.scrollTop || tr.offsetTop > list.scrollTop + list.clientHeight - 40) {
+        list.scrollTop = tr.offsetTop - list.clientHeight / 2;
+      }
+    }
+  });
   const key = `${run}/${kind}/${step}/${index}`;
   try {
     state.episode = await getJSON(`/api/runs/${run}/${kind}/${step}/${index}`);
@@ -340,7 +348,8 @@ function drawTokens(ep) {
     for (let i = s.start; i < s.end; i++) {
       const c = tokenColour(ep, i, versions);
       const tip = `#${i} id ${ep.input_ids[i]} · mask ${ep.loss_mask[i]} · version ${ep.versions[i]} · logprob ${fmt(ep.logprobs[i])}`;
-      toks += `<span class="tok" style="${c ? "background:" + c : ""}" title="${esc(tip)}">${esc(ep.token_text[i])}</span>`;
+      const nl = ep.token_text[i].includes("\n") ? " nl" : "";  // a newline shows as ↵ (CSS: not in the text)
+      toks += `<span class="tok${nl}" style="${c ? "background:" + c : ""}" title="${esc(tip)}">${esc(ep.token_text[i])}</span>`;
     }
     return `<div class="span ${s.generated ? "gen" : "read"}"><div class="label">${label}</div><div class="text">${toks}</div></div>`;
   }).join("");
