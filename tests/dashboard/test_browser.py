@@ -5,6 +5,7 @@ the test's tmp_path."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ from areal_agents.models import load_tokenizer
 from areal_agents.net import free_port, log_tail, wait_healthy
 from areal_agents.timeline import read_timeline
 from areal_agents.timeline.heatmap import row_order
+from areal_agents.types import Trajectory
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -235,3 +237,64 @@ def test_the_dashboard_follows_a_training_run_in_chromium(tmp_path, tiny_dir, da
 
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
+
+
+def test_the_viewer_shows_tool_calls_parse_failures_and_a_rewritten_history(tiny_dir, dashboard, browser):
+    """A step written by hand, as a tool agent's dump looks: an episode in two segments (its template rewrote
+    history) with a well-formed and a malformed tool call, and a plain episode. The filter, the flags, the
+    generations' numbering across segments and the messages' tool call are the dump's."""
+    url, run = dashboard
+    tok = load_tokenizer(tiny_dir)
+    (run / "config.json").write_text(json.dumps({"model": {"path": str(tiny_dir)}}))
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    messages = [
+        {"role": "user", "content": "1+2="},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "3"},
+        {"role": "assistant", "content": "<tool_call>{oops"},
+    ]
+    meta = {"num_segments": 2, "tool_calls": 1, "tool_parse_failures": 1, "stop_reasons": ["tool_calls", "stop"]}
+    rows = [
+        row(tok, [("1+2=", 0), ("call", 1)], "e0", segment=0, messages=messages[:2], **meta),
+        row(tok, [("1+2= call 3", 0), ("<tool_call>{oops", 1)], "e0", segment=1, messages=messages, **meta),
+        row(tok, [("2+2=", 0), ("4", 1)], "e1", segment=0, num_segments=1, stop_reasons=["stop"]),
+    ]
+    (run / "trajectories").mkdir()
+    (run / "trajectories" / "step_1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    browser.get(url)
+    wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '#episode[data-key="0/trajectories/1/0"]'))
+    flags = browser.find_element(By.CSS_SELECTOR, '#episodes tr[data-index="0"]').text
+    assert "1 parse failure" in flags and "1 call" in flags and "seg 1/2" in flags
+
+    Select(browser.find_element(By.ID, "f-failed")).select_by_value("false")
+    wait_for(
+        browser,
+        lambda d: (
+            [tr.get_attribute("data-index") for tr in d.find_elements(By.CSS_SELECTOR, "#episodes tr.row")] == ["2"]
+        ),
+    )
+    Select(browser.find_element(By.ID, "f-failed")).select_by_value("true")
+    wait_for(browser, lambda d: click(d, '#episodes tr[data-index="1"]'))
+    wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '#episode[data-key="0/trajectories/1/1"]'))
+    head = browser.find_element(By.CSS_SELECTOR, "#episode .head").text
+    assert "segment 2 of 2" in head and "1 tool-call parse failure(s)" in head
+    labels = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#ep-tokens .span.gen .label")]
+    assert labels == ["generation 2\nstop: stop"]  # the episode's second generation: the first is segment 1's
+    assert [e.text for e in browser.find_elements(By.CSS_SELECTOR, ".msg .call")] == [
+        'tool call: {"name":"add","arguments":"{\\"a\\": 1, \\"b\\": 2}"}'
+    ]
+    assert [e.text.split("\n")[0] for e in browser.find_elements(By.CSS_SELECTOR, ".msg .role")] == [
+        "user", "assistant", "tool", "assistant"
+    ]  # fmt: skip
+
+
+def row(tokenizer, parts, episode, **metadata) -> dict:
+    """A dumped trajectory (``dataclasses.asdict(Trajectory)``) from (text, generated) parts."""
+    ids, mask = [], []
+    for text, generated in parts:
+        new = tokenizer.encode(text, add_special_tokens=False)
+        ids, mask = ids + new, mask + [generated] * len(new)
+    trajectory = Trajectory(
+        ids, mask, [-0.5 * m for m in mask], [m - 1 for m in mask], 1.0, [1.0], "g", "agent", episode, metadata
+    )
+    return dataclasses.asdict(trajectory)

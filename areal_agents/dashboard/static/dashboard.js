@@ -258,8 +258,9 @@ function filterQuery() {
 function flags(e) {
   let f = "";
   if (e.truncated) f += '<span class="flag trunc">truncated</span>';
-  if (e.tool_parse_failures) f += `<span class="flag fail">${e.tool_parse_failures} parse fail</span>`;
-  if (e.tool_calls) f += `<span class="flag tool">${e.tool_calls} calls</span>`;
+  const n = (k, word) => `${k} ${word}${k === 1 ? "" : "s"}`;
+  if (e.tool_parse_failures) f += `<span class="flag fail">${n(e.tool_parse_failures, "parse failure")}</span>`;
+  if (e.tool_calls) f += `<span class="flag tool">${n(e.tool_calls, "call")}</span>`;
   if (e.num_segments > 1) f += `<span class="flag seg">seg ${e.segment + 1}/${e.num_segments}</span>`;
   return f;
 }
