@@ -19,6 +19,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
 
 from areal_agents.cli import main
 from areal_agents.dashboard.timeline_panel import GAUGE_BINS, HEATMAP_BINS, values
@@ -65,11 +66,16 @@ def chromium() -> webdriver.Chrome:
 
 @pytest.fixture
 def dashboard(tmp_path):
-    """`areal-agents dashboard RUN` on an empty run directory, as a process; (url, run dir)."""
-    run = tmp_path / "run"
+    """`areal-agents dashboard RUN OTHER` as a process: RUN an empty run directory, OTHER a finished run's
+    scalars (written here), side by side; (url, RUN)."""
+    run, other = tmp_path / "run", tmp_path / "other"
     run.mkdir()
+    with SummaryWriter(log_dir=str(other / "tensorboard")) as w:
+        for step in range(1, 5):
+            w.add_scalar("rollout/reward_mean", step / 10, step)
+            w.add_scalar("eval/accuracy", step / 8, step)
     port, log = free_port(), tmp_path / "dashboard.log"
-    cmd = [sys.executable, "-m", "areal_agents.cli", "dashboard", str(run), "--port", str(port)]
+    cmd = [sys.executable, "-m", "areal_agents.cli", "dashboard", str(run), str(other), "--port", str(port)]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -132,30 +138,35 @@ def plotted(driver, panel: str) -> list[dict]:
     """The traces plotly drew in a panel: their run, tag, x, y, and how many SVG traces it rendered."""
     return driver.execute_script(
         "const el = document.getElementById('panel-' + arguments[0]);"
-        "return {traces: el.data.map(t => ({run: t.meta.run, tag: t.meta.tag, x: t.x, y: t.y})),"
+        "if (!el || !el.data) return {traces: [], drawn: 0};"
+        "return {traces: el.data.map(t => ({run: t.meta.run, tag: t.meta.tag, x: t.x, y: t.y, colour: t.line.color})),"
         "drawn: el.querySelectorAll('.scatterlayer .trace').length};",
         panel,
     )
 
 
-def check_curves(driver, run) -> int:
-    """Every trace of the checked panels is the run's TensorBoard series; the latest readouts are its last
-    values. Returns how many series were compared."""
-    scalars = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+def check_curves(driver, runs) -> int:
+    """Every trace of the checked panels is its run's TensorBoard series; the latest readouts are their last
+    values; the two runs are overlaid in their own colours. Returns how many series were compared."""
+    scalars = [EventAccumulator(str(r / "tensorboard"), size_guidance={"scalars": 0}).Reload() for r in runs]
     compared = 0
     for panel in PANELS:
         shown = plotted(driver, panel)
         assert shown["traces"] and shown["drawn"] == len(shown["traces"]), (panel, shown)
         for trace in shown["traces"]:
-            events = scalars.Scalars(trace["tag"])
+            events = scalars[trace["run"]].Scalars(trace["tag"])
             assert trace["x"] == [e.step for e in events], trace["tag"]
             assert trace["y"] == pytest.approx([e.value for e in events], rel=1e-6), trace["tag"]
-            latest = driver.find_element(By.CSS_SELECTOR, f'#latest-{panel} [data-tag="{trace["tag"]}"]')
+            where = f'#latest-{panel} [data-run="{trace["run"]}"][data-tag="{trace["tag"]}"]'
+            latest = driver.find_element(By.CSS_SELECTOR, where)
             assert int(latest.get_attribute("data-step")) == events[-1].step
             assert float(latest.get_attribute("data-value")) == pytest.approx(events[-1].value, rel=1e-6)
             compared += 1
     tags = {t["tag"] for t in plotted(driver, "reward-turn")["traces"]}
     assert tags == {"rollout/reward_turn/1", "rollout/reward_turn/2"}
+    reward = {(t["run"], t["tag"]): t["colour"] for t in plotted(driver, "reward")["traces"]}
+    assert {run for run, _ in reward} == {0, 1}  # side by side
+    assert reward[0, "rollout/reward_mean"] != reward[1, "rollout/reward_mean"]  # each run in its colour
     return compared
 
 
@@ -207,13 +218,13 @@ def colours(driver, mode: str) -> list[str]:
 def test_the_dashboard_follows_a_training_run_in_chromium(tmp_path, tiny_dir, dashboard, browser, monkeypatch):
     url, run = dashboard
     browser.get(url)
-    wait_for(browser, lambda d: "No TensorBoard scalars yet" in d.find_element(By.ID, "curves-note").text)
+    wait_for(browser, lambda d: [t["run"] for t in plotted(d, "reward")["traces"]] == [1])  # the other run's
 
     train(tmp_path, tiny_dir, run, monkeypatch)  # while the page is open: it must pick the steps up itself
-    last = f'#latest-reward [data-tag="rollout/reward_mean"][data-step="{STEPS}"]'
+    last = f'#latest-reward [data-run="0"][data-tag="rollout/reward_mean"][data-step="{STEPS}"]'
     wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, last))
     wait_for(browser, lambda d: "finished" in d.find_element(By.ID, "runs").text)
-    assert check_curves(browser, run) >= 10
+    assert check_curves(browser, [run, tmp_path / "other"]) >= 12
     wait_for(browser, lambda d: shown_timeline(d) == expected_timeline(run))  # the heatmap and queues: the run's
     whole_page(browser, tmp_path / "dashboard.png")
 
