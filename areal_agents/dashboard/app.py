@@ -18,6 +18,7 @@ API (every route under ``/api`` answers JSON):
 
 from __future__ import annotations
 
+import socket
 import threading
 from importlib import resources
 from pathlib import Path
@@ -189,6 +190,7 @@ def serve(paths: list[str], host: str = "127.0.0.1", port: int = 8790) -> None:
     import uvicorn
 
     app = build_app(RunSet.of(paths))
+    sock = listening_socket(host, port)  # a port in use fails now, not after the imports
     # The heavy imports here, before the server's threads start: importing torch (the tokenizer's loader) in one
     # request's thread while another imports tensorboard hung the server in the browser test.
     import tensorboard.backend.event_processing.event_accumulator  # noqa: F401
@@ -196,4 +198,18 @@ def serve(paths: list[str], host: str = "127.0.0.1", port: int = 8790) -> None:
     import areal_agents.models.loading  # noqa: F401
 
     print(f"dashboard of {len(paths)} run(s): http://{host}:{port}/  (Ctrl-C stops it)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, or a one-line error naming the flag to change (not uvicorn's exit 3)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ArealAgentsError(
+            f"cannot listen on {host}:{port} ({e.strerror}): pass another --port or --host"
+        ) from None
+    return sock

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import socket
 
 import pytest
 from fastapi.testclient import TestClient
@@ -275,3 +276,16 @@ def test_an_unreadable_timeline_is_said_so_not_a_5xx(client, run):
     write_timeline(run, '{"k": "bins", "busy": {}}\n')  # a whole line without its bin width
     t = client.get("/api/runs/0/timeline").json()
     assert not t["available"] and t["why"].startswith("rl's timeline is unreadable: KeyError")
+
+
+@pytest.mark.process
+def test_a_port_in_use_is_a_one_line_error(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["dashboard", str(tmp_path), "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"areal-agents dashboard: error: cannot listen on 127.0.0.1:{port} (Address already in use): " + (
+        "pass another --port or --host"
+    )
