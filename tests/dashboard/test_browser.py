@@ -268,7 +268,7 @@ def test_the_viewer_shows_tool_calls_parse_failures_and_a_rewritten_history(tiny
     rows = [
         row(tok, [("1+2=", 0), ("call", 1)], "e0", segment=0, messages=messages[:2], **meta),
         row(tok, [("1+2= call 3", 0), ("<tool_call>{oops", 1)], "e0", segment=1, messages=messages, **meta),
-        row(tok, [("2+2=", 0), ("4", 1)], "e1", segment=0, num_segments=1, stop_reasons=["stop"]),
+        row(tok, [("2+2=", 0), ("4", 1)], "e1", agent="checker", segment=0, num_segments=1, stop_reasons=["stop"]),
     ]
     (run / "trajectories").mkdir()
     (run / "trajectories" / "step_1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -277,14 +277,13 @@ def test_the_viewer_shows_tool_calls_parse_failures_and_a_rewritten_history(tiny
     flags = browser.find_element(By.CSS_SELECTOR, '#episodes tr[data-index="0"]').text
     assert "1 parse failure" in flags and "1 call" in flags and "seg 1/2" in flags
 
+    Select(browser.find_element(By.ID, "f-agent")).select_by_value("checker")
+    wait_for(browser, lambda d: listed(d) == ["2"])
+    Select(browser.find_element(By.ID, "f-agent")).select_by_value("")
     Select(browser.find_element(By.ID, "f-failed")).select_by_value("false")
-    wait_for(
-        browser,
-        lambda d: (
-            [tr.get_attribute("data-index") for tr in d.find_elements(By.CSS_SELECTOR, "#episodes tr.row")] == ["2"]
-        ),
-    )
+    wait_for(browser, lambda d: listed(d) == ["2"])
     Select(browser.find_element(By.ID, "f-failed")).select_by_value("true")
+    wait_for(browser, lambda d: listed(d) == ["0", "1"])
     wait_for(browser, lambda d: click(d, '#episodes tr[data-index="1"]'))
     wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '#episode[data-key="0/trajectories/1/1"]'))
     head = browser.find_element(By.CSS_SELECTOR, "#episode .head").text
@@ -299,13 +298,18 @@ def test_the_viewer_shows_tool_calls_parse_failures_and_a_rewritten_history(tiny
     ]  # fmt: skip
 
 
-def row(tokenizer, parts, episode, **metadata) -> dict:
+def listed(driver) -> list[str]:
+    """The rows (their indices) the episode table lists."""
+    return driver.execute_script("return [...document.querySelectorAll('#episodes tr.row')].map(r => r.dataset.index)")
+
+
+def row(tokenizer, parts, episode, agent="agent", **metadata) -> dict:
     """A dumped trajectory (``dataclasses.asdict(Trajectory)``) from (text, generated) parts."""
     ids, mask = [], []
     for text, generated in parts:
         new = tokenizer.encode(text, add_special_tokens=False)
         ids, mask = ids + new, mask + [generated] * len(new)
     trajectory = Trajectory(
-        ids, mask, [-0.5 * m for m in mask], [m - 1 for m in mask], 1.0, [1.0], "g", "agent", episode, metadata
+        ids, mask, [-0.5 * m for m in mask], [m - 1 for m in mask], 1.0, [1.0], "g", agent, episode, metadata
     )
     return dataclasses.asdict(trajectory)

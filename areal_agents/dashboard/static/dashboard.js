@@ -274,7 +274,7 @@ async function loadEpisodes() {
     data = await getJSON(`/api/runs/${run}/${kind}/${step}?${filterQuery()}`);
   } catch (e) { $("t-note").textContent = e.message; body.innerHTML = ""; return; }
   const agentSel = $("f-agent"), chosen = agentSel.value;
-  agentSel.innerHTML = '<option value="">any</option>' + data.agents.map((a) => `<option>${esc(a)}</option>`).join("");
+  agentSel.innerHTML = '<option value="">any</option>' + data.agents.map((a) => `<option value="${esc(a)}">${esc(a)}</option>`).join("");
   agentSel.value = chosen;
   $("t-note").textContent = `step ${data.step}: ${data.episodes.length} of ${data.total} trajectories shown` +
     (data.partial_lines ? ` (${data.partial_lines} line(s) still being written or unreadable)` : "");
