@@ -78,7 +78,10 @@ class Dashboard:
             cached = self._dumps.get(path)
             if cached and cached[0] == key:
                 return cached[1], cached[2]
-        rows, skipped = read_jsonl(path)
+        try:
+            rows, skipped = read_jsonl(path)
+        except OSError as e:  # removed or unreadable since the stat
+            raise ClientError(404, f"step: cannot read {run.name}'s {kind} at step {step}: {e.strerror}") from None
         with self._lock:
             if len(self._dumps) >= 8:
                 self._dumps.pop(next(iter(self._dumps)))

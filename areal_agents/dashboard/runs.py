@@ -45,10 +45,11 @@ class Run:
 
     def dump_steps(self, kind: str) -> list[int]:
         """The steps that have a ``kind`` file, ascending."""
-        folder = self.path / kind
-        if not folder.is_dir():
+        try:
+            names = [p.name for p in (self.path / kind).iterdir()]
+        except OSError:  # none yet (or unreadable)
             return []
-        return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _STEP_FILE.fullmatch(p.name)))
+        return sorted(int(m.group(1)) for name in names if (m := _STEP_FILE.fullmatch(name)))
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,10 @@ class ScalarReader:
 
             self._accumulator = EventAccumulator(str(self.folder), size_guidance={"scalars": 0})
         acc = self._accumulator
-        acc.Reload()
+        try:
+            acc.Reload()
+        except Exception:  # noqa: BLE001  (a corrupt event file: keep the series read so far, never a 5xx)
+            return
         series = {}
         for tag in acc.Tags().get("scalars", []):
             events = _last_per_step(acc.Scalars(tag))

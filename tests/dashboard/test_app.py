@@ -289,3 +289,10 @@ def test_a_port_in_use_is_a_one_line_error(tmp_path, capsys):
     assert err == f"areal-agents dashboard: error: cannot listen on 127.0.0.1:{port} (Address already in use): " + (
         "pass another --port or --host"
     )
+
+
+def test_a_corrupt_event_file_leaves_the_scalars_read_so_far(client, run):
+    (run / "tensorboard" / "events.out.tfevents.9999999999.host.1.0").write_bytes(b"\x00garbage" * 100)
+    response = client.get("/api/runs/0/scalars")
+    assert response.status_code == 200, response.text
+    assert response.json()["tags"]["rollout/reward_mean"]["values"][:2] == [0.25, 0.5]
