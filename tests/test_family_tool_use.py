@@ -150,11 +150,14 @@ def _check_turns(row, tokenizer, parser, stops, recorder):
     replies = [m for m in row["metadata"]["messages"] if m["role"] == "assistant"]
     runs = loss_runs(row["input_ids"], row["loss_mask"])
     assert 1 <= len(runs) <= len(replies)
+    read_from = 0  # where the tokens the template added for this turn begin (the previous turn's end)
     for (start, tokens), message in zip(runs, replies[len(replies) - len(runs) :]):
         assert not any(t in stops for t in tokens[:-1])
         assert tokens[-1] in stops or len(tokens) <= MAX_NEW_TOKENS
         body = tokens[:-1] if tokens[-1] in stops else tokens
-        prompt = tokenizer.decode(row["input_ids"][:start], skip_special_tokens=False)
+        # a <think> the template opened for this turn (not one a malformed earlier reply left in the history)
+        prompt = tokenizer.decode(row["input_ids"][read_from:start], skip_special_tokens=False)
+        read_from = start + len(tokens)
         opened = prompt[prompt.rfind("<think>") :] if prompt.rfind("<think>") > prompt.rfind("</think>") else ""
         raw = opened + tokenizer.decode(body, skip_special_tokens=False)  # the turn as ChatTokens reads it
         reply = parser.parse(raw)

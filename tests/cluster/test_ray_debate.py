@@ -71,7 +71,7 @@ def trained_agents(run: Path) -> set[str]:
 
 
 def test_debate_with_a_shared_policy_on_ray(tiny_dir, tmp_path):
-    run = tmp_path / "shared"
+    run = tmp_path / "shared_policy"
     train(debate(tiny_dir, run))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["engine_version"] == 2 and summary["cluster"]["episodes_per_worker"][0] > 0

@@ -134,7 +134,8 @@ def test_adversarial_inputs_stay_within_the_timeout_and_the_pool_survives():
 
     timings, healthy, metrics = asyncio.run(run())
     for name, (seconds, result) in timings.items():
-        assert seconds < timeout + 2.0, (name, seconds)  # the timeout plus worker replacement
+        # the timeout plus a worker's replacement (a process start: seconds on 2 busy cores); unbounded without it
+        assert seconds < timeout + 6.0, (name, seconds)
         assert result.reward == 0.0, (name, result)
     assert healthy.reward == 1.0  # the pool kept serving
     assert metrics["calls"] == len(SERVICE_CASES) + 2
