@@ -1,0 +1,375 @@
+"""`bottleneck_report`: where a run's wall time went, how idle each worker was, what bound the run and the one
+config change most likely to help, read from its timeline (and its ``config.json`` for the keys' values).
+
+The bound comes from the driver's spans: the phase that took the most of the steps' time (waiting for
+rollouts, updating, pushing weights, evaluating, checkpointing) when it took clearly more than the next
+(1.25x), else ``balanced``. A run that waited for rollouts is then split by what its episodes spent their
+time on: generating, or in env steps (from the ``episodes`` spans; the workers' busy shares while the
+trainer waited when there are none), or scoring rewards.
+
+Example::
+
+    report = bottleneck_report("runs/arith/rl")
+    print("\\n".join(report.lines()))   # bound: training ... advice: lower ppo.ppo_epochs ...
+    report.to_json()                    # the same, for the dashboard
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from areal_agents.timeline.reader import RunTimeline, Span, read_timeline
+
+PHASES = {  # driver span -> its name in the report
+    "rollout_wait": "rollout wait",
+    "update": "training",
+    "weight_push": "weight sync",
+    "eval": "eval",
+    "checkpoint": "checkpoint",
+}
+BOUNDS = {  # the driver phase that dominates -> the bound (rollout_wait is split further)
+    "update": "training",
+    "weight_push": "weight sync",
+    "eval": "eval",
+    "checkpoint": "checkpoint",
+}
+DOMINANCE = 1.25  # the top phase must take this many times the next one's time, else the run is balanced
+ROLES = ("engine", "trainer", "env", "reward", "gpu")
+
+
+@dataclass
+class Report:
+    """A run's time and its bound. Shares are fractions (0..1) of ``wall_s``, the span from the first step's
+    start to the last step's end (the whole timeline when the run recorded no steps)."""
+
+    run_dir: str
+    wall_s: float
+    steps: int
+    time: dict[str, float] = field(default_factory=dict)  # phase -> share of wall_s ("other": in no phase)
+    episode_time: dict[str, float] = field(default_factory=dict)  # generate / env_step -> share of episode time
+    busy: dict[str, float] = field(default_factory=dict)  # worker -> busy share over wall_s
+    busy_while_waiting: dict[str, float] = field(default_factory=dict)  # worker -> busy share during rollout waits
+    queues_while_waiting: dict[str, float] = field(default_factory=dict)  # gauge -> its mean during rollout waits
+    bound: str = "unknown"  # rollout/generation, training, env, reward, weight sync, eval, checkpoint, balanced
+    key: str = ""  # the config key the advice names
+    advice: str = ""
+
+    @property
+    def idle(self) -> dict[str, float]:
+        """Each worker's idle share of the run."""
+        return {w: round(1.0 - b, 3) for w, b in self.busy.items()}
+
+    def lines(self) -> list[str]:
+        """The report for a terminal."""
+        out = [f"where the time went ({self.wall_s:.1f} s, {self.steps} steps):"]
+        out += [f"  {name:<13} {share:>4.0%}  {'#' * round(share * 30)}" for name, share in self.time.items()]
+        for role, label in (("env", "env steps"), ("reward", "reward")):
+            shares = [b for w, b in self.busy.items() if _role(w) == role]
+            if shares:
+                out.append(f"  {label:<13} {max(shares):>4.0%}  busy (overlaps the phases above)")
+        if self.episode_time:
+            parts = ", ".join(f"{_EPISODE_LABELS.get(k, k)} {v:.0%}" for k, v in self.episode_time.items())
+            out.append(f"episodes spent their time: {parts}")
+        if self.busy:
+            out.append("idle share: " + ", ".join(f"{w} {i:.0%}" for w, i in self.idle.items()))
+        out += [f"bound: {self.bound}", f"advice: {self.advice}"]
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (the dashboard's)."""
+        return {**asdict(self), "idle": self.idle}
+
+
+_EPISODE_LABELS = {"generate": "generating", "env_step": "in env steps", "other": "elsewhere"}
+
+
+def bottleneck_report(run: str | Path | RunTimeline, config: dict[str, Any] | None = None) -> Report:
+    """The report of ``run`` (a run dir, or its timeline with ``config``: the run's config as a dict, whose
+    values the advice quotes; read from ``RUN/config.json`` for a run dir)."""
+    run_dir = ""
+    if not isinstance(run, RunTimeline):
+        run_dir = str(run)
+        config = _read_config(Path(run)) if config is None else config
+        run = read_timeline(run)
+    cfg = _Config(config or {})
+    driver = [s for s in run.spans if s.track == "driver"]
+    steps = [s for s in driver if s.name == "step"]
+    w0, w1 = (min(s.start for s in steps), max(s.end for s in steps)) if steps else (run.start, run.end)
+    report = Report(run_dir, round(max(w1 - w0, 0.0), 3), len(steps))
+    if w1 <= w0:
+        report.advice = "no timeline recorded: nothing to say"
+        return report
+    report.time = _phase_shares(driver, w0, w1)
+    window = _bins_in(run, w0, w1)
+    waiting = _bins_covered(run, [s for s in driver if s.name == "rollout_wait"]) & window
+    report.busy = {w: _mean(v[window]) for w, v in run.busy.items() if np.isfinite(v[window]).any()}
+    during = waiting if waiting.any() else window
+    report.busy_while_waiting = {w: _mean(v[during]) for w, v in run.busy.items() if np.isfinite(v[during]).any()}
+    report.queues_while_waiting = {g: _mean(v[during]) for g, v in run.gauges.items() if np.isfinite(v[during]).any()}
+    report.episode_time = _episode_shares(run.spans, w0, w1)
+    report.bound = _bound(report)
+    report.key, report.advice = ADVICE[report.bound](report, cfg, run)
+    return report
+
+
+def report_lines(run_dir: str | Path) -> list[str]:
+    """The report's lines for the end of a training run; ``[]`` for a run with no timeline; never raises."""
+    try:
+        report = bottleneck_report(run_dir)
+    except Exception as e:  # noqa: BLE001  (a report must never fail the run it reports on)
+        return [f"bottleneck report: not available ({type(e).__name__}: {e})"]
+    return report.lines() if report.wall_s > 0 else []
+
+
+# -- measuring -----------------------------------------------------------------------------------------------
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of ``intervals``."""
+    total, reach = 0.0, -np.inf
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def _phase_shares(driver: list[Span], w0: float, w1: float) -> dict[str, float]:
+    """Each phase's share of ``[w0, w1]`` (overlapping spans of one phase counted once) and the rest's."""
+    wall = w1 - w0
+    out: dict[str, float] = {}
+    clipped = {
+        name: [(max(s.start, w0), min(s.end, w1)) for s in driver if s.name == name and s.end > w0 and s.start < w1]
+        for name in PHASES
+    }
+    for name, label in PHASES.items():
+        out[label] = round(_union(clipped[name]) / wall, 3)
+    out["other"] = round(max(1.0 - _union([iv for ivs in clipped.values() for iv in ivs]) / wall, 0.0), 3)
+    return out
+
+
+def _bins_in(run: RunTimeline, w0: float, w1: float) -> np.ndarray:
+    """Mask of the bins that overlap ``[w0, w1]``."""
+    starts = run.start + np.arange(run.bins) * run.dt
+    return (starts + run.dt > w0) & (starts < w1)
+
+
+def _bins_covered(run: RunTimeline, spans: list[Span]) -> np.ndarray:
+    """Mask of the bins that ``spans`` cover at least half of."""
+    covered = np.zeros(run.bins)
+    for s in spans:
+        first = max(int((s.start - run.start) // run.dt), 0)
+        last = min(int((s.end - run.start) // run.dt), run.bins - 1)
+        for i in range(first, last + 1):
+            a = run.start + i * run.dt
+            covered[i] += max(min(s.end, a + run.dt) - max(s.start, a), 0.0)
+    return covered >= run.dt / 2
+
+
+def _mean(values: np.ndarray) -> float:
+    return round(float(np.nanmean(values)), 3)
+
+
+def _episode_shares(spans: list[Span], w0: float, w1: float) -> dict[str, float]:
+    """What episodes spent their time on, as shares of the episodes' summed lengths: ``generate``,
+    ``env_step`` and ``other`` (queued, the agent's own work); ``{}`` without episode spans."""
+    seen = [s for s in spans if s.track == "episodes" and s.end > w0 and s.start < w1]
+    total = {name: sum(s.end - s.start for s in seen if s.name == name) for name in ("episode", "generate", "env_step")}
+    parts = total["generate"] + total["env_step"]
+    whole = max(total["episode"], parts)
+    if whole <= 0:
+        return {}
+    shares = {"generate": total["generate"] / whole, "env_step": total["env_step"] / whole}
+    shares["other"] = max(1.0 - shares["generate"] - shares["env_step"], 0.0)
+    return {k: round(v, 3) for k, v in shares.items()}
+
+
+def _role(worker: str) -> str:
+    """A worker's kind from its name (``engine/hf``, ``driver:trainer/default``, ``gpu0``): one of `ROLES`."""
+    m = re.search(r"(?:^|:)(engine|trainer|env|reward)/", worker)
+    if m:
+        return m.group(1)
+    return "gpu" if re.search(r"(?:^|:)gpu\d+$", worker) else "other"
+
+
+def _group(shares: dict[str, float], role: str) -> float:
+    """The mean busy share of the workers of ``role`` (-1 when it has none)."""
+    values = [v for w, v in shares.items() if _role(w) == role]
+    return float(np.mean(values)) if values else -1.0
+
+
+def _workers(shares: dict[str, float], role: str) -> str:
+    names = [w for w in shares if _role(w) == role]
+    return names[0] if len(names) == 1 else f"{len(names)} {role} workers"
+
+
+# -- judging -------------------------------------------------------------------------------------------------
+
+
+def _bound(r: Report) -> str:
+    """The bound of the run (see the module docstring)."""
+    phases = {k: r.time.get(v, 0.0) for k, v in PHASES.items()}
+    ranked = sorted(phases, key=phases.__getitem__, reverse=True)
+    top, second = phases[ranked[0]], phases[ranked[1]]
+    if top <= 0:
+        return _bound_by_workers(r)
+    if top < DOMINANCE * second:
+        return "balanced"
+    if ranked[0] != "rollout_wait":
+        return BOUNDS[ranked[0]]
+    engine, env, reward = (_group(r.busy_while_waiting, role) for role in ("engine", "env", "reward"))
+    if reward >= 0.5 and reward > max(engine, env):
+        return "reward"
+    if r.episode_time:
+        return "env" if r.episode_time["env_step"] > r.episode_time["generate"] else "rollout/generation"
+    return "env" if env > engine else "rollout/generation"
+
+
+def _bound_by_workers(r: Report) -> str:
+    """Without driver phases: the busiest kind of worker when it was busy most of the time."""
+    groups = {role: _group(r.busy, role) for role in ("engine", "trainer", "env", "reward")}
+    role = max(groups, key=groups.__getitem__)
+    names = {"engine": "rollout/generation", "trainer": "training", "env": "env", "reward": "reward"}
+    return names[role] if groups[role] >= 0.8 else "balanced"
+
+
+class _Config:
+    """The run's config as a nested dict; `get` a dotted key's value (None when the run did not say)."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = data
+
+    def get(self, key: str) -> Any:
+        node: Any = self.data
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+    def now(self, key: str) -> str:
+        value = self.get(key)
+        return "" if value is None else f" (now {value})"
+
+
+def _read_config(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _pct(x: float) -> str:
+    return f"{x:.0%}"
+
+
+def _advise_generation(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, str]:
+    wait, update = r.time.get("rollout wait", 0.0), r.time.get("training", 0.0)
+    engine = _group(r.busy_while_waiting, "engine")
+    said = f"the trainer waited for rollouts {_pct(wait)} of the run"
+    if engine < 0:
+        return "engine.num_servers", f"{said}: raise engine.num_servers{cfg.now('engine.num_servers')}"
+    who = _workers(r.busy_while_waiting, "engine")
+    if engine < 0.6:
+        key = "rollout.max_concurrent_rollouts"
+        why = f"{said} while {who} was busy only {_pct(engine)} of that time: raise {key}{cfg.now(key)}"
+        return key, why + " so that more episodes generate at once and fill the engine"
+    if cfg.get("rollout.max_staleness") == 0 and update >= 0.1:
+        key = "rollout.max_staleness"
+        why = f"{said} while {who} was busy {_pct(engine)}, and stopped while the trainer updated ({_pct(update)})"
+        return key, f"{why}: raise {key}{cfg.now(key)} to 1 so generation runs on during updates"
+    key = "engine.num_servers"
+    return key, f"{said} while {who} was busy {_pct(engine)}: raise {key}{cfg.now(key)} for more generation"
+
+
+def _advise_training(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, str]:
+    update, wait = r.time.get("training", 0.0), r.time.get("rollout wait", 0.0)
+    engine = _group(r.busy, "engine")
+    said = f"updates took {_pct(update)} of the run"
+    if engine >= 0:
+        said += f" while {_workers(r.busy, 'engine')} sat idle {_pct(1 - engine)} of the run"
+    if cfg.get("rollout.max_staleness") == 0 and wait >= 0.2:
+        key = "rollout.max_staleness"
+        return key, f"{said}: raise {key}{cfg.now(key)} to 1 so the next batch generates during the update"
+    for key in ("ppo.ppo_epochs", "ppo.num_minibatches"):
+        value = cfg.get(key)
+        if isinstance(value, int) and value > 1:
+            return key, f"{said}: lower {key}{cfg.now(key)} (each pass over the batch is a full forward/backward)"
+    key = "ppo.micro_batch_tokens"
+    return key, f"{said}: raise {key}{cfg.now(key)} (fewer, fuller forward/backward passes) or ppo.nproc_per_node"
+
+
+def _advise_env(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, str]:
+    wait, share = r.time.get("rollout wait", 0.0), r.episode_time.get("env_step")
+    said = f"the trainer waited for rollouts {_pct(wait)} of the run" + (
+        f", and episodes spent {_pct(share)} of their time in env steps" if share is not None else ""
+    )
+    workers, in_flight = cfg.get("env.workers"), _queue(r, "env/steps_in_flight")
+    if isinstance(workers, int) and in_flight is not None and in_flight >= 0.8 * workers:
+        key = "env.workers"
+        busy = f", with {in_flight:.1f} env steps in flight on average for {workers} env workers"
+        return key, f"{said}{busy}: raise {key}{cfg.now(key)}"
+    key = "rollout.max_concurrent_rollouts"
+    return key, f"{said}: make the env's step faster, or raise {key}{cfg.now(key)} to overlap more env steps"
+
+
+def _advise_reward(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, str]:
+    busy = _group(r.busy_while_waiting, "reward")
+    key = "env.workers"
+    why = f"the reward service was busy {_pct(busy)} while the trainer waited for rollouts"
+    return key, f"{why}: rewards are scored within env calls, raise {key}{cfg.now(key)} or use a cheaper reward"
+
+
+def _advise_push(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, str]:
+    pushes = [s.end - s.start for s in run.spans if s.track == "driver" and s.name == "weight_push"]
+    said = f"weight pushes took {_pct(r.time.get('weight sync', 0.0))} of the run ({np.mean(pushes):.2f} s each)"
+    if cfg.get("engine.weight_sync") in ("auto", "disk", None):
+        key = "engine.weight_sync"
+        return key, f"{said}: set {key}=broadcast{cfg.now(key)} to send tensors instead of files"
+    key = "engine.weight_sync_bucket_mb"
+    return key, f"{said}: raise {key}{cfg.now(key)} (fewer, larger buckets)"
+
+
+def _advise_eval(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, str]:
+    key = "eval.every" if cfg.get("eval.every") else "eval.num_problems"
+    change = "raise" if key == "eval.every" else "lower"
+    return key, f"evaluation took {_pct(r.time.get('eval', 0.0))} of the run: {change} {key}{cfg.now(key)}"
+
+
+def _advise_checkpoint(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, str]:
+    key = "save_every_minutes" if cfg.get("save_every_minutes") else "save_every"
+    return key, f"checkpoints took {_pct(r.time.get('checkpoint', 0.0))} of the run: raise {key}{cfg.now(key)}"
+
+
+def _advise_balanced(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, str]:
+    wait, update = r.time.get("rollout wait", 0.0), r.time.get("training", 0.0)
+    said = f"no single bound (rollout wait {_pct(wait)}, training {_pct(update)})"
+    if cfg.get("rollout.max_staleness") == 0 and min(wait, update) >= 0.2:
+        key = "rollout.max_staleness"
+        return key, f"{said}: raise {key}{cfg.now(key)} to 1 so rollouts and updates overlap"
+    key = "engine.num_servers"
+    return key, f"{said}: both sides are busy; grow both ({key}{cfg.now(key)} and ppo.nproc_per_node)"
+
+
+def _queue(r: Report, name: str) -> float | None:
+    """A gauge's mean while the trainer waited for rollouts (any process's; None when none recorded it)."""
+    return next((v for k, v in r.queues_while_waiting.items() if k == name or k.endswith(":" + name)), None)
+
+
+ADVICE: dict[str, Callable[[Report, _Config, RunTimeline], tuple[str, str]]] = {
+    "rollout/generation": _advise_generation,
+    "training": _advise_training,
+    "env": _advise_env,
+    "reward": _advise_reward,
+    "weight sync": _advise_push,
+    "eval": _advise_eval,
+    "checkpoint": _advise_checkpoint,
+    "balanced": _advise_balanced,
+}
