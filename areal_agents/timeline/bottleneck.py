@@ -115,7 +115,8 @@ def bottleneck_report(run: str | Path | RunTimeline, config: dict[str, Any] | No
     report.queues_while_waiting = {g: _mean(v[during]) for g, v in run.gauges.items() if np.isfinite(v[during]).any()}
     report.episode_time = _episode_shares(run.spans, w0, w1)
     report.bound = _bound(report)
-    report.key, report.advice = ADVICE[report.bound](report, cfg, run)
+    advise = ADVICE[report.bound] if any(report.time[p] for p in PHASES.values()) else _advise_without_steps
+    report.key, report.advice = advise(report, cfg, run)
     return report
 
 
@@ -356,6 +357,16 @@ def _advise_balanced(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, st
         return key, f"{said}: raise {key}{cfg.now(key)} to 1 so rollouts and updates overlap"
     key = "engine.num_servers"
     return key, f"{said}: both sides are busy; grow both ({key}{cfg.now(key)} and ppo.nproc_per_node)"
+
+
+def _advise_without_steps(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, str]:
+    """A timeline with no driver phases (not a training run's driver): judged by its workers alone."""
+    role = {"rollout/generation": "engine", "training": "trainer", "env": "env", "reward": "reward"}.get(r.bound)
+    if role is None:
+        return "", "no training steps recorded and no worker was busy most of the time: nothing to change"
+    key = {"engine": "engine.num_servers", "trainer": "ppo.micro_batch_tokens"}.get(role, "env.workers")
+    said = f"no training steps recorded; {_workers(r.busy, role)} was busy {_pct(_group(r.busy, role))} of the time"
+    return key, f"{said}: raise {key}{cfg.now(key)}"
 
 
 def _queue(r: Report, name: str) -> float | None:
