@@ -69,7 +69,8 @@ class Report:
     def lines(self) -> list[str]:
         """The report for a terminal."""
         out = [f"where the time went ({self.wall_s:.1f} s, {self.steps} steps):"]
-        out += [f"  {name:<13} {share:>4.0%}  {'#' * round(share * 30)}" for name, share in self.time.items()]
+        shown = {k: v for k, v in self.time.items() if v > 0 or k in ("rollout wait", "training", "weight sync")}
+        out += [f"  {name:<13} {share:>4.0%}  {'#' * round(share * 30)}" for name, share in shown.items()]
         for role, label in (("env", "env steps"), ("reward", "reward")):
             shares = [b for w, b in self.busy.items() if _role(w) == role]
             if shares:
@@ -284,10 +285,15 @@ def _advise_generation(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, 
         return key, why + " so that more episodes generate at once and fill the engine"
     if cfg.get("rollout.max_staleness") == 0 and update >= 0.1:
         key = "rollout.max_staleness"
-        why = f"{said} while {who} was busy {_pct(engine)}, and stopped while the trainer updated ({_pct(update)})"
+        why = (
+            f"{said} while {who} was busy {_pct(engine)} of that wait, and stood still during updates ({_pct(update)})"
+        )
         return key, f"{why}: raise {key}{cfg.now(key)} to 1 so generation runs on during updates"
     key = "engine.num_servers"
-    return key, f"{said} while {who} was busy {_pct(engine)}: raise {key}{cfg.now(key)} for more generation"
+    return (
+        key,
+        f"{said} while {who} was busy {_pct(engine)} of that wait: raise {key}{cfg.now(key)} for more generation",
+    )
 
 
 def _advise_training(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, str]:
