@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+from areal_agents.timeline import timeline
 from areal_agents.types import GenRequest, GenResponse
 
 
@@ -70,16 +71,18 @@ async def generate_to_end(
     tokens: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
-    while True:
-        await gate.wait()
-        left = dataclasses.replace(request.sampling, max_new_tokens=budget - len(tokens))
-        part = await submit_once(GenRequest(request.rid, request.input_ids + tokens, left, request.lora_name))
-        tokens += part.output_tokens
-        logprobs += part.output_logprobs
-        versions += part.output_versions
-        if part.stop_reason != "abort" or len(tokens) >= budget:
-            reason = part.stop_reason if part.stop_reason != "abort" else "length"
-            return GenResponse(tokens, logprobs, versions, reason, time.perf_counter() - start)
+    with timeline().span("episodes", "generate", rid=request.rid, prompt_tokens=len(request.input_ids)) as span:
+        while True:
+            await gate.wait()
+            left = dataclasses.replace(request.sampling, max_new_tokens=budget - len(tokens))
+            part = await submit_once(GenRequest(request.rid, request.input_ids + tokens, left, request.lora_name))
+            tokens += part.output_tokens
+            logprobs += part.output_logprobs
+            versions += part.output_versions
+            if part.stop_reason != "abort" or len(tokens) >= budget:
+                reason = part.stop_reason if part.stop_reason != "abort" else "length"
+                span.update(tokens=len(tokens), stop_reason=reason, versions=sorted(set(versions)))
+                return GenResponse(tokens, logprobs, versions, reason, time.perf_counter() - start)
 
 
 @asynccontextmanager

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from areal_agents.rewards.base import RewardFunction, RewardResult, as_result
+from areal_agents.timeline import timeline
 from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerPool
 
 
@@ -58,11 +59,22 @@ class RewardService:
         self.pool = WorkerPool(workers, initializer=initializer, name="reward-service")
         self.counters: collections.Counter[str] = collections.Counter()
         self.latencies: collections.deque[float] = collections.deque(maxlen=10_000)
+        self.in_flight = 0  # completions being scored
+        timeline().idle("reward/service")
+        timeline().gauge("reward/in_flight", lambda: self.in_flight)
 
     async def score(self, fn: RewardFunction, completion: str, row: dict[str, Any]) -> RewardResult:
         return (await self.score_batch(fn, [(completion, row)]))[0]
 
     async def score_batch(self, fn: RewardFunction, items: Sequence[tuple[str, dict[str, Any]]]) -> list[RewardResult]:
+        self.in_flight += len(items)
+        try:
+            with timeline().busy("reward/service"):
+                return await self._score_batch(fn, items)
+        finally:
+            self.in_flight -= len(items)
+
+    async def _score_batch(self, fn: RewardFunction, items: Sequence[tuple[str, dict[str, Any]]]) -> list[RewardResult]:
         if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
             results = await asyncio.gather(*(self._score_async(fn, c, r) for c, r in items))
         else:

@@ -48,6 +48,7 @@ from areal_agents.errors import RunHalted
 from areal_agents.progress import plural
 from areal_agents.rollout.episodes import EpisodeFn, EpisodeRunner, RolloutLedger, local_episode
 from areal_agents.rollout.failures import Cause, FailureLog
+from areal_agents.timeline import timeline
 from areal_agents.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,10 @@ class RolloutController:
         self.max_failed_fraction = max_failed_fraction
         self._window: tuple[int, int, Counter[Cause]] | None = None  # ended, failed, causes when the batch began
         self._fatal: BaseException | None = None
+        tl = timeline()  # the queues, sampled every bin of the run's timeline
+        tl.gauge("rollout/queued_groups", lambda: self.queued_groups)
+        tl.gauge("rollout/running_groups", lambda: self.running_groups)
+        tl.gauge("rollout/episodes_running", lambda: self.running_episodes)
 
     # ---- consumer side ------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from areal_agents.timeline.reader import RunTimeline, Span, read_timeline
 from areal_agents.timeline.recorder import (
     DIR_ENV,
+    EPISODE,
     NULL,
     NullTimeline,
     Timeline,
@@ -14,6 +15,7 @@ from areal_agents.timeline.recorder import (
 
 __all__ = [
     "DIR_ENV",
+    "EPISODE",
     "NULL",
     "NullTimeline",
     "RunTimeline",

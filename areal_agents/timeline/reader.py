@@ -86,9 +86,9 @@ def read_timeline(run_dir: str | Path) -> RunTimeline:
     raw = [_read_file(f) for f in files]
     dt = max((r.dt for r in raw), default=0.1)
     firsts = [t for r in raw for t in r.first_times()]
-    start = math.floor(min(firsts) / dt) * dt if firsts else 0.0
+    start = min(firsts) if firsts else 0.0  # a bin's start (flooring it again would lose one to rounding)
     last = max((t for r in raw for t in r.last_times()), default=start)
-    n = max(int(math.floor((last - start) / dt)) + 1, 0) if firsts else 0
+    n = int(math.floor((last - start) / dt + 1e-6)) + 1 if firsts else 0
     busy: dict[str, np.ndarray] = {}
     gauges: dict[str, np.ndarray] = {}
     processes: dict[str, str] = {}

@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -28,12 +29,15 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 DIR_ENV = "AREAL_TIMELINE_DIR"  # child processes of a run record into the run's timeline when this is set
 DEFAULT_DT = 0.1
 DEFAULT_MAX_BYTES = 64 << 20
+# the episode the running task works for (`EpisodeRunner.run` sets it): its spans name it, wherever recorded
+EPISODE: ContextVar[str | None] = ContextVar("areal_timeline_episode", default=None)
 
 
 class Timeline:
@@ -132,7 +136,10 @@ class Timeline:
             self.add_span(track, name, start, time.time(), keep=keep, **args)
 
     def add_span(self, track: str, name: str, start: float, end: float, *, keep: bool = False, **args: Any) -> None:
-        """A finished event (wall-clock ``start`` and ``end``)."""
+        """A finished event (wall-clock ``start`` and ``end``); inside an episode, its id goes with it."""
+        episode = EPISODE.get()
+        if episode is not None and "episode_id" not in args:
+            args["episode_id"] = episode
         row = {"k": "span", "track": track, "name": name, "t": round(start, 6), "d": round(max(end - start, 0.0), 6)}
         if args:
             row["args"] = args
@@ -303,6 +310,7 @@ def timeline_from_env(process: str) -> Timeline | NullTimeline:
     directory = os.environ.get(DIR_ENV)
     if directory and isinstance(_current, NullTimeline):
         _current = Timeline(directory, process)
+        atexit.register(close_timeline)  # the last second's bins, also when the process ends normally
     return _current
 
 

@@ -31,6 +31,7 @@ from areal_agents.errors import ConfigError
 from areal_agents.models.device import compute_dtype, resolve_device
 from areal_agents.models.loading import empty_model, load_model
 from areal_agents.models.weight_files import write_weights
+from areal_agents.timeline import timeline
 from areal_agents.trainers import fsdp
 from areal_agents.trainers.checkpoint import add_train_state, read_train_state
 from areal_agents.trainers.critic import ValueModel
@@ -64,6 +65,9 @@ class Policy(HeldWeights):
     trained: torch.nn.Module | None = None  # what `ppo_update` trains: ``model``, or its sharded `ScoredLM` root
     adapter: Adapter | None = None  # a LoRA policy's adapter (``model`` is its base, shared by every LoRA policy)
     streams: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        timeline().idle(self.worker)  # a row from the start: waiting for the first batch is idle time
 
     def close(self) -> None:
         """Stop its trainer thread and its engine's launched servers."""
@@ -155,12 +159,21 @@ class Policy(HeldWeights):
         with self.adapter.active():
             return call()
 
+    @property
+    def worker(self) -> str:
+        """This trainer's row in the run's timeline (busy while it updates)."""
+        return f"trainer/{self.name}" + (f"/rank{self.dp.rank}" if self.dp is not None else "")
+
     def version(self) -> int | None:
         """The engine's version: that of the weights this trainer holds between pushes (None: no engine here)."""
         return self.engine.get_version() if self.engine is not None else None
 
     def train_part(self, trajectories: list[Trajectory], version: int | None = None) -> None:
         """`StreamedUpdate.add` (the first part of a batch starts the update; ``version``: `version`)."""
+        with timeline().busy(self.worker):
+            self._add_part(trajectories, version)
+
+    def _add_part(self, trajectories: list[Trajectory], version: int | None) -> None:
         if self.streamed is None:
             s = self.spec
             self.streamed = StreamedUpdate(
@@ -178,10 +191,11 @@ class Policy(HeldWeights):
 
     def finish_step(self, generator: torch.Generator) -> dict[str, float]:
         """`StreamedUpdate.finish` of the parts fed since the last step."""
-        if self.streamed is None:
-            self.train_part([])
-        update, self.streamed = self.streamed, None
-        return update.finish(generator)
+        with timeline().busy(self.worker):
+            if self.streamed is None:
+                self._add_part([], None)
+            update, self.streamed = self.streamed, None
+            return update.finish(generator)
 
     def train_step(
         self,
@@ -191,6 +205,12 @@ class Policy(HeldWeights):
         version: int | None = None,
     ) -> dict[str, float]:
         """One PPO update (``dp``: as one rank of a data-parallel group; ``version``: the engine's, `version`)."""
+        with timeline().busy(self.worker):
+            return self._ppo_update(trajectories, generator, dp, version)
+
+    def _ppo_update(
+        self, trajectories: list[Trajectory], generator: torch.Generator, dp: DataParallel | None, version: int | None
+    ) -> dict[str, float]:
         s = self.spec
         return ppo_update(
             self.trained if self.trained is not None else self.model,

@@ -39,6 +39,7 @@ from areal_agents.rollout.controller import Group, RolloutController, has_reward
 from areal_agents.rollout.episodes import EpisodeFn
 from areal_agents.rollout.failures import FailureLog
 from areal_agents.rollout.held_out import evaluate
+from areal_agents.timeline import close_timeline, timeline
 from areal_agents.trainers.checkpoint import checkpoints, load_trainer_state
 from areal_agents.trainers.interrupt import Interrupt
 from areal_agents.trainers.local_launcher import LocalLauncher
@@ -48,7 +49,13 @@ from areal_agents.trainers.policy_api import Launcher, TrainablePolicy, TrainSpe
 from areal_agents.trainers.ppo import streamable
 from areal_agents.trainers.resume import check_resume_config, forget_after
 from areal_agents.trainers.run_release import RunSessions, close_in_loop, stop_after_loop
-from areal_agents.trainers.run_start import held_out_seeds, open_checked_backend, prepare_run_dir, seed_everything
+from areal_agents.trainers.run_start import (
+    held_out_seeds,
+    open_checked_backend,
+    open_run_timeline,
+    prepare_run_dir,
+    seed_everything,
+)
 from areal_agents.trainers.run_state import RunState, model_dir, restore_policies, save_run
 from areal_agents.trainers.run_summary import write_summary
 from areal_agents.trainers.step_metrics import StepLog, StepTimes, dump_trajectories
@@ -79,6 +86,7 @@ def run_train(
     for start in starts.values():  # before any rollout: a budget past the model's context is a config error
         check_max_new_tokens(cfg.rollout.max_new_tokens, start.path, "rollout.max_new_tokens")
     run_dir = prepare_run_dir(cfg.run_dir, cfg)
+    open_run_timeline(run_dir)  # before any engine, server or trainer starts: they all record into it
     seed_everything(cfg.seed)
     state = None
     if found is not None:
@@ -107,6 +115,7 @@ def run_train(
         finally:
             with interrupt.stopping():  # a signal waits: a stop cut short would leave servers or sessions
                 stop_after_loop(policies.values(), launcher, sessions)
+            close_timeline()
             torch.set_num_threads(threads)
 
 
@@ -198,9 +207,10 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
     async def run_eval(step: int) -> float:
         make_env = lambda: backend.make(**cfg.eval.env_kwargs)  # noqa: E731
         n, retries = cfg.eval.n_samples, r.max_retries
-        result = await evaluate(
-            greedy, make_env, eval_seeds, r.max_concurrent_rollouts, n, max_retries=retries, failures=failures
-        )
+        with timeline().span("driver", "eval", keep=True, step=step):
+            result = await evaluate(
+                greedy, make_env, eval_seeds, r.max_concurrent_rollouts, n, max_retries=retries, failures=failures
+            )
         metrics.log(step, prefixed("eval", result))
         position.record_accuracy(step, result["accuracy"])  # the curve; a checkpoint of this step keeps it
         saver.keep_curve(position.accuracy_curve)
@@ -219,7 +229,7 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
         await log.start()  # the engine's counters from here on: the training steps' (and their evals')
         bar = progress_bar(total=cfg.steps, initial=saver.done, desc="rl", enabled=run.progress)
         for step in range(position.first_step, cfg.steps + 1):
-            t0 = time.perf_counter()
+            t0, began = time.perf_counter(), time.time()
             # episodes keep running while we train (max_staleness > 0)
             batch = await _take_and_train(controller, policies, position.generator, interrupt, stream)
             trajectories = _trajectories(batch.groups)
@@ -229,6 +239,7 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
             if last:
                 controller.pause()  # the last update needs no more rollouts
             times = await _push_weights(policies, controller, t0, batch)  # version + 1
+            timeline().add_span("driver", "step", began, time.time(), keep=True, step=step)
             bar.set_postfix(**await log.record(step, trajectories, batch.stats, times), refresh=False)
             bar.update()
             saver.finished(step, position.snapshot(controller.cursor, main.engine.get_version()))
@@ -275,8 +286,9 @@ async def _push_weights(
     """Each policy's trained weights to its engine (version + 1), the controller told (its staleness gate
     moves on); the times of the step that started at ``start`` and trained ``batch``."""
     pushed = time.perf_counter()
-    for policy in policies.values():
-        await policy.push_weights()
+    with timeline().span("driver", "weight_push", keep=True):
+        for policy in policies.values():
+            await policy.push_weights()
     controller.notify_version()
     end = time.perf_counter()
     moved = sum(p.weight_sync.last_push.get("weight_sync_bytes", 0.0) for p in policies.values())
@@ -349,7 +361,8 @@ class _Saver:
 
     def save(self, step: int, snap: dict[str, Any]) -> Path:
         run = self.run
-        path = save_run(run.run_dir, step, run.policies, run.tokenizer, snap, run.cfg.keep_checkpoints)
+        with timeline().span("driver", "checkpoint", keep=True, step=step):
+            path = save_run(run.run_dir, step, run.policies, run.tokenizer, snap, run.cfg.keep_checkpoints)
         self.saved = step
         return path
 
@@ -410,12 +423,14 @@ async def _take_and_train(
     if stream:
         return await _streamed_update(controller, policies, generator, interrupt)
     t0 = time.perf_counter()
-    groups = await controller.get_batch()
+    with timeline().span("driver", "rollout_wait", keep=True):
+        groups = await controller.get_batch()
     interrupt.hold()  # the update starts: a signal now waits for the step's end
     t1 = time.perf_counter()
     stats = {}
-    for name, batch in _route(_trajectories(groups), policies).items():  # each on its own agents' data
-        stats[name] = await policies[name].update(batch, generator)
+    with timeline().span("driver", "update", keep=True):
+        for name, batch in _route(_trajectories(groups), policies).items():  # each on its own agents' data
+            stats[name] = await policies[name].update(batch, generator)
     return _TrainedBatch(groups, stats, rollout_end=t1, waited=t1 - t0)
 
 
@@ -445,7 +460,8 @@ async def _streamed_update(
         end = False
         while not end:
             idle = time.perf_counter()
-            part = [await taken.get()]  # at once if groups are waiting
+            with timeline().span("driver", "rollout_wait", keep=True):
+                part = [await taken.get()]  # at once if groups are waiting
             waited += time.perf_counter() - idle
             while not taken.empty():
                 part.append(taken.get_nowait())
@@ -453,12 +469,14 @@ async def _streamed_update(
             part = [g for g in part if g is not None]
             groups += part
             routed = _route(_trajectories(part), policies).items() if part else ()
-            await asyncio.gather(*(policies[name].update_part(b) for name, b in routed if b))
+            with timeline().span("driver", "update", keep=True, part=True):
+                await asyncio.gather(*(policies[name].update_part(b) for name, b in routed if b))
         await feeder
     finally:
         feeder.cancel()
     interrupt.hold()  # the optimizer steps: a signal now waits for the step's end
-    stats = {name: await policy.finish_update(generator) for name, policy in policies.items()}
+    with timeline().span("driver", "update", keep=True):
+        stats = {name: await policy.finish_update(generator) for name, policy in policies.items()}
     return _TrainedBatch(sorted(groups, key=lambda g: g.index), stats, rollout_end=last_taken, waited=waited)
 
 

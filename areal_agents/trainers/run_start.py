@@ -14,6 +14,8 @@ from areal_agents.config import EnvConfig, EvalConfig, config_to_dict
 from areal_agents.data.sources import datasets_in
 from areal_agents.envs.runtime.backends import EnvBackend, open_env_backend
 from areal_agents.rollout.held_out import distinct_seeds
+from areal_agents.timeline import open_timeline
+from areal_agents.timeline.samplers import watch_cpu, watch_gpus
 
 
 def seed_everything(seed: int) -> None:
@@ -46,3 +48,11 @@ async def open_checked_backend(
 
 async def held_out_seeds(backend: EnvBackend, eval_cfg: EvalConfig) -> list[int]:
     return await distinct_seeds(lambda: backend.make(**eval_cfg.env_kwargs), eval_cfg.num_problems, start=eval_cfg.seed)
+
+
+def open_run_timeline(run_dir: Path) -> None:
+    """The run's timeline (``RUN/timeline/``): this process as ``driver``, its CPU use and its GPUs; the
+    processes the run starts from now on record there too."""
+    tl = open_timeline(run_dir, "driver")
+    watch_cpu(tl, "driver")
+    watch_gpus(tl)

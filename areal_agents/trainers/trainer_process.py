@@ -32,6 +32,7 @@ from areal_agents.errors import ArealAgentsError
 from areal_agents.models.device import resolve_device
 from areal_agents.models.loading import quiet_transformers
 from areal_agents.net import free_port
+from areal_agents.timeline import timeline_from_env
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.policy import load_trainable
 from areal_agents.trainers.policy_api import TrainSpec
@@ -55,6 +56,7 @@ def _serve(
     torch.set_num_threads(spec.cpu_threads or team_threads())  # 0: auto (a launcher fills in the run's)
     quiet_transformers()
     seed_everything(spec.seed)
+    timeline_from_env(f"trainer-{name}" + (f"-rank{env['RANK']}" if env else ""))  # the run's timeline
     try:
         dp = None
         if env is not None:

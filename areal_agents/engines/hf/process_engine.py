@@ -29,6 +29,7 @@ import torch.multiprocessing  # noqa: F401  (registers the shared-memory picklin
 from areal_agents.config import EngineOptions
 from areal_agents.engines.base import LoraEngine
 from areal_agents.errors import ArealAgentsError, ConfigError, EngineError, RequestError
+from areal_agents.timeline import timeline_from_env
 from areal_agents.types import GenRequest, GenResponse
 from areal_agents.workers import start_child, stop_child
 
@@ -43,6 +44,7 @@ def _serve(conn: Any, model_path: str, dtype: str, options: EngineOptions, place
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes this process
     torch.set_num_threads(1)  # this thread only loads weights; the decode thread sets its own
     quiet_transformers()
+    timeline_from_env("process-engine")  # the run's timeline, when a run started this process
     try:
         engine = HFEngine.of(load_model(model_path, dtype), options, **placement)
     except BaseException:

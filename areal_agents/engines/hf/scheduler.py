@@ -9,6 +9,7 @@ settles the callers' futures after every step.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from typing import NamedTuple
@@ -19,6 +20,9 @@ from areal_agents.config.placement import team_threads
 from areal_agents.engines.hf.batch_runner import BatchRunner, Outcome
 from areal_agents.engines.hf.running_batch import RunningBatch, Submission
 from areal_agents.errors import EngineError
+from areal_agents.timeline import timeline
+
+_ENGINES = itertools.count()  # this process's engines: the first records as engine/hf, the next engine/hf-1, ...
 
 ADMISSION_MAX_WAIT_S = 0.05  # the longest an idle engine holds arriving requests back to admit them together
 GATHER_FRACTION = 0.125  # a busy batch admits arrivals once they are this share of its live rows, or ...
@@ -178,6 +182,7 @@ class Scheduler:
         # another thread of the process set last (torch keeps one process-wide value for new threads).
         torch.set_num_threads(self.num_threads or team_threads())
         runner, batch = self.runner, RunningBatch()
+        tl, worker = timeline(), self._watch()
         try:
             runner.placement.bind_thread()  # the engine's GPU, if any, is this thread's current device
             while (work := self._take_work(batch)) is not None:
@@ -188,7 +193,8 @@ class Scheduler:
                         runner.finish(seq, "abort")
                     runner.retire(batch)
                 else:
-                    runner.step(batch, work.incoming, work.stale, work.version, work.adapters)
+                    with tl.busy(worker):
+                        runner.step(batch, work.incoming, work.stale, work.version, work.adapters)
                 deliver(runner.outbox)
                 runner.outbox = []
                 with self.cv:
@@ -197,6 +203,16 @@ class Scheduler:
         except BaseException as e:  # noqa: BLE001  (fail the requests, not silently hang them)
             self.error = e
         self._stop(batch)
+
+    def _watch(self) -> str:
+        """This engine's timeline row (busy while a step runs) and its queues: requests waiting, running."""
+        n = next(_ENGINES)
+        worker = "engine/hf" if n == 0 else f"engine/hf-{n}"
+        tl = timeline()
+        tl.idle(worker)
+        tl.gauge(f"{worker}/waiting", lambda: len(self.incoming))
+        tl.gauge(f"{worker}/running", lambda: len(self.running) + len(self.admitting))
+        return worker
 
     def _take_work(self, batch: RunningBatch) -> _Work | None:
         """Wait for work (or a pause to lift), then take this step's arrivals; None once closed."""

@@ -13,6 +13,7 @@ from typing import Any
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.engines.model_server.routes import build_app
 from areal_agents.engines.model_server.server import ModelServerConfig
+from areal_agents.timeline import timeline_from_env
 
 SHUTDOWN_GRACE_S = 2.0  # on SIGTERM, requests in flight get this long to finish, then are cancelled
 EXIT_DEADLINE_S = 8.0  # ... and if the process is still there after this long, it exits anyway
@@ -25,6 +26,7 @@ def serve_model(cfg: ModelServerConfig, device: str = "cpu") -> None:
 
     from areal_agents.models import load_model, load_tokenizer  # noqa: PLC0415
 
+    timeline_from_env(f"serve-model-{cfg.port}")  # started by a run: the engine's busy time joins its timeline
     model = load_model(cfg.model_path, cfg.dtype)
     tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.model_path)
     _large_frees_go_back()

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import heapq
 import importlib
 import pickle
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import gymnasium as gym
@@ -31,6 +34,7 @@ import gymnasium as gym
 from areal_agents.envs.multi_agent import MultiAgentTextEnv
 from areal_agents.envs.registry import import_env_module, make_env, register_builtin_envs
 from areal_agents.errors import ArealAgentsError, EnvError
+from areal_agents.timeline import timeline
 from areal_agents.workers import CallTimeout, RemoteError, WorkerDied, WorkerImportError, WorkerPool
 
 PoolMode = Literal["inline", "thread", "process"]
@@ -115,6 +119,11 @@ class PooledEnv:
 
     async def _call(self, name: str, fn: Any, *args: Any) -> Any:
         pool = self.pool
+        with pool.working(), timeline().span("episodes", f"env_{name}", env=self.env_id):
+            return await self._call_worker(name, fn, *args)
+
+    async def _call_worker(self, name: str, fn: Any, *args: Any) -> Any:
+        pool = self.pool
         try:
             if pool.mode == "inline":
                 return fn(*args)
@@ -191,6 +200,28 @@ class LocalEnvPool:
         if mode == "process":  # one intra-op thread each: N workers beside the engine and the trainer
             self.workers = WorkerPool(workers, initializer=_import_envs, name="env-pool", threads=worker_threads)
         self._idle: dict[tuple[str, str], list[Any]] = {}  # closed sessions' envs, reused by the next make
+        self._free = list(range(1 if mode == "inline" else workers))  # worker slots: a timeline row each
+        self.in_flight = 0  # resets and steps running
+        tl = timeline()
+        for slot in self._free:
+            tl.idle(f"env/pool/{slot}")
+        tl.gauge("env/steps_in_flight", lambda: self.in_flight)
+
+    @contextmanager
+    def working(self) -> Iterator[None]:
+        """A reset or step runs: busy on the lowest free worker slot (the timeline's row), counted in flight."""
+        slot = heapq.heappop(self._free) if self._free else None
+        self.in_flight += 1
+        tl = timeline()
+        if slot is not None:
+            tl.enter(f"env/pool/{slot}")
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if slot is not None:
+                tl.leave(f"env/pool/{slot}")
+                heapq.heappush(self._free, slot)
 
     def _take(self, env_id: str, kwargs: dict[str, Any]) -> Any:
         """An idle env made with the same id and kwargs (``reset`` starts it afresh), or None.

@@ -28,7 +28,8 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ import aiohttp
 from areal_agents.envs.runtime.protocol import OWNER_PATTERN, SINGLE_AGENT
 from areal_agents.envs.runtime.server_process import EnvServerProcess  # re-exported: where clients import it
 from areal_agents.errors import ArealAgentsError, EnvError, RunHalted, UnknownEnvError
+from areal_agents.timeline import timeline
 
 _EPISODE_ERRORS = ("env_error", "timeout", "worker_died")
 # a batched step's failed item carries its error type, not a status: the status its single step answers
@@ -143,6 +145,12 @@ class RemoteEnv:
         self.acting: list[str] | None = None
 
     async def areset(self, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
+        with self.pool.counted(), timeline().span("episodes", "env_reset", env=self.env_id) as span:
+            result = await self._reset(seed, options)
+            span["server"] = self.server
+            return result
+
+    async def _reset(self, seed: int | None, options: dict | None) -> tuple[Any, dict]:
         await self.aclose()
         body = {"env_id": self.env_id, "kwargs": self.kwargs, "seed": seed, "options": options}
         try:
@@ -164,6 +172,10 @@ class RemoteEnv:
         """A text action (single-agent) or a dict of one action per acting agent (multi-agent: over v2)."""
         if self.session_id is None:
             raise ArealAgentsError("RemoteEnv.astep() before areset()")
+        with self.pool.counted(), timeline().span("episodes", "env_step", env=self.env_id, server=self.server):
+            return await self._astep(action)
+
+    async def _astep(self, action: Any) -> tuple[Any, Any, Any, Any, Any]:
         try:
             if self.multi_agent:
                 return self._follow(await self._step("/v2", {"actions": action}, action))
@@ -248,6 +260,17 @@ class RemoteEnvPool:
         self._client: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[tuple[str, str], list[tuple[str, Any, asyncio.Future]]] = {}
+        self.in_flight = 0  # resets and steps waiting on a server
+        timeline().gauge("env/steps_in_flight", lambda: self.in_flight)
+
+    @contextmanager
+    def counted(self) -> Iterator[None]:
+        """A reset or step is in flight (the timeline's ``env/steps_in_flight``)."""
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
     @property
     def client(self) -> aiohttp.ClientSession:

@@ -43,6 +43,7 @@ from areal_agents.envs.runtime.protocol import (
 from areal_agents.envs.runtime.server_v2 import add_v2_routes
 from areal_agents.envs.runtime.sessions import EnvServer, ServerConfig, Session
 from areal_agents.net import BodyLimit
+from areal_agents.timeline import timeline_from_env
 
 
 def _json(payload: Any, status: int = 200) -> Response:
@@ -129,6 +130,7 @@ def serve(cfg: ServerConfig) -> None:
     """Run the server until interrupted (``areal-agents serve-env``)."""
     import uvicorn
 
+    timeline_from_env(f"serve-env-{cfg.port}")  # started by a run: its workers' busy time joins the run's timeline
     server = dedicated_server(cfg)
     app = build_app(server)
     # the modules' and libraries' objects, walked by no collection again: each step allocates enough to
