@@ -53,7 +53,7 @@ class Report:
     wall_s: float
     steps: int
     time: dict[str, float] = field(default_factory=dict)  # phase -> share of wall_s ("other": in no phase)
-    episode_time: dict[str, float] = field(default_factory=dict)  # generate / env_step -> share of episode time
+    episode_time: dict[str, float] = field(default_factory=dict)  # generate / env / other -> share of episode time
     busy: dict[str, float] = field(default_factory=dict)  # worker -> busy share over wall_s
     busy_while_waiting: dict[str, float] = field(default_factory=dict)  # worker -> busy share during rollout waits
     queues_while_waiting: dict[str, float] = field(default_factory=dict)  # gauge -> its mean during rollout waits
@@ -71,15 +71,15 @@ class Report:
         out = [f"where the time went ({self.wall_s:.1f} s, {self.steps} steps):"]
         shown = {k: v for k, v in self.time.items() if v > 0 or k in ("rollout wait", "training", "weight sync")}
         out += [f"  {name:<13} {share:>4.0%}  {'#' * round(share * 30)}" for name, share in shown.items()]
-        for role, label in (("env", "env steps"), ("reward", "reward")):
+        for role, label in (("env", "env calls"), ("reward", "reward")):
             shares = [b for w, b in self.busy.items() if _role(w) == role]
-            if shares:
-                out.append(f"  {label:<13} {max(shares):>4.0%}  busy (overlaps the phases above)")
+            if shares:  # the busiest worker: a pool's first slot is busy whenever any call runs
+                out.append(f"  {label:<13} {max(shares):>4.0%}  of the time one ran (overlaps the phases above)")
         if self.episode_time:
             parts = ", ".join(f"{_EPISODE_LABELS.get(k, k)} {v:.0%}" for k, v in self.episode_time.items())
             out.append(f"episodes spent their time: {parts}")
         if self.busy:
-            out.append("idle share: " + ", ".join(f"{w} {i:.0%}" for w, i in self.idle.items()))
+            out.append("idle share: " + ", ".join(f"{w} {i:.0%}" for w, i in _rows(self.idle).items()))
         out += [f"bound: {self.bound}", f"advice: {self.advice}"]
         return out
 
@@ -88,7 +88,7 @@ class Report:
         return {**asdict(self), "idle": self.idle}
 
 
-_EPISODE_LABELS = {"generate": "generating", "env_step": "in env steps", "other": "elsewhere"}
+_EPISODE_LABELS = {"generate": "generating", "env": "in env resets and steps", "other": "elsewhere"}
 
 
 def bottleneck_report(run: str | Path | RunTimeline, config: dict[str, Any] | None = None) -> Report:
@@ -180,17 +180,28 @@ def _mean(values: np.ndarray) -> float:
 
 
 def _episode_shares(spans: list[Span], w0: float, w1: float) -> dict[str, float]:
-    """What episodes spent their time on, as shares of the episodes' summed lengths: ``generate``,
-    ``env_step`` and ``other`` (queued, the agent's own work); ``{}`` without episode spans."""
+    """What episodes spent their time on, as shares of the episodes' summed lengths: ``generate``, ``env``
+    (``env_step`` and ``env_reset`` calls) and ``other`` (queued, the agent's own work); ``{}`` without them."""
     seen = [s for s in spans if s.track == "episodes" and s.end > w0 and s.start < w1]
-    total = {name: sum(s.end - s.start for s in seen if s.name == name) for name in ("episode", "generate", "env_step")}
-    parts = total["generate"] + total["env_step"]
-    whole = max(total["episode"], parts)
+    total = {"episode": 0.0, "generate": 0.0, "env": 0.0}
+    for s in seen:
+        kind = "env" if s.name.startswith("env_") else s.name
+        if kind in total:
+            total[kind] += s.end - s.start
+    whole = max(total["episode"], total["generate"] + total["env"])
     if whole <= 0:
         return {}
-    shares = {"generate": total["generate"] / whole, "env_step": total["env_step"] / whole}
-    shares["other"] = max(1.0 - shares["generate"] - shares["env_step"], 0.0)
+    shares = {"generate": total["generate"] / whole, "env": total["env"] / whole}
+    shares["other"] = max(1.0 - shares["generate"] - shares["env"], 0.0)
     return {k: round(v, 3) for k, v in shares.items()}
+
+
+def _rows(shares: dict[str, float]) -> dict[str, float]:
+    """Numbered workers of one kind (a pool's slots ``env/pool/0..N``) as one row ``env/pool (N+1)``: their mean."""
+    groups: dict[str, list[float]] = {}
+    for worker, share in shares.items():
+        groups.setdefault(re.sub(r"/\d+$", "", worker), []).append(share)
+    return {(k if len(v) == 1 else f"{k} ({len(v)})"): float(np.mean(v)) for k, v in groups.items()}
 
 
 def _role(worker: str) -> str:
@@ -230,7 +241,7 @@ def _bound(r: Report) -> str:
     if reward >= 0.5 and reward > max(engine, env):
         return "reward"
     if r.episode_time:
-        return "env" if r.episode_time["env_step"] > r.episode_time["generate"] else "rollout/generation"
+        return "env" if r.episode_time["env"] > r.episode_time["generate"] else "rollout/generation"
     return "env" if env > engine else "rollout/generation"
 
 
@@ -314,9 +325,9 @@ def _advise_training(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, st
 
 
 def _advise_env(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, str]:
-    wait, share = r.time.get("rollout wait", 0.0), r.episode_time.get("env_step")
+    wait, share = r.time.get("rollout wait", 0.0), r.episode_time.get("env")
     said = f"the trainer waited for rollouts {_pct(wait)} of the run" + (
-        f", and episodes spent {_pct(share)} of their time in env steps" if share is not None else ""
+        f", and episodes spent {_pct(share)} of their time in env calls" if share is not None else ""
     )
     workers, in_flight = cfg.get("env.workers"), _queue(r, "env/steps_in_flight")
     if isinstance(workers, int) and in_flight is not None and in_flight >= 0.8 * workers:

@@ -175,14 +175,15 @@ class _Unit:
 
 def _episode_units(spans: list[Span]) -> list[_Unit]:
     """Spans of the episodes track grouped by episode: each turn with the ``episode`` slice of its
-    ``episode_id`` that holds its start (a retried episode has several); turns of none form their own unit."""
+    ``episode_id`` that holds its start (a retried episode has several); turns of none form their own unit.
+    Calls with no ``episode_id`` are not here (`_episode_events` lays them out)."""
     by_id: dict[Any, list[Span]] = defaultdict(list)
     units: list[_Unit] = []
     for s in spans:
         key = s.args.get("episode_id")
-        if key is None:
-            units.append(_Unit(s if s.name == ROOT else None, [] if s.name == ROOT else [s]))
-        else:
+        if key is None and s.name == ROOT:
+            units.append(_Unit(s, []))
+        elif key is not None:
             by_id[str(key)].append(s)
     for group in by_id.values():
         roots = [_Unit(s, []) for s in group if s.name == ROOT]
@@ -195,11 +196,36 @@ def _episode_units(spans: list[Span]) -> list[_Unit]:
     return units
 
 
+def _merged(spans: list[Span]) -> list[Span]:
+    """Spans of one name that overlap as one slice over their union, ``args["calls"]`` counting them (the
+    64 resets a run's start makes at once are one slice, not 64 lanes)."""
+    out: list[Span] = []
+    for name in sorted({s.name for s in spans}):
+        cluster: list[Span] = []
+        for s in sorted((s for s in spans if s.name == name), key=lambda s: s.start):
+            if cluster and s.start >= max(c.end for c in cluster):
+                out.append(_one(cluster))
+                cluster = []
+            cluster.append(s)
+        out.append(_one(cluster))
+    return out
+
+
+def _one(cluster: list[Span]) -> Span:
+    first = cluster[0]
+    if len(cluster) == 1:
+        return first
+    end = max(c.end for c in cluster)
+    return Span(first.process, first.track, first.name, first.start, end, {"calls": len(cluster)})
+
+
 def _episode_events(spans: list[Span], t0: float, pid: int, ids: _Ids) -> list[dict[str, Any]]:
     """Episodes on lanes ``episodes 1..N``: each episode takes the first lanes free for its whole life, so
-    overlapping episodes sit side by side and its turns nest inside its slice."""
+    overlapping episodes sit side by side and its turns nest inside its slice. Calls outside any episode
+    (a run's first resets) go to lanes of their own, ``outside episodes``, overlapping ones of a name merged."""
+    outside = [s for s in spans if s.name != ROOT and s.args.get("episode_id") is None]
+    events = _track_events(_merged(outside), "outside episodes", t0, pid, ids) if outside else []
     free_at: list[int] = []  # each lane's end of its last episode
-    events: list[dict[str, Any]] = []
     for unit in sorted(_episode_units(spans), key=lambda u: (u.start, u.end)):
         lo, hi = _us(unit.start, t0), _us(unit.end, t0)
         clipped = [(min(max(_us(c.start, t0), lo), hi), min(max(_us(c.end, t0), lo), hi)) for c in unit.children]

@@ -106,11 +106,14 @@ def test_slow_env_steps_bind_the_env(tmp_path, clock):
     driver = Process("driver", gauges={"env/steps_in_flight": lambda t: 4.0})
     end = sync_steps(driver, steps=4, wait=1.6, update=0.3)
     add_episodes(driver, 0.05, 0.35)
-    env = Process("driver-env", busy={"env/pool": [(a, b) for _, n, a, b, _ in driver.spans if n == "rollout_wait"]})
-    r = bottleneck_report(write_run(tmp_path / "run", clock, [driver, env], until=end, config=CONFIG))
-    assert r.bound == "env" and r.episode_time["env_step"] > 0.8
+    waits = [(a, b) for _, n, a, b, _ in driver.spans if n == "rollout_wait"]
+    slots = {f"env/pool/{k}": waits for k in range(4)}  # the pool's 4 workers, all busy while the trainer waits
+    r = bottleneck_report(write_run(tmp_path / "run", clock, [driver, Process("env", busy=slots)], end, CONFIG))
+    assert r.bound == "env" and r.episode_time["env"] > 0.8
     assert r.key == "env.workers" and "4.0 env steps in flight" in r.advice and "(now 4)" in r.advice
-    assert any(line.startswith("  env steps") for line in r.lines())
+    lines = r.lines()
+    assert any(line.startswith("  env calls      80%") for line in lines), lines
+    assert "env/pool (4) 20%" in next(line for line in lines if line.startswith("idle share:"))
 
 
 def test_slow_env_steps_with_free_env_workers_want_more_episodes(tmp_path, clock):

@@ -146,3 +146,19 @@ def test_a_run_without_a_timeline_is_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no timeline recorded" in err and str(tmp_path / "timeline") in err
     assert build_trace(read_timeline(tmp_path))["traceEvents"] == []
+
+
+def test_calls_outside_episodes_overlapping_are_one_slice_on_a_lane_of_their_own(tmp_path, clock):
+    p = Process("driver")
+    for k in range(5):  # a run's first resets, all at once, then one more
+        p.span("episodes", "env_reset", 0.1 + 0.01 * k, 0.2 + 0.01 * k)
+    p.span("episodes", "env_reset", 0.5, 0.6)
+    p.span("episodes", "episode", 0.1, 0.7, episode_id="e1")
+    trace = build_trace(read_timeline(write_run(tmp_path / "run", clock, [p], until=1.0)))
+    threads = names_of(trace, "thread_name")
+    slices = [(e["name"], threads[(e["pid"], e["tid"])], e.get("args")) for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert slices == [
+        ("episode", "episodes 1", {"episode_id": "e1"}),
+        ("env_reset", "outside episodes", {"calls": 5}),
+        ("env_reset", "outside episodes", None),
+    ]
