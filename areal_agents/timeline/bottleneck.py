@@ -40,6 +40,7 @@ BOUNDS = {  # the driver phase that dominates -> the bound (rollout_wait is spli
     "eval": "eval",
     "checkpoint": "checkpoint",
 }
+STOP_S = 60.0  # a gap between the driver's spans this long (and ten steps long) is a stop, not run time
 DOMINANCE = 1.25  # the top phase must take this many times the next one's time, else the run is balanced
 ROLES = ("engine", "trainer", "env", "reward", "gpu")
 
@@ -52,6 +53,7 @@ class Report:
     run_dir: str
     wall_s: float
     steps: int
+    stopped_s: float = 0.0  # stops left out of wall_s: a resumed run's time between its sessions
     time: dict[str, float] = field(default_factory=dict)  # phase -> share of wall_s ("other": in no phase)
     episode_time: dict[str, float] = field(default_factory=dict)  # generate / env / other -> share of episode time
     busy: dict[str, float] = field(default_factory=dict)  # worker -> busy share over wall_s
@@ -68,9 +70,10 @@ class Report:
 
     def lines(self) -> list[str]:
         """The report for a terminal."""
-        out = [f"where the time went ({self.wall_s:.1f} s, {self.steps} steps):"]
+        stopped = f"; {self.stopped_s:.0f} s stopped, left out" if self.stopped_s else ""
+        out = [f"where the time went ({self.wall_s:.1f} s, {self.steps} steps{stopped}):"]
         shown = {k: v for k, v in self.time.items() if v > 0 or k in ("rollout wait", "training", "weight sync")}
-        out += [f"  {name:<13} {share:>4.0%}  {'#' * round(share * 30)}" for name, share in shown.items()]
+        out += [f"  {name:<13} {share:>4.0%}  {'#' * round(share * 30)}".rstrip() for name, share in shown.items()]
         for role, label in (("env", "env calls"), ("reward", "reward")):
             shares = [b for w, b in self.busy.items() if _role(w) == role]
             if shares:  # the busiest worker: a pool's first slot is busy whenever any call runs
@@ -103,13 +106,14 @@ def bottleneck_report(run: str | Path | RunTimeline, config: dict[str, Any] | No
     driver = [s for s in run.spans if s.track == "driver"]
     steps = [s for s in driver if s.name == "step"]
     w0, w1 = (min(s.start for s in steps), max(s.end for s in steps)) if steps else (run.start, run.end)
-    report = Report(run_dir, round(max(w1 - w0, 0.0), 3), len(steps))
-    if w1 <= w0:
+    stops = _stops(driver, steps, w0, w1)
+    report = Report(run_dir, round(max(w1 - w0 - _union(stops), 0.0), 3), len(steps), round(_union(stops), 3))
+    if report.wall_s <= 0:
         report.advice = "no timeline recorded: nothing to say"
         return report
-    report.time = _phase_shares(driver, w0, w1)
-    window = _bins_in(run, w0, w1)
-    waiting = _bins_covered(run, [s for s in driver if s.name == "rollout_wait"]) & window
+    report.time = _phase_shares(driver, w0, w1, report.wall_s)
+    window = _bins_in(run, w0, w1) & ~_bins_covered(run, stops)
+    waiting = _bins_covered(run, [(s.start, s.end) for s in driver if s.name == "rollout_wait"]) & window
     report.busy = {w: _mean(v[window]) for w, v in run.busy.items() if np.isfinite(v[window]).any()}
     during = waiting if waiting.any() else window
     report.busy_while_waiting = {w: _mean(v[during]) for w, v in run.busy.items() if np.isfinite(v[during]).any()}
@@ -143,9 +147,23 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _phase_shares(driver: list[Span], w0: float, w1: float) -> dict[str, float]:
-    """Each phase's share of ``[w0, w1]`` (overlapping spans of one phase counted once) and the rest's."""
-    wall = w1 - w0
+def _stops(driver: list[Span], steps: list[Span], w0: float, w1: float) -> list[tuple[float, float]]:
+    """Stretches of ``[w0, w1]`` in no driver span that are longer than `STOP_S` and ten steps: a stopped run
+    resumed later (its restart is not time the run spent training)."""
+    if not steps:
+        return []
+    longest = max(STOP_S, 10 * float(np.median([s.end - s.start for s in steps])))
+    stops, reach = [], w0
+    for a, b in sorted((s.start, s.end) for s in driver if s.end > w0 and s.start < w1):
+        if a - reach > longest:
+            stops.append((reach, a))
+        reach = max(reach, b)
+    return stops
+
+
+def _phase_shares(driver: list[Span], w0: float, w1: float, wall: float) -> dict[str, float]:
+    """Each phase's share of ``wall`` seconds in ``[w0, w1]`` (overlapping spans of one phase counted once) and
+    the rest's."""
     out: dict[str, float] = {}
     clipped = {
         name: [(max(s.start, w0), min(s.end, w1)) for s in driver if s.name == name and s.end > w0 and s.start < w1]
@@ -163,15 +181,15 @@ def _bins_in(run: RunTimeline, w0: float, w1: float) -> np.ndarray:
     return (starts + run.dt > w0) & (starts < w1)
 
 
-def _bins_covered(run: RunTimeline, spans: list[Span]) -> np.ndarray:
-    """Mask of the bins that ``spans`` cover at least half of."""
+def _bins_covered(run: RunTimeline, intervals: list[tuple[float, float]]) -> np.ndarray:
+    """Mask of the bins that ``intervals`` (wall-clock ``(start, end)``) cover at least half of."""
     covered = np.zeros(run.bins)
-    for s in spans:
-        first = max(int((s.start - run.start) // run.dt), 0)
-        last = min(int((s.end - run.start) // run.dt), run.bins - 1)
+    for start, end in intervals:
+        first = max(int((start - run.start) // run.dt), 0)
+        last = min(int((end - run.start) // run.dt), run.bins - 1)
         for i in range(first, last + 1):
             a = run.start + i * run.dt
-            covered[i] += max(min(s.end, a + run.dt) - max(s.start, a), 0.0)
+            covered[i] += max(min(end, a + run.dt) - max(start, a), 0.0)
     return covered >= run.dt / 2
 
 

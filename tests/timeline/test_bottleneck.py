@@ -190,3 +190,17 @@ def test_every_key_the_advice_may_name_is_a_train_config_key():
             fields = {f.name: f for f in dataclasses.fields(node)}
             assert part in fields, f"the advice names {key!r}, not a key of the train config"
             node = typing.get_type_hints(node)[part]
+
+
+def test_a_resumed_run_leaves_out_its_stop(tmp_path, clock):
+    """Two sessions of 4 steps 100 s apart: the stop is neither wall time nor "other"."""
+    driver = Process("driver")
+    end = sync_steps(driver, steps=4, wait=1.6, update=0.3)
+    for track, name, a, b, args in list(driver.spans):
+        driver.span(track, name, a + 100, b + 100, **{**args, "step": args["step"] + 4})
+    driver.busy = {w: ivs + [(a + 100, b + 100) for a, b in ivs] for w, ivs in driver.busy.items()}
+    r = bottleneck_report(write_run(tmp_path / "run", clock, [driver], until=end + 100, config=CONFIG))
+    assert r.steps == 8 and r.wall_s == pytest.approx(16.0, abs=0.01) and r.stopped_s > 90
+    assert r.time["other"] == 0 and r.bound == "rollout/generation"
+    assert r.busy["engine/hf"] == pytest.approx(0.8, abs=0.02)  # of the sessions' bins, not the stop's
+    assert "s stopped, left out" in r.lines()[0]
