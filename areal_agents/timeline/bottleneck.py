@@ -3,7 +3,7 @@ config change most likely to help, read from its timeline (and its ``config.json
 
 The bound comes from the driver's spans: the phase that took the most of the steps' time (waiting for
 rollouts, updating, pushing weights, evaluating, checkpointing) when it took clearly more than the next
-(1.25x), else ``balanced``. A run that waited for rollouts is then split by what its episodes spent their
+(1.5x), else ``balanced``. A run that waited for rollouts is then split by what its episodes spent their
 time on: generating, or in env steps (from the ``episodes`` spans; the workers' busy shares while the
 trainer waited when there are none), or scoring rewards.
 
@@ -41,7 +41,7 @@ BOUNDS = {  # the driver phase that dominates -> the bound (rollout_wait is spli
     "checkpoint": "checkpoint",
 }
 STOP_S = 60.0  # a gap between the driver's spans this long (and ten steps long) is a stop, not run time
-DOMINANCE = 1.25  # the top phase must take this many times the next one's time, else the run is balanced
+DOMINANCE = 1.5  # the top phase must take this many times the next one's time, else the run is balanced
 ROLES = ("engine", "trainer", "env", "reward", "gpu")
 
 

@@ -204,3 +204,9 @@ def test_a_resumed_run_leaves_out_its_stop(tmp_path, clock):
     assert r.time["other"] == 0 and r.bound == "rollout/generation"
     assert r.busy["engine/hf"] == pytest.approx(0.8, abs=0.02)  # of the sessions' bins, not the stop's
     assert "s stopped, left out" in r.lines()[0]
+
+
+def test_a_phase_must_take_half_again_the_next_to_bind(tmp_path, clock):
+    # an asynchronous run's update (0.44) beside its rollout wait (0.33): 1.33x is no clear bound
+    assert bottleneck_report(make(tmp_path, clock, wait=0.66, update=0.88)).bound == "balanced"
+    assert bottleneck_report(make(tmp_path, clock, wait=0.5, update=0.8)).bound == "training"
