@@ -16,6 +16,7 @@ from areal_agents.config.sections import (
     RayConfig,
     RolloutConfig,
     SFTConfig,
+    TimelineConfig,
     TrainConfig,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "RayConfig",
     "RolloutConfig",
     "SFTConfig",
+    "TimelineConfig",
     "TrainConfig",
     "config_diff",
     "config_field",

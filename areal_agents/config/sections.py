@@ -124,7 +124,9 @@ class RolloutConfig:
         default=False,
     )
     dump_trajectories: bool = config_field(
-        "write each step's trajectories to run_dir/trajectories/step_N.jsonl (to inspect what trains)", default=False
+        "write each step's trajectories to run_dir/trajectories/step_N.jsonl and each held-out eval's samples to "
+        "run_dir/eval_samples/step_N.jsonl (to inspect what trains: the dashboard's trajectory viewer)",
+        default=False,
     )
 
     def __post_init__(self) -> None:
@@ -298,6 +300,25 @@ class RayConfig:
 
 
 @dataclass
+class TimelineConfig:
+    """The run's timeline, ``RUN/timeline/``: each worker's busy time, the queues, the events (docs/observability)."""
+
+    enabled: bool = config_field(
+        "record it (the TensorBoard heatmap, `areal-agents trace`, the dashboard and the bottleneck report read it)",
+        default=True,
+    )
+    bin_ms: float = config_field("bin width in ms: busy time and queue depths per bin", default=100.0)
+    max_mib: float = config_field(
+        "each process's file: spans stop at half of it (those of steps go on), past it the bins widen", default=64.0
+    )
+    heatmap_every: int = config_field("a workers x time heatmap to TensorBoard every N steps; 0 = none", default=1)
+
+    def __post_init__(self) -> None:
+        check_positive(self, "bin_ms", "max_mib")
+        check_positive(self, "heatmap_every", or_zero=True)
+
+
+@dataclass
 class TrainConfig:
     """`areal-agents train`: decoupled-PPO RL on an env."""
 
@@ -329,6 +350,7 @@ class TrainConfig:
         "local: one process (plus servers); ray: the same run on a Ray cluster (see ray.*)", default="local"
     )
     ray: RayConfig = field(default_factory=RayConfig)
+    timeline: TimelineConfig = field(default_factory=TimelineConfig)
 
     def __post_init__(self) -> None:
         check_positive(self, "steps")

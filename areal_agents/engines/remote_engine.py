@@ -50,8 +50,10 @@ from areal_agents.engines.base import LoraEngine
 from areal_agents.engines.interruptible import ResumeGate, generate_to_end, update_pause
 from areal_agents.engines.remote_lora import PauseMode, RemoteLora
 from areal_agents.engines.server_control import admin_headers, admin_key_from_env, health_state
+from areal_agents.engines.server_metrics import MetricNames, ServerMetrics
 from areal_agents.engines.weight_sync import DiskSync, StateDictSource
 from areal_agents.errors import EngineError, RequestError
+from areal_agents.timeline import Timeline, timeline
 from areal_agents.types import GenRequest, GenResponse
 
 
@@ -84,6 +86,7 @@ class RemoteEngine(RemoteLora, LoraEngine, abc.ABC):
 
     GENERATE_PATH: ClassVar[str]
     RID_KEY: ClassVar[str]  # the generate body's request-id field
+    METRICS: ClassVar[MetricNames]  # its /metrics names of running and waiting requests (the run's timeline)
 
     def __init__(
         self,
@@ -123,6 +126,8 @@ class RemoteEngine(RemoteLora, LoraEngine, abc.ABC):
         self._restarts_seen = 0
         self.adapters: dict[str, str] = {}  # LoRA adapters this client loaded: name -> directory
         self.admin_key = admin_key_from_env(admin_key)  # sent with every request (the control routes want it)
+        tl = timeline()  # in a run that records its timeline: each server's queues, polled from its /metrics
+        self._metrics = ServerMetrics(self.addresses, self.METRICS, tl) if isinstance(tl, Timeline) else None
 
     # ---- what a subclass says about its servers' API -------------------------------------------
 
@@ -294,6 +299,8 @@ class RemoteEngine(RemoteLora, LoraEngine, abc.ABC):
         return list(await asyncio.gather(*(self._healthy(u) for u in self.addresses)))
 
     async def aclose(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
         if self._session is not None:
             await self._session.close()
             self._session = None

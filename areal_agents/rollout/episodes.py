@@ -145,8 +145,12 @@ class EpisodeRunner:
         self.ledger.submitted += 1
         token = EPISODE.set(episode_id)  # what the episode's generate calls and env steps record names it
         try:
-            with timeline().span("episodes", "episode") as span:
-                trajectories = await self._tries(episode, episode_id)
+            with timeline().span("episodes", "episode", outcome="cancelled") as span:
+                try:
+                    trajectories = await self._tries(episode, episode_id)
+                except Exception:
+                    span["outcome"] = "halted"  # the run cannot go on (`RunHalted`, a cluster error)
+                    raise
                 span["outcome"] = "accepted" if trajectories is not None else "failed"
                 if trajectories:
                     span["reward"] = {t.agent_id: t.reward for t in trajectories if t.metadata.get("segment", 0) == 0}

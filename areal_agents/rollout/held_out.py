@@ -62,13 +62,14 @@ async def evaluate(
     ledger: RolloutLedger | None = None,
     max_retries: int = 0,
     failures: FailureLog | None = None,
+    dump: Callable[[list[Trajectory]], None] | None = None,
 ) -> dict[str, float]:
     """``n_samples`` episodes per seed; ``accuracy`` is the fraction of successful episodes (avg@n): the
     env's ``info["success"]`` when it reports one (a debate's majority answer), else total reward >= 1;
     with n > 1 also ``pass@n``. With several agents, ``accuracy/AGENT`` is each agent's own. The episodes
     run through `run_groups` (one `EpisodeRunner`, ``max_retries``), counted in ``ledger`` when given; a
     failed episode counts as unsuccessful (``episodes_failed`` counts them), and when none completed this
-    raises `RunHalted` rather than report an accuracy of 0."""
+    raises `RunHalted` rather than report an accuracy of 0. ``dump`` gets every trajectory (to write the samples)."""
     failures = failures if failures is not None else FailureLog()
     ledger = ledger if ledger is not None else RolloutLedger()
     mark, failed_before, accepted_before = failures.totals.copy(), ledger.failures, ledger.accepted
@@ -76,6 +77,8 @@ async def evaluate(
         agent, make_env, seeds, n_samples, max_concurrent=max_concurrent, ledger=ledger, tag="eval",
         max_retries=max_retries, failures=failures,
     )  # fmt: skip
+    if dump is not None:
+        dump([t for g in groups for t in g])
     episodes: list[list[Trajectory | None]] = []  # per seed: the first trajectory of each episode
     for g in groups:
         firsts = [t for t in g if t.metadata.get("segment", 0) == 0 and t.agent_id == g[0].agent_id] if g else []

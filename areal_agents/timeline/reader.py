@@ -82,44 +82,46 @@ class RunTimeline:
 def read_timeline(run_dir: str | Path) -> RunTimeline:
     """Every process's timeline file of ``run_dir`` on one grid (the widest bins any file used). A partial last
     line (a file being written) is skipped; a run with no timeline gives an empty one."""
-    files = sorted((Path(run_dir) / "timeline").glob("*.jsonl"))
-    raw = [_read_file(f) for f in files]
-    dt = max((r.dt for r in raw), default=0.1)
-    firsts = [t for r in raw for t in r.first_times()]
+    records = []
+    for path in sorted((Path(run_dir) / "timeline").glob("*.jsonl")):
+        record = ProcessRecord()
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            record.add_line(line)
+        records.append(record)
+    return on_one_grid(records)
+
+
+def on_one_grid(records: list[ProcessRecord]) -> RunTimeline:
+    """Processes' records on one grid: the widest bins any used, from the first bin any recorded."""
+    dt = max((r.dt for r in records), default=0.0) or 0.1
+    firsts = [t for r in records for t in r.first_times()]
     start = min(firsts) if firsts else 0.0  # a bin's start (flooring it again would lose one to rounding)
-    last = max((t for r in raw for t in r.last_times()), default=start)
+    last = max((t for r in records for t in r.last_times()), default=start)
     n = int(math.floor((last - start) / dt + 1e-6)) + 1 if firsts else 0
     busy: dict[str, np.ndarray] = {}
     gauges: dict[str, np.ndarray] = {}
     processes: dict[str, str] = {}
-    clash = _names_in_several(raw)
-    for r in raw:
-        for name, points in r.busy.items():
-            key = f"{r.process}:{name}" if name in clash else name
-            busy[key] = _on_grid(points, start, dt, n)
-            processes[key] = r.process
-        for name, points in r.gauges.items():
-            key = f"{r.process}:{name}" if name in clash else name
-            gauges[key] = _on_grid(points, start, dt, n)
-            processes[key] = r.process
-    spans = sorted((s for r in raw for s in r.spans), key=lambda s: s.start)
-    return RunTimeline(
-        start,
-        dt,
-        dict(sorted(busy.items())),
-        dict(sorted(gauges.items())),
-        spans,
-        processes,
-        sum(r.dropped for r in raw),
-    )
+    clash = _names_in_several(records)
+    for r in records:
+        for into, series in ((busy, r.busy), (gauges, r.gauges)):
+            for name, points in series.items():
+                key = f"{r.process}:{name}" if name in clash else name
+                into[key] = _on_grid(points, start, dt, n)
+                processes[key] = r.process
+        for name in r.busy:  # busy time is measured, not sampled: a bin the sampler missed was idle
+            _idle_between(busy[f"{r.process}:{name}" if name in clash else name])
+    spans = sorted((s for r in records for s in r.spans), key=lambda s: s.start)
+    dropped = sum(r.dropped for r in records)
+    return RunTimeline(start, dt, dict(sorted(busy.items())), dict(sorted(gauges.items())), spans, processes, dropped)
 
 
 @dataclass
-class _File:
-    """One process's file: its series as ``{name: {bin_start_time: value}}`` (busy shares summed per bin)."""
+class ProcessRecord:
+    """One process's file as read so far: its series as ``{name: {bin_start_time: value}}`` (busy shares summed
+    per bin), its spans."""
 
     process: str = "?"
-    dt: float = 0.1
+    dt: float = 0.0  # its widest bins (a file past its budget widens them)
     busy: dict[str, dict[float, float]] = field(default_factory=lambda: defaultdict(dict))
     gauges: dict[str, dict[float, float]] = field(default_factory=lambda: defaultdict(dict))
     spans: list[Span] = field(default_factory=list)
@@ -131,27 +133,24 @@ class _File:
     def last_times(self) -> list[float]:
         return [max(p) for p in [*self.busy.values(), *self.gauges.values()] if p]
 
-
-def _read_file(path: Path) -> _File:
-    out = _File()
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    def add_line(self, line: str) -> None:
+        """One line of the file (a partial or garbled one is skipped)."""
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the line being written
-        kind = row.get("k")
+            kind = row.get("k")
+        except (json.JSONDecodeError, AttributeError):
+            return  # the line being written
         if kind == "meta":
-            out.process = str(row.get("process", out.process))
-            out.dt = max(out.dt, float(row.get("dt", out.dt)))
+            self.process = str(row.get("process", self.process))
+            self.dt = max(self.dt, float(row.get("dt", self.dt)))
         elif kind == "bins":
-            _add_bins(out.busy, row.get("busy", {}), float(row["dt"]), summed=True)
-            _add_bins(out.gauges, row.get("gauges", {}), float(row["dt"]), summed=False)
+            _add_bins(self.busy, row.get("busy", {}), float(row["dt"]), summed=True)
+            _add_bins(self.gauges, row.get("gauges", {}), float(row["dt"]), summed=False)
         elif kind == "span":
             t, d = float(row["t"]), float(row["d"])
-            out.spans.append(Span(out.process, row["track"], row["name"], t, t + d, row.get("args", {})))
+            self.spans.append(Span(self.process, row["track"], row["name"], t, t + d, row.get("args", {})))
         elif kind == "dropped":
-            out.dropped = int(row["spans"])
-    return out
+            self.dropped = int(row["spans"])
 
 
 def _add_bins(into: dict[str, dict[float, float]], series: dict[str, Any], dt: float, summed: bool) -> None:
@@ -178,6 +177,14 @@ def _on_grid(points: dict[float, float], start: float, dt: float, n: int) -> np.
         return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
 
 
+def _idle_between(row: np.ndarray) -> None:
+    """A busy row's unknown bins between its first and last recorded one are idle (0), in place."""
+    known = np.flatnonzero(np.isfinite(row))
+    if known.size:
+        inside = row[known[0] : known[-1] + 1]
+        inside[np.isnan(inside)] = 0.0
+
+
 def _mean_groups(v: np.ndarray, factor: int) -> np.ndarray:
     pad = (-len(v)) % factor
     padded = np.concatenate([v, np.full(pad, np.nan)]).reshape(-1, factor)
@@ -186,7 +193,7 @@ def _mean_groups(v: np.ndarray, factor: int) -> np.ndarray:
         return np.where(counts > 0, np.nansum(padded, axis=1) / np.maximum(counts, 1), np.nan)
 
 
-def _names_in_several(files: list[_File]) -> set[str]:
+def _names_in_several(files: list[ProcessRecord]) -> set[str]:
     """Series names more than one file recorded (two servers' ``engine/hf``): those get the process's name."""
     count: dict[str, int] = defaultdict(int)
     for f in files:

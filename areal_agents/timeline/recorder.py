@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 DIR_ENV = "AREAL_TIMELINE_DIR"  # child processes of a run record into the run's timeline when this is set
+OPTIONS_ENV = "AREAL_TIMELINE_OPTIONS"  # ... with the run's bin width and budget: "DT,MAX_BYTES"
 DEFAULT_DT = 0.1
 DEFAULT_MAX_BYTES = 64 << 20
 # the episode the running task works for (`EpisodeRunner.run` sets it): its spans name it, wherever recorded
@@ -265,6 +266,7 @@ class NullTimeline:
     """The timeline of a process that records none: every call does nothing, cheaply."""
 
     dropped_spans = 0
+    dt = DEFAULT_DT
 
     @contextmanager
     def busy(self, worker: str) -> Iterator[None]:
@@ -276,6 +278,7 @@ class NullTimeline:
 
     def enter(self, worker: str) -> None: ...
     def leave(self, worker: str) -> None: ...
+    def flush(self, final: bool = False) -> None: ...
     def idle(self, worker: str) -> None: ...
     def gauge(self, name: str, read: Callable[[], float]) -> None: ...
     def busy_fraction(self, worker: str, read: Callable[[], float]) -> None: ...
@@ -293,14 +296,17 @@ def timeline() -> Timeline | NullTimeline:
     return _current
 
 
-def open_timeline(run_dir: str | Path, process: str, **options: Any) -> Timeline:
+def open_timeline(
+    run_dir: str | Path, process: str, *, dt: float = DEFAULT_DT, max_bytes: int = DEFAULT_MAX_BYTES
+) -> Timeline:
     """Record this process into ``run_dir/timeline/`` as ``process`` (closing any timeline it had), and let the
-    processes it starts from now on record there too (`DIR_ENV`)."""
+    processes it starts from now on record there too, with the same options (`DIR_ENV`, `OPTIONS_ENV`)."""
     global _current
     directory = Path(run_dir) / "timeline"
     _current.close()
-    _current = Timeline(directory, process, **options)
+    _current = Timeline(directory, process, dt=dt, max_bytes=max_bytes)
     os.environ[DIR_ENV] = str(directory)
+    os.environ[OPTIONS_ENV] = f"{dt},{max_bytes}"
     return _current
 
 
@@ -309,7 +315,8 @@ def timeline_from_env(process: str) -> Timeline | NullTimeline:
     global _current
     directory = os.environ.get(DIR_ENV)
     if directory and isinstance(_current, NullTimeline):
-        _current = Timeline(directory, process)
+        dt, max_bytes = os.environ.get(OPTIONS_ENV, f"{DEFAULT_DT},{DEFAULT_MAX_BYTES}").split(",")
+        _current = Timeline(directory, process, dt=float(dt), max_bytes=int(max_bytes))
         atexit.register(close_timeline)  # the last second's bins, also when the process ends normally
     return _current
 
@@ -320,3 +327,4 @@ def close_timeline() -> None:
     _current.close()
     _current = NULL
     os.environ.pop(DIR_ENV, None)
+    os.environ.pop(OPTIONS_ENV, None)

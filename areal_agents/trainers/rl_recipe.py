@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from areal_agents.rollout.episodes import EpisodeFn
 from areal_agents.rollout.failures import FailureLog
 from areal_agents.rollout.held_out import evaluate
 from areal_agents.timeline import close_timeline, timeline
+from areal_agents.trainers.batch_update import TrainedBatch, take_and_train, trajectories_of
 from areal_agents.trainers.checkpoint import checkpoints, load_trainer_state
 from areal_agents.trainers.interrupt import Interrupt
 from areal_agents.trainers.local_launcher import LocalLauncher
@@ -86,7 +88,6 @@ def run_train(
     for start in starts.values():  # before any rollout: a budget past the model's context is a config error
         check_max_new_tokens(cfg.rollout.max_new_tokens, start.path, "rollout.max_new_tokens")
     run_dir = prepare_run_dir(cfg.run_dir, cfg)
-    open_run_timeline(run_dir)  # before any engine, server or trainer starts: they all record into it
     seed_everything(cfg.seed)
     state = None
     if found is not None:
@@ -105,6 +106,7 @@ def run_train(
     with Interrupt() as interrupt:  # SIGTERM before the loop runs: SystemExit(143), servers stopped
         try:
             sessions.hold()
+            open_run_timeline(run_dir, cfg.timeline)  # before any engine, server or trainer: they record into it
             launcher.start()
             for name, start in starts.items():
                 path = str(found / model_dir(name)) if found else start.path
@@ -200,17 +202,20 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
     failures = FailureLog(run.run_dir / "failures.log")  # failed episodes: rate-limited lines, a traceback per cause
     episodes_at = run.launcher.episode_runner(main)
     controller = _controller(cfg, agent, backend, position, main.engine.get_version, episodes_at, failures)
-    log = StepLog(metrics, controller, position.ledger, cfg.env.id, main.engine)
+    log = StepLog(metrics, controller, position.ledger, cfg.env.id, main.engine, cfg.timeline, run.run_dir)
     saver = _Saver(run, controller, metrics, saved=position.first_step - 1)
     interrupt.on_stop = saver.save_on_interrupt
 
     async def run_eval(step: int) -> float:
         make_env = lambda: backend.make(**cfg.eval.env_kwargs)  # noqa: E731
         n, retries = cfg.eval.n_samples, r.max_retries
+        samples = run.run_dir / "eval_samples" / f"step_{step}.jsonl"  # beside the trajectories, when dumped
+        dump = functools.partial(dump_trajectories, samples) if r.dump_trajectories else None
         with timeline().span("driver", "eval", keep=True, step=step):
             result = await evaluate(
-                greedy, make_env, eval_seeds, r.max_concurrent_rollouts, n, max_retries=retries, failures=failures
-            )
+                greedy, make_env, eval_seeds, r.max_concurrent_rollouts, n,
+                max_retries=retries, failures=failures, dump=dump,
+            )  # fmt: skip
         metrics.log(step, prefixed("eval", result))
         position.record_accuracy(step, result["accuracy"])  # the curve; a checkpoint of this step keeps it
         saver.keep_curve(position.accuracy_curve)
@@ -231,8 +236,8 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
         for step in range(position.first_step, cfg.steps + 1):
             t0, began = time.perf_counter(), time.time()
             # episodes keep running while we train (max_staleness > 0)
-            batch = await _take_and_train(controller, policies, position.generator, interrupt, stream)
-            trajectories = _trajectories(batch.groups)
+            batch = await take_and_train(controller, policies, position.generator, interrupt, stream)
+            trajectories = trajectories_of(batch.groups)
             _record_data(run.run_dir, step, batch.groups, trajectories if r.dump_trajectories else None)
             spent = log.totals.step_seconds + time.perf_counter() - t0
             last = step == cfg.steps or bool(cfg.max_train_minutes and spent >= 60 * cfg.max_train_minutes)
@@ -262,7 +267,7 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
         await saver.save_on_halt()
         raise
     ckpt = saver.save(saver.done, position.snapshot(controller.cursor, main.engine.get_version()))
-    metrics.close()
+    log.close()  # TensorBoard's files, the timeline's last series in them
     return write_summary(
         run.run_dir,
         accuracy={"before": position.accuracy_before, "after": after},
@@ -281,7 +286,7 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
 
 
 async def _push_weights(
-    policies: dict[str, TrainablePolicy], controller: RolloutController, start: float, batch: _TrainedBatch
+    policies: dict[str, TrainablePolicy], controller: RolloutController, start: float, batch: TrainedBatch
 ) -> StepTimes:
     """Each policy's trained weights to its engine (version + 1), the controller told (its staleness gate
     moves on); the times of the step that started at ``start`` and trained ``batch``."""
@@ -400,99 +405,3 @@ def _record_data(run_dir: Path, step: int, groups: list[Group], dump: list[Traje
         f.write(json.dumps({"step": step, "prompts": [g.index for g in groups]}) + "\n")
     if dump is not None:
         dump_trajectories(run_dir / "trajectories" / f"step_{step}.jsonl", dump)
-
-
-@dataclass
-class _TrainedBatch:
-    """A step's batch and the updates on it."""
-
-    groups: list[Group]  # in prompt order
-    stats: dict[str, dict[str, float]]  # each policy's update stats, by name
-    rollout_end: float  # `time.perf_counter` when its last group was taken
-    waited: float  # seconds the trainer sat idle for groups
-
-
-async def _take_and_train(
-    controller: RolloutController,
-    policies: dict[str, TrainablePolicy],
-    generator: torch.Generator,
-    interrupt: Interrupt,
-    stream: bool,
-) -> _TrainedBatch:
-    """Take a batch and update each policy on its share."""
-    if stream:
-        return await _streamed_update(controller, policies, generator, interrupt)
-    t0 = time.perf_counter()
-    with timeline().span("driver", "rollout_wait", keep=True):
-        groups = await controller.get_batch()
-    interrupt.hold()  # the update starts: a signal now waits for the step's end
-    t1 = time.perf_counter()
-    stats = {}
-    with timeline().span("driver", "update", keep=True):
-        for name, batch in _route(_trajectories(groups), policies).items():  # each on its own agents' data
-            stats[name] = await policies[name].update(batch, generator)
-    return _TrainedBatch(groups, stats, rollout_end=t1, waited=t1 - t0)
-
-
-async def _streamed_update(
-    controller: RolloutController,
-    policies: dict[str, TrainablePolicy],
-    generator: torch.Generator,
-    interrupt: Interrupt,
-) -> _TrainedBatch:
-    """Take a batch and train on it, feeding each policy's update the groups taken so far whenever it is
-    free (``ppo.stream_updates``): its forward/backward runs while the batch's last groups generate."""
-    taken: asyncio.Queue[Group | None] = asyncio.Queue()
-    last_taken, waited = 0.0, 0.0
-
-    async def take() -> None:
-        nonlocal last_taken
-        try:
-            async for group in controller.stream_batch():
-                taken.put_nowait(group)
-            last_taken = time.perf_counter()
-        finally:
-            taken.put_nowait(None)  # the end, or the controller's error (re-raised by ``await feeder``)
-
-    feeder = asyncio.ensure_future(take())
-    groups: list[Group] = []
-    try:
-        end = False
-        while not end:
-            idle = time.perf_counter()
-            with timeline().span("driver", "rollout_wait", keep=True):
-                part = [await taken.get()]  # at once if groups are waiting
-            waited += time.perf_counter() - idle
-            while not taken.empty():
-                part.append(taken.get_nowait())
-            end = part[-1] is None
-            part = [g for g in part if g is not None]
-            groups += part
-            routed = _route(_trajectories(part), policies).items() if part else ()
-            with timeline().span("driver", "update", keep=True, part=True):
-                await asyncio.gather(*(policies[name].update_part(b) for name, b in routed if b))
-        await feeder
-    finally:
-        feeder.cancel()
-    interrupt.hold()  # the optimizer steps: a signal now waits for the step's end
-    with timeline().span("driver", "update", keep=True):
-        stats = {name: await policy.finish_update(generator) for name, policy in policies.items()}
-    return _TrainedBatch(sorted(groups, key=lambda g: g.index), stats, rollout_end=last_taken, waited=waited)
-
-
-def _trajectories(groups: list[Group]) -> list[Trajectory]:
-    return [t for g in groups for t in g.trajectories]
-
-
-def _route(trajectories: list[Trajectory], policies: dict[str, TrainablePolicy]) -> dict[str, list[Trajectory]]:
-    """Trajectories by the policy that trains on them: all to the shared one, or by agent id."""
-    if SHARED in policies:
-        return {SHARED: trajectories}
-    out: dict[str, list[Trajectory]] = {name: [] for name in policies}
-    for t in trajectories:
-        if t.agent_id not in out:
-            raise ConfigError(
-                f"policies: agent {t.agent_id!r} produced data but has no policy; policies: {sorted(out)}"
-            )
-        out[t.agent_id].append(t)
-    return out

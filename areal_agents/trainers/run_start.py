@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from areal_agents.config import EnvConfig, EvalConfig, config_to_dict
+from areal_agents.config import EnvConfig, EvalConfig, TimelineConfig, config_to_dict
 from areal_agents.data.sources import datasets_in
 from areal_agents.envs.runtime.backends import EnvBackend, open_env_backend
 from areal_agents.rollout.held_out import distinct_seeds
@@ -50,9 +50,11 @@ async def held_out_seeds(backend: EnvBackend, eval_cfg: EvalConfig) -> list[int]
     return await distinct_seeds(lambda: backend.make(**eval_cfg.env_kwargs), eval_cfg.num_problems, start=eval_cfg.seed)
 
 
-def open_run_timeline(run_dir: Path) -> None:
-    """The run's timeline (``RUN/timeline/``): this process as ``driver``, its CPU use and its GPUs; the
-    processes the run starts from now on record there too."""
-    tl = open_timeline(run_dir, "driver")
+def open_run_timeline(run_dir: Path, cfg: TimelineConfig) -> None:
+    """The run's timeline (``RUN/timeline/``) unless ``cfg`` turns it off: this process as ``driver``, its CPU
+    use and its GPUs; the processes the run starts from now on record there too."""
+    if not cfg.enabled:
+        return
+    tl = open_timeline(run_dir, "driver", dt=cfg.bin_ms / 1000, max_bytes=int(cfg.max_mib * 2**20))
     watch_cpu(tl, "driver")
     watch_gpus(tl)

@@ -24,12 +24,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from areal_agents.config import TimelineConfig
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.rollout.controller import RolloutController
 from areal_agents.rollout.episodes import RolloutLedger
+from areal_agents.timeline import timeline
 from areal_agents.trainers.metrics_writer import MetricsWriter, prefixed
 from areal_agents.trainers.overlong import is_truncated, truncated_fraction
 from areal_agents.trainers.policy import SHARED
+from areal_agents.trainers.timeline_log import TimelineLog
 from areal_agents.types import Trajectory
 
 # an update's figures that `trainer_perf` logs
@@ -104,10 +107,14 @@ class StepLog:
     ledger: RolloutLedger
     env_id: str
     engine: InferenceEngine
+    timeline: TimelineConfig = field(default_factory=TimelineConfig)
+    run_dir: Path | None = None  # where the run's timeline is (None: log none of it)
     totals: Totals = field(default_factory=Totals)
 
     def __post_init__(self) -> None:
         self.engine_use = EngineUse(self.engine)
+        on = self.timeline.enabled and self.run_dir is not None
+        self.timeline_log = TimelineLog(self.run_dir, self.metrics, self.timeline.heatmap_every) if on else None
 
     async def start(self) -> None:
         """Count the engine's work from here on (the training steps' and their evaluations')."""
@@ -137,6 +144,10 @@ class StepLog:
         scalars = {**prefixed("rollout", rollout), **prefixed("train", train), **prefixed("perf", perf)}
         self.metrics.log(step, scalars | {"engine/version": float(self.engine.get_version())} | engine)
         self.metrics.histogram(step, "rollout/staleness", self._staleness(len(trajectories)))
+        self.metrics.histogram(step, "rollout/episode_tokens", episode_lengths(trajectories))
+        self.metrics.histogram(step, "rollout/episode_turns", [m.get("num_turns", 1) for m in _episodes(trajectories)])
+        if self.timeline_log is not None:
+            self.timeline_log.record(step)
         return {
             "reward": f"{rollout['reward_mean']:.3f}",
             "acc": f"{rollout['accuracy']:.2f}",
@@ -145,6 +156,13 @@ class StepLog:
             # step starts (rollouts run ahead), and its own rate then divides by almost nothing
             "tok_s": f"{t.generated_tokens / max(t.rollout_seconds, 1e-9):.0f}",
         }
+
+    def close(self) -> None:
+        """The timeline's series up to now (this process's flushed first), then the TensorBoard files closed."""
+        if self.timeline_log is not None:
+            timeline().flush()
+            self.timeline_log.record(0, heatmap=False)
+        self.metrics.close()
 
     def _staleness(self, n: int) -> list[int]:
         return self.controller.stats.staleness[-n:] or [0]
@@ -188,19 +206,33 @@ def rollout_stats(
     }
 
 
+def _episodes(trajectories: list[Trajectory]) -> list[dict[str, Any]]:
+    """Each episode's (of each agent) metadata, once: the segments of an episode carry the same counts."""
+    episodes: dict[tuple[str, str], dict[str, Any]] = {}
+    for t in trajectories:
+        episodes.setdefault((t.episode_id, t.agent_id), t.metadata)
+    return list(episodes.values())
+
+
+def episode_lengths(trajectories: list[Trajectory]) -> list[int]:
+    """The tokens each episode (of each agent) generated, over its segments."""
+    generated: dict[tuple[str, str], int] = defaultdict(int)
+    for t in trajectories:
+        generated[(t.episode_id, t.agent_id)] += t.num_generated
+    return list(generated.values())
+
+
 def episode_shape(trajectories: list[Trajectory]) -> dict[str, float]:
     """Per episode (of each agent): the trajectory segments its template rewrites made, the tool
     calls its replies made and the malformed ones (a run whose tools never fire shows 0 calls at once)."""
-    episodes: dict[tuple[str, str], dict[str, Any]] = {}
-    for t in trajectories:  # the segments of an episode carry the same counts
-        episodes.setdefault((t.episode_id, t.agent_id), t.metadata)
+    episodes = _episodes(trajectories)
     if not episodes:
         return {}
     n = len(episodes)
     return {
-        "segments_per_episode": sum(m.get("num_segments", 1) for m in episodes.values()) / n,
-        "tool_calls_per_episode": sum(m.get("tool_calls", 0) for m in episodes.values()) / n,
-        "tool_parse_failures": float(sum(m.get("tool_parse_failures", 0) for m in episodes.values())),
+        "segments_per_episode": sum(m.get("num_segments", 1) for m in episodes) / n,
+        "tool_calls_per_episode": sum(m.get("tool_calls", 0) for m in episodes) / n,
+        "tool_parse_failures": float(sum(m.get("tool_parse_failures", 0) for m in episodes)),
     }
 
 

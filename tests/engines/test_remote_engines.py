@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,7 @@ from areal_agents.engines.local_servers import engine_client, launch_servers
 from areal_agents.engines.weight_sync import write_weights
 from areal_agents.errors import EngineError, RequestError
 from areal_agents.models import load_model, load_tokenizer
+from areal_agents.timeline import read_timeline
 from areal_agents.types import GenRequest, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -259,6 +261,10 @@ def test_the_arithmetic_recipe_trains_through_the_server_and_leaves_it_serving_i
     assert main(["train", str(recipe), *overrides, "--no-progress"]) == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["engine_version"] == 3 and summary["episodes"]["accepted"] == 3 * 16
+    # the run's timeline polled the server's /metrics: a row busy while it generated, and its queue
+    row = f"engine/server/{group.addresses[0].split('://')[-1]}"
+    timeline = read_timeline(run_dir)
+    assert timeline.busy_share(row) > 0 and np.nanmax(timeline.gauges[f"{row}/running"]) > 0
     trained = run_dir / "engine_weights" / "v3"
     model = load_model(tiny_dir)
     model.load_state_dict(_safetensors(trained), strict=False)

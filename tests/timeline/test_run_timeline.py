@@ -3,8 +3,13 @@ queues, CPU use, and the driver's and the episodes' spans, each episode's calls 
 
 from __future__ import annotations
 
+import io
+import json
+
 import numpy as np
 import pytest
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from areal_agents.config import TrainConfig, load_config
 from areal_agents.timeline import read_timeline, timeline
@@ -26,9 +31,14 @@ def _config(run, tiny_dir, *extra):
     )  # fmt: skip
 
 
-def test_a_run_records_every_worker_queue_and_event(tmp_path, tiny_dir):
-    run = tmp_path / "rl"
-    run_train(_config(run, tiny_dir), progress=False)
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_dir):
+    run = tmp_path_factory.mktemp("timeline") / "rl"
+    run_train(_config(run, tiny_dir, "rollout.dump_trajectories=true"), progress=False)
+    return run
+
+
+def test_a_run_records_every_worker_queue_and_event(run):
     assert timeline() is NULL  # closed with the run
     tl = read_timeline(run)
     assert {"engine/hf", "trainer/policy", "env/pool/0"} <= set(tl.busy)
@@ -46,7 +56,8 @@ def test_a_run_records_every_worker_queue_and_event(tmp_path, tiny_dir):
     assert len([s for s in driver if s.name == "update" and not s.args.get("part")]) == 3
     assert names.count("eval") == 2 and names.count("checkpoint") == 2  # before and after; step 2 and the end
     episodes = [s for s in tl.spans if s.name == "episode"]
-    assert len(episodes) >= 3 * 8 * 4 and all(s.args["outcome"] == "accepted" for s in episodes)
+    outcomes = [s.args["outcome"] for s in episodes]  # episodes in flight at the end are cancelled
+    assert outcomes.count("accepted") >= 3 * 8 * 4 and set(outcomes) <= {"accepted", "cancelled"}
     ids = {s.args["episode_id"] for s in episodes}
     generates = [s for s in tl.spans if s.name == "generate"]
     steps = [s for s in tl.spans if s.name == "env_step"]
@@ -57,6 +68,22 @@ def test_a_run_records_every_worker_queue_and_event(tmp_path, tiny_dir):
     assert 0.5 * updates <= busy <= updates + 0.3
 
 
+def test_tensorboard_shows_the_heatmap_the_queues_and_the_episode_lengths(run):
+    main = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0}).Reload()
+    heatmaps = main.Images("timeline/heatmap")
+    assert [e.step for e in heatmaps] == [1, 2, 3]
+    picture = Image.open(io.BytesIO(heatmaps[-1].encoded_image_string))
+    assert picture.width >= 600 and picture.height >= 100
+    assert {"rollout/episode_tokens", "rollout/episode_turns"} <= set(main.Tags()["histograms"])
+    queues = EventAccumulator(str(run / "tensorboard" / "timeline")).Reload()
+    assert {"rollout/queued_groups", "engine/hf/running", "env/steps_in_flight"} <= set(queues.Tags()["scalars"])
+    running = queues.Scalars("rollout/episodes_running")
+    steps = [e.step for e in running]
+    assert steps == sorted(set(steps)) and len(steps) >= 5  # one point per 100 ms bin, none twice
+    tl = read_timeline(run)
+    assert max(e.value for e in running) == np.nanmax(tl.gauges["rollout/episodes_running"])
+
+
 @pytest.mark.process
 def test_a_trainer_process_records_into_the_runs_timeline(tmp_path, tiny_dir):
     run = tmp_path / "rl"
@@ -65,3 +92,11 @@ def test_a_trainer_process_records_into_the_runs_timeline(tmp_path, tiny_dir):
     assert tl.processes["trainer/policy"].startswith("trainer-policy")
     assert tl.busy_share("trainer/policy") > 0
     assert {p.name.split(".")[0] for p in (run / "timeline").iterdir()} == {"driver", "trainer-policy"}
+
+
+def test_eval_samples_are_dumped_beside_the_trajectories(run):
+    """What the dashboard's viewer shows of the held-out evals: every sample, in the trajectories' row format."""
+    for step in (0, 3):
+        rows = [json.loads(x) for x in (run / "eval_samples" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == 4  # eval.num_problems, one sample each
+        assert set(rows[0]) == set(json.loads((run / "trajectories" / "step_1.jsonl").read_text().splitlines()[0]))

@@ -148,7 +148,8 @@ def add_weight_routes(app: FastAPI, server: ModelServer) -> None:
 
 
 def add_info_routes(app: FastAPI, server: ModelServer) -> None:
-    """/get_model_info (and /model_info), /health (and /health_generate), /flush_cache, /get_server_info."""
+    """/get_model_info (and /model_info), /health (and /health_generate), /flush_cache, /get_server_info,
+    /metrics."""
     engine, cfg = server.engine, server.cfg
 
     def model_info() -> JSONResponse:
@@ -176,6 +177,17 @@ def add_info_routes(app: FastAPI, server: ModelServer) -> None:
     async def flush_cache() -> Response:
         engine.flush_cache()
         return PlainTextResponse("Cache flushed.\n")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:  # SGLang's names (its native API is this server's): a run's timeline polls them
+        running, pending = engine.num_running, engine.num_pending
+        lines = [
+            "# TYPE sglang:num_running_reqs gauge",
+            f"sglang:num_running_reqs {running}",
+            "# TYPE sglang:num_queue_reqs gauge",
+            f"sglang:num_queue_reqs {max(pending - running, 0)}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.get("/get_server_info")
     async def server_info() -> Response:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from areal_agents.engines.remote_engine import GenerateReply, RemoteEngine
+from areal_agents.engines.server_metrics import SGLANG_METRICS
 from areal_agents.engines.sglang.protocol import read_generate_response
 from areal_agents.errors import EngineError
 from areal_agents.types import GenRequest
@@ -28,6 +29,7 @@ class SGLangEngine(RemoteEngine):
 
     GENERATE_PATH = "/generate"
     RID_KEY = "rid"
+    METRICS = SGLANG_METRICS
 
     def generate_body(self, request: GenRequest) -> dict[str, Any]:
         sp = request.sampling

@@ -39,11 +39,11 @@ def sglang_command(
     """``python -m sglang.launch_server ...`` for one server: ``engine.tp`` as ``--tp-size``,
     ``engine.mem_fraction`` as ``--mem-fraction-static``, ``dtype`` (`engine_dtype`'s), the first of its
     GPUs among those it sees (``base_gpu_id``), a restart's tokenizer and weight_version, the LoRA flags
-    (`lora_args`), ``engine.extra_args`` last (so they win)."""
+    (`lora_args`), ``engine.extra_args`` last (so they win); ``--enable-metrics``: a run's timeline polls /metrics."""
     command = [
         python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", cfg.host, "--port", str(port),
         "--tp-size", str(cfg.tp), "--mem-fraction-static", str(cfg.mem_fraction), "--dtype", dtype,
-        "--base-gpu-id", str(base_gpu_id), "--skip-server-warmup",
+        "--base-gpu-id", str(base_gpu_id), "--skip-server-warmup", "--enable-metrics",
     ]  # fmt: skip
     if tokenizer_path:
         command += ["--tokenizer-path", tokenizer_path]

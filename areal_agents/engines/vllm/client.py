@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_agents.engines.remote_engine import GenerateReply, RemoteEngine
+from areal_agents.engines.server_metrics import VLLM_METRICS
 from areal_agents.errors import EngineError, RequestError
 from areal_agents.types import GenRequest
 
@@ -36,6 +37,7 @@ class VLLMEngine(RemoteEngine):
     """An `InferenceEngine` over vLLM servers; see the module docstring."""
 
     GENERATE_PATH = "/inference/v1/generate"
+    METRICS = VLLM_METRICS
     LORA_LOAD_PATH = "/v1/load_lora_adapter"
     RID_KEY = "request_id"
 
