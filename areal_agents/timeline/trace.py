@@ -29,6 +29,7 @@ from areal_agents.timeline.reader import RunTimeline, Span, read_timeline
 
 EPISODES = "episodes"  # the span track whose spans are grouped by their episode_id into lanes
 ROOT = "episode"  # the span that holds an episode's turns
+MAX_BINS = 20_000  # busy shares and gauges of a longer run are averaged into this many bins (a file Perfetto opens)
 
 
 @dataclass
@@ -56,9 +57,11 @@ class _Ids:
         return out
 
 
-def build_trace(run: RunTimeline) -> dict[str, Any]:
-    """The trace of ``run`` as a JSON-ready dict (``traceEvents``: metadata first, then events by time)."""
+def build_trace(run: RunTimeline, max_bins: int = MAX_BINS) -> dict[str, Any]:
+    """The trace of ``run`` as a JSON-ready dict (``traceEvents``: metadata first, then events by time); busy
+    shares and gauges in at most ``max_bins`` bins (a long run's, averaged), spans as recorded."""
     t0 = _origin(run)
+    bins = run.coarse(max_bins)
     ids = _Ids()
     for process in _processes(run):
         ids.pid(process)
@@ -72,13 +75,13 @@ def build_trace(run: RunTimeline) -> dict[str, Any]:
             events += _episode_events(spans, t0, pid, ids)
         else:
             events += _track_events(spans, track, t0, pid, ids)
-    for worker, shares in run.busy.items():
-        events += _busy_events(worker, shares, run, t0, ids)
-    for name, values in run.gauges.items():
-        pid = ids.pid(run.processes.get(name, "?"))
-        events += _counter_events(name, values, run, t0, pid)
+    for worker, shares in bins.busy.items():
+        events += _busy_events(worker, shares, bins, t0, ids)
+    for name, values in bins.gauges.items():
+        pid = ids.pid(bins.processes.get(name, "?"))
+        events += _counter_events(name, values, bins, t0, pid)
     events.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
-    other = {"start_unix_s": t0, "bin_s": run.dt, "dropped_spans": run.dropped_spans}
+    other = {"start_unix_s": t0, "bin_s": bins.dt, "dropped_spans": run.dropped_spans}
     return {"traceEvents": ids.metadata() + events, "displayTimeUnit": "ms", "otherData": other}
 
 

@@ -162,3 +162,11 @@ def test_calls_outside_episodes_overlapping_are_one_slice_on_a_lane_of_their_own
         ("env_reset", "outside episodes", {"calls": 5}),
         ("env_reset", "outside episodes", None),
     ]
+
+
+def test_a_long_run_s_counters_are_averaged_into_fewer_bins(tmp_path, run_dir):
+    run = read_timeline(run_dir)
+    queued = [e for e in build_trace(run, max_bins=2)["traceEvents"] if e["name"] == "rollout/queued_groups"]
+    half = run.bins // 2 + run.bins % 2  # the first of the two bins holds the first half: 2.0 for 1 s, then 1.0
+    assert [e["ts"] for e in queued] == [0, half * 100000]
+    assert queued[0]["args"]["value"] == pytest.approx((10 * 2.0 + (half - 10) * 1.0) / half)
