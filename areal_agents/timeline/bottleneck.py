@@ -42,7 +42,6 @@ BOUNDS = {  # the driver phase that dominates -> the bound (rollout_wait is spli
 }
 STOP_S = 60.0  # a gap between the driver's spans this long (and ten steps long) is a stop, not run time
 DOMINANCE = 1.5  # the top phase must take this many times the next one's time, else the run is balanced
-ROLES = ("engine", "trainer", "env", "reward", "gpu")
 
 
 @dataclass
@@ -223,7 +222,8 @@ def _rows(shares: dict[str, float]) -> dict[str, float]:
 
 
 def _role(worker: str) -> str:
-    """A worker's kind from its name (``engine/hf``, ``driver:trainer/default``, ``gpu0``): one of `ROLES`."""
+    """A worker's kind from its name (``engine/hf``, ``driver:trainer/default``, ``gpu0``): engine, trainer, env,
+    reward, gpu or other."""
     m = re.search(r"(?:^|:)(engine|trainer|env|reward)/", worker)
     if m:
         return m.group(1)
