@@ -21,6 +21,7 @@ from areal_agents.envs.runtime.remote import RemoteEnvPool
 from areal_agents.envs.runtime.server import ServerConfig, build_app, dedicated_server
 from areal_agents.errors import ClusterError
 from areal_agents.net import free_port
+from areal_agents.timeline import timeline_from_env
 
 
 @ray.remote
@@ -35,6 +36,7 @@ class EnvServerActor:
         server_cfg = ServerConfig(
             host, port, cfg.mode, cfg.workers, cfg.step_timeout, modules=modules, datasets=allowed
         )
+        timeline_from_env("env-server-actor")  # its env workers' busy time, in the run's timeline
         self.env_server = dedicated_server(server_cfg)
         app = build_app(self.env_server)
         gc.collect()

@@ -35,6 +35,7 @@ from areal_agents.engines.supervisor import ServerGroup, Servers
 from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ConfigError
 from areal_agents.rollout.episodes import EpisodeFn
+from areal_agents.timeline.recorder import DIR_ENV, OPTIONS_ENV
 from areal_agents.trainers.local_launcher import lora_serving
 from areal_agents.trainers.policy_api import TrainablePolicy, TrainSpec, policy_starts
 from areal_agents.trainers.remote_policy import RemotePolicy
@@ -163,6 +164,8 @@ def connect(cfg: TrainConfig) -> bool:
     # the driver's import path, so `module:Class` in the config resolves in the actors too (shared files)
     path = os.pathsep.join([os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
     runtime_env = {"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}}
+    # the run's timeline: actors record into the run dir (other nodes: when it is on a shared filesystem)
+    runtime_env["env_vars"] |= {k: os.environ[k] for k in (DIR_ENV, OPTIONS_ENV) if k in os.environ}
     common = {"runtime_env": runtime_env, "logging_level": logging.WARNING, "log_to_driver": True}
     if cfg.ray.address:
         try:

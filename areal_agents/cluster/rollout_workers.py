@@ -28,6 +28,7 @@ from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ClusterError, EngineError, EnvError, RequestError, RunHalted, WorkerLostError
 from areal_agents.models.loading import load_tokenizer, quiet_transformers
 from areal_agents.rollout.episodes import failure_kind, local_episode
+from areal_agents.timeline import EPISODE, timeline_from_env
 from areal_agents.trainers.policy_api import SHARED, policy_starts
 from areal_agents.types import Trajectory
 
@@ -43,6 +44,7 @@ class RolloutWorker:
     ) -> None:
         quiet_transformers()
         self.engine = engine_client(cfg.engine, engine_urls, admin_key=admin_key)  # the servers' key
+        timeline_from_env("rollout-worker")  # the run's timeline (after the client: the driver polls the servers)
         self.agent = make_rollout_agent(cfg.rollout, adapter_views(cfg, self.engine), load_tokenizer(cfg.model.path))
         self.envs = EnvBackend(cfg.env, env_servers.pool())
         self.episode = local_episode(self.agent, self.envs.make)
@@ -55,6 +57,7 @@ class RolloutWorker:
         """``("ok", trajectories)``, or the failure's kind (`failure_kind`, as the driver's `EpisodeRunner`
         counts it) and text: exceptions do not cross processes cleanly, and the driver must tell an env
         failure from an engine failure from a policy one. One try: the driver retries."""
+        token = EPISODE.set(episode_id)  # its generate calls and env steps name it in the timeline
         try:
             return "ok", await self.episode(seed, episode_id)
         except Exception as e:  # noqa: BLE001  (classified; the driver raises it again, counts and logs it)
@@ -64,6 +67,8 @@ class RolloutWorker:
             if isinstance(e, RequestError):
                 return "refused", str(e)  # an engine failure the driver must not retry
             return kind, traceback.format_exc() if kind == "failed" else str(e)
+        finally:
+            EPISODE.reset(token)
 
     def pid(self) -> int:
         return os.getpid()

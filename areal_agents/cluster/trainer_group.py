@@ -21,6 +21,7 @@ import torch
 from areal_agents.models.device import resolve_device
 from areal_agents.models.loading import quiet_transformers
 from areal_agents.net import free_port
+from areal_agents.timeline import timeline_from_env
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.policy import load_trainable
 from areal_agents.trainers.policy_api import TrainSpec
@@ -45,6 +46,7 @@ class TrainerRank:
     def setup(self, spec: TrainSpec, name: str, model_path: str, init_path: str, master: str) -> None:
         """Join the group (NCCL on the GPU Ray gave this actor, else gloo) and load this rank's shards."""
         quiet_transformers()
+        timeline_from_env(f"trainer-{name}-rank{self.rank}")  # its updates' busy time, in the run's timeline
         device = resolve_device(spec.ppo.device, local_rank=0)  # Ray shows an actor only its own GPUs
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -101,16 +101,17 @@ def on_one_grid(records: list[ProcessRecord]) -> RunTimeline:
     busy: dict[str, np.ndarray] = {}
     gauges: dict[str, np.ndarray] = {}
     processes: dict[str, str] = {}
-    clash = _names_in_several(records)
-    for r in records:
+    clash, labels = _names_in_several(records), _labels(records)
+    for r, label in zip(records, labels):
         for into, series in ((busy, r.busy), (gauges, r.gauges)):
             for name, points in series.items():
-                key = f"{r.process}:{name}" if name in clash else name
+                key = f"{label}:{name}" if name in clash else name
                 into[key] = _on_grid(points, start, dt, n)
-                processes[key] = r.process
+                processes[key] = label
         for name in r.busy:  # busy time is measured, not sampled: a bin the sampler missed was idle
-            _idle_between(busy[f"{r.process}:{name}" if name in clash else name])
-    spans = sorted((s for r in records for s in r.spans), key=lambda s: s.start)
+            _idle_between(busy[f"{label}:{name}" if name in clash else name])
+    spans = [replace(s, process=label) for r, label in zip(records, labels) for s in r.spans]
+    spans.sort(key=lambda s: s.start)
     dropped = sum(r.dropped for r in records)
     return RunTimeline(start, dt, dict(sorted(busy.items())), dict(sorted(gauges.items())), spans, processes, dropped)
 
@@ -121,6 +122,7 @@ class ProcessRecord:
     per bin), its spans."""
 
     process: str = "?"
+    pid: int = 0
     dt: float = 0.0  # its widest bins (a file past its budget widens them)
     busy: dict[str, dict[float, float]] = field(default_factory=lambda: defaultdict(dict))
     gauges: dict[str, dict[float, float]] = field(default_factory=lambda: defaultdict(dict))
@@ -141,7 +143,7 @@ class ProcessRecord:
         except (json.JSONDecodeError, AttributeError):
             return  # the line being written
         if kind == "meta":
-            self.process = str(row.get("process", self.process))
+            self.process, self.pid = str(row.get("process", self.process)), int(row.get("pid", self.pid))
             self.dt = max(self.dt, float(row.get("dt", self.dt)))
         elif kind == "bins":
             _add_bins(self.busy, row.get("busy", {}), float(row["dt"]), summed=True)
@@ -191,6 +193,14 @@ def _mean_groups(v: np.ndarray, factor: int) -> np.ndarray:
     counts = np.isfinite(padded).sum(axis=1)
     with np.errstate(invalid="ignore"):
         return np.where(counts > 0, np.nansum(padded, axis=1) / np.maximum(counts, 1), np.nan)
+
+
+def _labels(records: list[ProcessRecord]) -> list[str]:
+    """Each record's process name, with its pid where several processes share the name (two rollout workers)."""
+    count: dict[str, int] = defaultdict(int)
+    for r in records:
+        count[r.process] += 1
+    return [r.process if count[r.process] == 1 else f"{r.process}.{r.pid}" for r in records]
 
 
 def _names_in_several(files: list[ProcessRecord]) -> set[str]:

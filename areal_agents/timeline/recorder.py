@@ -60,7 +60,8 @@ class Timeline:
         self.process = process
         self.path = self.directory / f"{_safe(process)}.{os.getpid()}.jsonl"
         self.dt, self.max_bytes, self.flush_every = dt, max_bytes, flush_every
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the bins, gauges and spans held
+        self._io_lock = threading.Lock()  # the file: one flush at a time (the sampler's, a caller's, close's)
         self._active: dict[str, int] = defaultdict(int)  # worker -> callers inside `busy`
         self._since: dict[str, float] = {}  # worker -> when its current busy stretch was last counted from
         self._busy: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))  # seconds per bin
@@ -68,7 +69,9 @@ class Timeline:
         self._fractions: dict[str, Callable[[], float]] = {}  # workers whose busy share is read, not timed
         self._samples: dict[str, dict[int, float]] = defaultdict(dict)  # gauge -> bin -> value (last sample)
         self._spans: list[str] = []
+        self._names: dict[str, int] = defaultdict(int)  # `unique`'s counts
         self.dropped_spans = 0
+        self._dropped_written = 0
         self._written = 0
         self._file = self.path.open("a", encoding="utf-8")
         self._write_line({"k": "meta", "process": process, "pid": os.getpid(), "start": time.time(), "dt": dt})
@@ -104,6 +107,14 @@ class Timeline:
             self._active[worker] -= 1
             if self._active[worker] == 0:
                 self._add_busy(worker, self._since.pop(worker), now)
+
+    def unique(self, name: str) -> str:
+        """``name`` the first time this timeline is asked for it, then ``name-1``, ``name-2``, ...: rows of
+        several workers of one kind in a process (two policies' engines)."""
+        with self._lock:
+            n = self._names[name]
+            self._names[name] += 1
+        return name if n == 0 else f"{name}-{n}"
 
     def idle(self, worker: str) -> None:
         """List ``worker`` from now on, busy or not, so an idle worker still has a row in the heatmap."""
@@ -192,7 +203,13 @@ class Timeline:
                     self._busy[worker][k] = min(max(v, 0.0), 1.0) * self.dt
 
     def flush(self, final: bool = False) -> None:
-        """Write the finished bins (all of them when ``final``) and the spans so far."""
+        """Write the finished bins (all of them when ``final``) and the spans so far (from any thread; after
+        `close`, nothing)."""
+        with self._io_lock:
+            if not self._file.closed:
+                self._flush(final)
+
+    def _flush(self, final: bool) -> None:
         with self._lock:
             upto = math.inf if final else math.floor(time.time() / self.dt)
             # busy time is measured, not sampled: a bin without any is idle (0); a gauge's is unknown (null)
@@ -204,8 +221,9 @@ class Timeline:
             self._write_line({"k": "bins", "dt": dt, "busy": busy, "gauges": gauges})
         for line in spans:
             self._write(line)
-        if dropped:
+        if dropped != self._dropped_written:
             self._write_line({"k": "dropped", "spans": dropped})
+            self._dropped_written = dropped
         self._file.flush()
         if self._written >= self.max_bytes:
             self._coarsen()
@@ -231,8 +249,9 @@ class Timeline:
         self._stop.set()
         self._thread.join(timeout=5)
         self.sample()
-        self.flush(final=True)
-        self._file.close()
+        with self._io_lock:
+            self._flush(final=True)
+            self._file.close()
 
 
 def _take_before(
@@ -275,6 +294,9 @@ class NullTimeline:
     @contextmanager
     def span(self, track: str, name: str, *, keep: bool = False, **args: Any) -> Iterator[dict[str, Any]]:
         yield args
+
+    def unique(self, name: str) -> str:
+        return name
 
     def enter(self, worker: str) -> None: ...
     def leave(self, worker: str) -> None: ...

@@ -19,6 +19,7 @@ import torch
 
 from areal_agents.config import TrainConfig, load_config
 from areal_agents.models import load_model, load_tokenizer
+from areal_agents.timeline import read_timeline
 from areal_agents.trainers.policy import load_trainable
 from areal_agents.trainers.policy_api import TrainSpec
 from areal_agents.types import Trajectory
@@ -85,6 +86,14 @@ def test_ray_run_matches_the_single_process_trainer(tiny_dir, tmp_path):
     assert (cluster["env_servers"], cluster["rollout_workers"], cluster["trainer_ranks"]) == (2, 2, 2)
     assert all(n > 0 for n in cluster["episodes_per_worker"]), cluster  # both workers ran episodes
     assert all(n > 0 for n in cluster["env_steps_per_server"]), cluster  # both replicas served steps
+    # every actor recorded into the run's timeline: both ranks' updates, both env servers' workers, both rollout
+    # workers' generate calls and env steps, each named by its episode
+    tl = read_timeline(run)
+    assert tl.busy_share("trainer/policy/rank0") > 0 and tl.busy_share("trainer/policy/rank1") > 0
+    assert len({p for p in tl.processes.values() if p.startswith("env-server-actor")}) == 2
+    calls = [s for s in tl.spans if s.name in ("generate", "env_step")]
+    assert len({s.process for s in calls if s.process.startswith("rollout-worker")}) == 2
+    assert all("episode_id" in s.args for s in calls)
 
     # the single-process trainer on the data of step 1, from the same start, takes the same step
     cfg = load_config(TrainConfig, RECIPE, args)

@@ -196,3 +196,23 @@ def test_the_null_timeline_records_nothing():
         assert args == {"a": 1}
     null.gauge("q", lambda: 1)
     null.close()
+
+
+def test_a_flush_after_close_writes_nothing_and_close_twice_is_fine(tmp_path, clock):
+    tl = make(tmp_path, clock)
+    tl.gauge("q", lambda: 1.0)
+    tl.sample()
+    tl.close()
+    size = tl.path.stat().st_size
+    tl.flush()
+    tl.close()
+    assert tl.path.stat().st_size == size
+
+
+def test_workers_of_one_kind_get_their_own_rows_per_timeline(tmp_path, clock):
+    tl = make(tmp_path, clock)
+    assert [tl.unique("engine/hf") for _ in range(3)] == ["engine/hf", "engine/hf-1", "engine/hf-2"]
+    other = make(tmp_path / "other", clock)
+    assert other.unique("engine/hf") == "engine/hf"  # a new run counts from 0
+    for t in (tl, other):
+        t.close()

@@ -9,7 +9,6 @@ settles the callers' futures after every step.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 import time
 from typing import NamedTuple
@@ -21,8 +20,6 @@ from areal_agents.engines.hf.batch_runner import BatchRunner, Outcome
 from areal_agents.engines.hf.running_batch import RunningBatch, Submission
 from areal_agents.errors import EngineError
 from areal_agents.timeline import timeline
-
-_ENGINES = itertools.count()  # this process's engines: the first records as engine/hf, the next engine/hf-1, ...
 
 ADMISSION_MAX_WAIT_S = 0.05  # the longest an idle engine holds arriving requests back to admit them together
 GATHER_FRACTION = 0.125  # a busy batch admits arrivals once they are this share of its live rows, or ...
@@ -206,9 +203,8 @@ class Scheduler:
 
     def _watch(self) -> str:
         """This engine's timeline row (busy while a step runs) and its queues: requests waiting, running."""
-        n = next(_ENGINES)
-        worker = "engine/hf" if n == 0 else f"engine/hf-{n}"
         tl = timeline()
+        worker = tl.unique("engine/hf")
         tl.idle(worker)
         tl.gauge(f"{worker}/waiting", lambda: len(self.incoming))
         tl.gauge(f"{worker}/running", lambda: len(self.running) + len(self.admitting))
