@@ -3,9 +3,10 @@ config change most likely to help, read from its timeline (and its ``config.json
 
 The bound comes from the driver's spans: the phase that took the most of the steps' time (waiting for
 rollouts, updating, pushing weights, evaluating, checkpointing) when it took clearly more than the next
-(1.5x), else ``balanced``. A run that waited for rollouts is then split by what its episodes spent their
-time on: generating, or in env steps (from the ``episodes`` spans; the workers' busy shares while the
-trainer waited when there are none), or scoring rewards.
+(1.5x), else ``balanced``; time in no phase at 1.5x the top phase's is ``driver overhead``. A run that
+waited for rollouts is then split by what its episodes spent their time on: generating, or in env calls
+(from the ``episodes`` spans; the workers' busy shares while the trainer waited when there are none), or
+scoring rewards.
 
 Example::
 
@@ -58,7 +59,8 @@ class Report:
     busy: dict[str, float] = field(default_factory=dict)  # worker -> busy share over wall_s
     busy_while_waiting: dict[str, float] = field(default_factory=dict)  # worker -> busy share during rollout waits
     queues_while_waiting: dict[str, float] = field(default_factory=dict)  # gauge -> its mean during rollout waits
-    bound: str = "unknown"  # rollout/generation, training, env, reward, weight sync, eval, checkpoint, balanced
+    bound: str = "unknown"  # rollout/generation, training, env, reward, weight sync, eval, checkpoint, driver
+    # overhead (the time in no phase), balanced
     key: str = ""  # the config key the advice names
     advice: str = ""
 
@@ -251,6 +253,8 @@ def _bound(r: Report) -> str:
     top, second = phases[ranked[0]], phases[ranked[1]]
     if top <= 0:
         return _bound_by_workers(r)
+    if r.time.get("other", 0.0) >= DOMINANCE * top:
+        return "driver overhead"
     if top < DOMINANCE * second:
         return "balanced"
     if ranked[0] != "rollout_wait":
@@ -384,6 +388,18 @@ def _advise_checkpoint(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, 
     return key, f"checkpoints took {_pct(r.time.get('checkpoint', 0.0))} of the run: raise {key}{cfg.now(key)}"
 
 
+def _advise_overhead(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, str]:
+    said = f"{_pct(r.time.get('other', 0.0))} of the run was in none of the driver's phases (its own work between them)"
+    every = cfg.get("timeline.heatmap_every")
+    if isinstance(every, int) and every > 0:
+        key = "timeline.heatmap_every"
+        return (
+            key,
+            f"{said}: raise {key}{cfg.now(key)}, the heatmap drawn between steps, or see the trace's driver track",
+        )
+    return "", f"{said}: see the trace's driver track for what runs between steps"
+
+
 def _advise_balanced(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, str]:
     wait, update = r.time.get("rollout wait", 0.0), r.time.get("training", 0.0)
     said = f"no single bound (rollout wait {_pct(wait)}, training {_pct(update)})"
@@ -417,5 +433,6 @@ ADVICE: dict[str, Callable[[Report, _Config, RunTimeline], tuple[str, str]]] = {
     "weight sync": _advise_push,
     "eval": _advise_eval,
     "checkpoint": _advise_checkpoint,
+    "driver overhead": _advise_overhead,
     "balanced": _advise_balanced,
 }

@@ -181,9 +181,15 @@ def test_report_lines_never_raise(tmp_path, monkeypatch):
 
 def test_every_key_the_advice_may_name_is_a_train_config_key():
     source = Path(bottleneck.__file__).read_text()
-    keys = set(re.findall(r'"((?:rollout|ppo|env|engine|eval)\.[a-z_]+|save_every(?:_minutes)?)"', source))
-    keys |= set(re.findall(r"\b((?:rollout|ppo|env|engine|eval)\.[a-z_]+)\b", source))
-    assert {"rollout.max_staleness", "engine.num_servers", "env.workers", "ppo.ppo_epochs"} <= keys
+    keys = set(re.findall(r'"((?:rollout|ppo|env|engine|eval|timeline)\.[a-z_]+|save_every(?:_minutes)?)"', source))
+    keys |= set(re.findall(r"(?<![\w.])((?:rollout|ppo|env|engine|eval|timeline)\.[a-z_]+)\b", source))
+    assert {
+        "rollout.max_staleness",
+        "engine.num_servers",
+        "env.workers",
+        "ppo.ppo_epochs",
+        "timeline.heatmap_every",
+    } <= keys
     for key in keys:
         node = TrainConfig
         for part in key.split("."):
@@ -210,3 +216,12 @@ def test_a_phase_must_take_half_again_the_next_to_bind(tmp_path, clock):
     # an asynchronous run's update (0.44) beside its rollout wait (0.33): 1.33x is no clear bound
     assert bottleneck_report(make(tmp_path, clock, wait=0.66, update=0.88)).bound == "balanced"
     assert bottleneck_report(make(tmp_path, clock, wait=0.5, update=0.8)).bound == "training"
+
+
+def test_time_in_no_phase_binds_when_it_dominates(tmp_path, clock):
+    cfg = {**CONFIG, "timeline": {"heatmap_every": 1}}
+    r = bottleneck_report(make(tmp_path, clock, cfg, wait=0.3, update=0.2, push=0.1, **{"log": 2.0}))
+    assert r.time["other"] > 0.7 and r.bound == "driver overhead"
+    assert r.key == "timeline.heatmap_every" and "(now 1)" in r.advice
+    r = bottleneck_report(make(tmp_path, clock, wait=1.0, update=0.2, push=0.1, **{"log": 1.2}))
+    assert r.bound == "rollout/generation"  # other at 1.2x the wait: the phases decide

@@ -4,13 +4,11 @@ an env whose steps sleep (env). Their traces open as JSON with the driver's step
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
 
 from areal_agents.config import TrainConfig, load_config
-from areal_agents.engines.hf import scheduler
 from areal_agents.timeline.bottleneck import bottleneck_report
 from areal_agents.timeline.trace import write_trace
 from areal_agents.trainers.rl_recipe import run_train
@@ -32,9 +30,7 @@ RUNS = {
 @pytest.mark.slow
 @pytest.mark.process
 @pytest.mark.parametrize("bound", list(RUNS))
-def test_a_run_bound_on_purpose_is_reported_so(bound, tiny_dir, tmp_path, monkeypatch):
-    # engines are numbered per process (engine/hf, engine/hf-1, ...): a count of its own keeps later tests' names
-    monkeypatch.setattr(scheduler, "_ENGINES", itertools.count())
+def test_a_run_bound_on_purpose_is_reported_so(bound, tiny_dir, tmp_path):
     run = tmp_path / "run"
     cfg = load_config(TrainConfig, None, [f"run_dir={run}", f"model.path={tiny_dir}", *COMMON, *RUNS[bound]])
     run_train(cfg, progress=False)
