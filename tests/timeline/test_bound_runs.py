@@ -15,7 +15,7 @@ from areal_agents.trainers.rl_recipe import run_train
 
 COMMON = [
     "steps=3", "eval.num_problems=1", "rollout.batch_size=2", "rollout.group_size=4", "rollout.max_staleness=0",
-    "ppo.filter_zero_variance_groups=false",
+    "ppo.filter_zero_variance_groups=false", "timeline.heatmap_every=0",  # no per-step picture between the steps
 ]  # fmt: skip
 RUNS = {
     "rollout/generation": ["rollout.max_new_tokens=160"],
