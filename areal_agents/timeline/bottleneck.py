@@ -41,7 +41,6 @@ BOUNDS = {  # the driver phase that dominates -> the bound (rollout_wait is spli
     "eval": "eval",
     "checkpoint": "checkpoint",
 }
-STOP_S = 60.0  # a gap between the driver's spans this long (and ten steps long) is a stop, not run time
 DOMINANCE = 1.5  # the top phase must take this many times the next one's time, else the run is balanced
 
 
@@ -107,12 +106,12 @@ def bottleneck_report(run: str | Path | RunTimeline, config: dict[str, Any] | No
     driver = [s for s in run.spans if s.track == "driver"]
     steps = [s for s in driver if s.name == "step"]
     w0, w1 = (min(s.start for s in steps), max(s.end for s in steps)) if steps else (run.start, run.end)
-    stops = _stops(driver, steps, w0, w1)
+    stops = _stops(steps)
     report = Report(run_dir, round(max(w1 - w0 - _union(stops), 0.0), 3), len(steps), round(_union(stops), 3))
     if report.wall_s <= 0:
         report.advice = "no timeline recorded: nothing to say"
         return report
-    report.time = _phase_shares(driver, w0, w1, report.wall_s)
+    report.time = _phase_shares(driver, _windows(w0, w1, stops), report.wall_s)
     window = _bins_in(run, w0, w1) & ~_bins_covered(run, stops)
     waiting = _bins_covered(run, [(s.start, s.end) for s in driver if s.name == "rollout_wait"]) & window
     report.busy = {w: _mean(v[window]) for w, v in run.busy.items() if np.isfinite(v[window]).any()}
@@ -148,30 +147,40 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _stops(driver: list[Span], steps: list[Span], w0: float, w1: float) -> list[tuple[float, float]]:
-    """Stretches of ``[w0, w1]`` in no driver span that are longer than `STOP_S` and ten steps: a stopped run
-    resumed later (its restart is not time the run spent training)."""
-    if not steps:
-        return []
-    longest = max(STOP_S, 10 * float(np.median([s.end - s.start for s in steps])))
-    stops, reach = [], w0
-    for a, b in sorted((s.start, s.end) for s in driver if s.end > w0 and s.start < w1):
-        if a - reach > longest:
-            stops.append((reach, a))
-        reach = max(reach, b)
-    return stops
+def _stops(steps: list[Span]) -> list[tuple[float, float]]:
+    """A resumed run's stops: from one session's last step to the next session's first (each session's driver
+    is a process of its own), left out of the run's time."""
+    sessions: dict[str, tuple[float, float]] = {}
+    for s in steps:
+        a, b = sessions.get(s.process, (s.start, s.end))
+        sessions[s.process] = (min(a, s.start), max(b, s.end))
+    ordered = sorted(sessions.values())
+    return [(prev[1], nxt[0]) for prev, nxt in zip(ordered, ordered[1:]) if nxt[0] > prev[1]]
 
 
-def _phase_shares(driver: list[Span], w0: float, w1: float, wall: float) -> dict[str, float]:
-    """Each phase's share of ``wall`` seconds in ``[w0, w1]`` (overlapping spans of one phase counted once) and
-    the rest's."""
-    out: dict[str, float] = {}
+def _windows(w0: float, w1: float, stops: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``[w0, w1]`` less the stops."""
+    out, start = [], w0
+    for a, b in sorted(stops):
+        out.append((start, a))
+        start = max(start, b)
+    return [*out, (start, w1)]
+
+
+def _phase_shares(driver: list[Span], windows: list[tuple[float, float]], wall: float) -> dict[str, float]:
+    """Each phase's share of ``wall`` seconds within ``windows`` (overlapping spans of one phase counted once)
+    and the rest's."""
     clipped = {
-        name: [(max(s.start, w0), min(s.end, w1)) for s in driver if s.name == name and s.end > w0 and s.start < w1]
+        name: [
+            (max(s.start, a), min(s.end, b))
+            for s in driver
+            if s.name == name
+            for a, b in windows
+            if s.end > a and s.start < b
+        ]
         for name in PHASES
     }
-    for name, label in PHASES.items():
-        out[label] = round(_union(clipped[name]) / wall, 3)
+    out = {label: round(_union(clipped[name]) / wall, 3) for name, label in PHASES.items()}
     out["other"] = round(max(1.0 - _union([iv for ivs in clipped.values() for iv in ivs]) / wall, 0.0), 3)
     return out
 
@@ -238,9 +247,10 @@ def _group(shares: dict[str, float], role: str) -> float:
     return float(np.mean(values)) if values else -1.0
 
 
-def _workers(shares: dict[str, float], role: str) -> str:
+def _workers(shares: dict[str, float], role: str, one: str = "was", several: str = "were") -> str:
+    """The workers of ``role`` named for a sentence, with its verb: ``engine/hf was``, ``2 engine workers were``."""
     names = [w for w in shares if _role(w) == role]
-    return names[0] if len(names) == 1 else f"{len(names)} {role} workers"
+    return f"{names[0]} {one}" if len(names) == 1 else f"{len(names)} {role} workers {several}"
 
 
 # -- judging -------------------------------------------------------------------------------------------------
@@ -314,18 +324,16 @@ def _advise_generation(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, 
     who = _workers(r.busy_while_waiting, "engine")
     if engine < 0.6:
         key = "rollout.max_concurrent_rollouts"
-        why = f"{said} while {who} was busy only {_pct(engine)} of that time: raise {key}{cfg.now(key)}"
+        why = f"{said} while {who} busy only {_pct(engine)} of that time: raise {key}{cfg.now(key)}"
         return key, why + " so that more episodes generate at once and fill the engine"
     if cfg.get("rollout.max_staleness") == 0 and update >= 0.1:
         key = "rollout.max_staleness"
-        why = (
-            f"{said} while {who} was busy {_pct(engine)} of that wait, and stood still during updates ({_pct(update)})"
-        )
+        why = f"{said} while {who} busy {_pct(engine)} of that wait, and stood still during updates ({_pct(update)})"
         return key, f"{why}: raise {key}{cfg.now(key)} to 1 so generation runs on during updates"
     key = "engine.num_servers"
     return (
         key,
-        f"{said} while {who} was busy {_pct(engine)} of that wait: raise {key}{cfg.now(key)} for more generation",
+        f"{said} while {who} busy {_pct(engine)} of that wait: raise {key}{cfg.now(key)} for more generation",
     )
 
 
@@ -334,7 +342,7 @@ def _advise_training(r: Report, cfg: _Config, run: RunTimeline) -> tuple[str, st
     engine = _group(r.busy, "engine")
     said = f"updates took {_pct(update)} of the run"
     if engine >= 0:
-        said += f" while {_workers(r.busy, 'engine')} sat idle {_pct(1 - engine)} of the run"
+        said += f" while {_workers(r.busy, 'engine', 'sat', 'sat')} idle {_pct(1 - engine)} of the run"
     if cfg.get("rollout.max_staleness") == 0 and wait >= 0.2:
         key = "rollout.max_staleness"
         return key, f"{said}: raise {key}{cfg.now(key)} to 1 so the next batch generates during the update"
@@ -416,7 +424,7 @@ def _advise_without_steps(r: Report, cfg: _Config, run: RunTimeline) -> tuple[st
     if role is None:
         return "", "no training steps recorded and no worker was busy most of the time: nothing to change"
     key = {"engine": "engine.num_servers", "trainer": "ppo.micro_batch_tokens"}.get(role, "env.workers")
-    said = f"no training steps recorded; {_workers(r.busy, role)} was busy {_pct(_group(r.busy, role))} of the time"
+    said = f"no training steps recorded; {_workers(r.busy, role)} busy {_pct(_group(r.busy, role))} of the time"
     return key, f"{said}: raise {key}{cfg.now(key)}"
 
 

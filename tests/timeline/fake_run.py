@@ -41,15 +41,16 @@ class Process:
         self.spans.append((track, name, a, b, args))
 
 
-def record(run_dir: Path, clock: Clock, process: Process, until: float) -> None:
-    """Write ``process``'s timeline file under ``run_dir/timeline`` as the recorder would over ``[0, until)``."""
+def record(run_dir: Path, clock: Clock, process: Process, until: float, since: float = 0.0) -> None:
+    """Write ``process``'s timeline file under ``run_dir/timeline`` as the recorder would over ``[since, until)``."""
+    clock.now = T0 + since
     tl = rec.Timeline(run_dir / "timeline", process.name, dt=DT)
     for worker in process.busy:
         tl.idle(worker)
     for name, fn in process.gauges.items():
         tl.gauge(name, lambda fn=fn: fn(clock.now - T0))
     changes = sorted((t, kind, w) for w, ivs in process.busy.items() for a, b in ivs for t, kind in ((a, 1), (b, 0)))
-    for k in range(round(until / DT)):
+    for k in range(round(since / DT), round(until / DT)):
         mid = (round(T0 / DT) + k + 0.5) * DT  # sample mid-bin: no float edge cases
         while changes and T0 + changes[0][0] <= mid:
             t, kind, worker = changes.pop(0)

@@ -15,7 +15,7 @@ from areal_agents.config import TrainConfig
 from areal_agents.timeline import bottleneck
 from areal_agents.timeline import recorder as rec
 from areal_agents.timeline.bottleneck import bottleneck_report, report_lines
-from tests.timeline.fake_run import Clock, Process, sync_steps, write_run
+from tests.timeline.fake_run import Clock, Process, record, sync_steps, write_run
 
 CONFIG = {
     "rollout": {"max_staleness": 0, "max_concurrent_rollouts": 64},
@@ -198,18 +198,26 @@ def test_every_key_the_advice_may_name_is_a_train_config_key():
             node = typing.get_type_hints(node)[part]
 
 
-def test_a_resumed_run_leaves_out_its_stop(tmp_path, clock):
-    """Two sessions of 4 steps 100 s apart: the stop is neither wall time nor "other"."""
-    driver = Process("driver")
-    end = sync_steps(driver, steps=4, wait=1.6, update=0.3)
-    for track, name, a, b, args in list(driver.spans):
-        driver.span(track, name, a + 100, b + 100, **{**args, "step": args["step"] + 4})
-    driver.busy = {w: ivs + [(a + 100, b + 100) for a, b in ivs] for w, ivs in driver.busy.items()}
-    r = bottleneck_report(write_run(tmp_path / "run", clock, [driver], until=end + 100, config=CONFIG))
-    assert r.steps == 8 and r.wall_s == pytest.approx(16.0, abs=0.01) and r.stopped_s > 90
-    assert r.time["other"] == 0 and r.bound == "rollout/generation"
-    assert r.busy["engine/hf"] == pytest.approx(0.8, abs=0.02)  # of the sessions' bins, not the stop's
-    assert "s stopped, left out" in r.lines()[0]
+def test_a_resumed_run_leaves_out_its_stop(tmp_path, clock, monkeypatch):
+    """Two sessions of 4 steps, each its own driver process, 100 s apart: the stop is neither wall time nor
+    "other", nor the first eval of the second session (before its first step)."""
+    first, second = Process("driver"), Process("driver")
+    end = sync_steps(first, steps=4, wait=1.6, update=0.3)
+    for track, name, a, b, args in first.spans:
+        second.span(track, name, a + 100, b + 100, **{**args, "step": args["step"] + 4})
+    second.span("driver", "eval", 99.0, 100.4, step=4)
+    second.busy = {w: [(a + 100, b + 100) for a, b in ivs] for w, ivs in first.busy.items()}
+    for pid, p, since, until in ((1, first, 0, end), (2, second, 99, end + 100)):
+        monkeypatch.setattr(rec.os, "getpid", lambda pid=pid: pid)
+        record(tmp_path / "run", clock, p, until, since)
+    r = bottleneck_report(tmp_path / "run", config=CONFIG)
+    assert r.steps == 8 and r.wall_s == pytest.approx(16.0, abs=0.01) and r.stopped_s == pytest.approx(92.0)
+    assert r.time["other"] == 0 and r.time["eval"] == 0
+    assert r.bound == "rollout/generation" and "s stopped, left out" in r.lines()[0]
+    assert {w: round(b, 1) for w, b in r.busy.items()} == {"driver.1:engine/hf": 0.8, "driver.2:engine/hf": 0.8} | {
+        "driver.1:trainer/default": 0.1,
+        "driver.2:trainer/default": 0.1,
+    }
 
 
 def test_a_phase_must_take_half_again_the_next_to_bind(tmp_path, clock):
