@@ -166,6 +166,12 @@ def cmd_trace(args: argparse.Namespace) -> None:
     trace_command(args.run_dir, args.out)
 
 
+def cmd_dashboard(args: argparse.Namespace) -> None:
+    from areal_agents.dashboard import serve
+
+    serve(args.runs, host=args.host, port=args.port)
+
+
 def cmd_serve_model(args: argparse.Namespace) -> None:
     from areal_agents.config import EngineOptions
     from areal_agents.engines.model_server import ModelServerConfig, serve_model
@@ -202,7 +208,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="areal-agents", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_add_tiny_model, _add_recipes, _add_eval, _add_tools, _add_serve_env, _add_serve_model):
+    for add in (_add_tiny_model, _add_recipes, _add_eval, _add_tools, _add_dashboard, _add_serve_env, _add_serve_model):
         add(sub)
     return parser
 
@@ -328,6 +334,15 @@ def _add_tools(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--module", action="append", default=[], help="import this module first (registers ids)")
     p.add_argument("--all", action="store_true", help="include gymnasium's own envs")
     p.set_defaults(fn=cmd_envs)
+
+
+def _add_dashboard(sub: argparse._SubParsersAction) -> None:
+    """``dashboard``: live curves, the workers' timeline and a trajectory viewer of runs (docs/dashboard.md)."""
+    p = sub.add_parser("dashboard", help="a local web page of runs: live curves, trajectories (docs/dashboard.md)")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="train run directories (several: side by side)")
+    p.add_argument("--port", type=int, default=8790)
+    p.add_argument("--host", default="127.0.0.1", help="the address to bind (default: this machine only)")
+    p.set_defaults(fn=cmd_dashboard)
 
 
 def _add_serve_env(sub: argparse._SubParsersAction) -> None:

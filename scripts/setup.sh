@@ -14,6 +14,10 @@
 # --with-sdks: also the C++ and Java SDKs' toolchains (sdk/, docs/env-protocol.md) from Debian's packages, as
 # root: g++, cmake, pkg-config, cpp-httplib, nlohmann-json and a JDK. The test script passes it.
 #
+# --with-browser: also Debian's chromium and chromium-driver, as root, for the dashboard's browser test
+# (tests/dashboard/test_browser.py drives headless Chromium with selenium, from the dev extra). The test
+# script passes it.
+#
 # torch: a torch already in .venv (>= 2.6) is kept, so a GPU user installs the CUDA build they want first.
 # Otherwise, on a machine without an NVIDIA GPU, the CPU build from PyTorch's own index (PyPI's default
 # Linux build bundles CUDA: several GB); if that index is unreachable, the default index (pip's own
@@ -153,6 +157,22 @@ install_sdk_tools() {
   fi
 }
 
+BROWSER_PACKAGES="chromium chromium-driver"
+
+install_browser() {
+  command -v chromium >/dev/null && command -v chromedriver >/dev/null && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    # shellcheck disable=SC2086  # the package list is meant to split
+    if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $BROWSER_PACKAGES >/dev/null; then
+      echo "setup: headless Chromium is installed ($BROWSER_PACKAGES)"
+    else
+      echo "setup: warning: could not install $BROWSER_PACKAGES; tests/dashboard/test_browser.py will fail" >&2
+    fi
+  else
+    echo "setup: warning: the dashboard's browser test needs: sudo apt-get install -y $BROWSER_PACKAGES" >&2
+  fi
+}
+
 SGLANG_NEEDS_GPU="setup: --with-sglang needs an NVIDIA GPU (SGLang has no CPU build on PyPI); on CPU,
 engine.backend=serve-model speaks SGLang's API and engine.backend=vllm runs vLLM's CPU build (--with-vllm)"
 
@@ -167,17 +187,19 @@ install_sglang() {
 }
 
 main() {
-  local with_vllm=0 with_sglang=0 with_sdks=0
+  local with_vllm=0 with_sglang=0 with_sdks=0 with_browser=0
   for arg in "$@"; do
     case "$arg" in
       --with-vllm) with_vllm=1 ;;
       --with-sglang) with_sglang=1 ;;
       --with-sdks) with_sdks=1 ;;
+      --with-browser) with_browser=1 ;;
       -h | --help)
-        echo "usage: bash scripts/setup.sh [--with-vllm] [--with-sglang] [--with-sdks]"
+        echo "usage: bash scripts/setup.sh [--with-vllm] [--with-sglang] [--with-sdks] [--with-browser]"
         awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"
         return 0 ;;
-      *) echo "setup: unknown argument $arg (expected --with-vllm, --with-sglang or --with-sdks)" >&2; return 2 ;;
+      *) echo "setup: unknown argument $arg (expected --with-vllm, --with-sglang, --with-sdks or --with-browser)" >&2
+        return 2 ;;
     esac
   done
   if [ "$with_sglang" = 1 ] && ! has_nvidia_gpu; then  # fail now, not after installing .venv
@@ -202,6 +224,9 @@ main() {
   fi
   if [ "$with_sdks" = 1 ]; then
     install_sdk_tools
+  fi
+  if [ "$with_browser" = 1 ]; then
+    install_browser
   fi
   if [ "$with_vllm" = 1 ]; then
     install_vllm "$python"

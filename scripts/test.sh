@@ -10,8 +10,9 @@ for arg in "$@"; do case "$arg" in -h | --help)
     exit 0 ;;
 esac; done
 cd "$(dirname "$0")/.."
-# vLLM in .venv-vllm (tests/engines/test_remote_engines.py); the C++/Java toolchains (tests/sdk/)
-bash scripts/setup.sh --with-vllm --with-sdks || exit 1
+# vLLM in .venv-vllm (tests/engines/test_remote_engines.py); the C++/Java toolchains (tests/sdk/); headless
+# Chromium (tests/dashboard/test_browser.py)
+bash scripts/setup.sh --with-vllm --with-sdks --with-browser || exit 1
 if [ "$#" -eq 0 ]; then
   set -- -m "slow or not slow" --durations=15
 fi

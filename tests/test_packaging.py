@@ -68,6 +68,8 @@ def test_wheel_carries_every_bundled_dataset(tmp_path):
     assert "areal_agents/data/builtin/SOURCES.md" in names
     templates = {f"areal_agents/models/templates/{p.name}" for p in (ROOT / "areal_agents/models/templates").iterdir()}
     assert templates - names == set(), "the families' chat templates (and their SOURCES.md) must ship in the wheel"
+    page = {f"areal_agents/dashboard/static/{p.name}" for p in (ROOT / "areal_agents/dashboard/static").iterdir()}
+    assert page - names == set(), "the dashboard's page, script and style must ship in the wheel"
     in_checkout = {p.name for p in BUILTIN_DIR.glob("*.jsonl")}
     in_wheel = {Path(n).name for n in names if n.startswith("areal_agents/data/builtin/") and n.endswith(".jsonl")}
     assert in_checkout <= in_wheel, f"bundled files left out of the wheel: {sorted(in_checkout - in_wheel)}"

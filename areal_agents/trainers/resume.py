@@ -46,6 +46,9 @@ RUN_FILES = (
     "tensorboard",
     "data_order.jsonl",
     "trajectories",
+    "eval_samples",
+    "timeline",
+    "trace.json",
     "failures.log",
     "model",
     "plots",
@@ -131,8 +134,9 @@ def _with_rates(optimizer: dict[str, Any], lr: float, weight_decay: float) -> tu
 
 
 def forget_after(run_dir: str | Path, step: int) -> None:
-    """Drop the run's records of steps after ``step`` (``data_order.jsonl`` rows, trajectory dumps), which
-    the resumed run writes again. TensorBoard's are hidden by the writer's ``purge_step``."""
+    """Drop the run's records of steps after ``step`` (``data_order.jsonl`` rows, trajectory and eval-sample
+    dumps), which the resumed run writes again. TensorBoard's are hidden by the writer's ``purge_step``; the
+    timeline keeps the killed run's files (what it did, when, stays true)."""
     run_dir = Path(run_dir)
     order = run_dir / "data_order.jsonl"
     if order.is_file():
@@ -140,7 +144,7 @@ def forget_after(run_dir: str | Path, step: int) -> None:
         tmp = order.with_name(order.name + ".tmp")
         tmp.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept))
         os.replace(tmp, order)
-    for dump in (run_dir / "trajectories").glob("step_*.jsonl"):
+    for dump in [*(run_dir / "trajectories").glob("step_*.jsonl"), *(run_dir / "eval_samples").glob("step_*.jsonl")]:
         if dump.stem[5:].isdigit() and int(dump.stem[5:]) > step:
             dump.unlink()
 

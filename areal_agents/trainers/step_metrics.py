@@ -28,7 +28,6 @@ from areal_agents.config import TimelineConfig
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.rollout.controller import RolloutController
 from areal_agents.rollout.episodes import RolloutLedger
-from areal_agents.timeline import timeline
 from areal_agents.trainers.metrics_writer import MetricsWriter, prefixed
 from areal_agents.trainers.overlong import is_truncated, truncated_fraction
 from areal_agents.trainers.policy import SHARED
@@ -160,7 +159,6 @@ class StepLog:
     def close(self) -> None:
         """The timeline's series up to now (this process's flushed first), then the TensorBoard files closed."""
         if self.timeline_log is not None:
-            timeline().flush()
             self.timeline_log.record(0, heatmap=False)
         self.metrics.close()
 

@@ -1,7 +1,7 @@
 """The run's timeline in stock TensorBoard, as the run trains: a workers x time heatmap image of the steps since
 the last one (``timeline/heatmap``, every ``timeline.heatmap_every`` steps), and every queue, in-flight and
 utilisation gauge at its own resolution (``RUN/tensorboard/timeline``, under the gauge's name: its step is the
-bin's tenth of a second since the run's first record; TensorBoard's *Relative* or *Wall* x axis shows time).
+bin's millisecond since the run's first record; TensorBoard's *Relative* or *Wall* x axis shows time).
 
 Example::
 
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from areal_agents.timeline import timeline
 from areal_agents.timeline.heatmap import heatmap_image
 from areal_agents.timeline.reader import RunTimeline
 from areal_agents.timeline.tail import TimelineTail
@@ -31,12 +32,13 @@ class TimelineLog:
         self.metrics, self.every = metrics, heatmap_every
         self.writer = metrics.subwriter("timeline")
         self.since = time.time()  # the next heatmap starts here (the end of the last one's bins)
-        self.logged: dict[str, float] = {}  # gauge -> its last bin written
+        self.logged: dict[str, int] = {}  # gauge -> the step of its last bin written
         self.origin: float | None = None  # the run's first bin: the scalars' step 0
 
     def record(self, step: int, heatmap: bool = True) -> None:
         """Read what the run's processes wrote since the last step and log it (``heatmap``: the image too, on
         schedule: the bins since the last image's)."""
+        timeline().flush()  # this process's finished bins now (its own sampler writes once a second)
         self.tail.read()
         read = self.tail.window(-math.inf)  # everything read and not yet forgotten: logged once each
         if self.origin is None and read.bins:
@@ -49,12 +51,14 @@ class TimelineLog:
         self.tail.forget_before(self.since)
 
     def _series(self, tl: RunTimeline) -> None:
-        """Each gauge's new bins as scalars (the busy rows are the heatmap's)."""
+        """Each gauge's new bins as scalars (the busy rows are the heatmap's), each once: a bin's step is its
+        millisecond since the run's first bin, compared as an integer (windows' float starts differ a little)."""
         origin = self.origin if self.origin is not None else tl.start
         for name, values in tl.gauges.items():
-            last = self.logged.get(name, -math.inf)
+            last = self.logged.get(name, -1)
             for i in np.flatnonzero(np.isfinite(values)):
                 t = tl.start + i * tl.dt
-                if t > last + 1e-9:
-                    self.writer.add_scalar(name, float(values[i]), round((t - origin) * 10), walltime=t)
-                    self.logged[name] = t
+                tick = round((t - origin) * 1000)
+                if tick > last:
+                    self.writer.add_scalar(name, float(values[i]), tick, walltime=t)
+                    self.logged[name] = last = tick

@@ -73,7 +73,7 @@ def test_tensorboard_shows_the_heatmap_the_queues_and_the_episode_lengths(run):
     heatmaps = main.Images("timeline/heatmap")
     assert [e.step for e in heatmaps] == [1, 2, 3]
     picture = Image.open(io.BytesIO(heatmaps[-1].encoded_image_string))
-    assert picture.width >= 600 and picture.height >= 100
+    assert picture.width >= 600 and picture.height >= 18 + 16 * 3 + 28  # a row for each of 3 workers at least
     assert {"rollout/episode_tokens", "rollout/episode_turns"} <= set(main.Tags()["histograms"])
     queues = EventAccumulator(str(run / "tensorboard" / "timeline")).Reload()
     assert {"rollout/queued_groups", "engine/hf/running", "env/steps_in_flight"} <= set(queues.Tags()["scalars"])

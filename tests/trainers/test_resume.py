@@ -172,12 +172,14 @@ def test_with_config_rates_changes_the_base_rate_and_keeps_the_schedule_and_mome
 def test_forget_after_drops_later_rows_and_dumps(tmp_path, torn):
     rows = [json.dumps({"step": k, "prompts": [k]}) + "\n" for k in (1, 2, 3)]
     (tmp_path / "data_order.jsonl").write_text("".join(rows) + ('{"step": 4, "pro' if torn else ""))
-    (tmp_path / "trajectories").mkdir()
-    for k in (1, 2, 3):
-        (tmp_path / "trajectories" / f"step_{k}.jsonl").write_text("{}\n")
+    for dumps in ("trajectories", "eval_samples"):
+        (tmp_path / dumps).mkdir()
+        for k in (1, 2, 3):
+            (tmp_path / dumps / f"step_{k}.jsonl").write_text("{}\n")
     forget_after(tmp_path, 2)
     assert (tmp_path / "data_order.jsonl").read_text() == "".join(rows[:2])
-    assert sorted(p.name for p in (tmp_path / "trajectories").iterdir()) == ["step_1.jsonl", "step_2.jsonl"]
+    for dumps in ("trajectories", "eval_samples"):
+        assert sorted(p.name for p in (tmp_path / dumps).iterdir()) == ["step_1.jsonl", "step_2.jsonl"]
 
 
 def test_a_checkpoint_records_the_cursor_and_a_resume_cancels_what_was_in_flight():
