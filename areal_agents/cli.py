@@ -160,6 +160,12 @@ def cmd_plot(args: argparse.Namespace) -> None:
         print(path)
 
 
+def cmd_trace(args: argparse.Namespace) -> None:
+    from areal_agents.timeline.trace import trace_command
+
+    trace_command(args.run_dir, args.out)
+
+
 def cmd_dashboard(args: argparse.Namespace) -> None:
     from areal_agents.dashboard import serve
 
@@ -297,7 +303,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_tools(sub: argparse._SubParsersAction) -> None:
-    """``eval-report``, ``plot``, ``export-lora``, ``datasets``, ``envs``."""
+    """``eval-report``, ``plot``, ``trace``, ``export-lora``, ``datasets``, ``envs``."""
     p = sub.add_parser("eval-report", help="compare eval runs side by side")
     p.add_argument("runs", nargs="+", help="eval output directories (or their summary.json)")
     p.set_defaults(fn=cmd_eval_report)
@@ -305,6 +311,11 @@ def _add_tools(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plot", help="PNG curves of a run (reward, accuracy, staleness, throughput)")
     p.add_argument("run_dir", help="a train run directory (with tensorboard/)")
     p.set_defaults(fn=cmd_plot)
+
+    p = sub.add_parser("trace", help="a run's timeline as a Perfetto trace, and where its time went (the bound)")
+    p.add_argument("run_dir", help="a train run directory (with timeline/)")
+    p.add_argument("--out", help="where to write the trace (default: RUN/trace.json)")
+    p.set_defaults(fn=cmd_trace)
 
     p = sub.add_parser("export-lora", help="a LoRA run's adapter, merged into its base (--merge) or alone (--adapter)")
     p.add_argument("run_dir", help="a train run directory (its newest checkpoint) or one checkpoint")

@@ -7,6 +7,8 @@
 - ``areal_agents_testing/Faulty-v0``: like Echo, but the action ``raise`` raises, ``hang`` sleeps for
   ``hang_seconds``, ``die`` kills the process running the env; ``error_rate`` makes a seeded fraction
   of steps raise (soak tests).
+- ``areal_agents_testing/Slow-v0``: Echo whose every step takes ``step_seconds`` (sleeping): an env-bound run
+  on purpose (the bottleneck report's tests).
 - ``areal_agents_testing/Turns-v0``: a turn-based multi-agent env: ``num_agents`` agents speak one at a time,
   in order, for ``turns`` turns; each speech is shown to every other agent; a speaker earns 1 when it says
   ``target``. Tests the protocol's turn order (``acting``) end to end.
@@ -60,6 +62,20 @@ class FaultyEnv(EchoEnv):
         return super().step(action)
 
 
+class SlowEnv(EchoEnv):
+    """Echo whose every step sleeps ``step_seconds`` first: a slow env (a judge, a sandbox) on demand."""
+
+    def __init__(self, max_turns: int = 3, step_seconds: float = 0.2) -> None:
+        if not 0 <= step_seconds <= 60:
+            raise ValueError(f"step_seconds: expects a number in [0, 60], got {step_seconds!r}")
+        super().__init__(target="hi", max_turns=max_turns)
+        self.step_seconds = step_seconds
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        time.sleep(self.step_seconds)
+        return super().step(action)
+
+
 class TurnsEnv(MultiAgentTextEnv):
     """Agents ``p0..pN-1`` speak in turn; each hears the others; saying ``target`` earns 1 (turn order tests)."""
 
@@ -103,6 +119,7 @@ class TurnsEnv(MultiAgentTextEnv):
 for _id, _cls in (
     ("areal_agents_testing/Echo-v0", EchoEnv),
     ("areal_agents_testing/Faulty-v0", FaultyEnv),
+    ("areal_agents_testing/Slow-v0", SlowEnv),
     ("areal_agents_testing/Turns-v0", TurnsEnv),
 ):
     if _id not in gym.registry:

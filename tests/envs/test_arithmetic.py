@@ -18,6 +18,7 @@ from areal_agents.errors import ArealAgentsError, UnknownEnvError
         ("areal_agents/Arithmetic-v0", {"split": "test"}),
         ("areal_agents_testing/Echo-v0", {}),
         ("areal_agents_testing/Faulty-v0", {}),
+        ("areal_agents_testing/Slow-v0", {"step_seconds": 0.0}),
     ],
 )
 def test_check_env_passes_without_warnings(env_id, kwargs):
