@@ -216,3 +216,17 @@ def test_workers_of_one_kind_get_their_own_rows_per_timeline(tmp_path, clock):
     assert other.unique("engine/hf") == "engine/hf"  # a new run counts from 0
     for t in (tl, other):
         t.close()
+
+
+def test_bins_at_todays_wall_clock_land_on_their_own_grid_points(tmp_path, clock):
+    """Near 1.8e9 s a bin's time is off by ~5e-7 s (5e-6 of a bin): each still lands on its own grid point."""
+    clock.now = 1796611933.95  # bin 17966119339: its start, 1796611933.9, is where rounding bites
+    tl = make(tmp_path, clock)
+    tl.enter("w")
+    for _ in range(30):
+        clock.now += 0.1
+        tl.sample()
+    tl.leave("w")
+    tl.close()
+    row = read_timeline(tmp_path).busy["w"]
+    assert np.isfinite(row).all() and row[1:30].min() > 0.99, row  # entered mid-bin: the first is half
