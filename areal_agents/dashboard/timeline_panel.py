@@ -20,6 +20,7 @@ import numpy as np
 
 from areal_agents.dashboard.runs import Run
 from areal_agents.timeline import RunTimeline
+from areal_agents.timeline.bottleneck import bottleneck_report, read_run_config
 from areal_agents.timeline.heatmap import row_order
 from areal_agents.timeline.tail import TimelineTail
 
@@ -71,8 +72,14 @@ def payload(run: Run, tl: RunTimeline) -> dict[str, Any]:
         "steps": steps(tl),
         "seconds": tl.bins * tl.dt,
         "dropped_spans": tl.dropped_spans,
-        "bottleneck": None,  # the bottleneck report (issue 46 item 6) goes here when areal_agents.timeline has it
+        "bottleneck": bottleneck_text(run, tl),
     }
+
+
+def bottleneck_text(run: Run, tl: RunTimeline) -> str | None:
+    """The bottleneck report of the timeline read so far (None before a step has finished)."""
+    report = bottleneck_report(tl, read_run_config(run.path))
+    return "\n".join(report.lines()) if report.wall_s > 0 else None
 
 
 class TimelinePanel:

@@ -100,7 +100,7 @@ def bottleneck_report(run: str | Path | RunTimeline, config: dict[str, Any] | No
     run_dir = ""
     if not isinstance(run, RunTimeline):
         run_dir = str(run)
-        config = _read_config(Path(run)) if config is None else config
+        config = read_run_config(Path(run)) if config is None else config
         run = read_timeline(run)
     cfg = _Config(config or {})
     driver = [s for s in run.spans if s.track == "driver"]
@@ -304,7 +304,8 @@ class _Config:
         return "" if value is None else f" (now {value})"
 
 
-def _read_config(run_dir: Path) -> dict[str, Any]:
+def read_run_config(run_dir: Path) -> dict[str, Any]:
+    """``RUN/config.json`` as a dict (``{}`` when missing or unreadable): the values the advice quotes."""
     try:
         return json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):

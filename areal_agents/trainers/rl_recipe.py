@@ -41,6 +41,7 @@ from areal_agents.rollout.episodes import EpisodeFn
 from areal_agents.rollout.failures import FailureLog
 from areal_agents.rollout.held_out import evaluate
 from areal_agents.timeline import close_timeline, timeline
+from areal_agents.timeline.bottleneck import report_lines
 from areal_agents.trainers.batch_update import TrainedBatch, take_and_train, trajectories_of
 from areal_agents.trainers.checkpoint import checkpoints, load_trainer_state
 from areal_agents.trainers.interrupt import Interrupt
@@ -268,7 +269,7 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
         raise
     ckpt = saver.save(saver.done, position.snapshot(controller.cursor, main.engine.get_version()))
     log.close()  # TensorBoard's files, the timeline's last series in them
-    return write_summary(
+    summary = write_summary(
         run.run_dir,
         accuracy={"before": position.accuracy_before, "after": after},
         curve=position.accuracy_curve,
@@ -283,6 +284,10 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
         checkpoint=ckpt,
         launcher_stats=run.launcher.stats(),
     )
+    timeline().flush()  # the driver's last bins, for the report
+    for line in report_lines(run.run_dir):  # where the time went, and the one change most likely to help
+        print(line)
+    return summary
 
 
 async def _push_weights(
