@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+SPAN_PREFIX = '{"k":"span"'  # how the recorder starts a span's line
+
 
 @dataclass(frozen=True)
 class Span:
@@ -128,6 +130,7 @@ class ProcessRecord:
     gauges: dict[str, dict[float, float]] = field(default_factory=lambda: defaultdict(dict))
     spans: list[Span] = field(default_factory=list)
     dropped: int = 0
+    keep_spans: bool = True  # False: span lines are skipped unparsed (a reader of bins alone, each step)
 
     def first_times(self) -> list[float]:
         return [min(p) for p in [*self.busy.values(), *self.gauges.values()] if p]
@@ -137,6 +140,8 @@ class ProcessRecord:
 
     def add_line(self, line: str) -> None:
         """One line of the file (a partial or garbled one is skipped)."""
+        if not self.keep_spans and line.startswith(SPAN_PREFIX):
+            return
         try:
             row = json.loads(line)
             kind = row.get("k")

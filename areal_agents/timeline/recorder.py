@@ -155,7 +155,7 @@ class Timeline:
         row = {"k": "span", "track": track, "name": name, "t": round(start, 6), "d": round(max(end - start, 0.0), 6)}
         if args:
             row["args"] = args
-        line = json.dumps(row, default=str)
+        line = json.dumps(row, default=str, separators=(",", ":"))
         with self._lock:
             if not keep and self._written >= self.max_bytes // 2:
                 self.dropped_spans += 1

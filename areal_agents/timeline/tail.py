@@ -20,15 +20,17 @@ from areal_agents.timeline.reader import ProcessRecord, RunTimeline, on_one_grid
 class TimelineTail:
     """Follows ``RUN/timeline/*.jsonl`` (files that appear later too)."""
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, spans: bool = True) -> None:
+        """``spans=False``: bins and gauges alone (span lines are not parsed)."""
         self.directory = Path(run_dir) / "timeline"
+        self.spans = spans
         self.records: dict[Path, ProcessRecord] = {}
         self.offsets: dict[Path, int] = {}
 
     def read(self) -> None:
         """Parse the whole lines added since the last read (a line being written waits for the next)."""
         for path in sorted(self.directory.glob("*.jsonl")):
-            record = self.records.setdefault(path, ProcessRecord())
+            record = self.records.setdefault(path, ProcessRecord(keep_spans=self.spans))
             with path.open("rb") as f:
                 f.seek(self.offsets.get(path, 0))
                 chunk = f.read()
@@ -52,7 +54,7 @@ class TimelineTail:
 
 def _since(record: ProcessRecord, t: float) -> ProcessRecord:
     """``record``'s bins that end after ``t`` and spans that do."""
-    out = ProcessRecord(record.process, record.dt, dropped=record.dropped)
+    out = ProcessRecord(record.process, record.pid, record.dt, dropped=record.dropped)
     for into, series in ((out.busy, record.busy), (out.gauges, record.gauges)):
         for name, points in series.items():
             kept = {k: v for k, v in points.items() if k + record.dt > t}

@@ -28,7 +28,7 @@ class TimelineLog:
     """Each step's share of the run's timeline to TensorBoard (see the module docstring)."""
 
     def __init__(self, run_dir: Path, metrics: MetricsWriter, heatmap_every: int) -> None:
-        self.tail = TimelineTail(run_dir)
+        self.tail = TimelineTail(run_dir, spans=False)  # the pictures need the bins alone
         self.metrics, self.every = metrics, heatmap_every
         self.writer = metrics.subwriter("timeline")
         self.since = time.time()  # the next heatmap starts here (the end of the last one's bins)

@@ -230,3 +230,21 @@ def test_bins_at_todays_wall_clock_land_on_their_own_grid_points(tmp_path, clock
     tl.close()
     row = read_timeline(tmp_path).busy["w"]
     assert np.isfinite(row).all() and row[1:30].min() > 0.99, row  # entered mid-bin: the first is half
+
+
+def test_a_tail_of_bins_alone_skips_the_span_lines(tmp_path, clock):
+    """TensorBoard's pictures read the bins each step: span lines (most of a file) are not even parsed."""
+    from areal_agents.timeline.reader import SPAN_PREFIX
+    from areal_agents.timeline.tail import TimelineTail
+
+    tl = make(tmp_path, clock)
+    tl.gauge("q", lambda: 3.0)
+    tl.add_span("episodes", "generate", 1000.0, 1000.05, rid="e0/t0")
+    tl.sample()
+    tl.close()
+    assert any(line.startswith(SPAN_PREFIX) for line in tl.path.read_text().splitlines())
+    bins_only, everything = TimelineTail(tmp_path, spans=False), TimelineTail(tmp_path)
+    for tail in (bins_only, everything):
+        tail.read()
+    assert bins_only.window().spans == [] and len(everything.window().spans) == 1
+    assert bins_only.window().gauges["q"][0] == everything.window().gauges["q"][0] == 3.0
