@@ -68,7 +68,7 @@ class Timeline:
         self._gauges: dict[str, Callable[[], float]] = {}
         self._fractions: dict[str, Callable[[], float]] = {}  # workers whose busy share is read, not timed
         self._samples: dict[str, dict[int, float]] = defaultdict(dict)  # gauge -> bin -> value (last sample)
-        self._spans: list[str] = []
+        self._spans: list[tuple[str, str, float, float, dict[str, Any]]] = []  # written by the next flush
         self._names: dict[str, int] = defaultdict(int)  # `unique`'s counts
         self.dropped_spans = 0
         self._dropped_written = 0
@@ -148,19 +148,16 @@ class Timeline:
             self.add_span(track, name, start, time.time(), keep=keep, **args)
 
     def add_span(self, track: str, name: str, start: float, end: float, *, keep: bool = False, **args: Any) -> None:
-        """A finished event (wall-clock ``start`` and ``end``); inside an episode, its id goes with it."""
+        """A finished event (wall-clock ``start`` and ``end``); inside an episode, its id goes with it. Kept as it
+        is: the sampler thread writes it (a run makes thousands a step; the caller's thread should not encode)."""
         episode = EPISODE.get()
         if episode is not None and "episode_id" not in args:
             args["episode_id"] = episode
-        row = {"k": "span", "track": track, "name": name, "t": round(start, 6), "d": round(max(end - start, 0.0), 6)}
-        if args:
-            row["args"] = args
-        line = json.dumps(row, default=str, separators=(",", ":"))
         with self._lock:
             if not keep and self._written >= self.max_bytes // 2:
                 self.dropped_spans += 1
                 return
-            self._spans.append(line)
+            self._spans.append((track, name, start, end, args))
 
     # -- the sampler thread ------------------------------------------------------------------------------
 
@@ -202,25 +199,26 @@ class Timeline:
                 if v is not None:
                     self._busy[worker][k] = min(max(v, 0.0), 1.0) * self.dt
 
-    def flush(self, final: bool = False) -> None:
-        """Write the finished bins (all of them when ``final``) and the spans so far (from any thread; after
-        `close`, nothing)."""
+    def flush(self, final: bool = False, spans: bool = True) -> None:
+        """Write the finished bins (all of them when ``final``) and, with ``spans``, the spans so far (from any
+        thread; after `close`, nothing). A step's picture needs the bins now; its spans can wait for the sampler."""
         with self._io_lock:
             if not self._file.closed:
-                self._flush(final)
+                self._flush(final, spans)
 
-    def _flush(self, final: bool) -> None:
+    def _flush(self, final: bool, with_spans: bool = True) -> None:
         with self._lock:
             upto = math.inf if final else math.floor(time.time() / self.dt)
             # busy time is measured, not sampled: a bin without any is idle (0); a gauge's is unknown (null)
             busy = _take_before(self._busy, upto, lambda v: round(min(v / self.dt, 1.0), 3), gap=0.0)
             gauges = _take_before(self._samples, upto, lambda v: round(v, 3), gap=None)
-            spans, self._spans = self._spans, []
+            spans, self._spans = (self._spans, []) if with_spans else ([], self._spans)
             dropped, dt = self.dropped_spans, self.dt
         if busy or gauges:
             self._write_line({"k": "bins", "dt": dt, "busy": busy, "gauges": gauges})
-        for line in spans:
-            self._write(line)
+        for track, name, start, end, args in spans:
+            row = {"k": "span", "track": track, "name": name, "t": round(start, 6), "d": round(max(end - start, 0), 6)}
+            self._write_line(row | {"args": args} if args else row)
         if dropped != self._dropped_written:
             self._write_line({"k": "dropped", "spans": dropped})
             self._dropped_written = dropped
@@ -236,7 +234,7 @@ class Timeline:
         self._write_line({"k": "meta", "process": self.process, "pid": os.getpid(), "dt": self.dt})
 
     def _write_line(self, row: dict[str, Any]) -> None:
-        self._write(json.dumps(row, separators=(",", ":")))
+        self._write(json.dumps(row, separators=(",", ":"), default=str))
 
     def _write(self, line: str) -> None:
         self._file.write(line + "\n")
@@ -300,7 +298,7 @@ class NullTimeline:
 
     def enter(self, worker: str) -> None: ...
     def leave(self, worker: str) -> None: ...
-    def flush(self, final: bool = False) -> None: ...
+    def flush(self, final: bool = False, spans: bool = True) -> None: ...
     def idle(self, worker: str) -> None: ...
     def gauge(self, name: str, read: Callable[[], float]) -> None: ...
     def busy_fraction(self, worker: str, read: Callable[[], float]) -> None: ...

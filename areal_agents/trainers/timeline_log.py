@@ -38,7 +38,7 @@ class TimelineLog:
     def record(self, step: int, heatmap: bool = True) -> None:
         """Read what the run's processes wrote since the last step and log it (``heatmap``: the image too, on
         schedule: the bins since the last image's)."""
-        timeline().flush()  # this process's finished bins now (its own sampler writes once a second)
+        timeline().flush(spans=False)  # this process's finished bins now (its sampler writes once a second)
         self.tail.read()
         read = self.tail.window(-math.inf)  # everything read and not yet forgotten: logged once each
         if self.origin is None and read.bins:
