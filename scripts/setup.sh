@@ -143,34 +143,33 @@ sdk_tools_ready() {
     && pkg-config --exists cpp-httplib 2>/dev/null && [ -f /usr/include/nlohmann/json.hpp ]
 }
 
-install_sdk_tools() {
-  sdk_tools_ready && return 0
+# apt_install WHAT NEEDED_BY PACKAGES...: install PACKAGES as root with apt, else say what to run
+apt_install() {
+  local what=$1 needed_by=$2
+  shift 2
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    # shellcheck disable=SC2086  # the package list is meant to split
-    if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $SDK_PACKAGES >/dev/null; then
-      echo "setup: the C++ and Java SDKs' toolchains are installed ($SDK_PACKAGES)"
+    if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null; then
+      echo "setup: $what installed ($*)"
     else
-      echo "setup: warning: could not install the C++/Java SDK toolchains ($SDK_PACKAGES); tests/sdk will fail" >&2
+      echo "setup: warning: could not install $*; $needed_by will fail" >&2
     fi
   else
-    echo "setup: warning: the C++/Java SDK tests need: sudo apt-get install -y $SDK_PACKAGES" >&2
+    echo "setup: warning: $needed_by needs: sudo apt-get install -y $*" >&2
   fi
+}
+
+install_sdk_tools() {
+  sdk_tools_ready && return 0
+  # shellcheck disable=SC2086  # the package list is meant to split
+  apt_install "the C++ and Java SDKs' toolchains are" "tests/sdk" $SDK_PACKAGES
 }
 
 BROWSER_PACKAGES="chromium chromium-driver"
 
 install_browser() {
   command -v chromium >/dev/null && command -v chromedriver >/dev/null && return 0
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    # shellcheck disable=SC2086  # the package list is meant to split
-    if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $BROWSER_PACKAGES >/dev/null; then
-      echo "setup: headless Chromium is installed ($BROWSER_PACKAGES)"
-    else
-      echo "setup: warning: could not install $BROWSER_PACKAGES; tests/dashboard/test_browser.py will fail" >&2
-    fi
-  else
-    echo "setup: warning: the dashboard's browser test needs: sudo apt-get install -y $BROWSER_PACKAGES" >&2
-  fi
+  # shellcheck disable=SC2086  # the package list is meant to split
+  apt_install "headless Chromium is" "tests/dashboard/test_browser.py" $BROWSER_PACKAGES
 }
 
 SGLANG_NEEDS_GPU="setup: --with-sglang needs an NVIDIA GPU (SGLang has no CPU build on PyPI); on CPU,
