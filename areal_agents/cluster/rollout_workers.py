@@ -28,7 +28,7 @@ from areal_agents.envs.runtime.backends import EnvBackend
 from areal_agents.errors import ClusterError, EngineError, EnvError, RequestError, RunHalted, WorkerLostError
 from areal_agents.models.loading import load_tokenizer, quiet_transformers
 from areal_agents.rollout.episodes import failure_kind, local_episode
-from areal_agents.timeline import EPISODE, timeline_from_env
+from areal_agents.timeline import in_episode, timeline_from_env
 from areal_agents.trainers.policy_api import SHARED, policy_starts
 from areal_agents.types import Trajectory
 
@@ -57,9 +57,9 @@ class RolloutWorker:
         """``("ok", trajectories)``, or the failure's kind (`failure_kind`, as the driver's `EpisodeRunner`
         counts it) and text: exceptions do not cross processes cleanly, and the driver must tell an env
         failure from an engine failure from a policy one. One try: the driver retries."""
-        token = EPISODE.set(episode_id)  # its generate calls and env steps name it in the timeline
         try:
-            return "ok", await self.episode(seed, episode_id)
+            with in_episode(episode_id):  # its generate calls and env steps name it in the timeline
+                return "ok", await self.episode(seed, episode_id)
         except Exception as e:  # noqa: BLE001  (classified; the driver raises it again, counts and logs it)
             kind = failure_kind(e)
             if isinstance(e, EnvError):
@@ -67,8 +67,6 @@ class RolloutWorker:
             if isinstance(e, RequestError):
                 return "refused", str(e)  # an engine failure the driver must not retry
             return kind, traceback.format_exc() if kind == "failed" else str(e)
-        finally:
-            EPISODE.reset(token)
 
     def pid(self) -> int:
         return os.getpid()

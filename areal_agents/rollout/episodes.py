@@ -24,7 +24,7 @@ from areal_agents.agents.base import Agent
 from areal_agents.envs.async_env import AsyncEnv
 from areal_agents.errors import ClusterError, EngineError, EnvError, RequestError, RunHalted, WorkerLostError
 from areal_agents.rollout.failures import FailureLog
-from areal_agents.timeline import EPISODE, timeline
+from areal_agents.timeline import in_episode, timeline
 from areal_agents.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -143,20 +143,17 @@ class EpisodeRunner:
     async def run(self, episode: Episode, episode_id: str) -> list[Trajectory] | None:
         """The trajectories of ``episode`` (called once per try), or None when it failed."""
         self.ledger.submitted += 1
-        token = EPISODE.set(episode_id)  # what the episode's generate calls and env steps record names it
-        try:
-            with timeline().span("episodes", "episode", outcome="cancelled") as span:
-                try:
-                    trajectories = await self._tries(episode, episode_id)
-                except Exception:
-                    span["outcome"] = "halted"  # the run cannot go on (`RunHalted`, a cluster error)
-                    raise
-                span["outcome"] = "accepted" if trajectories is not None else "failed"
-                if trajectories:
-                    span["reward"] = {t.agent_id: t.reward for t in trajectories if t.metadata.get("segment", 0) == 0}
-                return trajectories
-        finally:
-            EPISODE.reset(token)
+        # what the episode's generate calls and env steps record names it
+        with in_episode(episode_id), timeline().span("episodes", "episode", outcome="cancelled") as span:
+            try:
+                trajectories = await self._tries(episode, episode_id)
+            except Exception:
+                span["outcome"] = "halted"  # the run cannot go on (`RunHalted`, a cluster error)
+                raise
+            span["outcome"] = "accepted" if trajectories is not None else "failed"
+            if trajectories:
+                span["reward"] = {t.agent_id: t.reward for t in trajectories if t.metadata.get("segment", 0) == 0}
+            return trajectories
 
     async def _tries(self, episode: Episode, episode_id: str) -> list[Trajectory] | None:
         attempt, kind = 0, "failed"

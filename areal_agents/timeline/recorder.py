@@ -307,6 +307,16 @@ class NullTimeline:
     def close(self) -> None: ...
 
 
+@contextmanager
+def in_episode(episode_id: str) -> Iterator[None]:
+    """The spans recorded in the block (in this task) name episode ``episode_id`` (`EPISODE`)."""
+    token = EPISODE.set(episode_id)
+    try:
+        yield
+    finally:
+        EPISODE.reset(token)
+
+
 NULL = NullTimeline()
 _current: Timeline | NullTimeline = NULL
 
