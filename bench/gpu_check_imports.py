@@ -73,6 +73,8 @@ OPTIONAL = {
     "kernels": "transformers' hub kernels (integrations/hub_kernels.py)",
     "python-multipart": "starlette's form parsing (no route of ours takes a form)",
     "watchfiles": "uvicorn's --reload",
+    "trio": "httpcore2's trio backend, imported when trio is installed (selenium's, for the dashboard's browser test)",
+    "outcome": "trio's",
     "h2": "httpcore2's HTTP/2 (the clients speak HTTP/1.1)",
     "hpack": "h2's",
     "hyperframe": "h2's",
