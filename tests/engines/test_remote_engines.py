@@ -265,7 +265,7 @@ def test_the_arithmetic_recipe_trains_through_the_server_and_leaves_it_serving_i
     # requests running depends on timing: vLLM generates a step's tokens for the tiny model in a fraction of a bin)
     row = f"engine/server/{group.addresses[0].split('://')[-1]}"
     timeline = read_timeline(run_dir)
-    assert np.isfinite(timeline.busy[row]).sum() >= 10
+    assert np.isfinite(timeline.busy[row]).sum() >= 3
     assert np.isfinite(timeline.gauges[f"{row}/running"]).any() and np.isfinite(timeline.gauges[f"{row}/waiting"]).any()
     trained = run_dir / "engine_weights" / "v3"
     model = load_model(tiny_dir)
