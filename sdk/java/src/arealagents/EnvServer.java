@@ -254,18 +254,13 @@ public final class EnvServer {
 
     /** POST /v1/sessions: a single-agent env's session (a multi-agent env id is a 400 pointing at v2). */
     private Map<String, Object> create(Map<String, Object> body) {
-        RequestBody.onlyKeys(body, "body", "env_id", "kwargs", "seed", "options", "owner");
-        String envId = RequestBody.requiredString(body, "env_id", "body");
-        Map<String, Object> kwargs = RequestBody.optionalObject(body, "kwargs");
-        Long seed = RequestBody.seed(body);
-        Map<String, Object> options = RequestBody.optionalObject(body, "options");
-        String owner = RequestBody.owner(body.get("owner"), "body.owner");
-        ProtocolV2.Served env = served(envId);
+        RequestBody.Create c = RequestBody.Create.of(body);
+        ProtocolV2.Served env = served(c.envId());
         if (env.multiAgent()) {
-            throw Refusal.badRequest(envId + " is a multi-agent env" + sessions.agentsOf(env.make(), kwargs)
+            throw Refusal.badRequest(c.envId() + " is a multi-agent env" + sessions.agentsOf(env.make(), c.kwargs())
                     + ": create it with POST /v2/sessions");
         }
-        SessionTable.Opened s = sessions.open(envId, env.make(), kwargs, seed, options, owner);
+        SessionTable.Opened s = sessions.open(c.envId(), env.make(), c.kwargs(), c.seed(), c.options(), c.owner());
         String agent = SingleAgent.AGENT;
         return object("session_id", s.sessionId(), "observation", s.observations().get(agent), "info",
                 s.infos().get(agent));

@@ -26,14 +26,9 @@ final class ProtocolV2 {
 
     /** POST /v2/sessions. */
     Map<String, Object> create(Map<String, Object> body, Function<String, Served> lookup) {
-        RequestBody.onlyKeys(body, "body", "env_id", "kwargs", "seed", "options", "owner");
-        String envId = RequestBody.requiredString(body, "env_id", "body");
-        Map<String, Object> kwargs = RequestBody.optionalObject(body, "kwargs");
-        Long seed = RequestBody.seed(body);
-        Map<String, Object> options = RequestBody.optionalObject(body, "options");
-        String owner = RequestBody.owner(body.get("owner"), "body.owner");
-        Served env = lookup.apply(envId);
-        SessionTable.Opened s = table.open(envId, env.make(), kwargs, seed, options, owner);
+        RequestBody.Create c = RequestBody.Create.of(body);
+        Served env = lookup.apply(c.envId());
+        SessionTable.Opened s = table.open(c.envId(), env.make(), c.kwargs(), c.seed(), c.options(), c.owner());
         return EnvServer.object("session_id", s.sessionId(), "multi_agent", env.multiAgent(), "agents",
                 s.session().agents, "acting", s.session().acting, "observations", s.observations(), "infos",
                 s.infos());

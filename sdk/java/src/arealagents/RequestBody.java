@@ -64,6 +64,16 @@ final class RequestBody {
         }
     }
 
+    /** A create-session body (v1's and v2's are the same), its keys checked. */
+    record Create(String envId, Map<String, Object> kwargs, Long seed, Map<String, Object> options, String owner) {
+        static Create of(Map<String, Object> body) {
+            onlyKeys(body, "body", "env_id", "kwargs", "seed", "options", "owner");
+            return new Create(requiredString(body, "env_id", "body"), optionalObject(body, "kwargs"),
+                    RequestBody.seed(body),
+                    optionalObject(body, "options"), RequestBody.owner(body.get("owner"), "body.owner"));
+        }
+    }
+
     static String requiredString(Map<String, Object> body, String key, String where) {
         if (!body.containsKey(key)) throw Refusal.badRequest(where + "." + key + ": required");
         if (!(body.get(key) instanceof String s)) throw Refusal.badRequest(where + "." + key + ": expected a string");
