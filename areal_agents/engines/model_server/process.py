@@ -3,7 +3,6 @@ the process within `EXIT_DEADLINE_S` seconds whatever its decode thread is doing
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import sys
@@ -29,7 +28,6 @@ def serve_model(cfg: ModelServerConfig, device: str = "cpu") -> None:
     timeline_from_env(f"serve-model-{cfg.port}")  # started by a run: the engine's busy time joins its timeline
     model = load_model(cfg.model_path, cfg.dtype)
     tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.model_path)
-    _large_frees_go_back()
     engine = HFEngine.of(model, cfg.engine, seed=cfg.seed, device=device)
     app = build_app(engine, tokenizer, cfg)
     gc.freeze()  # the model's and libraries' objects: no collection walks them again (a large body's parse runs many)
@@ -42,16 +40,6 @@ def serve_model(cfg: ModelServerConfig, device: str = "cpu") -> None:
     server.run()
     if not server.started:
         sys.exit(3)  # uvicorn.run's exit code when the server could not start (e.g. the port is taken)
-
-
-def _large_frees_go_back() -> None:
-    """glibc: blocks of 1 MiB and more are mmapped, so freeing one (a large request body, its parse) returns it
-    to the OS. By default the threshold rises after each such free, and a burst of large bodies stays in the
-    heap's arenas as resident memory that no later request needs. No-op without glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (malloc.h), fixed from now on
-    except (OSError, AttributeError):
-        pass
 
 
 def _deadline_server(base: type) -> type:
