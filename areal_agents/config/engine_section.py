@@ -34,8 +34,8 @@ class EngineOptions:
         "hf / serve-model: the KV cache's dtype (auto = the model's; bfloat16: docs/benchmarks.md)", default="auto"
     )
     fast_decode: bool = config_field(
-        "hf engine / serve-model: decode Llama-family models with the engine's own step (q/k/v and gate/up fused: "
-        "those weights held twice) instead of transformers' forward",
+        "hf engine / serve-model: decode and prefill Llama-family models with the engine's own step (q/k/v and "
+        "gate/up fused: those weights held twice) instead of transformers' forward",
         default=True,
     )
 

@@ -18,6 +18,7 @@ from transformers import (
 )
 
 from areal_agents.engines import HFEngine
+from areal_agents.engines.hf import decode_step
 from areal_agents.engines.hf.decode_step import LlamaDecodeStep
 from areal_agents.types import GenRequest, SamplingParams
 
@@ -111,3 +112,41 @@ def test_other_models_decode_through_transformers_forward():
     assert LlamaDecodeStep.of(llama) is not None
     del llama.model.layers[1].mlp.up_proj  # a layer of another shape under the llama model_type
     assert LlamaDecodeStep.of(llama) is None
+
+
+def left_padded(contexts, start=None):
+    """``contexts`` left-padded: input ids, attention mask, positions (after ``start[i]`` cached tokens)."""
+    width, n = max(len(c) for c in contexts), len(contexts)
+    ids, attention = torch.zeros((n, width), dtype=torch.long), torch.zeros((n, width), dtype=torch.long)
+    for i, c in enumerate(contexts):
+        ids[i, width - len(c) :], attention[i, width - len(c) :] = torch.tensor(c), 1
+    positions = (attention.cumsum(-1) - 1).clamp(min=0) + torch.tensor(start or [0] * n)[:, None]
+    return ids, attention, positions
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("budget", [1024, 6])  # one chunk; rows in chunks, long rows alone a span at a time
+def test_prefill_is_a_transformers_forward_pass(family, budget, monkeypatch):
+    """The step's own prefill, from scratch and after cached keys and values: each row's next-token logits and
+    its real columns' keys and values are transformers' (left padding, rows of 4 to 24 tokens)."""
+    monkeypatch.setattr(decode_step, "PREFILL_TOKENS", budget)
+    model = family_model(family)
+    step = LlamaDecodeStep.of(model)
+    with torch.no_grad():
+        ids, attention, positions = left_padded(PROMPTS)
+        logits, kv = step.prefill(ids, positions, attention)
+        ref = model(ids, attention_mask=attention, position_ids=positions, use_cache=True)
+        assert torch.allclose(logits, ref.logits[:, -1].float(), atol=1e-5)
+        real = attention.bool()
+        for (k, v), layer in zip(kv, ref.past_key_values.layers):
+            assert torch.allclose(k.transpose(1, 2)[real], layer.keys.transpose(1, 2)[real], atol=1e-5)
+            assert torch.allclose(v.transpose(1, 2)[real], layer.values.transpose(1, 2)[real], atol=1e-5)
+
+        cut = [len(p) // 2 for p in PROMPTS]  # the first halves cached, the second halves prefilled after them
+        past_ids, past_attention, past_positions = left_padded([p[:c] for p, c in zip(PROMPTS, cut)])
+        past = model(past_ids, attention_mask=past_attention, position_ids=past_positions, use_cache=True)
+        cached = [(layer.keys, layer.values) for layer in past.past_key_values.layers]
+        ids, attention, positions = left_padded([p[c:] for p, c in zip(PROMPTS, cut)], start=cut)
+        logits, _ = step.prefill(ids, positions, torch.cat([past_attention, attention], 1), cached)
+        whole = [model(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
+        assert torch.allclose(logits, torch.stack(whole).float(), atol=1e-5)

@@ -20,7 +20,7 @@ from transformers import DynamicCache, PreTrainedModel
 from areal_agents.engines.hf.decode_step import LlamaDecodeStep, head_logits
 from areal_agents.engines.hf.engine_placement import Placement, moved_weights_error, weight_versions
 from areal_agents.engines.hf.kv_buffer import GrowingLayer, kv_dtype_of
-from areal_agents.engines.hf.multi_lora import LoraTable
+from areal_agents.engines.hf.multi_lora import LoraRows, LoraTable
 from areal_agents.engines.hf.prefix_cache import PrefixCache
 from areal_agents.engines.hf.running_batch import (
     RunningBatch,
@@ -254,10 +254,33 @@ class BatchRunner:
         if any(start):
             keys, values, past_mask = self.prefixes.gather(hits)  # in kv_dtype: the prefill runs in the model's
             dtype = self.model.dtype
-            past = DynamicCache(ddp_cache_data=[(k.to(dtype), v.to(dtype)) for k, v in zip(keys, values)])
+            past = [(k.to(dtype), v.to(dtype)) for k, v in zip(keys, values)]
             attention = torch.cat([past_mask, attention], dim=1)
-        context = attention.shape[1] - width  # cached prefix columns before the new ones
         lora = self.lora.rows_of(adapters, self.device)
+        if self.decode_step is not None and lora is None:
+            logits, layers = self.decode_step.prefill(input_ids, positions, attention, past)
+            cache = DynamicCache(ddp_cache_data=layers)
+        else:
+            cache, logits = self.forward_transformers(input_ids, positions, attention, past, lora)
+        self.stats.prefills += 1
+        self.stats.prefill_tokens += sum(len(c) for c in news)
+        self.stats.prefix_hit_tokens += sum(start)
+        cache.layers = [GrowingLayer.adopt(layer, self.max_batch_size, self.kv_dtype) for layer in cache.layers]
+        return cache, attention, positions[:, -1], logits
+
+    def forward_transformers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: torch.Tensor,
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        lora: LoraRows | None,
+    ) -> tuple[DynamicCache, torch.Tensor]:
+        """`forward`'s prefill through transformers' forward (LoRA rows, models `LlamaDecodeStep` does not
+        take): the cache and each row's last logits."""
+        width = input_ids.shape[1]
+        context = attention.shape[1] - width  # cached prefix columns before the new ones
+        cache = None if past is None else DynamicCache(ddp_cache_data=past)
         with self.lora.serving(lora):
             for c0 in range(0, width, PREFILL_CHUNK_TOKENS):
                 c1 = min(width, c0 + PREFILL_CHUNK_TOKENS)
@@ -265,17 +288,11 @@ class BatchRunner:
                     input_ids=input_ids[:, c0:c1],
                     attention_mask=attention[:, : context + c1],
                     position_ids=positions[:, c0:c1],
-                    cache=past,
+                    cache=cache,
                     use_cache=True,
                 )
-                past = out.cache
-            logits = head_logits(self.model, out.last_hidden_state[:, -1], lora)  # float32
-        self.stats.prefills += 1
-        self.stats.prefill_tokens += sum(len(c) for c in news)
-        self.stats.prefix_hit_tokens += sum(start)
-        cache = out.cache
-        cache.layers = [GrowingLayer.adopt(layer, self.max_batch_size, self.kv_dtype) for layer in cache.layers]
-        return cache, attention, positions[:, -1], logits
+                cache = out.cache
+            return cache, head_logits(self.model, out.last_hidden_state[:, -1], lora)  # float32
 
     def decode(self, batch: RunningBatch, version: int) -> None:
         """One token for every row: one forward over all segments, each attending to its own cache."""

@@ -1,13 +1,15 @@
-"""`LlamaDecodeStep`: one decode step of a Llama-family model (Llama, Mistral, Qwen2, Qwen3) in few torch ops.
+"""`LlamaDecodeStep`: a Llama-family model (Llama, Mistral, Qwen2, Qwen3) run by the engine in few torch ops:
+its decode step and its prefill.
 
-On a small model much of a decode step is per-op and per-module overhead, not arithmetic. This step runs
-the model's own weights through fewer ops, as serving engines (SGLang, vLLM) keep model code of their own
-for decoding: q, k and v in one matrix product (gate and up in another), rotary embedding on q and k at
-once, fused RMSNorm, no module hooks or output records. It saves a fixed cost a step, so it pays most on
-small batches, less where one-token attention, bound by reading the KV cache from memory, is most of the
-step (figures: `bench/engine_decode.py`, docs/benchmarks.md). Prefill and training keep
-transformers' forward; tests check this step's tokens and logprobs against it. Rows served with LoRA
-adapters (multi_lora.py) get their adapters' deltas on each part of the fused products (`LoraRows.add`).
+On a small model much of a step is per-op and per-module overhead, not arithmetic. This step runs the
+model's own weights through fewer ops, as serving engines (SGLang, vLLM) keep model code of their own:
+q, k and v in one matrix product (gate and up in another), rotary embedding on q and k at once without a
+rotated copy, fused RMSNorm, no module hooks or output records. The prefill runs rows in chunks of about
+`PREFILL_TOKENS` tokens, rows of like length together, so that its products neither run the batch's
+padding nor spill out of the cache (figures: `bench/engine_decode.py`, `bench/engine_vs_vllm.py`,
+docs/benchmarks.md). Prefills of rows with LoRA adapters, and training, keep transformers' forward; tests
+check this step's tokens, logprobs, keys and values against it. Decode rows served with LoRA adapters
+(multi_lora.py) get their adapters' deltas on each part of the fused products (`LoraRows.add`).
 
 The fused weights are copies (attention and MLP weights held twice), made again when any of their
 sources changes: the step compares each parameter's identity and in-place version counter every call,
@@ -16,24 +18,29 @@ dtype: over float32 weights shared with a trainer (autocast to bfloat16), cast o
 
     step = LlamaDecodeStep.of(model)             # None when the model is not one this step reproduces
     logits = step(input_ids, positions, cache)   # [B] token ids and positions; cache.update -> SegmentedKV
+    logits, kv = step.prefill(input_ids, positions, attention, past)   # left-padded rows; each layer's K, V
 
-The head's logits are float32 (`head_logits`), as the prefill's and the trainer's are.
+The head's logits are float32 (`head_logits`), as the trainer's are.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import rotate_half
 
 from areal_agents.engines.hf.multi_lora import LoraRows
 from areal_agents.engines.hf.segmented_attention import attend_segments
 from areal_agents.models.fp32_head import float32_logits
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # the same decoder layer; qwen3 adds per-head q/k norms
+# Tokens a prefill's products run at once: the matrix products keep their operands in cache (on 2 cores, 1,024
+# rows ran ~1.3x the FLOP/s of 7,000 at hidden 512)
+PREFILL_TOKENS = 1024
+Attend = Callable[[int, torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class LlamaDecodeStep:
@@ -73,25 +80,64 @@ class LlamaDecodeStep:
         """Next-token logits ``[B, V]`` of one token a row; ``cache.update(k, v, layer)`` stores this
         step's keys and values ``[B, kv_heads, 1, D]`` and returns every segment's (`SegmentedKV`). ``lora``:
         the rows' LoRA adapters, whose deltas are added to each part of the fused products."""
+        b = input_ids.shape[0]
+
+        def attend(index: int, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            keys, values = cache.update(k[:, :, None], v[:, :, None], index)
+            return attend_segments(q[:, :, None], keys, values, attn.scaling).reshape(b, self.q_size)
+
+        hidden = self.layers(input_ids, positions, attend, lora)
+        return head_logits(self.model, _rms_norm(hidden, self.model.model.norm), lora)
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: torch.Tensor,
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Left-padded rows ``input_ids [n, w]`` (at ``positions [n, w]``; ``attention [n, p + w]``, 1 = a real
+        token, the first ``p`` columns those of ``past``, each layer's cached keys and values) through the
+        model: each row's next-token logits ``[n, V]`` and every layer's keys and values ``[n, kv_heads, p + w,
+        D]``. Rows run in chunks of about `PREFILL_TOKENS` tokens, rows of like length together, each chunk as
+        wide as its longest row (a row longer than that alone, a span of its columns at a time), so the
+        products neither run the batch's padding nor spill out of the cache."""
+        n, width = input_ids.shape
+        lengths = attention[:, attention.shape[1] - width :].sum(1).tolist()
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # every layer's keys and values, filled chunk by chunk
+        rows, last = [], []
+        for idx, span in _prefill_chunks(lengths, width, PREFILL_TOKENS, input_ids.device):
+            chunk = _ChunkAttention(self, attention, width, idx, span, kv, past)
+            c0, c1 = span
+            hidden = self.layers(input_ids[idx, c0:c1].flatten(), positions[idx, c0:c1].flatten(), chunk)
+            if c1 == width:  # the rows' last tokens
+                rows.append(idx)
+                last.append(hidden.view(len(idx), c1 - c0, -1)[:, -1])
+        hidden = torch.cat(last)[torch.cat(rows).argsort()]
+        return head_logits(self.model, _rms_norm(hidden, self.model.model.norm)), kv
+
+    def layers(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, lora: LoraRows | None = None
+    ) -> torch.Tensor:
+        """The decoder layers over tokens ``input_ids [T]`` at ``positions [T]``: the last hidden states ``[T,
+        hidden]`` before the final norm. ``attend(layer, attn, q [T, heads, D], k, v [T, kv_heads, D])`` stores
+        the keys and values and returns the attention's output ``[T, heads * D]``."""
         body = self.model.model
-        b, heads, d = input_ids.shape[0], self.heads, self.head_dim
-        hidden = body.embed_tokens(input_ids)  # [B, hidden]
-        cos, sin = body.rotary_emb(hidden, positions[:, None])  # [B, 1, D]
-        cos, sin = cos[:, :, None], sin[:, :, None]  # against [B, 1, heads, D]
+        t, heads, d = input_ids.shape[0], self.heads, self.head_dim
+        hidden = body.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = body.rotary_emb(hidden, positions[:, None])  # [T, 1, D], against [T, heads, D]
         for index, layer in enumerate(body.layers):
             attn, fused = layer.self_attn, self._weights(index, layer)
             x = _rms_norm(hidden, layer.input_layernorm)
             qkv = F.linear(x, fused.qkv, fused.qkv_bias)
             if lora is not None:
                 lora.add_parts(qkv, x, ((attn.q_proj, 0), (attn.k_proj, self.q_size), (attn.v_proj, self.qkv_v)))
-            qk = qkv[:, : self.q_size + self.kv_size].view(b, 1, heads + self.kv_heads, d)
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + self.kv_heads, d)
             if self.qk_norm:
-                qk = torch.cat([_rms_norm(qk[:, :, :heads], attn.q_norm), _rms_norm(qk[:, :, heads:], attn.k_norm)], 2)
-            qk = (qk * cos + rotate_half(qk) * sin).transpose(1, 2)  # [B, heads + kv_heads, 1, D]
-            v = qkv[:, self.q_size + self.kv_size :].view(b, self.kv_heads, 1, d)
-            keys, values = cache.update(qk[:, heads:], v, index)
-            out = attend_segments(qk[:, :heads], keys, values, attn.scaling)  # [B, heads, 1, D]
-            out = out.reshape(b, self.q_size)
+                qk = torch.cat([_rms_norm(qk[:, :heads], attn.q_norm), _rms_norm(qk[:, heads:], attn.k_norm)], 1)
+            qk = _rotary(qk, cos, sin)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, self.kv_heads, d)
+            out = attend(index, attn, qk[:, :heads], qk[:, heads:], v)
             o = F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
             hidden = hidden + (o if lora is None else lora.add(o, out, attn.o_proj))
             mlp = layer.mlp
@@ -103,7 +149,7 @@ class LlamaDecodeStep:
             act = mlp.act_fn(gate) * up
             down = F.linear(act, mlp.down_proj.weight, mlp.down_proj.bias)
             hidden = hidden + (down if lora is None else lora.add(down, act, mlp.down_proj))
-        return head_logits(self.model, _rms_norm(hidden, body.norm), lora)
+        return hidden
 
     def _weights(self, index: int, layer: torch.nn.Module) -> _Fused:
         """The layer's fused weights, made again if a source parameter was replaced or changed in place."""
@@ -124,6 +170,97 @@ def head_logits(model: PreTrainedModel, hidden: torch.Tensor, lora: LoraRows | N
     head = model.get_output_embeddings()
     logits = float32_logits(hidden, head)
     return logits if lora is None else lora.add(logits, hidden, head)
+
+
+class _ChunkAttention:
+    """`LlamaDecodeStep.prefill`'s attention for one chunk: rows ``idx``, new columns ``span``. Its tokens write
+    their keys and values into each layer's buffers (``kv``, made at the first chunk, ``past`` first) and
+    attend to their row's real columns up to their own: the cached ones, the chunk's, and (a long row's later
+    spans) the earlier spans'. A padding token attends to itself alone: sdpa kernels differ on a row with
+    nothing to attend to (some give NaN), and its keys and values sit in masked columns, where a NaN would
+    still poison the sum."""
+
+    def __init__(  # noqa: PLR0913
+        self,
+        step: LlamaDecodeStep,
+        attention: torch.Tensor,
+        width: int,
+        idx: torch.Tensor,
+        span: tuple[int, int],
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    ) -> None:
+        self.step, self.idx, self.kv, self.past = step, idx, kv, past
+        self.n, self.columns = attention.shape
+        self.context = self.columns - width  # cached columns before the new ones
+        self.start, self.end = self.context + span[0], self.context + span[1]  # the chunk's columns
+        self.alone = len(idx) == 1  # a row alone (a long row's span): it attends through the buffers
+        device = idx.device
+        queries = torch.arange(self.start, self.end, device=device)[:, None]
+        if self.alone:
+            keys = torch.arange(self.end, device=device)
+        else:  # the cached columns, then the chunk's own (the new columns before it are its rows' padding)
+            keys = torch.cat([torch.arange(self.context, device=device), queries.squeeze(1)])
+        allowed = (attention[idx][:, None, keys].bool() & (keys <= queries)) | (keys == queries)
+        self.allowed = allowed[:, None]  # [rows, 1, chunk columns, key columns]
+
+    def __call__(self, index: int, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        step, idx, rows, width = self.step, self.idx, len(self.idx), self.end - self.start
+        if len(self.kv) <= index:
+            self.kv.append(_prefill_buffers(self.n, self.columns, (k, v), self.past[index] if self.past else None))
+        new = [x.view(rows, width, x.shape[1], step.head_dim).transpose(1, 2) for x in (k, v)]
+        for buffer, x in zip(self.kv[index], new):
+            buffer[idx, :, self.start : self.end] = x.to(buffer.dtype)
+        if self.alone:
+            row = int(idx[0])
+            keys, values = (buffer[row : row + 1, :, : self.end] for buffer in self.kv[index])
+        elif self.context:
+            keys, values = (torch.cat([buffer[idx, :, : self.context], x], 2) for buffer, x in zip(self.kv[index], new))
+        else:
+            keys, values = new
+        out = F.scaled_dot_product_attention(
+            q.view(rows, width, step.heads, step.head_dim).transpose(1, 2),
+            keys.to(q.dtype),
+            values.to(q.dtype),
+            attn_mask=self.allowed,
+            scale=attn.scaling,
+            enable_gqa=step.heads != step.kv_heads,
+        )
+        return out.transpose(1, 2).reshape(rows * width, step.q_size)
+
+
+def _prefill_chunks(
+    lengths: list[int], width: int, budget: int, device: torch.device
+) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+    """`LlamaDecodeStep.prefill`'s chunks: (rows, new columns) of about ``budget`` tokens, padding included.
+    Rows go longest first, each chunk as wide as its first row; a row longer than ``budget`` runs alone, a
+    span of ``budget`` columns at a time (a column's keys are written before the columns after it attend)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    chunks, i = [], 0
+    while i < len(order):
+        longest = lengths[order[i]]
+        if longest > budget:
+            row = torch.tensor([order[i]], device=device)
+            chunks += [(row, (c, min(c + budget, width))) for c in range(width - longest, width, budget)]
+            i += 1
+            continue
+        take = max(1, budget // longest)
+        chunks.append((torch.tensor(order[i : i + take], device=device), (width - longest, width)))
+        i += take
+    return chunks
+
+
+def _prefill_buffers(
+    rows: int, columns: int, kv: tuple[torch.Tensor, torch.Tensor], past: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's keys and values ``[rows, kv_heads, columns, D]``, each in the dtype of the first chunk's (under
+    autocast the keys come out of the rotary embedding in float32): zeros (columns no token writes must hold
+    finite numbers), the cached ``past`` columns first."""
+    buffers = tuple(x.new_zeros(rows, x.shape[1], columns, x.shape[2]) for x in kv)
+    if past is not None:
+        for buffer, cached in zip(buffers, past):
+            buffer[:, :, : cached.shape[2]] = cached
+    return buffers
 
 
 def _stock_layer(layer: torch.nn.Module) -> bool:
@@ -160,6 +297,16 @@ def _stack(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     return weight, torch.cat(
         [bias if bias is not None else weight.new_zeros(linear.out_features) for bias, linear in zip(biases, linears)]
     )
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary embedding, ``x * cos + rotate_half(x) * sin``, without the rotated copy (its
+    negation and concatenation cost ~5x the rest on CPU)."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return out
 
 
 def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:

@@ -44,16 +44,39 @@ def segmented_sdpa(module, query, key, value, attention_mask, dropout=0.0, scali
 def attend_segments(
     query: torch.Tensor, keys: SegmentedKV, values: SegmentedKV, scale: float | None = None, dropout: float = 0.0
 ) -> torch.Tensor:
-    """``query [B, H, q, D]`` attending each segment's rows to its keys and values with sdpa, in the cache's
-    dtype (a cache kept in another dtype than the model's); ``[B, H, q, D]`` in the query's dtype."""
+    """``query [B, H, q, D]`` attending each segment's rows to its keys and values, in the cache's dtype (a
+    cache kept in another dtype than the model's); ``[B, H, q, D]`` in the query's dtype. One query a row (a
+    decode step) runs `one_token_attention`, the rest sdpa."""
     dtype = keys.parts[0].dtype
     q = query.to(dtype)
     gqa = query.shape[1] != keys.parts[0].shape[1]
-    outs = [
-        F.scaled_dot_product_attention(q[rows], k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
-        for rows, k, v, mask in zip(keys.rows, keys.parts, values.parts, keys.masks)
-    ]
+    if query.shape[2] == 1 and not dropout:
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        outs = [
+            one_token_attention(q[rows], k, v, mask, scale)
+            for rows, k, v, mask in zip(keys.rows, keys.parts, values.parts, keys.masks)
+        ]
+    else:
+        outs = [
+            F.scaled_dot_product_attention(
+                q[rows], k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
+            )
+            for rows, k, v, mask in zip(keys.rows, keys.parts, values.parts, keys.masks)
+        ]
     return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(query.dtype)
+
+
+def one_token_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``query [B, H, 1, D]`` against ``keys``, ``values [B, kv_heads, L, D]`` under the additive ``mask [B, 1,
+    1, L]``, as two batched matrix products: on CPU sdpa's flash kernel, made for long queries, took ~1.4x as
+    long for one (a decode step's largest cost). Grouped heads share their key's product."""
+    b, heads, _, d = query.shape
+    groups = heads // keys.shape[1]
+    q = query.view(b, keys.shape[1], groups, d)  # head h reads key head h // groups
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).add_(mask)  # [B, kv_heads, groups, L]
+    return torch.matmul(scores.softmax(-1), values).view(b, heads, 1, d)
 
 
 AttentionInterface.register(SEGMENTED_SDPA, segmented_sdpa)
