@@ -250,14 +250,15 @@ class BatchRunner:
         positions = (attention.cumsum(-1) - 1).clamp(min=0) + torch.tensor(start)[:, None]
         # built on the host, moved once (on CPU `to` is the tensor itself)
         input_ids, attention, positions = (t.to(self.device) for t in (input_ids, attention, positions))
+        lora = self.lora.rows_of(adapters, self.device)
+        fused = self.decode_step is not None and lora is None
         past = None
-        if any(start):
-            keys, values, past_mask = self.prefixes.gather(hits)  # in kv_dtype: the prefill runs in the model's
+        if any(start):  # the past in kv_dtype, the prefill in the model's; the fused one writes after it in place
+            keys, values, past_mask = self.prefixes.gather(hits, room=width if fused else 0)
             dtype = self.model.dtype
             past = [(k.to(dtype), v.to(dtype)) for k, v in zip(keys, values)]
             attention = torch.cat([past_mask, attention], dim=1)
-        lora = self.lora.rows_of(adapters, self.device)
-        if self.decode_step is not None and lora is None:
+        if fused:
             logits, layers = self.decode_step.prefill(input_ids, positions, attention, past)
             cache = DynamicCache(ddp_cache_data=layers)
         else:
@@ -416,11 +417,12 @@ class BatchRunner:
             # their rows hold context + tokens[:-1]: kept for a next turn (of the same adapter)
             index = torch.tensor(kept, device=self.device)
             self.prefixes.add(
-                [layer.keys[index] for layer in segment.cache.layers],
-                [layer.values[index] for layer in segment.cache.layers],
+                [layer.keys for layer in segment.cache.layers],
+                [layer.values for layer in segment.cache.layers],
                 segment.attention[index],
                 [tuple(segment.rows[i].input_ids + segment.rows[i].tokens[:-1]) for i in kept],
                 adapter,
+                rows=index,
             )
         compact(segment)
 

@@ -97,11 +97,12 @@ class LlamaDecodeStep:
         past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Left-padded rows ``input_ids [n, w]`` (at ``positions [n, w]``; ``attention [n, p + w]``, 1 = a real
-        token, the first ``p`` columns those of ``past``, each layer's cached keys and values) through the
-        model: each row's next-token logits ``[n, V]`` and every layer's keys and values ``[n, kv_heads, p + w,
-        D]``. Rows run in chunks of about `PREFILL_TOKENS` tokens, rows of like length together, each chunk as
-        wide as its longest row (a row longer than that alone, a span of its columns at a time), so the
-        products neither run the batch's padding nor spill out of the cache."""
+        token, the first ``p`` columns those of ``past``: each layer's cached keys and values, ``p`` columns
+        wide, or ``p + w`` and then written in place) through the model: each row's next-token logits ``[n,
+        V]`` and every layer's keys and values ``[n, kv_heads, p + w, D]``. Rows run in chunks of about
+        `PREFILL_TOKENS` tokens, rows of like length together, each chunk as wide as its longest row (a row
+        longer than that alone, a span of its columns at a time), so the products neither run the batch's
+        padding nor spill out of the cache."""
         n, width = input_ids.shape
         lengths = attention[:, attention.shape[1] - width :].sum(1).tolist()
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # every layer's keys and values, filled chunk by chunk
@@ -255,7 +256,9 @@ def _prefill_buffers(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's keys and values ``[rows, kv_heads, columns, D]``, each in the dtype of the first chunk's (under
     autocast the keys come out of the rotary embedding in float32): zeros (columns no token writes must hold
-    finite numbers), the cached ``past`` columns first."""
+    finite numbers), the cached ``past`` columns first; ``past`` itself when it is that wide already."""
+    if past is not None and past[0].shape[2] == columns and all(p.dtype == x.dtype for p, x in zip(past, kv)):
+        return past  # the cached columns, then zeros for the new ones (`PrefixCache.gather`'s room)
     buffers = tuple(x.new_zeros(rows, x.shape[1], columns, x.shape[2]) for x in kv)
     if past is not None:
         for buffer, cached in zip(buffers, past):

@@ -73,13 +73,15 @@ class PrefixCache:
         mask: torch.Tensor,
         token_keys: list[tuple[int, ...]],
         adapter: str | None = None,
+        rows: torch.Tensor | None = None,
     ) -> None:
         """Store rows whose cached tokens are ``token_keys`` (a tuple per row, one per real column of ``mask``),
-        computed with LoRA ``adapter`` (None: the base model)."""
+        computed with LoRA ``adapter`` (None: the base model); ``rows``: which rows of ``keys`` and ``values``
+        those are (default: all), copied once into the block."""
         if self.max_tokens <= 0 or not token_keys:
             return
         first = int(mask.any(0).nonzero()[0]) if mask.any() else mask.shape[1]  # columns no row uses
-        block = _Block(torch.stack(keys + values)[:, :, :, first:], mask[:, first:], token_keys, adapter)
+        block = _Block(_stacked(keys + values, rows, first), mask[:, first:], token_keys, adapter)
         if block.size > self.max_tokens:
             return
         self._blocks[id(block)] = block
@@ -101,12 +103,16 @@ class PrefixCache:
                 return PrefixHit(hit[0], hit[1], length)
         return None
 
-    def gather(self, hits: list[PrefixHit | None]) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-        """A past KV cache for one prefill: row i holds ``hits[i]``'s tokens (right-aligned), or nothing."""
+    def gather(
+        self, hits: list[PrefixHit | None], room: int = 0
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """A past KV cache for one prefill: row i holds ``hits[i]``'s tokens (right-aligned), or nothing; the
+        keys and values have ``room`` zero columns after them (the mask does not), where a prefill can write
+        its new tokens' without copying the past again."""
         used = [h for h in hits if h is not None]
         width = max(h.block.mask.shape[1] for h in used)
         two_layers, _, heads, _, dim = used[0].block.kv.shape
-        kv = used[0].block.kv.new_zeros(two_layers, len(hits), heads, width, dim)
+        kv = used[0].block.kv.new_zeros(two_layers, len(hits), heads, width + room, dim)
         mask = used[0].block.mask.new_zeros(len(hits), width)
         by_block: dict[int, tuple[_Block, list[int], list[int]]] = {}
         for i, h in enumerate(hits):
@@ -118,7 +124,7 @@ class PrefixCache:
             dst, src = torch.tensor(targets, device=kv.device), torch.tensor(rows, device=kv.device)
             w = block.mask.shape[1]
             mask[dst, width - w :] = block.mask[src]
-            kv[:, dst, :, width - w :] = block.kv[:, src]
+            kv[:, dst, :, width - w : width] = block.kv[:, src]
         layers = two_layers // 2
         return list(kv[:layers]), list(kv[layers:]), mask
 
@@ -138,3 +144,14 @@ class PrefixCache:
                 if not index:
                     del self._by_length[len(key)]
         self._longest_first = None
+
+
+def _stacked(tensors: list[torch.Tensor], rows: torch.Tensor | None, first: int) -> torch.Tensor:
+    """``tensors`` ``[R, H, W, D]`` stacked, rows ``rows`` (all: None) from column ``first`` on, in one copy."""
+    if rows is None:
+        return torch.stack([t[:, :, first:] for t in tensors])
+    head = tensors[0]
+    out = head.new_empty(len(tensors), len(rows), head.shape[1], head.shape[2] - first, head.shape[3])
+    for i, t in enumerate(tensors):
+        torch.index_select(t[:, :, first:], 0, rows, out=out[i])
+    return out
