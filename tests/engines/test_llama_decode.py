@@ -130,6 +130,7 @@ def test_prefill_is_a_transformers_forward_pass(family, budget, monkeypatch):
     """The step's own prefill, from scratch and after cached keys and values: each row's next-token logits and
     its real columns' keys and values are transformers' (left padding, rows of 4 to 24 tokens)."""
     monkeypatch.setattr(decode_step, "PREFILL_TOKENS", budget)
+    monkeypatch.setattr(decode_step, "PREFILL_CELLS", budget)
     model = family_model(family)
     step = LlamaDecodeStep.of(model)
     with torch.no_grad():

@@ -5,7 +5,7 @@ On a small model much of a step is per-op and per-module overhead, not arithmeti
 model's own weights through fewer ops, as serving engines (SGLang, vLLM) keep model code of their own:
 q, k and v in one matrix product (gate and up in another), rotary embedding on q and k at once without a
 rotated copy, fused RMSNorm, no module hooks or output records. The prefill runs rows in chunks of about
-`PREFILL_TOKENS` tokens, rows of like length together, so that its products neither run the batch's
+`PREFILL_CELLS` activations, rows of like length together, so that its products neither run the batch's
 padding nor spill out of the cache (figures: `bench/engine_decode.py`, `bench/engine_vs_vllm.py`,
 docs/benchmarks.md). Prefills of rows with LoRA adapters, and training, keep transformers' forward; tests
 check this step's tokens, logprobs, keys and values against it. Decode rows served with LoRA adapters
@@ -37,8 +37,10 @@ from areal_agents.engines.hf.segmented_attention import attend_segments
 from areal_agents.models.fp32_head import float32_logits
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # the same decoder layer; qwen3 adds per-head q/k norms
-# Tokens a prefill's products run at once: the matrix products keep their operands in cache (on 2 cores, 1,024
-# rows ran ~1.3x the FLOP/s of 7,000 at hidden 512)
+# A prefill's products run about this many activations (tokens x hidden) at once, and at least PREFILL_TOKENS
+# tokens: operands that stay in cache (on 2 cores, 1,024-row fp32 products at hidden 512 ran ~1.3x the FLOP/s
+# of 7,000-row ones), few enough chunks that a small model's per-op cost stays small
+PREFILL_CELLS = 1 << 19
 PREFILL_TOKENS = 1024
 Attend = Callable[[int, torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -100,14 +102,15 @@ class LlamaDecodeStep:
         token, the first ``p`` columns those of ``past``: each layer's cached keys and values, ``p`` columns
         wide, or ``p + w`` and then written in place) through the model: each row's next-token logits ``[n,
         V]`` and every layer's keys and values ``[n, kv_heads, p + w, D]``. Rows run in chunks of about
-        `PREFILL_TOKENS` tokens, rows of like length together, each chunk as wide as its longest row (a row
+        `PREFILL_CELLS` activations, rows of like length together, each chunk as wide as its longest row (a row
         longer than that alone, a span of its columns at a time), so the products neither run the batch's
         padding nor spill out of the cache."""
         n, width = input_ids.shape
         lengths = attention[:, attention.shape[1] - width :].sum(1).tolist()
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # every layer's keys and values, filled chunk by chunk
         rows, last = [], []
-        for idx, span in _prefill_chunks(lengths, width, PREFILL_TOKENS, input_ids.device):
+        budget = max(PREFILL_TOKENS, PREFILL_CELLS // self.model.config.hidden_size)
+        for idx, span in _prefill_chunks(lengths, width, budget, input_ids.device):
             chunk = _ChunkAttention(self, attention, width, idx, span, kv, past)
             c0, c1 = span
             hidden = self.layers(input_ids[idx, c0:c1].flatten(), positions[idx, c0:c1].flatten(), chunk)
