@@ -50,7 +50,7 @@ def attend_segments(
     dtype = keys.parts[0].dtype
     q = query.to(dtype)
     gqa = query.shape[1] != keys.parts[0].shape[1]
-    if query.shape[2] == 1 and not dropout:
+    if query.shape[2] == 1 and not dropout and q.device.type == "cpu":  # (CUDA's sdpa kernels decode well)
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         outs = [
             one_token_attention(q[rows], k, v, mask, scale)
@@ -71,12 +71,13 @@ def one_token_attention(
 ) -> torch.Tensor:
     """``query [B, H, 1, D]`` against ``keys``, ``values [B, kv_heads, L, D]`` under the additive ``mask [B, 1,
     1, L]``, as two batched matrix products: on CPU sdpa's flash kernel, made for long queries, took ~1.4x as
-    long for one (a decode step's largest cost). Grouped heads share their key's product."""
+    long for one (a decode step's largest cost). Grouped heads share their key's product; the softmax runs in
+    float32, as sdpa's does."""
     b, heads, _, d = query.shape
     groups = heads // keys.shape[1]
-    q = query.view(b, keys.shape[1], groups, d)  # head h reads key head h // groups
-    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).add_(mask)  # [B, kv_heads, groups, L]
-    return torch.matmul(scores.softmax(-1), values).view(b, heads, 1, d)
+    q = query.reshape(b, keys.shape[1], groups, d)  # head h reads key head h // groups
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale).add_(mask)  # [B, kv_heads, groups, L]
+    return torch.matmul(scores.softmax(-1).to(values.dtype), values).view(b, heads, 1, d)
 
 
 AttentionInterface.register(SEGMENTED_SDPA, segmented_sdpa)
