@@ -42,6 +42,7 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # the same decoder layer;
 # of 7,000-row ones), few enough chunks that a small model's per-op cost stays small
 PREFILL_CELLS = 1 << 19
 PREFILL_TOKENS = 1024
+PREFILL_TOKENS_GPU = 8192  # a chunk's tokens on a GPU (vLLM's chunked prefill runs 2,048-8,192 a step)
 Attend = Callable[[int, torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -110,6 +111,8 @@ class LlamaDecodeStep:
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # every layer's keys and values, filled chunk by chunk
         rows, last = [], []
         budget = max(PREFILL_TOKENS, PREFILL_CELLS // self.model.config.hidden_size)
+        if input_ids.device.type != "cpu":  # a GPU's products want many rows; cache residency is a CPU matter
+            budget = PREFILL_TOKENS_GPU
         for idx, span in _prefill_chunks(lengths, width, budget, input_ids.device):
             chunk = _ChunkAttention(self, attention, width, idx, span, kv, past)
             c0, c1 = span
