@@ -61,12 +61,16 @@ class BodyLimit:
     the response ``refuse(max_bytes)`` builds (a 413 in the server's error shape). A declared Content-Length
     over the limit is refused at once; any other body (chunked, or a wrong length) is read up to the limit and
     then handed to the app whole, so no more than the limit is ever held, however the body was sent.
+    ``served(size)``, when given, runs once the app has answered (serve-model trims the heap after large bodies).
 
         app.add_middleware(BodyLimit, max_bytes=8 << 20, refuse=lambda n: JSONResponse({...}, 413))
     """
 
-    def __init__(self, app: Any, max_bytes: int, refuse: Callable[[int], Any]) -> None:
+    def __init__(
+        self, app: Any, max_bytes: int, refuse: Callable[[int], Any], served: Callable[[int], None] | None = None
+    ) -> None:
         self.app, self.max_bytes, self.refuse = app, max_bytes, refuse
+        self.served = served  # called with the body's size once the app has answered it
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -93,4 +97,8 @@ class BodyLimit:
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            if self.served is not None:
+                self.served(seen)

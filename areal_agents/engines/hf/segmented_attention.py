@@ -14,6 +14,7 @@ training, ``generate``) it is plain sdpa.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -49,21 +50,27 @@ def attend_segments(
     decode step) runs `one_token_attention`, the rest sdpa."""
     dtype = keys.parts[0].dtype
     q = query.to(dtype)
-    gqa = query.shape[1] != keys.parts[0].shape[1]
     if query.shape[2] == 1 and not dropout and q.device.type == "cpu":  # (CUDA's sdpa kernels decode well)
         scale = query.shape[-1] ** -0.5 if scale is None else scale
-        outs = [
-            one_token_attention(q[rows], k, v, mask, scale)
-            for rows, k, v, mask in zip(keys.rows, keys.parts, values.parts, keys.masks)
-        ]
+        attend = partial(one_token_attention, scale=scale)
     else:
-        outs = [
-            F.scaled_dot_product_attention(
-                q[rows], k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
-            )
-            for rows, k, v, mask in zip(keys.rows, keys.parts, values.parts, keys.masks)
-        ]
+        gqa = query.shape[1] != keys.parts[0].shape[1]
+        attend = partial(_sdpa, dropout=dropout, scale=scale, gqa=gqa)
+    outs = [attend(q[rows], k, v, mask) for rows, k, v, mask in zip(keys.rows, keys.parts, values.parts, keys.masks)]
     return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(query.dtype)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    dropout: float,
+    scale: float | None,
+    gqa: bool,
+) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
 
 
 def one_token_attention(

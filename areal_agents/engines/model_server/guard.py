@@ -81,7 +81,7 @@ class ClientGuard:
 
     def __init__(self, app: Any, max_body_bytes: int, admin_key: str | None = None) -> None:
         self.app, self.admin_key = app, admin_key
-        self.limited = BodyLimit(app, max_body_bytes, refuse=_too_large)
+        self.limited = BodyLimit(app, max_body_bytes, refuse=_too_large, served=_trim_after_large)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] in CONTROL_ROUTES:
@@ -93,19 +93,12 @@ class ClientGuard:
                     "as 'Authorization: Bearer KEY'"
                 )
                 return await guard_error(401, message)(scope, receive, send)
-        received = 0
+        await self.limited(scope, receive, send)
 
-        async def counted() -> dict:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            return message
 
-        try:
-            await self.limited(scope, counted, send)
-        finally:
-            if received >= TRIM_AFTER_BYTES:
-                trim_heap()
+def _trim_after_large(body_bytes: int) -> None:
+    if body_bytes >= TRIM_AFTER_BYTES:
+        trim_heap()
 
 
 def trim_heap() -> None:
