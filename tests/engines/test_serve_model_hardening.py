@@ -210,10 +210,10 @@ def test_an_error_in_one_prefill_fails_that_request_only_simulated_fault(tiny_di
     engine = HFEngine(model, admission_window_s=0.05)  # the four arrive together: one prefill for all
     real_forward = engine._runner.forward
 
-    def forward(contexts, adapters):
+    def forward(contexts, adapters, decode=0):
         if any(c[:3] == (9, 9, 9) for c in contexts):
             raise RuntimeError("simulated fault in this request's prefill")
-        return real_forward(contexts, adapters)
+        return real_forward(contexts, adapters, decode)
 
     engine._runner.forward = forward
     good, replies = run_with_a_poisoned_request(engine)

@@ -19,7 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from areal_agents.engines.hf.decode_step import LlamaDecodeStep, head_logits
 from areal_agents.engines.hf.engine_placement import Placement, moved_weights_error, weight_versions
-from areal_agents.engines.hf.kv_buffer import GrowingLayer, kv_dtype_of
+from areal_agents.engines.hf.kv_buffer import GrowingLayer, kv_dtype_of, spare_columns
 from areal_agents.engines.hf.multi_lora import LoraRows, LoraTable
 from areal_agents.engines.hf.prefix_cache import PrefixCache
 from areal_agents.engines.hf.running_batch import (
@@ -195,18 +195,21 @@ class BatchRunner:
         extends a finished request's (the next turn of an episode) runs only its new tokens, and so do
         resumed rows of one group after a weight swap (their prompt runs once)."""
         distinct: dict[tuple[str | None, tuple[int, ...]], int] = {}  # (adapter, context)
-        owner = torch.tensor(
-            [distinct.setdefault((s.lora_name, tuple(s.input_ids + s.tokens)), len(distinct)) for s in rows],
-            device=self.device,
-        )
+        owner = [distinct.setdefault((s.lora_name, tuple(s.input_ids + s.tokens)), len(distinct)) for s in rows]
         adapters, contexts = [a for a, _ in distinct], [c for _, c in distinct]
         if self.prefixes.max_tokens > 0:
             self.cache_shared_prompts(rows)
-        cache, attention, positions, logits = self.forward(contexts, adapters)
-        if len(contexts) < len(rows):
+        decode = max(s.sampling.max_new_tokens - len(s.tokens) for s in rows)  # columns the decode steps may add
+        cache, attention, positions, logits, order = self.forward(contexts, adapters, decode)
+        if len(contexts) < len(rows):  # copies of the rows of identical contexts
+            at = {c: i for i, c in enumerate(order)}
+            index = torch.tensor([at[c] for c in owner], device=self.device)
             for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[owner], layer.values[owner]
-            attention, positions, logits = attention[owner], positions[owner], logits[owner]
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
+            attention, positions, logits = attention[index], positions[index], logits[index]
+        else:  # the rows in the cache's order
+            row_of = {c: r for r, c in enumerate(owner)}
+            rows = [rows[row_of[c]] for c in order]
         pending, _ = self.sample(rows, logits, version)
         return Segment(rows, cache, attention, positions + 1, pending)
 
@@ -223,23 +226,26 @@ class BatchRunner:
             if len(ends) > 1 and (hit is None or hit.length < len(prompt)):
                 by_adapter.setdefault(adapter, []).append(prompt)
         for adapter, prompts in by_adapter.items():
-            cache, attention, _, _ = self.forward(prompts, [adapter] * len(prompts))
+            cache, attention, _, _, order = self.forward(prompts, [adapter] * len(prompts))
             self.prefixes.add(
                 [layer.keys for layer in cache.layers],
                 [layer.values for layer in cache.layers],
                 attention,
-                prompts,
+                [prompts[i] for i in order],
                 adapter,
             )
 
     def forward(
-        self, contexts: list[tuple[int, ...]], adapters: list[str | None]
-    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Prefill distinct contexts (each from its longest cached prefix of its LoRA adapter's): the cache,
-        its attention mask, each row's last position and last logits."""
+        self, contexts: list[tuple[int, ...]], adapters: list[str | None], decode: int = 0
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """Prefill distinct contexts (each from its longest cached prefix of its LoRA adapter's), rows with the
+        most new tokens first: the cache (room for up to ``decode`` more columns), its attention mask, each
+        row's last position and last logits, and which context each row is."""
         hits = [self.prefixes.find(c, a) if len(self.prefixes) else None for c, a in zip(contexts, adapters)]
         start = [h.length if h is not None else 0 for h in hits]
-        news = [c[s:] for c, s in zip(contexts, start)]
+        order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]) - start[i], reverse=True)
+        hits, start, adapters = [hits[i] for i in order], [start[i] for i in order], [adapters[i] for i in order]
+        news = [contexts[i][s:] for i, s in zip(order, start)]
         width = max(len(c) for c in news)
         n = len(contexts)
         input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
@@ -252,22 +258,24 @@ class BatchRunner:
         input_ids, attention, positions = (t.to(self.device) for t in (input_ids, attention, positions))
         lora = self.lora.rows_of(adapters, self.device)
         fused = self.decode_step is not None and lora is None
-        past = None
+        past, columns = None, width + (max(h.block.mask.shape[1] for h in hits if h) if any(start) else 0)
+        spare = min(decode, spare_columns(columns)) if fused else 0  # the decode steps' room, as GrowingLayer's
         if any(start):  # the past in kv_dtype, the prefill in the model's; the fused one writes after it in place
-            keys, values, past_mask = self.prefixes.gather(hits, room=width if fused else 0)
+            keys, values, past_mask = self.prefixes.gather(hits, room=width + spare if fused else 0)
             dtype = self.model.dtype
             past = [(k.to(dtype), v.to(dtype)) for k, v in zip(keys, values)]
             attention = torch.cat([past_mask, attention], dim=1)
-        if fused:
-            logits, layers = self.decode_step.prefill(input_ids, positions, attention, past)
-            cache = DynamicCache(ddp_cache_data=layers)
+        if fused:  # the prefill's buffers become the cache's room as they are
+            logits, layers = self.decode_step.prefill(input_ids, positions, attention, past, spare)
+            cache = DynamicCache()
+            cache.layers = [GrowingLayer.over(kv, columns, self.max_batch_size, self.kv_dtype) for kv in layers]
         else:
             cache, logits = self.forward_transformers(input_ids, positions, attention, past, lora)
+            cache.layers = [GrowingLayer.adopt(layer, self.max_batch_size, self.kv_dtype) for layer in cache.layers]
         self.stats.prefills += 1
         self.stats.prefill_tokens += sum(len(c) for c in news)
         self.stats.prefix_hit_tokens += sum(start)
-        cache.layers = [GrowingLayer.adopt(layer, self.max_batch_size, self.kv_dtype) for layer in cache.layers]
-        return cache, attention, positions[:, -1], logits
+        return cache, attention, positions[:, -1], logits, order
 
     def forward_transformers(
         self,

@@ -98,14 +98,16 @@ class LlamaDecodeStep:
         positions: torch.Tensor,
         attention: torch.Tensor,
         past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        spare: int = 0,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Left-padded rows ``input_ids [n, w]`` (at ``positions [n, w]``; ``attention [n, p + w]``, 1 = a real
         token, the first ``p`` columns those of ``past``: each layer's cached keys and values, ``p`` columns
-        wide, or ``p + w`` and then written in place) through the model: each row's next-token logits ``[n,
-        V]`` and every layer's keys and values ``[n, kv_heads, p + w, D]``. Rows run in chunks of about
-        `PREFILL_CELLS` activations, rows of like length together, each chunk as wide as its longest row (a row
-        longer than that alone, a span of its columns at a time), so the products neither run the batch's
-        padding nor spill out of the cache."""
+        wide, or ``p + w + spare`` and then written in place) through the model: each row's next-token logits
+        ``[n, V]`` and every layer's keys and values ``[n, kv_heads, p + w + spare, D]`` (the last ``spare``
+        columns zeros, room for the decode steps). Rows run in chunks of about `PREFILL_CELLS` activations,
+        rows of like length together, each chunk as wide as its longest row (a row longer than that alone, a
+        span of its columns at a time), so the products neither run the batch's padding nor spill out of the
+        cache; rows given longest first make each chunk's rows a slice of the buffers (no copies)."""
         n, width = input_ids.shape
         lengths = attention[:, attention.shape[1] - width :].sum(1).tolist()
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # every layer's keys and values, filled chunk by chunk
@@ -114,7 +116,8 @@ class LlamaDecodeStep:
         if input_ids.device.type != "cpu":  # a GPU's products want many rows; cache residency is a CPU matter
             budget = PREFILL_TOKENS_GPU
         for idx, span in _prefill_chunks(lengths, width, budget, input_ids.device):
-            chunk = _ChunkAttention(self, attention, width, idx, span, kv, past)
+            first = width - max(lengths[i] for i in idx.tolist())  # the chunk's first real column
+            chunk = _ChunkAttention(self, attention, (width, first, span), idx, kv, (past, spare))
             c0, c1 = span
             hidden = self.layers(input_ids[idx, c0:c1].flatten(), positions[idx, c0:c1].flatten(), chunk)
             if c1 == width:  # the rows' last tokens
@@ -180,51 +183,48 @@ def head_logits(model: PreTrainedModel, hidden: torch.Tensor, lora: LoraRows | N
 
 
 class _ChunkAttention:
-    """`LlamaDecodeStep.prefill`'s attention for one chunk: rows ``idx``, new columns ``span``. Its tokens write
-    their keys and values into each layer's buffers (``kv``, made at the first chunk, ``past`` first) and
-    attend to their row's real columns up to their own: the cached ones, the chunk's, and (a long row's later
-    spans) the earlier spans'. A padding token attends to itself alone: sdpa kernels differ on a row with
-    nothing to attend to (some give NaN), and its keys and values sit in masked columns, where a NaN would
-    still poison the sum."""
+    """`LlamaDecodeStep.prefill`'s attention for one chunk: rows ``idx``, new columns ``span`` (of ``width``, the
+    chunk's first real one ``first``). Its tokens write their keys and values into each layer's buffers (``kv``,
+    made at the first chunk: ``past`` first, ``spare`` zero columns last) and attend through them to their row's
+    real columns up to their own: the cached ones, and the new ones from ``first`` on (a long row's later spans
+    read its earlier ones). A padding token attends to itself alone: sdpa kernels differ on a row with nothing
+    to attend to (some give NaN), and its keys and values sit in masked columns, where a NaN would still
+    poison the sum."""
 
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         step: LlamaDecodeStep,
         attention: torch.Tensor,
-        width: int,
+        columns: tuple[int, int, tuple[int, int]],
         idx: torch.Tensor,
-        span: tuple[int, int],
         kv: list[tuple[torch.Tensor, torch.Tensor]],
-        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        past: tuple[list[tuple[torch.Tensor, torch.Tensor]] | None, int],
     ) -> None:
-        self.step, self.idx, self.kv, self.past = step, idx, kv, past
+        width, first, span = columns
+        self.step, self.kv, (self.past, self.spare) = step, kv, past
         self.n, self.columns = attention.shape
-        self.context = self.columns - width  # cached columns before the new ones
-        self.start, self.end = self.context + span[0], self.context + span[1]  # the chunk's columns
-        self.alone = len(idx) == 1  # a row alone (a long row's span): it attends through the buffers
+        context = self.columns - width  # cached columns before the new ones
+        self.start, self.end = context + span[0], context + span[1]  # the chunk's columns
+        self.lo = 0 if context else first  # the keys read: [lo, end); before lo, columns no row of the chunk has
+        rows = idx.tolist()
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        self.rows = slice(rows[0], rows[0] + len(rows)) if consecutive else idx  # a slice reads views, not copies
         device = idx.device
         queries = torch.arange(self.start, self.end, device=device)[:, None]
-        if self.alone:
-            keys = torch.arange(self.end, device=device)
-        else:  # the cached columns, then the chunk's own (the new columns before it are its rows' padding)
-            keys = torch.cat([torch.arange(self.context, device=device), queries.squeeze(1)])
-        allowed = (attention[idx][:, None, keys].bool() & (keys <= queries)) | (keys == queries)
+        keys = torch.arange(self.lo, self.end, device=device)
+        allowed = (attention[self.rows][:, None, self.lo : self.end].bool() & (keys <= queries)) | (keys == queries)
         self.allowed = allowed[:, None]  # [rows, 1, chunk columns, key columns]
 
     def __call__(self, index: int, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        step, idx, rows, width = self.step, self.idx, len(self.idx), self.end - self.start
+        step, width = self.step, self.end - self.start
+        rows = self.allowed.shape[0]
         if len(self.kv) <= index:
-            self.kv.append(_prefill_buffers(self.n, self.columns, (k, v), self.past[index] if self.past else None))
+            past = self.past[index] if self.past else None
+            self.kv.append(_prefill_buffers(self.n, self.columns + self.spare, (k, v), past))
         new = [x.view(rows, width, x.shape[1], step.head_dim).transpose(1, 2) for x in (k, v)]
         for buffer, x in zip(self.kv[index], new):
-            buffer[idx, :, self.start : self.end] = x.to(buffer.dtype)
-        if self.alone:
-            row = int(idx[0])
-            keys, values = (buffer[row : row + 1, :, : self.end] for buffer in self.kv[index])
-        elif self.context:
-            keys, values = (torch.cat([buffer[idx, :, : self.context], x], 2) for buffer, x in zip(self.kv[index], new))
-        else:
-            keys, values = new
+            buffer[self.rows, :, self.start : self.end] = x.to(buffer.dtype)
+        keys, values = (buffer[self.rows, :, self.lo : self.end] for buffer in self.kv[index])
         out = F.scaled_dot_product_attention(
             q.view(rows, width, step.heads, step.head_dim).transpose(1, 2),
             keys.to(q.dtype),

@@ -26,6 +26,20 @@ class GrowingLayer(DynamicLayer):
         grown._dtype = dtype or layer.keys.dtype
         return grown
 
+    @classmethod
+    def over(
+        cls, room: tuple[torch.Tensor, torch.Tensor], width: int, max_rows: int, dtype: torch.dtype
+    ) -> GrowingLayer:
+        """A layer whose keys and values are the first ``width`` columns of ``room`` ``[rows, kv_heads, columns,
+        D]`` (a prefill's buffers, cast to ``dtype`` if they are not in it): its decode steps write the columns
+        after them in place, without copying the cache on admission."""
+        grown = cls()
+        grown.is_initialized, grown.device = True, room[0].device
+        room = tuple(r.to(dtype) for r in room)
+        grown._room, grown._start, grown._max_rows, grown._dtype = room, 0, max_rows, dtype
+        grown._show(room[0].shape[0], width)
+        return grown
+
     def _make_room(self, rows: int, left: int, right: int) -> None:
         """Ensure room for ``rows`` rows, ``left`` columns before the view and ``right`` after it."""
         n, width = self.keys.shape[0], self.keys.shape[-2]
@@ -40,7 +54,7 @@ class GrowingLayer(DynamicLayer):
             return
         capacity = max(rows, min(self._max_rows, 2 * rows))
         self._start = max(left, 8, width // 4)
-        columns = self._start + width + max(right, 16, width // 2)
+        columns = self._start + width + max(right, spare_columns(width))
         room = tuple(
             x.new_empty(capacity, x.shape[1], columns, x.shape[-1], dtype=self._dtype) for x in (self.keys, self.values)
         )
@@ -92,6 +106,11 @@ class GrowingLayer(DynamicLayer):
                 x[holes, :, self._start : self._start + width] = x[movers, :, self._start : self._start + width]
         self._start += drop_columns
         self._show(rows, width - drop_columns)
+
+
+def spare_columns(width: int) -> int:
+    """Columns a growing cache ``width`` wide makes room for at once (half as many again, 16 at least)."""
+    return max(16, width // 2)
 
 
 def kv_dtype_of(kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:

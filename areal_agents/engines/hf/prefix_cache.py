@@ -114,17 +114,11 @@ class PrefixCache:
         two_layers, _, heads, _, dim = used[0].block.kv.shape
         kv = used[0].block.kv.new_zeros(two_layers, len(hits), heads, width + room, dim)
         mask = used[0].block.mask.new_zeros(len(hits), width)
-        by_block: dict[int, tuple[_Block, list[int], list[int]]] = {}
-        for i, h in enumerate(hits):
+        for i, h in enumerate(hits):  # row by row, straight into place (an indexed read copies to a temporary)
             if h is not None:
-                entry = by_block.setdefault(id(h.block), (h.block, [], []))
-                entry[1].append(i)
-                entry[2].append(h.row)
-        for block, targets, rows in by_block.values():
-            dst, src = torch.tensor(targets, device=kv.device), torch.tensor(rows, device=kv.device)
-            w = block.mask.shape[1]
-            mask[dst, width - w :] = block.mask[src]
-            kv[:, dst, :, width - w : width] = block.kv[:, src]
+                w = h.block.mask.shape[1]
+                mask[i, width - w :] = h.block.mask[h.row]
+                kv[:, i, :, width - w : width] = h.block.kv[:, h.row]
         layers = two_layers // 2
         return list(kv[:layers]), list(kv[layers:]), mask
 
