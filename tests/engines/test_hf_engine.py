@@ -605,10 +605,10 @@ def test_long_contexts_prefill_in_chunks_with_the_same_tokens_and_logprobs(model
     """A prefill runs PREFILL_CHUNK_TOKENS columns a call (its mask [rows, 1, chunk, context], not [rows, 1,
     W, W]): left-padded rows of different lengths, resumed rows re-running their tokens after a weight
     swap and next turns from the prefix cache all give the logprobs of a full forward pass."""
-    from areal_agents.engines.hf import batch_runner
+    from areal_agents.engines.hf import transformers_forward
     from areal_agents.models import load_model
 
-    monkeypatch.setattr(batch_runner, "PREFILL_CHUNK_TOKENS", 3)
+    monkeypatch.setattr(transformers_forward, "PREFILL_CHUNK_TOKENS", 3)
     widths = []
     decoder = model.get_decoder()  # the prefill runs the decoder, then the float32 head on the last position
     forward = decoder.forward

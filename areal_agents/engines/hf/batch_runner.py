@@ -10,17 +10,19 @@ The next-token logits are float32 whatever the model's dtype (`head_logits`: the
 
 from __future__ import annotations
 
-import math
 import time
+from functools import partial
 
 import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from areal_agents.engines.hf.decode_step import LlamaDecodeStep, head_logits
+from areal_agents.engines.hf import transformers_forward
+from areal_agents.engines.hf.decode_step import LlamaDecodeStep
 from areal_agents.engines.hf.engine_placement import Placement, moved_weights_error, weight_versions
 from areal_agents.engines.hf.kv_buffer import GrowingLayer, kv_dtype_of, spare_columns
-from areal_agents.engines.hf.multi_lora import LoraRows, LoraTable
+from areal_agents.engines.hf.multi_lora import LoraTable
+from areal_agents.engines.hf.prefill_layout import PrefillLayout, decode_columns, distinct_contexts
 from areal_agents.engines.hf.prefix_cache import PrefixCache
 from areal_agents.engines.hf.running_batch import (
     RunningBatch,
@@ -30,15 +32,10 @@ from areal_agents.engines.hf.running_batch import (
     compact,
     consolidate,
 )
-from areal_agents.engines.hf.sampling import sample_rows, seeded_uniform, uniforms
+from areal_agents.engines.hf.sampling import sample_rows, seeded_draws, uniforms, unsampleable
 from areal_agents.engines.hf.stats import EngineStats
 from areal_agents.errors import EngineError
-from areal_agents.models.logprobs import tempered_log_softmax
 from areal_agents.types import GenResponse, StopReason
-
-# Columns one prefill call runs: its attention mask is [rows, 1, chunk, context] rather than [rows, 1, W, W],
-# so re-running a long context (a resumed 16K-token answer) costs memory linear in its length.
-PREFILL_CHUNK_TOKENS = 2048
 
 Outcome = tuple[Submission, GenResponse | BaseException]  # a submission and what its caller gets
 
@@ -130,14 +127,13 @@ class BatchRunner:
         if (stale or replay) and batch.segments:  # the cache holds the old weights' keys and values
             live = [s for s in batch.rows if not s.delivered] + live
             batch.segments = []
-        if live:
+        mixed = bool(live and batch.segments) and self.mixes(batch, live)
+        if mixed:
+            self.admit_decoding(batch, live, version)
+        elif live:
             self.admit(batch, live, version)
-        if batch.segments:
-            try:
-                self.decode(batch, version)
-            except Exception:  # noqa: BLE001  (one request's fault must not fail the others)
-                self.redecode_alone(batch, version)
-            self.retire(batch)
+        if not mixed:
+            self.decode_or_redo(batch, version)
         self.stats.max_running = max(self.stats.max_running, sum(not s.delivered for s in batch.rows))
         self.stats.busy_seconds += time.perf_counter() - start
 
@@ -194,14 +190,25 @@ class BatchRunner:
         their cache rows are copied, so a group of G costs one prompt's compute, not G. A context that
         extends a finished request's (the next turn of an episode) runs only its new tokens, and so do
         resumed rows of one group after a weight swap (their prompt runs once)."""
-        distinct: dict[tuple[str | None, tuple[int, ...]], int] = {}  # (adapter, context)
-        owner = [distinct.setdefault((s.lora_name, tuple(s.input_ids + s.tokens)), len(distinct)) for s in rows]
-        adapters, contexts = [a for a, _ in distinct], [c for _, c in distinct]
+        contexts, adapters, owner = distinct_contexts(rows)
         if self.prefixes.max_tokens > 0:
             self.cache_shared_prompts(rows)
-        decode = max(s.sampling.max_new_tokens - len(s.tokens) for s in rows)  # columns the decode steps may add
-        cache, attention, positions, logits, order = self.forward(contexts, adapters, decode)
-        if len(contexts) < len(rows):  # copies of the rows of identical contexts
+        return self.seat(rows, owner, *self.forward(contexts, adapters, decode_columns(rows)), version)
+
+    def seat(  # noqa: PLR0913
+        self,
+        rows: list[Submission],
+        owner: list[int],
+        cache: DynamicCache,
+        attention: torch.Tensor,
+        positions: torch.Tensor,
+        logits: torch.Tensor,
+        order: list[int],
+        version: int,
+    ) -> Segment:
+        """The segment of prefilled ``rows`` (row i ran context ``owner[i]``; the cache's rows are contexts
+        ``order``), their first tokens sampled: rows of identical contexts get copies of its cache row."""
+        if len(order) < len(rows):
             at = {c: i for i, c in enumerate(order)}
             index = torch.tensor([at[c] for c in owner], device=self.device)
             for layer in cache.layers:
@@ -212,6 +219,50 @@ class BatchRunner:
             rows = [rows[row_of[c]] for c in order]
         pending, _ = self.sample(rows, logits, version)
         return Segment(rows, cache, attention, positions + 1, pending)
+
+    def mixes(self, batch: RunningBatch, rows: list[Submission]) -> bool:
+        """Whether ``rows`` may be prefilled in the decode step's pass: the model's own step, no LoRA rows, new
+        contexts (not resumed ones); `admit_decoding` checks that their new tokens fit one chunk."""
+        if self.decode_step is None or any(s.lora_name is not None or s.tokens for s in rows):
+            return False
+        return all(s.lora_name is None for s in batch.rows)
+
+    def admit_decoding(self, batch: RunningBatch, rows: list[Submission], version: int) -> None:
+        """Prefill ``rows`` in the same pass over the weights as a decode step of the running batch (arrivals
+        do not stall the running rows, and the products run more rows at once); if that pass fails, the decode
+        step is redone row by row and the rows admitted apart."""
+        contexts, adapters, owner = distinct_contexts(rows)
+        layout = PrefillLayout.of(contexts, adapters, self.prefixes, self.pad_token_id, self.device)
+        if layout.input_ids.numel() > self.decode_step.chunk_tokens(self.device):  # padding made it wider
+            self.admit(batch, rows, version)
+            self.decode_or_redo(batch, version)
+            return
+        spare = min(decode_columns(rows), spare_columns(layout.columns))
+        try:
+            past = layout.gather(self.prefixes, layout.width + spare, self.model.dtype)
+            ids, positions, cache, slices = self.decode_inputs(batch)
+            prefill = (layout.input_ids, layout.positions, layout.attention, past, spare)
+            logits, first, layers = self.decode_step.decode_and_prefill(ids, positions, cache, prefill)
+            self.decoded(batch, logits, slices, version)
+        except Exception:  # noqa: BLE001  (one request's fault must not fail the others)
+            self.redecode_alone(batch, version)
+            self.retire(batch)
+            self.admit(batch, rows, version)
+            return
+        self.count_prefill(layout)
+        cache = self.cache_over(layers, layout.columns)
+        segment = self.seat(rows, owner, cache, layout.attention, layout.positions[:, -1], first, layout.order, version)
+        batch.segments.append(segment)
+        self.retire(batch)
+
+    def decode_or_redo(self, batch: RunningBatch, version: int) -> None:
+        """One decode step of the running batch; if it fails, row by row (`redecode_alone`). Then `retire`."""
+        if batch.segments:
+            try:
+                self.decode(batch, version)
+            except Exception:  # noqa: BLE001  (one request's fault must not fail the others)
+                self.redecode_alone(batch, version)
+            self.retire(batch)
 
     def cache_shared_prompts(self, rows: list[Submission]) -> None:
         """Rows that run their own tokens again (resumed after a weight swap) but share a prompt (a GRPO
@@ -238,73 +289,48 @@ class BatchRunner:
     def forward(
         self, contexts: list[tuple[int, ...]], adapters: list[str | None], decode: int = 0
     ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """Prefill distinct contexts (each from its longest cached prefix of its LoRA adapter's), rows with the
-        most new tokens first: the cache (room for up to ``decode`` more columns), its attention mask, each
-        row's last position and last logits, and which context each row is."""
-        hits = [self.prefixes.find(c, a) if len(self.prefixes) else None for c, a in zip(contexts, adapters)]
-        start = [h.length if h is not None else 0 for h in hits]
-        order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]) - start[i], reverse=True)
-        hits, start, adapters = [hits[i] for i in order], [start[i] for i in order], [adapters[i] for i in order]
-        news = [contexts[i][s:] for i, s in zip(order, start)]
-        width = max(len(c) for c in news)
-        n = len(contexts)
-        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((n, width), dtype=torch.long)
-        for i, new in enumerate(news):  # left padding: every row's next token sits at the end
-            input_ids[i, width - len(new) :] = torch.tensor(new)
-            attention[i, width - len(new) :] = 1
-        positions = (attention.cumsum(-1) - 1).clamp(min=0) + torch.tensor(start)[:, None]
-        # built on the host, moved once (on CPU `to` is the tensor itself)
-        input_ids, attention, positions = (t.to(self.device) for t in (input_ids, attention, positions))
-        lora = self.lora.rows_of(adapters, self.device)
+        """Prefill distinct contexts (`PrefillLayout`: each from its longest cached prefix of its LoRA adapter's,
+        rows with the most new tokens first): the cache (room for up to ``decode`` more columns), its attention
+        mask, each row's last position and last logits, and which context each row is."""
+        layout = PrefillLayout.of(contexts, adapters, self.prefixes, self.pad_token_id, self.device)
+        lora = self.lora.rows_of(layout.adapters, self.device)
         fused = self.decode_step is not None and lora is None
-        past, columns = None, width + (max(h.block.mask.shape[1] for h in hits if h) if any(start) else 0)
-        spare = min(decode, spare_columns(columns)) if fused else 0  # the decode steps' room, as GrowingLayer's
-        if any(start):  # the past in kv_dtype, the prefill in the model's; the fused one writes after it in place
-            keys, values, past_mask = self.prefixes.gather(hits, room=width + spare if fused else 0)
-            dtype = self.model.dtype
-            past = [(k.to(dtype), v.to(dtype)) for k, v in zip(keys, values)]
-            attention = torch.cat([past_mask, attention], dim=1)
-        if fused:  # the prefill's buffers become the cache's room as they are
-            logits, layers = self.decode_step.prefill(input_ids, positions, attention, past, spare)
-            cache = DynamicCache()
-            cache.layers = [GrowingLayer.over(kv, columns, self.max_batch_size, self.kv_dtype) for kv in layers]
+        spare = min(decode, spare_columns(layout.columns)) if fused else 0  # the decode steps' room
+        # the past in kv_dtype, the prefill in the model's; the fused one writes after it in place
+        past = layout.gather(self.prefixes, layout.width + spare if fused else 0, self.model.dtype)
+        ids, positions, attention = layout.input_ids, layout.positions, layout.attention
+        if fused:
+            logits, layers = self.decode_step.prefill(ids, positions, attention, past, spare)
+            cache = self.cache_over(layers, layout.columns)
         else:
-            cache, logits = self.forward_transformers(input_ids, positions, attention, past, lora)
+            with self.lora.serving(lora):
+                cache, logits = transformers_forward.prefill(self.model, ids, positions, attention, past, lora)
             cache.layers = [GrowingLayer.adopt(layer, self.max_batch_size, self.kv_dtype) for layer in cache.layers]
-        self.stats.prefills += 1
-        self.stats.prefill_tokens += sum(len(c) for c in news)
-        self.stats.prefix_hit_tokens += sum(start)
-        return cache, attention, positions[:, -1], logits, order
+        self.count_prefill(layout)
+        return cache, attention, positions[:, -1], logits, layout.order
 
-    def forward_transformers(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attention: torch.Tensor,
-        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
-        lora: LoraRows | None,
-    ) -> tuple[DynamicCache, torch.Tensor]:
-        """`forward`'s prefill through transformers' forward (LoRA rows, models `LlamaDecodeStep` does not
-        take): the cache and each row's last logits."""
-        width = input_ids.shape[1]
-        context = attention.shape[1] - width  # cached prefix columns before the new ones
-        cache = None if past is None else DynamicCache(ddp_cache_data=past)
-        with self.lora.serving(lora):
-            for c0 in range(0, width, PREFILL_CHUNK_TOKENS):
-                c1 = min(width, c0 + PREFILL_CHUNK_TOKENS)
-                out = self.model.get_decoder()(
-                    input_ids=input_ids[:, c0:c1],
-                    attention_mask=attention[:, : context + c1],
-                    position_ids=positions[:, c0:c1],
-                    cache=cache,
-                    use_cache=True,
-                )
-                cache = out.cache
-            return cache, head_logits(self.model, out.last_hidden_state[:, -1], lora)  # float32
+    def cache_over(self, layers: list[tuple[torch.Tensor, torch.Tensor]], columns: int) -> DynamicCache:
+        """A cache over the prefill's buffers as they are (the first ``columns`` of each layer's)."""
+        cache = DynamicCache()
+        cache.layers = [GrowingLayer.over(kv, columns, self.max_batch_size, self.kv_dtype) for kv in layers]
+        return cache
+
+    def count_prefill(self, layout: PrefillLayout) -> None:
+        self.stats.prefills += 1
+        self.stats.prefill_tokens += layout.new_tokens
+        self.stats.prefix_hit_tokens += sum(layout.cached)
 
     def decode(self, batch: RunningBatch, version: int) -> None:
         """One token for every row: one forward over all segments, each attending to its own cache."""
+        input_ids, positions, cache, rows = self.decode_inputs(batch)
+        lora = self.lora.rows_of([s.lora_name for s in batch.rows], self.device)
+        with self.lora.serving(lora):
+            step = self.decode_step or partial(transformers_forward.decode, self.model)
+            logits = step(input_ids, positions, cache, lora)
+        self.decoded(batch, logits, rows, version)
+
+    def decode_inputs(self, batch: RunningBatch) -> tuple[torch.Tensor, torch.Tensor, SegmentedCache, list[slice]]:
+        """A decode step's input tokens and positions, its cache over the segments, and each segment's rows."""
         if self.sliding_window is not None:
             self.fail_past_window(batch)
         rows, masks, start = [], [], 0
@@ -320,21 +346,10 @@ class BatchRunner:
         self.stats.segments += len(batch.segments)
         input_ids = torch.cat([s.pending for s in batch.segments])
         positions = torch.cat([s.positions for s in batch.segments])
-        cache = SegmentedCache(batch.segments, rows, masks)
-        lora = self.lora.rows_of([s.lora_name for s in batch.rows], self.device)
-        with self.lora.serving(lora):
-            if self.decode_step is not None:
-                logits = self.decode_step(input_ids, positions, cache, lora)
-            else:
-                hidden = self.model.get_decoder()(
-                    input_ids=input_ids[:, None],
-                    # 4D: used as it is (unused)
-                    attention_mask=torch.zeros((start, 1, 1, 1), dtype=self.model.dtype, device=self.device),
-                    position_ids=positions[:, None],
-                    cache=cache,
-                    use_cache=True,
-                ).last_hidden_state[:, -1]
-                logits = head_logits(self.model, hidden, lora)  # float32
+        return input_ids, positions, SegmentedCache(batch.segments, rows, masks), rows
+
+    def decoded(self, batch: RunningBatch, logits: torch.Tensor, rows: list[slice], version: int) -> None:
+        """Sample a decode step's tokens (``logits`` of the rows of each segment's ``rows``); advance the rows."""
         context = torch.stack([s.attention.sum() for s in batch.segments]).sum()  # read with the tokens
         tokens, context_cells = self.sample(batch.rows, logits, version, context)
         self.stats.kv_context_cells += int(context_cells)
@@ -368,7 +383,8 @@ class BatchRunner:
         top_k = torch.tensor([s.sampling.top_k for s in rows], dtype=torch.long, device=self.device)
         use_top_p = any(np.float32(s.sampling.top_p) < 1 for s in rows)  # as ``top_p`` holds it
         use_top_k = any(s.sampling.top_k > 0 for s in rows)
-        u = uniforms(len(rows), logits.device, self.generator, _seeded_draws(rows))
+        draws = seeded_draws([s.sampling.seed for s in rows], [len(s.input_ids) + len(s.tokens) for s in rows])
+        u = uniforms(len(rows), logits.device, self.generator, draws)
         args = (temperature, top_p, top_k, u)
         tokens, logprobs, ok = sample_rows(logits, *args, use_top_k=use_top_k, use_top_p=use_top_p)
         count = counted if counted is not None else logits.new_zeros(())
@@ -376,7 +392,7 @@ class BatchRunner:
         values = read.tolist()
         n = len(rows)
         if not all(values[2 * n : 3 * n]):  # rows whose logits are not finite (NaN, inf): those fail, the others go on
-            bad = _unsampleable(logits, temperature)
+            bad = unsampleable(logits, temperature)
             if not bool(bad.any()):
                 raise ValueError("sample: rows that cannot be sampled, yet their logits look finite")
             for i in bad.nonzero().squeeze(1).tolist():
@@ -458,23 +474,3 @@ def _sliding_window(model: PreTrainedModel) -> int | None:
     if not window or (layer_types is not None and "sliding_attention" not in layer_types):
         return None
     return int(window)
-
-
-def _seeded_draws(rows: list[Submission]) -> torch.Tensor | None:
-    """[B] float64: each seeded row's uniform for the token it samples now (`seeded_uniform`), NaN for the others;
-    None when no row has a seed."""
-    if all(s.sampling.seed is None for s in rows):
-        return None
-    return torch.tensor(
-        [
-            math.nan if s.sampling.seed is None else seeded_uniform(s.sampling.seed, len(s.input_ids) + len(s.tokens))
-            for s in rows
-        ],
-        dtype=torch.float64,
-    )
-
-
-def _unsampleable(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """[B] rows `sample_tokens` refuses: their temperature-scaled log-probabilities are NaN or all -inf."""
-    logprobs = tempered_log_softmax(logits, temperature)
-    return torch.isnan(logprobs).any(-1) | ~torch.isfinite(logprobs).any(-1)

@@ -83,14 +83,49 @@ class LlamaDecodeStep:
         """Next-token logits ``[B, V]`` of one token a row; ``cache.update(k, v, layer)`` stores this
         step's keys and values ``[B, kv_heads, 1, D]`` and returns every segment's (`SegmentedKV`). ``lora``:
         the rows' LoRA adapters, whose deltas are added to each part of the fused products."""
-        b = input_ids.shape[0]
+        hidden = self.layers(input_ids, positions, self._decode_attention(cache), lora)
+        return head_logits(self.model, _rms_norm(hidden, self.model.model.norm), lora)
+
+    def decode_and_prefill(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache,  # noqa: ANN001
+        prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list | None, int],
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """A decode step (as `__call__`, without LoRA) and a prefill of one chunk (``prefill``: `prefill`'s
+        arguments, at most `chunk_tokens` cells) in one pass over the weights: the decode rows' logits, the
+        prefilled rows' and their keys and values."""
+        ids, at, attention, past, spare = prefill
+        b, (n, width) = input_ids.shape[0], ids.shape
+        lengths = attention[:, attention.shape[1] - width :].sum(1).tolist()
+        rows, kv = torch.arange(n, device=ids.device), []
+        chunk = _ChunkAttention(self, attention, (width, width - max(lengths), (0, width)), rows, kv, (past, spare))
+        decode = self._decode_attention(cache)
+
+        def attend(index: int, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            one = decode(index, attn, q[:b], k[:b], v[:b])
+            return torch.cat([one, chunk(index, attn, q[b:], k[b:], v[b:])])
+
+        hidden = self.layers(torch.cat([input_ids, ids.flatten()]), torch.cat([positions, at.flatten()]), attend)
+        last = torch.cat([hidden[:b], hidden[b:].view(n, width, -1)[:, -1]])
+        logits = head_logits(self.model, _rms_norm(last, self.model.model.norm))
+        return logits[:b], logits[b:], kv
+
+    def chunk_tokens(self, device: torch.device) -> int:
+        """Tokens (padding included) a prefill chunk runs at once on ``device``."""
+        if device.type != "cpu":  # a GPU's products want many rows; cache residency is a CPU matter
+            return PREFILL_TOKENS_GPU
+        return max(PREFILL_TOKENS, PREFILL_CELLS // self.model.config.hidden_size)
+
+    def _decode_attention(self, cache) -> Attend:  # noqa: ANN001
+        """A decode step's attention: each row's one token stored in ``cache``, attending to its segment's."""
 
         def attend(index: int, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             keys, values = cache.update(k[:, :, None], v[:, :, None], index)
-            return attend_segments(q[:, :, None], keys, values, attn.scaling).reshape(b, self.q_size)
+            return attend_segments(q[:, :, None], keys, values, attn.scaling).reshape(len(q), self.q_size)
 
-        hidden = self.layers(input_ids, positions, attend, lora)
-        return head_logits(self.model, _rms_norm(hidden, self.model.model.norm), lora)
+        return attend
 
     def prefill(
         self,
@@ -112,10 +147,7 @@ class LlamaDecodeStep:
         lengths = attention[:, attention.shape[1] - width :].sum(1).tolist()
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # every layer's keys and values, filled chunk by chunk
         rows, last = [], []
-        budget = max(PREFILL_TOKENS, PREFILL_CELLS // self.model.config.hidden_size)
-        if input_ids.device.type != "cpu":  # a GPU's products want many rows; cache residency is a CPU matter
-            budget = PREFILL_TOKENS_GPU
-        for idx, span in _prefill_chunks(lengths, width, budget, input_ids.device):
+        for idx, span in _prefill_chunks(lengths, width, self.chunk_tokens(input_ids.device), input_ids.device):
             first = width - max(lengths[i] for i in idx.tolist())  # the chunk's first real column
             chunk = _ChunkAttention(self, attention, (width, first, span), idx, kv, (past, spare))
             c0, c1 = span

@@ -10,6 +10,8 @@ engine-wide generator, so its tokens do not depend on which other rows share the
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from areal_agents.models.logprobs import tempered_log_softmax
@@ -107,3 +109,18 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, 
     total = cdf[:, -1:]
     ok = (torch.isfinite(total) & (total > 0)).squeeze(1)
     return torch.searchsorted(cdf, u * total).squeeze(1).clamp(max=weights.shape[-1] - 1), ok
+
+
+def seeded_draws(seeds: list[int | None], positions: list[int]) -> torch.Tensor | None:
+    """[B] float64: each seeded row's uniform for the token it samples at its position (`seeded_uniform`), NaN
+    for the rows without a seed; None when no row has one."""
+    if all(seed is None for seed in seeds):
+        return None
+    draws = [math.nan if seed is None else seeded_uniform(seed, p) for seed, p in zip(seeds, positions)]
+    return torch.tensor(draws, dtype=torch.float64)
+
+
+def unsampleable(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """[B] rows `sample_tokens` refuses: their temperature-scaled log-probabilities are NaN or all -inf."""
+    logprobs = tempered_log_softmax(logits, temperature)
+    return torch.isnan(logprobs).any(-1) | ~torch.isfinite(logprobs).any(-1)
