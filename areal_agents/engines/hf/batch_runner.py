@@ -1,7 +1,8 @@
 """`BatchRunner`: one step of `HFEngine`'s running batch on the model (decode thread only).
 
 A step admits arrivals (a prefill, from the longest cached prefix of each context), decodes one token for
-every row over all KV cache segments, samples, and retires finished rows into the prefix cache. An error in
+every row over all KV cache segments, samples, and retires finished rows into the prefix cache. Arrivals that
+fit one prefill chunk run in the decode step's own pass over the weights (`admit_decoding`). An error in
 one request's prefill, decode step or sampling fails that request alone: a failed batch prefill is redone
 row by row, a failed decode step row by row (prefill, then one step alone). Rows may carry LoRA adapters
 (`LoraTable`): each forward adds their deltas grouped by adapter, and the prefix cache keys on the adapter.
