@@ -19,6 +19,7 @@ dtype: over float32 weights shared with a trainer (autocast to bfloat16), cast o
     step = LlamaDecodeStep.of(model)             # None when the model is not one this step reproduces
     logits = step(input_ids, positions, cache)   # [B] token ids and positions; cache.update -> SegmentedKV
     logits, kv = step.prefill(input_ids, positions, attention, past)   # left-padded rows; each layer's K, V
+    logits, first, kv = step.decode_and_prefill(input_ids, positions, cache, prefill)   # both in one pass
 
 The head's logits are float32 (`head_logits`), as the trainer's are.
 """
