@@ -151,3 +151,26 @@ def test_prefill_is_a_transformers_forward_pass(family, budget, monkeypatch):
         logits, _ = step.prefill(ids, positions, torch.cat([past_attention, attention], 1), cached)
         whole = [model(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
         assert torch.allclose(logits, torch.stack(whole).float(), atol=1e-5)
+
+
+def test_prefill_chunks_hold_rows_of_like_length_and_passes_share_the_products():
+    """Rows longest first; a chunk's rows at least LIKE_LENGTH of its longest (so its padding stays small); chunks
+    of few rows run together in one pass of at most the budget's tokens; a row longer than the budget, in spans."""
+    from areal_agents.engines.hf.decode_step import _passes, _prefill_chunks
+
+    lengths = [10, 24, 4, 23, 9, 40]
+    chunks = _prefill_chunks(lengths, 40, 32, torch.device("cpu"))
+    assert [(idx.tolist(), span) for idx, span in chunks] == [
+        ([5], (0, 32)),  # 40 tokens > 32: spans of the row alone
+        ([5], (32, 40)),
+        ([1], (16, 40)),  # 24 and 23 are alike, but two rows of 24 exceed the budget
+        ([3], (17, 40)),
+        ([0, 4], (30, 40)),  # 10 and 9
+        ([2], (36, 40)),  # 4 < 0.8 x 10
+    ]
+    assert [[len(idx) * (c1 - c0) for idx, (c0, c1) in p] for p in _passes(chunks, 32)] == [
+        [32],
+        [8, 24],
+        [23],
+        [20, 4],
+    ]

@@ -1,8 +1,8 @@
 """`BatchRunner`: one step of `HFEngine`'s running batch on the model (decode thread only).
 
 A step admits arrivals (a prefill, from the longest cached prefix of each context), decodes one token for
-every row over all KV cache segments, samples, and retires finished rows into the prefix cache. Arrivals that
-fit one prefill chunk run in the decode step's own pass over the weights (`admit_decoding`). An error in
+every row over all KV cache segments, samples, and retires finished rows into the prefix cache. The decode
+step runs in the arrivals' last prefill pass over the weights (`admit_decoding`). An error in
 one request's prefill, decode step or sampling fails that request alone: a failed batch prefill is redone
 row by row, a failed decode step row by row (prefill, then one step alone). Rows may carry LoRA adapters
 (`LoraTable`): each forward adds their deltas grouped by adapter, and the prefix cache keys on the adapter.
@@ -222,22 +222,18 @@ class BatchRunner:
         return Segment(rows, cache, attention, positions + 1, pending)
 
     def mixes(self, batch: RunningBatch, rows: list[Submission]) -> bool:
-        """Whether ``rows`` may be prefilled in the decode step's pass: the model's own step, no LoRA rows, new
-        contexts (not resumed ones); `admit_decoding` checks that their new tokens fit one chunk."""
+        """Whether ``rows`` may be prefilled with the decode step: the model's own step, no LoRA rows, new
+        contexts (not resumed ones)."""
         if self.decode_step is None or any(s.lora_name is not None or s.tokens for s in rows):
             return False
         return all(s.lora_name is None for s in batch.rows)
 
     def admit_decoding(self, batch: RunningBatch, rows: list[Submission], version: int) -> None:
-        """Prefill ``rows`` in the same pass over the weights as a decode step of the running batch (arrivals
-        do not stall the running rows, and the products run more rows at once); if that pass fails, the decode
-        step is redone row by row and the rows admitted apart."""
+        """Prefill ``rows`` with the running batch's decode step in the prefill's last pass over the weights
+        (one pass fewer a step, and products of more rows); if that fails, the decode step is redone row by
+        row and the rows admitted apart."""
         contexts, adapters, owner = distinct_contexts(rows)
         layout = PrefillLayout.of(contexts, adapters, self.prefixes, self.pad_token_id, self.device)
-        if layout.input_ids.numel() > self.decode_step.chunk_tokens(self.device):  # padding made it wider
-            self.admit(batch, rows, version)
-            self.decode_or_redo(batch, version)
-            return
         spare = min(decode_columns(rows), spare_columns(layout.columns))
         try:
             past = layout.gather(self.prefixes, layout.width + spare, self.model.dtype)

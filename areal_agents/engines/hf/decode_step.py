@@ -43,6 +43,7 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # the same decoder layer;
 # of 7,000-row ones), few enough chunks that a small model's per-op cost stays small
 PREFILL_CELLS = 1 << 19
 PREFILL_TOKENS = 1024
+LIKE_LENGTH = 0.8  # a prefill chunk's rows are at least this share of its longest (its padding at most the rest)
 PREFILL_TOKENS_GPU = 8192  # a chunk's tokens on a GPU (vLLM's chunked prefill runs 2,048-8,192 a step)
 Attend = Callable[[int, torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -94,24 +95,12 @@ class LlamaDecodeStep:
         cache,  # noqa: ANN001
         prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list | None, int],
     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """A decode step (as `__call__`, without LoRA) and a prefill of one chunk (``prefill``: `prefill`'s
-        arguments, at most `chunk_tokens` cells) in one pass over the weights: the decode rows' logits, the
-        prefilled rows' and their keys and values."""
+        """A decode step (as `__call__`, without LoRA) run in a prefill's last pass over the weights
+        (``prefill``: `prefill`'s arguments): the decode rows' logits, the prefilled rows' and their keys and
+        values."""
         ids, at, attention, past, spare = prefill
-        b, (n, width) = input_ids.shape[0], ids.shape
-        lengths = attention[:, attention.shape[1] - width :].sum(1).tolist()
-        rows, kv = torch.arange(n, device=ids.device), []
-        chunk = _ChunkAttention(self, attention, (width, width - max(lengths), (0, width)), rows, kv, (past, spare))
-        decode = self._decode_attention(cache)
-
-        def attend(index: int, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-            one = decode(index, attn, q[:b], k[:b], v[:b])
-            return torch.cat([one, chunk(index, attn, q[b:], k[b:], v[b:])])
-
-        hidden = self.layers(torch.cat([input_ids, ids.flatten()]), torch.cat([positions, at.flatten()]), attend)
-        last = torch.cat([hidden[:b], hidden[b:].view(n, width, -1)[:, -1]])
-        logits = head_logits(self.model, _rms_norm(last, self.model.model.norm))
-        return logits[:b], logits[b:], kv
+        logits, kv, decoded = self._prefill(ids, at, attention, past, spare, (input_ids, positions, cache))
+        return decoded, logits, kv
 
     def chunk_tokens(self, device: torch.device) -> int:
         """Tokens (padding included) a prefill chunk runs at once on ``device``."""
@@ -144,20 +133,49 @@ class LlamaDecodeStep:
         rows of like length together, each chunk as wide as its longest row (a row longer than that alone, a
         span of its columns at a time), so the products neither run the batch's padding nor spill out of the
         cache; rows given longest first make each chunk's rows a slice of the buffers (no copies)."""
-        n, width = input_ids.shape
+        logits, kv, _ = self._prefill(input_ids, positions, attention, past, spare)
+        return logits, kv
+
+    def _prefill(  # noqa: PLR0913
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: torch.Tensor,
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        spare: int,
+        decode: tuple | None = None,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
+        """`prefill`, its chunks run in passes of up to `chunk_tokens` tokens (`_passes`); ``decode``: a decode
+        step's tokens, positions and cache, run in the last pass. Its logits come third (None without)."""
+        width, device = input_ids.shape[1], input_ids.device
         lengths = attention[:, attention.shape[1] - width :].sum(1).tolist()
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # every layer's keys and values, filled chunk by chunk
-        rows, last = [], []
-        for idx, span in _prefill_chunks(lengths, width, self.chunk_tokens(input_ids.device), input_ids.device):
-            first = width - max(lengths[i] for i in idx.tolist())  # the chunk's first real column
-            chunk = _ChunkAttention(self, attention, (width, first, span), idx, kv, (past, spare))
-            c0, c1 = span
-            hidden = self.layers(input_ids[idx, c0:c1].flatten(), positions[idx, c0:c1].flatten(), chunk)
-            if c1 == width:  # the rows' last tokens
-                rows.append(idx)
-                last.append(hidden.view(len(idx), c1 - c0, -1)[:, -1])
-        hidden = torch.cat(last)[torch.cat(rows).argsort()]
-        return head_logits(self.model, _rms_norm(hidden, self.model.model.norm)), kv
+        rows, last, decoded = [], [], []
+        budget = self.chunk_tokens(device)
+        passes = _passes(_prefill_chunks(lengths, width, budget, device), budget)
+        for p, chunks in enumerate(passes):
+            parts, ids, at = [], [], []
+            if decode is not None and p == len(passes) - 1:
+                parts.append((len(decode[0]), self._decode_attention(decode[2])))
+                ids.append(decode[0])
+                at.append(decode[1])
+            for idx, (c0, c1) in chunks:
+                first = width - max(lengths[i] for i in idx.tolist())  # the chunk's first real column
+                chunk = _ChunkAttention(self, attention, (width, first, (c0, c1)), idx, kv, (past, spare))
+                parts.append((len(idx) * (c1 - c0), chunk))
+                ids.append(input_ids[idx, c0:c1].flatten())
+                at.append(positions[idx, c0:c1].flatten())
+            hidden = self.layers(torch.cat(ids), torch.cat(at), _attention_in_parts(parts)).split([s for s, _ in parts])
+            if len(parts) > len(chunks):  # the decode rows' come first
+                decoded, hidden = [hidden[0]], hidden[1:]
+            for (idx, (c0, c1)), h in zip(chunks, hidden):
+                if c1 == width:  # the rows' last tokens
+                    rows.append(idx)
+                    last.append(h.view(len(idx), c1 - c0, -1)[:, -1])
+        final = torch.cat([*decoded, torch.cat(last)[torch.cat(rows).argsort()]])
+        logits = head_logits(self.model, _rms_norm(final, self.model.model.norm))
+        b = len(decoded[0]) if decoded else 0
+        return logits[b:], kv, logits[:b] if decoded else None
 
     def layers(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, lora: LoraRows | None = None
@@ -272,9 +290,10 @@ class _ChunkAttention:
 def _prefill_chunks(
     lengths: list[int], width: int, budget: int, device: torch.device
 ) -> list[tuple[torch.Tensor, tuple[int, int]]]:
-    """`LlamaDecodeStep.prefill`'s chunks: (rows, new columns) of about ``budget`` tokens, padding included.
-    Rows go longest first, each chunk as wide as its first row; a row longer than ``budget`` runs alone, a
-    span of ``budget`` columns at a time (a column's keys are written before the columns after it attend)."""
+    """`LlamaDecodeStep.prefill`'s chunks: (rows, new columns) of at most ``budget`` tokens, padding included.
+    Rows go longest first, each chunk as wide as its first row, its rows at least `LIKE_LENGTH` of that (its
+    padding at most the rest); a row longer than ``budget`` runs alone, a span of ``budget`` columns at a
+    time (a column's keys are written before the columns after it attend)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     chunks, i = [], 0
     while i < len(order):
@@ -284,10 +303,45 @@ def _prefill_chunks(
             chunks += [(row, (c, min(c + budget, width))) for c in range(width - longest, width, budget)]
             i += 1
             continue
-        take = max(1, budget // longest)
+        take, rows = 1, min(len(order) - i, budget // longest)
+        while take < rows and lengths[order[i + take]] >= LIKE_LENGTH * longest:
+            take += 1
         chunks.append((torch.tensor(order[i : i + take], device=device), (width - longest, width)))
         i += take
     return chunks
+
+
+def _passes(
+    chunks: list[tuple[torch.Tensor, tuple[int, int]]], budget: int
+) -> list[list[tuple[torch.Tensor, tuple[int, int]]]]:
+    """Consecutive chunks grouped into runs of the layers of at most ``budget`` tokens together: like-length
+    chunks of few rows share their products, as one chunk of them padded to the longest would."""
+    passes: list[list] = []
+    tokens = budget
+    for chunk in chunks:
+        size = len(chunk[0]) * (chunk[1][1] - chunk[1][0])
+        if tokens + size > budget:
+            passes.append([])
+            tokens = 0
+        passes[-1].append(chunk)
+        tokens += size
+    return passes
+
+
+def _attention_in_parts(parts: list[tuple[int, Attend]]) -> Attend:
+    """One attention over consecutive token ranges, each of ``parts`` (size, its attention): a decode step's
+    rows and prefill chunks in one run of the layers."""
+    if len(parts) == 1:
+        return parts[0][1]
+
+    def attend(index: int, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        outs, start = [], 0
+        for size, part in parts:
+            outs.append(part(index, attn, q[start : start + size], k[start : start + size], v[start : start + size]))
+            start += size
+        return torch.cat(outs)
+
+    return attend
 
 
 def _prefill_buffers(
