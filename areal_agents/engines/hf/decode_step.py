@@ -5,11 +5,13 @@ On a small model much of a step is per-op and per-module overhead, not arithmeti
 model's own weights through fewer ops, as serving engines (SGLang, vLLM) keep model code of their own:
 q, k and v in one matrix product (gate and up in another), rotary embedding on q and k at once without a
 rotated copy, fused RMSNorm, no module hooks or output records. The prefill runs rows in chunks of about
-`PREFILL_CELLS` activations, rows of like length together, so that its products neither run the batch's
-padding nor spill out of the cache (figures: `bench/engine_decode.py`, `bench/engine_vs_vllm.py`,
-docs/benchmarks.md). Prefills of rows with LoRA adapters, and training, keep transformers' forward; tests
-check this step's tokens, logprobs, keys and values against it. Decode rows served with LoRA adapters
-(multi_lora.py) get their adapters' deltas on each part of the fused products (`LoraRows.add`).
+`PREFILL_CELLS` activations, rows of like length together (chunks of few rows share a pass), so that its
+products neither run the batch's padding nor spill out of the cache; a decode step may ride in its last pass
+(`decode_and_prefill`: one pass over the weights fewer a step). Figures: `bench/engine_decode.py`,
+`bench/engine_vs_vllm.py`, docs/benchmarks.md. Prefills of rows with LoRA adapters, and training, keep
+transformers' forward; tests check this step's tokens, logprobs, keys and values against it. Decode rows
+served with LoRA adapters (multi_lora.py) get their adapters' deltas on each part of the fused products
+(`LoraRows.add`).
 
 The fused weights are copies (attention and MLP weights held twice), made again when any of their
 sources changes: the step compares each parameter's identity and in-place version counter every call,
