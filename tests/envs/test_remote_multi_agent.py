@@ -225,6 +225,26 @@ def test_close_sessions_and_close_owned_leave_nothing_open(server):
     assert health(server.url)["sessions_open"] == 0
 
 
+def test_close_sessions_closes_by_owner_the_sessions_the_pool_lost_track_of(server):
+    """A create whose reply never came back (or a close cut off mid-request) when a stopping run cancels its
+    episodes leaves a session open that the pool does not hold: closing by owner closes it too."""
+
+    async def play():
+        pool = RemoteEnvPool(server.url, owner="run-h")
+        env = pool.make(ECHO)
+        await env.areset(seed=0)
+        await env.aclose()  # the pool used the server and holds nothing there now
+        body = json.dumps({"env_id": ECHO, "kwargs": {}, "seed": 0, "options": None, "owner": "run-h"}).encode()
+        request = urllib.request.Request(f"{server.url}/v2/sessions", body, {"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=30).close()  # the create the pool never saw answered
+        assert health(server.url)["sessions_open"] == 1
+        assert await pool.close_sessions() == 1
+        assert health(server.url)["sessions_open"] == 0
+        await pool.aclose()
+
+    run(play())
+
+
 def test_close_sessions_never_raises_for_a_server_gone():
     async def play():
         with EnvServerProcess(workers=1) as gone:

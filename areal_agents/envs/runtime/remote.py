@@ -412,15 +412,19 @@ class RemoteEnvPool:
         return _raise_for(await self._request("GET", f"{self.base_url}/health"))
 
     async def close_sessions(self) -> int:
-        """Close every session this pool still holds: by owner on a v2 server (one request closes the run's
-        sessions there), one DELETE each otherwise. Never raises for a server that does not answer (its
-        sessions went with it, or expire there); returns how many the servers closed."""
+        """Close every session this pool still holds: by owner on every v2 server it used (one request closes
+        the run's sessions there, those it lost track of too: a create or close cancelled mid-request, when
+        the run stopped its episodes, may have left one open), one DELETE each otherwise. Never raises for a
+        server that does not answer (its sessions went with it, or expire there); returns how many the servers
+        closed."""
         closed = 0
-        for server, sids in list(self._open.items()):
-            if not sids:
+        for server in sorted({*self._open, *self._v2}):
+            sids = self._held(server)
+            by_owner = bool(self.owner) and self._v2.get(server, False)
+            if not (sids or by_owner):
                 continue
             try:
-                if self.owner and await self.speaks_v2(server):
+                if by_owner:
                     reply = await self._request("DELETE", f"{server}/v2/sessions?owner={self.owner}")
                     closed += int(reply.body.get("closed", 0)) if reply.status == 200 else 0
                 else:
