@@ -158,9 +158,10 @@ class LlamaDecodeStep:
         for p, chunks in enumerate(passes):
             parts, ids, at = [], [], []
             if decode is not None and p == len(passes) - 1:
-                parts.append((len(decode[0]), self._decode_attention(decode[2])))
-                ids.append(decode[0])
-                at.append(decode[1])
+                decode_ids, decode_positions, cache = decode
+                parts.append((len(decode_ids), self._decode_attention(cache)))
+                ids.append(decode_ids)
+                at.append(decode_positions)
             for idx, (c0, c1) in chunks:
                 first = width - max(lengths[i] for i in idx.tolist())  # the chunk's first real column
                 chunk = _ChunkAttention(self, attention, (width, first, (c0, c1)), idx, kv, (past, spare))
