@@ -173,6 +173,9 @@ def cmd_dashboard(args: argparse.Namespace) -> None:
 
 
 def cmd_serve_model(args: argparse.Namespace) -> None:
+    from areal_agents.engines.process_malloc import keep_freed_memory
+
+    keep_freed_memory()  # first, before any thread starts
     from areal_agents.config import EngineOptions
     from areal_agents.engines.model_server import ModelServerConfig, serve_model
     from areal_agents.engines.server_control import admin_key_from_env

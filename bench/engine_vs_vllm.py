@@ -17,8 +17,15 @@ tokens a step and 128-token KV blocks, the unit its prefix cache reuses. ``--vll
 result line: each server's wall ms per model step, tokens run per step (prefill and decode), the prompt
 tokens its prefix cache supplied, and serve-model's share of wall time in engine steps.
 
+vLLM runs with tcmalloc preloaded, as its CPU install guide asks (its worker warns without it; both
+engines then keep the memory they free, serve-model through `engines/process_malloc.py`), when the system
+has it (Debian: ``apt-get install libtcmalloc-minimal4``; ``--vllm-preload PATH`` names another library,
+``--vllm-preload ""`` none); the header says which.
+
 ``--hidden`` / ``--layers`` give a wider or deeper model (heads of 32) to see how the ratio moves as the
-model's compute grows against the per-step overhead.
+model's compute grows against the per-step overhead. ``--against glibc-malloc`` measures serve-model against
+itself with glibc's own malloc policy (``AREAL_ENGINE_MALLOC=system``: freed memory handed back to the
+kernel, `engines/process_malloc.py`) instead of vLLM.
 
 Fairness on a small, shared machine: the measurements alternate (serve-model, vLLM, serve-model, ...,
 ``--rounds`` of each per load, fresh prompts every round) and the figures are medians; the CPU the idle
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import random
@@ -44,6 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -52,11 +61,14 @@ from engine import prompts_for  # bench/ is on sys.path when this script runs
 
 from areal_agents.config import EngineConfig
 from areal_agents.engines.local_servers import ServerGroup, engine_client, launch_servers
+from areal_agents.engines.process_malloc import MALLOC_ENV
 from areal_agents.models import load_tokenizer, save_tiny_model
 from areal_agents.types import GenRequest, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_TOKENS = 8  # the "user" tokens appended to a conversation before its next turn
+# vLLM's CPU guide preloads tcmalloc; Debian's libtcmalloc-minimal4 ("" when the system has none)
+TCMALLOC = next((str(p) for p in Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4")), "")
 
 
 def group_cpu_seconds(pgid: int) -> float:
@@ -79,7 +91,7 @@ async def server_counters(session, name: str, address: str) -> dict[str, float]:
     """The server's own counters: model steps, tokens run through the model (prefill and decode), prefix-cache
     hit and looked-up tokens (and serve-model's engine-busy seconds), from serve-model's /get_server_info
     or vLLM's Prometheus /metrics."""
-    if name == "serve-model":
+    if name.startswith("serve-model"):
         async with session.get(f"{address}/get_server_info") as r:
             stats = (await r.json())["engine"]
         hits = stats["prefix_hit_tokens"]
@@ -170,11 +182,11 @@ async def measure(args, tokenizer, servers: dict[str, ServerGroup], clients: dic
                     hit[name].append(delta["hits"] / max(delta["looked_up"], 1))
                     idle_other[other].append(other_used / seconds)
                     rates[name].append(tokens / seconds)
-            ours, theirs = statistics.median(rates["serve-model"]), statistics.median(rates["vLLM"])
+            ours, theirs = (statistics.median(rates[n]) for n in names)
             detail = " | ".join(f"{n}: " + ", ".join(f"{r:.0f}" for r in rates[n]) for n in names)
             print(
-                f"{concurrency} concurrent, {turns} turn{'s' if turns > 1 else ''}: serve-model {ours:.0f} tok/s, "
-                f"vLLM {theirs:.0f} tok/s, ratio {ours / theirs:.2f}x   ({detail})",
+                f"{concurrency} concurrent, {turns} turn{'s' if turns > 1 else ''}: {names[0]} {ours:.0f} tok/s, "
+                f"{names[1]} {theirs:.0f} tok/s, ratio {ours / theirs:.2f}x   ({detail})",
                 flush=True,
             )
             print(
@@ -218,6 +230,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (starts faster)")
     parser.add_argument("--log-dir", default=None, help="the servers' logs (default: a temporary directory)")
+    parser.add_argument("--against", choices=("vllm", "glibc-malloc"), default="vllm", help="the other server")
+    parser.add_argument("--vllm-preload", default=None, help="LD_PRELOAD of vLLM's processes (default: tcmalloc)")
     args = parser.parse_args()
     quick = {"rounds": 1, "concurrency": "64", "new_tokens": 16}
     full = {"rounds": 3, "concurrency": "64,256", "new_tokens": 32}
@@ -241,27 +255,34 @@ def main() -> None:
     )
     tokenizer = load_tokenizer(path)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench-vllm-logs-"))
-    cfgs = {
-        "serve-model": EngineConfig(backend="serve-model", cpu_threads=1),
-        "vLLM": EngineConfig(
+    ours = EngineConfig(backend="serve-model", cpu_threads=1)
+    preload = TCMALLOC if args.vllm_preload is None else args.vllm_preload
+    if args.against == "vllm":
+        other = EngineConfig(
             backend="vllm",
             vllm_python=args.vllm_python,
             extra_args=(["--enforce-eager"] if args.enforce_eager else []) + args.vllm_args.split(),
-        ),
-    }
+        )
+        mode = "eager" if args.enforce_eager else "compiled"
+        cfgs = {"serve-model": ours, "vLLM": other}
+        against = f"vLLM {mode} {args.vllm_args}, LD_PRELOAD={preload or '(none)'}"
+    else:
+        cfgs, against = {"serve-model": ours, "serve-model-glibc-malloc": ours}, f"{MALLOC_ENV}=system"
     print(
         f"== bench/engine_vs_vllm == Llama (hidden {args.hidden}, {args.layers} layers, {heads} heads of 32), float32, "
         f"{args.new_tokens} new "
         f"tokens a request (turn), {USER_TOKENS} user tokens between turns, {args.rounds} alternated round(s); "
-        f"vLLM {'eager' if args.enforce_eager else 'compiled'}{' ' + args.vllm_args if args.vllm_args else ''}; "
-        f"{os.cpu_count()} CPUs",
+        f"against {against}; {os.cpu_count()} CPUs",
         flush=True,
     )
     servers: dict[str, ServerGroup] = {}
     try:
         for name, cfg in cfgs.items():
             start = time.perf_counter()
-            servers[name] = launch_servers(cfg, path, log_dir=log_dir / name, supervise=False)
+            policy = "system" if name.endswith("glibc-malloc") else os.environ.get(MALLOC_ENV, "keep")
+            loads = preload if name == "vLLM" else os.environ.get("LD_PRELOAD", "")
+            with _environ(MALLOC_ENV, policy), _environ("LD_PRELOAD", loads):  # a server gets this process's
+                servers[name] = launch_servers(cfg, path, log_dir=log_dir / name, supervise=False)
             print(f"{name} started in {time.perf_counter() - start:.0f} s", flush=True)
         clients = {name: engine_client(cfgs[name], servers[name].addresses) for name in cfgs}
 
@@ -277,6 +298,20 @@ def main() -> None:
         for group in servers.values():
             group.stop()
     sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def _environ(key: str, value: str) -> Iterator[None]:
+    """``key=value`` in this process's environment for the block (the previous value after it)."""
+    before = os.environ.get(key)
+    os.environ[key] = value  # (an empty LD_PRELOAD preloads nothing)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key)
+        else:
+            os.environ[key] = before
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import torch.multiprocessing  # noqa: F401  (registers the shared-memory picklin
 
 from areal_agents.config import EngineOptions
 from areal_agents.engines.base import LoraEngine
+from areal_agents.engines.process_malloc import keep_freed_memory
 from areal_agents.errors import ArealAgentsError, ConfigError, EngineError, RequestError
 from areal_agents.timeline import timeline_from_env
 from areal_agents.types import GenRequest, GenResponse
@@ -41,6 +42,7 @@ def _serve(conn: Any, model_path: str, dtype: str, options: EngineOptions, place
     from areal_agents.engines.hf.engine import HFEngine  # noqa: PLC0415
     from areal_agents.models.loading import load_model, quiet_transformers  # noqa: PLC0415
 
+    keep_freed_memory()  # before the engine's threads start
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes this process
     torch.set_num_threads(1)  # this thread only loads weights; the decode thread sets its own
     quiet_transformers()

@@ -105,7 +105,8 @@ def trim_heap() -> None:
     """Return the heap's free memory to the OS (glibc's ``malloc_trim``; a no-op elsewhere). A burst of large
     bodies otherwise stays resident in glibc's arenas. Fixing glibc's mmap threshold low instead (every block
     of 1 MiB or more mmapped and unmapped) made every tensor of the engine's a fresh, page-faulting mapping:
-    its steps ran ~1.4x slower."""
+    its steps ran ~1.4x slower. The engine's heap kept by `keep_freed_memory` is given back too, and faults
+    again once as the engine reuses it."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
