@@ -23,9 +23,11 @@ has it (Debian: ``apt-get install libtcmalloc-minimal4``; ``--vllm-preload PATH`
 ``--vllm-preload ""`` none); the header says which.
 
 ``--hidden`` / ``--layers`` give a wider or deeper model (heads of 32) to see how the ratio moves as the
-model's compute grows against the per-step overhead. ``--against glibc-malloc`` measures serve-model against
-itself with glibc's own malloc policy (``AREAL_ENGINE_MALLOC=system``: freed memory handed back to the
-kernel, `engines/process_malloc.py`) instead of vLLM.
+model's compute grows against the per-step overhead. ``--compile-decode`` runs serve-model's decode step as
+compiled graphs (`engines/hf/compiled_decode.py`); the warm-up compiles the row buckets it meets.
+``--against glibc-malloc`` measures serve-model against itself with glibc's own malloc policy
+(``AREAL_ENGINE_MALLOC=system``: freed memory handed back to the kernel, `engines/process_malloc.py`)
+instead of vLLM.
 
 Fairness on a small, shared machine: the measurements alternate (serve-model, vLLM, serve-model, ...,
 ``--rounds`` of each per load, fresh prompts every round) and the figures are medians; the CPU the idle
@@ -231,6 +233,7 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (starts faster)")
     parser.add_argument("--log-dir", default=None, help="the servers' logs (default: a temporary directory)")
     parser.add_argument("--against", choices=("vllm", "glibc-malloc"), default="vllm", help="the other server")
+    parser.add_argument("--compile-decode", action="store_true", help="serve-model with --compile-decode")
     parser.add_argument("--vllm-preload", default=None, help="LD_PRELOAD of vLLM's processes (default: tcmalloc)")
     args = parser.parse_args()
     quick = {"rounds": 1, "concurrency": "64", "new_tokens": 16}
@@ -255,7 +258,7 @@ def main() -> None:
     )
     tokenizer = load_tokenizer(path)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench-vllm-logs-"))
-    ours = EngineConfig(backend="serve-model", cpu_threads=1)
+    ours = EngineConfig(backend="serve-model", cpu_threads=1, compile_decode=args.compile_decode)
     preload = TCMALLOC if args.vllm_preload is None else args.vllm_preload
     if args.against == "vllm":
         other = EngineConfig(
@@ -272,7 +275,7 @@ def main() -> None:
         f"== bench/engine_vs_vllm == Llama (hidden {args.hidden}, {args.layers} layers, {heads} heads of 32), float32, "
         f"{args.new_tokens} new "
         f"tokens a request (turn), {USER_TOKENS} user tokens between turns, {args.rounds} alternated round(s); "
-        f"against {against}; {os.cpu_count()} CPUs",
+        f"serve-model{' --compile-decode' if args.compile_decode else ''} against {against}; {os.cpu_count()} CPUs",
         flush=True,
     )
     servers: dict[str, ServerGroup] = {}

@@ -38,6 +38,11 @@ class EngineOptions:
         "gate/up fused: those weights held twice) instead of transformers' forward",
         default=True,
     )
+    compile_decode: bool = config_field(
+        "hf engine / serve-model: run fast_decode's decode step as torch.compile graphs, one per row bucket (a "
+        "few seconds each at its first step; docs/serve-model.md)",
+        default=False,
+    )
 
     def __post_init__(self) -> None:
         check_positive(self, "max_running_requests")

@@ -35,7 +35,7 @@ from areal_agents.engines.hf.running_batch import (
 )
 from areal_agents.engines.hf.sampling import sample_rows, seeded_draws, uniforms, unsampleable
 from areal_agents.engines.hf.stats import EngineStats
-from areal_agents.errors import EngineError
+from areal_agents.errors import ConfigError, EngineError
 from areal_agents.types import GenResponse, StopReason
 
 Outcome = tuple[Submission, GenResponse | BaseException]  # a submission and what its caller gets
@@ -57,6 +57,7 @@ class BatchRunner:
         max_segments: int,
         kv_dtype: str | torch.dtype | None,
         fast_decode: bool,
+        compile_decode: bool = False,
         placement: Placement | None = None,
         recompute_adapters: bool = True,
     ) -> None:
@@ -65,6 +66,10 @@ class BatchRunner:
         self.device = self.placement.device  # of the model, the KV cache, masks, positions and sampling
         # decode steps of Llama-family models run `LlamaDecodeStep` (False, or another model: transformers' forward)
         self.decode_step = LlamaDecodeStep.of(model, self.placement.dtype) if fast_decode else None
+        self.compiled = compiled_decode(self.decode_step, max_batch_size) if compile_decode else None
+        if self.compiled is not None:
+            with self.placement.precision(), torch.inference_mode():
+                self.compiled.compile_buckets(self.device)
         self.sliding_window = _sliding_window(model)  # the segments' masks attend to every column
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -322,7 +327,7 @@ class BatchRunner:
         input_ids, positions, cache, rows = self.decode_inputs(batch)
         lora = self.lora.rows_of([s.lora_name for s in batch.rows], self.device)
         with self.lora.serving(lora):
-            step = self.decode_step or partial(transformers_forward.decode, self.model)
+            step = self.compiled or self.decode_step or partial(transformers_forward.decode, self.model)
             logits = step(input_ids, positions, cache, lora)
         self.decoded(batch, logits, rows, version)
 
@@ -471,3 +476,13 @@ def _sliding_window(model: PreTrainedModel) -> int | None:
     if not window or (layer_types is not None and "sliding_attention" not in layer_types):
         return None
     return int(window)
+
+
+def compiled_decode(step: LlamaDecodeStep | None, max_rows: int):  # noqa: ANN201
+    """``step``'s decode step compiled (`CompiledDecode`: imports the compiler, so only when asked); ``step``
+    None (another model, or no fast_decode): a `ConfigError`."""
+    if step is None:
+        raise ConfigError("compile_decode: compiles fast_decode's step, which this model or setting does not run")
+    from areal_agents.engines.hf.compiled_decode import CompiledDecode  # noqa: PLC0415
+
+    return CompiledDecode(step, max_rows)

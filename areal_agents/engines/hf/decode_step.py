@@ -87,8 +87,23 @@ class LlamaDecodeStep:
         """Next-token logits ``[B, V]`` of one token a row; ``cache.update(k, v, layer)`` stores this
         step's keys and values ``[B, kv_heads, 1, D]`` and returns every segment's (`SegmentedKV`). ``lora``:
         the rows' LoRA adapters, whose deltas are added to each part of the fused products."""
-        hidden = self.layers(input_ids, positions, self._decode_attention(cache), lora)
+        return self.logits(input_ids, positions, self.decode_attention(cache), lora)
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        lora: LoraRows | None = None,
+        weights: list[tuple] | None = None,
+    ) -> torch.Tensor:
+        """Next-token logits ``[T, V]`` of tokens ``input_ids [T]`` through the layers (`layers`) and the head."""
+        hidden = self.layers(input_ids, positions, attend, lora, weights)
         return head_logits(self.model, _rms_norm(hidden, self.model.model.norm), lora)
+
+    def fused_weights(self) -> list[tuple]:
+        """Every layer's fused weights as `layers` takes them (made again where a source changed)."""
+        return [self._weights(i, layer).parts() for i, layer in enumerate(self.model.model.layers)]
 
     def decode_and_prefill(
         self,
@@ -110,7 +125,7 @@ class LlamaDecodeStep:
             return PREFILL_TOKENS_GPU
         return max(PREFILL_TOKENS, PREFILL_CELLS // self.model.config.hidden_size)
 
-    def _decode_attention(self, cache) -> Attend:  # noqa: ANN001
+    def decode_attention(self, cache) -> Attend:  # noqa: ANN001
         """A decode step's attention: each row's one token stored in ``cache``, attending to its segment's."""
 
         def attend(index: int, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -159,7 +174,7 @@ class LlamaDecodeStep:
             parts, ids, at = [], [], []
             if decode is not None and p == len(passes) - 1:
                 decode_ids, decode_positions, cache = decode
-                parts.append((len(decode_ids), self._decode_attention(cache)))
+                parts.append((len(decode_ids), self.decode_attention(cache)))
                 ids.append(decode_ids)
                 at.append(decode_positions)
             for idx, (c0, c1) in chunks:
@@ -181,19 +196,28 @@ class LlamaDecodeStep:
         return logits[b:], kv, logits[:b] if decoded else None
 
     def layers(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, lora: LoraRows | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        lora: LoraRows | None = None,
+        weights: list[tuple] | None = None,
     ) -> torch.Tensor:
         """The decoder layers over tokens ``input_ids [T]`` at ``positions [T]``: the last hidden states ``[T,
         hidden]`` before the final norm. ``attend(layer, attn, q [T, heads, D], k, v [T, kv_heads, D])`` stores
-        the keys and values and returns the attention's output ``[T, heads * D]``."""
+        the keys and values and returns the attention's output ``[T, heads * D]``. ``weights``: `fused_weights`
+        made beforehand (a compiled graph takes them as inputs), default made here."""
         body = self.model.model
         t, heads, d = input_ids.shape[0], self.heads, self.head_dim
         hidden = body.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = body.rotary_emb(hidden, positions[:, None])  # [T, 1, D], against [T, heads, D]
         for index, layer in enumerate(body.layers):
-            attn, fused = layer.self_attn, self._weights(index, layer)
+            attn = layer.self_attn
+            qkv_weight, qkv_bias, gate_up_weight, gate_up_bias = (
+                weights[index] if weights is not None else self._weights(index, layer).parts()
+            )
             x = _rms_norm(hidden, layer.input_layernorm)
-            qkv = F.linear(x, fused.qkv, fused.qkv_bias)
+            qkv = F.linear(x, qkv_weight, qkv_bias)
             if lora is not None:
                 lora.add_parts(qkv, x, ((attn.q_proj, 0), (attn.k_proj, self.q_size), (attn.v_proj, self.qkv_v)))
             qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + self.kv_heads, d)
@@ -206,7 +230,7 @@ class LlamaDecodeStep:
             hidden = hidden + (o if lora is None else lora.add(o, out, attn.o_proj))
             mlp = layer.mlp
             x = _rms_norm(hidden, layer.post_attention_layernorm)
-            gate_up = F.linear(x, fused.gate_up, fused.gate_up_bias)
+            gate_up = F.linear(x, gate_up_weight, gate_up_bias)
             if lora is not None:
                 lora.add_parts(gate_up, x, ((mlp.gate_proj, 0), (mlp.up_proj, mlp.gate_proj.out_features)))
             gate, up = gate_up.chunk(2, -1)
@@ -378,6 +402,9 @@ class _Fused:
     qkv_bias: torch.Tensor | None
     gate_up: torch.Tensor
     gate_up_bias: torch.Tensor | None
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        return self.qkv, self.qkv_bias, self.gate_up, self.gate_up_bias
 
     @classmethod
     def of(cls, attn: torch.nn.Module, mlp: torch.nn.Module, dtype: torch.dtype | None = None) -> _Fused:

@@ -99,6 +99,7 @@ class HFEngine(LoraEngine):
         max_segments: int = MAX_SEGMENTS,
         kv_dtype: str | torch.dtype | None = None,
         fast_decode: bool = True,
+        compile_decode: bool = False,
         device: str | torch.device = "cpu",
         compute_dtype: str = "auto",
         share_weights: bool = False,
@@ -127,6 +128,7 @@ class HFEngine(LoraEngine):
             max_segments=max_segments,
             kv_dtype=kv_dtype,
             fast_decode=fast_decode,
+            compile_decode=compile_decode,
             placement=self.placement,
             recompute_adapters=stale_kv == "recompute",
         )
@@ -155,6 +157,7 @@ class HFEngine(LoraEngine):
             stale_kv=options.stale_kv,
             kv_dtype=options.kv_dtype,
             fast_decode=options.fast_decode,
+            compile_decode=options.compile_decode,
             **placement,
         )
 
