@@ -25,6 +25,7 @@ has it (Debian: ``apt-get install libtcmalloc-minimal4``; ``--vllm-preload PATH`
 ``--hidden`` / ``--layers`` give a wider or deeper model (heads of 32) to see how the ratio moves as the
 model's compute grows against the per-step overhead. ``--compile-decode`` runs serve-model's decode step as
 compiled graphs (`engines/hf/compiled_decode.py`); the warm-up compiles the row buckets it meets.
+``--against eager`` measures it against serve-model without.
 ``--against glibc-malloc`` measures serve-model against itself with glibc's own malloc policy
 (``AREAL_ENGINE_MALLOC=system``: freed memory handed back to the kernel, `engines/process_malloc.py`)
 instead of vLLM.
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -232,7 +234,7 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (starts faster)")
     parser.add_argument("--log-dir", default=None, help="the servers' logs (default: a temporary directory)")
-    parser.add_argument("--against", choices=("vllm", "glibc-malloc"), default="vllm", help="the other server")
+    parser.add_argument("--against", choices=("vllm", "glibc-malloc", "eager"), default="vllm", help="the other server")
     parser.add_argument("--compile-decode", action="store_true", help="serve-model with --compile-decode")
     parser.add_argument("--vllm-preload", default=None, help="LD_PRELOAD of vLLM's processes (default: tcmalloc)")
     args = parser.parse_args()
@@ -269,8 +271,11 @@ def main() -> None:
         mode = "eager" if args.enforce_eager else "compiled"
         cfgs = {"serve-model": ours, "vLLM": other}
         against = f"vLLM {mode} {args.vllm_args}, LD_PRELOAD={preload or '(none)'}"
-    else:
+    elif args.against == "glibc-malloc":
         cfgs, against = {"serve-model": ours, "serve-model-glibc-malloc": ours}, f"{MALLOC_ENV}=system"
+    else:
+        eager = dataclasses.replace(ours, compile_decode=False)
+        cfgs, against = {"serve-model": ours, "serve-model-eager": eager}, "serve-model without --compile-decode"
     print(
         f"== bench/engine_vs_vllm == Llama (hidden {args.hidden}, {args.layers} layers, {heads} heads of 32), float32, "
         f"{args.new_tokens} new "

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 import torch
 from test_llama_decode import PROMPTS, family_model, staggered
+from torch._dynamo.utils import counters
 
 from areal_agents.engines import HFEngine
 from areal_agents.errors import ConfigError
@@ -52,7 +53,10 @@ def test_rows_past_a_bucket_and_leaving_it_keep_their_tokens():
     outputs = []
     for compile_decode in (False, True):
         engine = HFEngine(family_model("llama-gqa"), eos_token_ids=[], compile_decode=compile_decode)
+        asyncio.run(engine.agenerate(GenRequest("first", [5, 6], SamplingParams(2))))  # after the compiles
+        graphs = counters["stats"]["unique_graphs"]
         outputs.append([(r.output_tokens, r.output_logprobs) for r in asyncio.run(run(engine))])
+        assert counters["stats"]["unique_graphs"] == graphs  # every step ran a graph compiled at the start
         engine.close()
     for (tokens, logprobs), (compiled_tokens, compiled_logprobs) in zip(*outputs):
         assert compiled_tokens == tokens

@@ -67,9 +67,6 @@ class BatchRunner:
         # decode steps of Llama-family models run `LlamaDecodeStep` (False, or another model: transformers' forward)
         self.decode_step = LlamaDecodeStep.of(model, self.placement.dtype) if fast_decode else None
         self.compiled = compiled_decode(self.decode_step, max_batch_size) if compile_decode else None
-        if self.compiled is not None:
-            with self.placement.precision(), torch.inference_mode():
-                self.compiled.compile_buckets(self.device)
         self.sliding_window = _sliding_window(model)  # the segments' masks attend to every column
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -82,6 +79,12 @@ class BatchRunner:
         self.pushed: tuple[tuple[int, ...], int] | None = None
         self.lora = LoraTable(model)  # the LoRA adapters served beside the base model
         self.recompute_adapters = recompute_adapters  # a changed adapter re-prefills the running rows (stale_kv)
+
+    def compile_decode(self) -> None:
+        """Compile the decode step's graphs (``compile_decode``), on the decode thread before its first step."""
+        if self.compiled is not None:
+            with self.placement.precision(), torch.inference_mode():
+                self.compiled.compile_buckets(self.device)
 
     def new_weights(self, version: int, shared: bool) -> None:
         """The model has new weights (at a step boundary): the decode step derives its fused ones again;

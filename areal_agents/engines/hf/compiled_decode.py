@@ -6,11 +6,12 @@ The graph must hold the whole step: compiled with the attention outside it, the 
 faster than eager. So the attention is an opaque custom op (`decode_attention`, as vLLM's
 ``unified_attention``) that calls the step's own attention over the KV segments, which change every step.
 Shapes are static, rows padded up to a bucket (powers of two from 8): one graph a bucket, all compiled by
-`compile_buckets` when the engine starts (seconds each), as vLLM compiles its sizes at start, so that no
-request waits for a compile. Steps with LoRA rows run eager.
+`compile_buckets` before the engine's first step (seconds each; requests wait), as vLLM compiles its sizes at
+start, so that no step stalls on a compile later. It runs on the decode thread: inductor's CPU kernels take
+the OpenMP team size of the thread that compiles them. Steps with LoRA rows run eager.
 
     step = CompiledDecode(LlamaDecodeStep.of(model), max_rows=256)
-    step.compile_buckets(device)                     # once, under the engine's precision
+    step.compile_buckets(device)                     # once, on the decode thread, under the engine's precision
     logits = step(input_ids, positions, cache)      # as LlamaDecodeStep.__call__
 """
 
@@ -86,11 +87,12 @@ class CompiledDecode:
         body = self.step.model.model.layers
         size = self.step.q_size
         for bucket in self.buckets:
-            ids = torch.zeros(bucket, dtype=torch.long, device=device)
+            # two tensors: the graph is specialised on its inputs' aliasing (the same one twice compiles another)
+            ids, positions = (torch.zeros(bucket, dtype=torch.long, device=device) for _ in range(2))
             _running.step = (lambda i, a, q, k, v: q.new_zeros(len(q), size), [x.self_attn for x in body], bucket)
             try:
                 with torch._dynamo.config.patch(recompile_limit=GRAPHS_PER_PROCESS):
-                    self._graph(ids, ids, self.step.fused_weights())
+                    self._graph(ids, positions, self.step.fused_weights())
             except torch._dynamo.exc.TorchDynamoException as e:
                 self._broken = e
                 log.warning("engine.compile_decode: the decode step did not compile (%s); it runs eager", e)

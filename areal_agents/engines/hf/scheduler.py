@@ -182,6 +182,7 @@ class Scheduler:
         tl, worker = timeline(), self._watch()
         try:
             runner.placement.bind_thread()  # the engine's GPU, if any, is this thread's current device
+            runner.compile_decode()  # here: the compiled kernels take this thread's OpenMP team size
             while (work := self._take_work(batch)) is not None:
                 if work.flush:
                     runner.prefixes.clear()
