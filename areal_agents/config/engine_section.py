@@ -39,8 +39,8 @@ class EngineOptions:
         default=True,
     )
     compile_decode: bool = config_field(
-        "hf engine / serve-model: run fast_decode's decode step as torch.compile graphs, one per row bucket (a "
-        "few seconds each at its first step; docs/serve-model.md)",
+        "hf engine / serve-model: run fast_decode's decode step as torch.compile graphs, one per row bucket, "
+        "compiled before the first step (seconds each; slower behind serve-model so far: docs/serve-model.md)",
         default=False,
     )
 

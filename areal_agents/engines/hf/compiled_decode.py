@@ -3,7 +3,7 @@
 A decode step on CPU is many small ops and Python between them; compiled whole, inductor fuses the norms,
 rotary embedding, activation and adds, and the step runs without the interpreter (`bench/decode_compile.py`).
 The graph must hold the whole step: compiled with the attention outside it, the layers in between ran no
-faster than eager. So the attention is an opaque custom op (`decode_attention`, as vLLM's
+faster than eager. So the attention is an opaque custom op (``areal_agents::decode_attention``, as vLLM's
 ``unified_attention``) that calls the step's own attention over the KV segments, which change every step.
 Shapes are static, rows padded up to a bucket (powers of two from 8): one graph a bucket, all compiled by
 `compile_buckets` before the engine's first step (seconds each; requests wait), as vLLM compiles its sizes at
