@@ -173,11 +173,9 @@ def cmd_dashboard(args: argparse.Namespace) -> None:
 
 
 def cmd_serve_model(args: argparse.Namespace) -> None:
-    from areal_agents.engines.process_malloc import keep_freed_memory
-
-    keep_freed_memory()  # first, before any thread starts
     from areal_agents.config import EngineOptions
     from areal_agents.engines.model_server import ModelServerConfig, serve_model
+    from areal_agents.engines.process_malloc import keep_freed_memory
     from areal_agents.engines.server_control import admin_key_from_env
 
     # every field of the configs is a flag of the same name (admin_key: from $AREAL_ADMIN_KEY when not given)
@@ -188,7 +186,9 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
         raise ArealAgentsError(f"{key} (--{key.replace('_', '-')}): {why}") from None
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelServerConfig) if f.name != "engine"}
     given["admin_key"] = admin_key_from_env(args.admin_key)
-    serve_model(ModelServerConfig(**given, engine=engine), device=args.device)
+    cfg = ModelServerConfig(**given, engine=engine)
+    keep_freed_memory()  # the flags are good: before any thread starts, the process's malloc keeps what it frees
+    serve_model(cfg, device=args.device)
 
 
 def cmd_export_lora(args: argparse.Namespace) -> None:

@@ -19,7 +19,6 @@ without glibc's `mallopt`.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 from areal_agents.errors import ConfigError
@@ -43,9 +42,10 @@ def keep_freed_memory() -> bool:
 
 
 def _glibc() -> ctypes.CDLL | None:
-    """This process's C library when it is glibc (musl and macOS have no such `mallopt` options)."""
+    """This process's C library when it is glibc (musl and macOS have no such `mallopt` options): the symbols
+    the process has loaded already (`ctypes.util.find_library` would run ldconfig in a subprocess)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
     return libc if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt") else None
