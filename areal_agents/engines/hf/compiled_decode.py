@@ -61,6 +61,7 @@ class CompiledDecode:
     def __init__(self, step: LlamaDecodeStep, max_rows: int) -> None:
         self.step = step
         self.buckets = _buckets(max_rows)
+        self.attention = [layer.self_attn for layer in step.model.model.layers]
         self._graph = torch.compile(self._logits, dynamic=False, fullgraph=True)
         self._broken: BaseException | None = None
 
@@ -70,35 +71,31 @@ class CompiledDecode:
         rows = len(input_ids)
         size = next(b for b in self.buckets if b >= rows)
         ids, at = (torch.nn.functional.pad(x, (0, size - rows)) for x in (input_ids, positions))
-        body = self.step.model.model.layers
-        _running.step = (self.step.decode_attention(cache), [layer.self_attn for layer in body], rows)
-        try:
-            with torch._dynamo.config.patch(recompile_limit=GRAPHS_PER_PROCESS):
-                return self._graph(ids, at, self.step.fused_weights())[:rows]
-        except torch._dynamo.exc.TorchDynamoException as e:  # raised while compiling, before the graph runs
-            self._broken = e
-            log.warning("engine.compile_decode: the decode step did not compile (%s); it runs eager", e)
-            return self.step(input_ids, positions, cache, lora)
-        finally:
-            _running.step = None
+        logits = self._run(ids, at, self.step.decode_attention(cache), rows)
+        return self.step(input_ids, positions, cache) if logits is None else logits[:rows]
 
     def compile_buckets(self, device: torch.device) -> None:
         """Compile every bucket's graph, running it once over zero tokens with no attention."""
-        body = self.step.model.model.layers
         size = self.step.q_size
         for bucket in self.buckets:
             # two tensors: the graph is specialised on its inputs' aliasing (the same one twice compiles another)
             ids, positions = (torch.zeros(bucket, dtype=torch.long, device=device) for _ in range(2))
-            _running.step = (lambda i, a, q, k, v: q.new_zeros(len(q), size), [x.self_attn for x in body], bucket)
-            try:
-                with torch._dynamo.config.patch(recompile_limit=GRAPHS_PER_PROCESS):
-                    self._graph(ids, positions, self.step.fused_weights())
-            except torch._dynamo.exc.TorchDynamoException as e:
-                self._broken = e
-                log.warning("engine.compile_decode: the decode step did not compile (%s); it runs eager", e)
+            if self._run(ids, positions, lambda i, a, q, k, v: q.new_zeros(len(q), size), bucket) is None:
                 return
-            finally:
-                _running.step = None
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, attend, rows: int) -> torch.Tensor | None:  # noqa: ANN001
+        """The graph's logits for padded ``ids``, ``attend`` serving its first ``rows``; None (and eager from
+        now on) when it did not compile: raised while compiling, before the graph runs."""
+        _running.step = (attend, self.attention, rows)
+        try:
+            with torch._dynamo.config.patch(recompile_limit=GRAPHS_PER_PROCESS):
+                return self._graph(ids, positions, self.step.fused_weights())
+        except torch._dynamo.exc.TorchDynamoException as e:
+            self._broken = e
+            log.warning("engine.compile_decode: the decode step did not compile (%s); it runs eager", e)
+            return None
+        finally:
+            _running.step = None
 
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, weights: list[tuple]) -> torch.Tensor:
         return self.step.logits(input_ids, positions, _graph_attention, weights=weights)
