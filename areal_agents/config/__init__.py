@@ -5,6 +5,7 @@ cfg = load_config(TrainConfig, "examples/arithmetic/rl.yaml", ["ppo.lr=3e-4"])
 
 from areal_agents.config.engine_section import EngineConfig, EngineOptions
 from areal_agents.config.fields import config_field
+from areal_agents.config.gateway_section import GatewayConfig
 from areal_agents.config.loading import config_diff, config_to_dict, load_config
 from areal_agents.config.sections import (
     EnvConfig,
@@ -25,6 +26,7 @@ __all__ = [
     "EngineOptions",
     "EnvConfig",
     "EvalConfig",
+    "GatewayConfig",
     "LoraConfig",
     "ModelConfig",
     "PolicyConfig",

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from areal_agents.config.engine_section import EngineConfig, broadcast_gpu_clash
 from areal_agents.config.fields import check_positive, config_field
+from areal_agents.config.gateway_section import GatewayConfig
 
 
 @dataclass
@@ -123,6 +124,11 @@ class RolloutConfig:
         "only the new messages, one trajectory per episode; false: start a new segment, as the template renders it",
         default=False,
     )
+    source: Literal["env", "gateway"] = config_field(
+        "where episodes come from: env (the controller runs agents on env.id) or gateway (live traffic to the "
+        "gateway, gateway.*: a step trains batch_size rewarded sessions)",
+        default="env",
+    )
     dump_trajectories: bool = config_field(
         "write each step's trajectories to run_dir/trajectories/step_N.jsonl and each held-out eval's samples to "
         "run_dir/eval_samples/step_N.jsonl (to inspect what trains: the dashboard's trajectory viewer)",
@@ -163,8 +169,9 @@ class PPOConfig:
     behav_imp_weight_mode: Literal["mask", "clamp"] = config_field(
         "tokens beyond the cap: mask (drop them) or clamp (weight = cap)", default="mask"
     )
-    advantage: Literal["grpo", "dr_grpo", "rloo", "gae"] = config_field(
-        "grpo (group mean/std), dr_grpo (group mean, no std), rloo (leave-one-out), gae (a learned critic)",
+    advantage: Literal["grpo", "dr_grpo", "rloo", "gae", "baseline"] = config_field(
+        "grpo (group mean/std), dr_grpo (group mean, no std), rloo (leave-one-out), gae (a learned critic), "
+        "baseline (reward - the running per-task baseline each trajectory carries: rollout.source=gateway)",
         default="grpo",
     )
     gamma: float = config_field("gae: discount per generated token", default=1.0)
@@ -351,6 +358,7 @@ class TrainConfig:
     )
     ray: RayConfig = field(default_factory=RayConfig)
     timeline: TimelineConfig = field(default_factory=TimelineConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     def __post_init__(self) -> None:
         check_positive(self, "steps")
@@ -374,6 +382,17 @@ class TrainConfig:
             )
         self._check_lora()
         self._check_broadcast()
+        self._check_source()
+
+    def _check_source(self) -> None:
+        """The gateway serves one policy, and its baseline advantage needs the gateway's running baselines."""
+        if self.rollout.source == "gateway":
+            if self.policies:
+                raise ValueError("rollout.source: the gateway serves one shared policy; leave policies empty")
+            if self.launcher != "local":
+                raise ValueError("rollout.source: the gateway runs in the run's process (launcher=local)")
+        elif self.ppo.advantage == "baseline":
+            raise ValueError("ppo.advantage: baseline needs the gateway's running baselines (rollout.source=gateway)")
 
     def _check_broadcast(self) -> None:
         """A trainer in the run's process on CUDA cannot broadcast to servers on its own GPU (the launcher checks

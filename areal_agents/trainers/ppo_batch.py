@@ -102,10 +102,16 @@ def prepare_batch(
     counts |= {"groups": float(len(set(group_ids))), "flat_groups": float(len(flat))}
     if cfg.advantage == "gae":  # the critic is the baseline: every trajectory carries signal
         keep = list(range(len(trajectories)))
+    elif cfg.advantage == "baseline":  # each trajectory against the running baseline it carries (the gateway's)
+        advantages = torch.tensor(rewards) - torch.tensor(_baselines(trajectories, cfg))
+        zero = [a == 0 for a in advantages.tolist()]  # as a flat group: no gradient
+        counts |= {"groups": float(len(trajectories)), "flat_groups": float(sum(zero))}
+        keep = [i for i, z in enumerate(zero) if not (z and cfg.filter_zero_variance_groups)]
     else:
         episode_ids = [t.episode_id or f"#{i}" for i, t in enumerate(trajectories)]
         advantages = group_advantages(rewards, group_ids, cfg.advantage, episode_ids=episode_ids)
         keep = [i for i, g in enumerate(group_ids) if not (cfg.filter_zero_variance_groups and g in flat)]
+    if cfg.advantage != "gae":
         counts |= {"advantage_abs_sum": float(advantages.abs().sum()), "advantage_count": float(len(trajectories))}
     if cfg.overlong_filtering:  # after advantages: a truncated trajectory still counts in its group's baseline
         counts["overlong_filtered"] = float(sum(is_truncated(trajectories[i]) for i in keep))
@@ -129,6 +135,17 @@ def prepare_batch(
     with precision(critic, cfg)():
         values, adv, returns, sums = gae_targets(critic, trajs, [rewards[i] for i in keep], cfg, pad_token_id, dp)
     return PreparedBatch(trajs, adv, counts | sums, prox, values, returns)
+
+
+def _baselines(trajectories: list[Trajectory], cfg: PPOConfig) -> list[float]:
+    """Each trajectory's ``metadata["baseline"]``, shaped as its reward is (reward_bias, reward_scale, reward_clip)."""
+    missing = [t.episode_id for t in trajectories if not isinstance(t.metadata.get("baseline"), int | float)]
+    if missing:
+        raise ValueError(
+            f"ppo.advantage=baseline: trajectories {missing[:3]} carry no metadata['baseline'] (the gateway sets it)"
+        )
+    raw = [float(t.metadata["baseline"]) for t in trajectories]
+    return shape_rewards(raw, cfg.reward_scale, cfg.reward_bias, cfg.reward_clip)
 
 
 def _rewards(

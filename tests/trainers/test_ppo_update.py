@@ -105,3 +105,20 @@ def test_prepare_batch_gives_the_critic_gae_of_its_own_values(tiny_dir):
         model, trajs, PPOConfig(advantage="gae", ppo_epochs=2), temperature=1.0, pad_token_id=0, critic=critic
     )
     assert several.prox is not None and [len(p) for p in several.prox] == [len(t) for t in trajs]
+
+
+def test_baseline_advantage_is_each_reward_less_the_baseline_it_carries(tiny_dir):
+    """ppo.advantage=baseline (gateway sessions, no groups): A = shaped reward - shaped baseline, on every loss
+    token; a trajectory at its baseline carries no gradient and is left out; a missing baseline is named."""
+    trajs = [t for g in _groups() for t in g][:6]
+    for k, t in enumerate(trajs):
+        t.group_id, t.metadata = f"session{k}", {"baseline": 0.5 if k else t.reward}
+    cfg = PPOConfig(advantage="baseline", reward_scale=2.0, reward_bias=0.1)
+    batch = prepare_batch(load_model(tiny_dir), trajs, cfg, temperature=1.0, pad_token_id=0)
+    assert batch.trajectories == trajs[1:] and batch.counts["flat_groups"] == 1.0
+    for t, adv in zip(trajs[1:], batch.advantages):
+        expected = (t.reward + 0.1) * 2.0 - (0.5 + 0.1) * 2.0
+        assert torch.allclose(adv, expected * torch.tensor(t.loss_mask, dtype=torch.float))
+    trajs[2].metadata = {}
+    with pytest.raises(ValueError, match=r"metadata\['baseline'\]"):
+        prepare_batch(load_model(tiny_dir), trajs, cfg, temperature=1.0, pad_token_id=0)
