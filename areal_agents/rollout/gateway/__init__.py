@@ -1,0 +1,1 @@
+"""The gateway: live agent traffic captured for training (issue 48)."""
