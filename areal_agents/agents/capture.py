@@ -9,7 +9,8 @@ agent edited history, or the chat template rewrote it) starts a new trajectory s
 
 Replies have serve-model's ``/v1/chat/completions`` shapes (``openai_shapes``): ``reasoning_content`` and
 ``tool_calls`` from the template's `ReplyParser` (a malformed call stays in ``content``, never dropped),
-``stop`` strings (the tokens up to the stop string are recorded, what the engine sampled after it is not),
+``stop`` strings (the tokens up to the stop string are recorded, what the engine sampled after it is not;
+the choice's non-standard ``stop_reason`` names it, as vLLM's does),
 ``logprobs``, and ``n``: each choice is its own branch, a segment of its own whose earlier turns are prompt
 (trained once, in the branch they came from), so the agent may continue from any of them.
 
@@ -256,6 +257,8 @@ class ChatCapture:
         }
         if errors:
             choice["tool_call_errors"] = errors  # non-standard: the malformed calls, which stay in content
+        if gen.stop is not None:
+            choice["stop_reason"] = gen.stop  # non-standard, as vLLM's: the stop string that ended the reply
         return choice
 
 

@@ -114,12 +114,14 @@ def tokens_through(decode, tokens: list[int], chars: int) -> int:
 @dataclass
 class Generated:
     """One choice's generation, after stop strings: the tokens that make the reply, their logprobs, the text
-    (special tokens kept, the final stop token left out) and why it ended (``stop``, ``length``, ``abort``)."""
+    (special tokens kept, the final stop token left out), why it ended (``stop``, ``length``, ``abort``) and
+    the stop string that ended it (None: none did; Anthropic's ``stop_sequence`` needs it)."""
 
     tokens: list[int]
     logprobs: list[float]
     text: str
     finish: str
+    stop: str | None = None
 
 
 def generated(
@@ -137,7 +139,7 @@ def generated(
         return Generated(list(tokens), list(logprobs), text, reason)
     stop = next(s for s in stops if text.startswith(s, cut))
     kept = tokens_through(decode, body, cut + len(stop))
-    return Generated(tokens[:kept], logprobs[:kept], text[:cut], "stop")
+    return Generated(tokens[:kept], logprobs[:kept], text[:cut], "stop", stop)
 
 
 def reply_message(parser: ReplyParser, text: str, tools: bool) -> tuple[dict[str, Any], list[str]]:
