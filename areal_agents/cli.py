@@ -249,13 +249,25 @@ def _add_tiny_model(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=cmd_tiny_model)
 
 
+def cmd_serve_gateway(args: argparse.Namespace) -> None:
+    from areal_agents.config import load_config
+    from areal_agents.config.gateway_service import ServeGatewayConfig
+
+    cfg = load_config(ServeGatewayConfig, args.config, args.overrides)  # config errors before importing torch
+    from areal_agents.rollout.gateway.serve import serve_gateway
+
+    serve_gateway(cfg)
+
+
 def _add_recipes(sub: argparse._SubParsersAction) -> None:
-    """``train`` and ``sft``: a YAML config and ``key=value`` overrides."""
+    """``train``, ``sft`` and ``serve-gateway``: a YAML config and ``key=value`` overrides."""
     from areal_agents.config import SFTConfig, TrainConfig
+    from areal_agents.config.gateway_service import ServeGatewayConfig
 
     for name, fn, cls, text in (
         ("train", cmd_train, TrainConfig, "RL with decoupled PPO"),
         ("sft", cmd_sft, SFTConfig, "supervised fine-tuning on chat JSONL"),
+        ("serve-gateway", cmd_serve_gateway, ServeGatewayConfig, "serve live traffic, keep rewarded sessions"),
     ):
         p = sub.add_parser(
             name,
@@ -265,6 +277,9 @@ def _add_recipes(sub: argparse._SubParsersAction) -> None:
         )
         p.add_argument("config", help="YAML config file")
         p.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides, e.g. ppo.lr=3e-4")
+        p.set_defaults(fn=fn)
+        if name == "serve-gateway":  # docs/gateway.md
+            continue
         p.add_argument(
             "--no-progress", action="store_true", help="no progress output (a log file gets a progress line every 30 s)"
         )
@@ -277,7 +292,6 @@ def _add_recipes(sub: argparse._SubParsersAction) -> None:
                 action="store_true",
                 help="--resume with changed model/env/rollout/ppo/engine/seed keys (listed when refused)",
             )
-        p.set_defaults(fn=fn)
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:

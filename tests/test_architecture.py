@@ -37,7 +37,10 @@ SHARED_FILE_NAMES = {
     "__init__.py": "a package",
     "base.py": "a package's protocol: data, sandbox, rewards, engines, envs, agents",
     "client.py": "a serving backend's client: engines/sglang, engines/vllm",
-    "server.py": "a server's command line or app: engines/sglang, engines/vllm, engines/model_server, envs/runtime",
+    "server.py": (
+        "a server's command line or app: engines/sglang, engines/vllm, engines/model_server, envs/runtime, "
+        "rollout/gateway"
+    ),
     "protocol.py": "a wire format's JSON shapes: engines/sglang, envs/runtime",
     "loading.py": "a package's loader with its errors: config (YAML and overrides), models (weights, tokenizers)",
     "multi_agent.py": "a layer's multi-agent side: envs (MultiAgentTextEnv), agents (MultiAgentChatAgent)",

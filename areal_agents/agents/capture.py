@@ -46,6 +46,7 @@ from areal_agents.engines.model_server.openai_shapes import (
     stop_strings,
     usage,
 )
+from areal_agents.errors import EngineError
 from areal_agents.models.families import stop_token_ids
 from areal_agents.types import GenRequest, GenResponse, SamplingParams, Trajectory
 
@@ -210,6 +211,8 @@ class ChatCapture:
         responses = await asyncio.gather(
             *(self.engine.agenerate(GenRequest(f"{self.episode_id}/c{k}/{i}", prompt, sampling)) for i in range(n))
         )
+        if any(r.stop_reason == "abort" for r in responses):  # the engine is stopping: no reply to give
+            raise EngineError(f"the engine aborted call {k} of {self.episode_id} (stopping or cancelled)")
         completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         parse_tools = bool(tools) and tool_choice != "none"
         choices = [

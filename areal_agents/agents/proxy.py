@@ -37,7 +37,7 @@ from areal_agents.net import free_port
 from areal_agents.types import SamplingParams, Trajectory
 
 
-class _InLoopServer(uvicorn.Server):
+class InLoopServer(uvicorn.Server):
     """uvicorn as a task of the current loop: it must not take over the process's signal handlers."""
 
     @contextlib.contextmanager
@@ -59,7 +59,7 @@ class ChatProxy:
         self.host, self.port = host, port or free_port(host)
         self.sessions: dict[str, ChatCapture] = {}
         self.app = self._build_app()
-        self._server: _InLoopServer | None = None
+        self._server: InLoopServer | None = None
         self._task: asyncio.Task | None = None
 
     def base_url(self, session: str) -> str:
@@ -75,7 +75,7 @@ class ChatProxy:
 
     async def start(self) -> None:
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="off")
-        self._server = _InLoopServer(config)
+        self._server = InLoopServer(config)
         self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:
             if self._task.done():

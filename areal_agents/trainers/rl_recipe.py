@@ -39,6 +39,7 @@ from areal_agents.progress import plural, progress_bar
 from areal_agents.rollout.controller import Group, RolloutController, has_reward_variance
 from areal_agents.rollout.episodes import EpisodeFn
 from areal_agents.rollout.failures import FailureLog
+from areal_agents.rollout.gateway.live import LiveSource, open_live_source
 from areal_agents.rollout.held_out import evaluate
 from areal_agents.timeline import close_timeline, timeline
 from areal_agents.timeline.bottleneck import report_lines
@@ -167,7 +168,11 @@ async def _train(run: Run, sessions: RunSessions) -> dict[str, Any]:
             SamplingParams(r.max_new_tokens, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p),
         ):
             agents.append(make_rollout_agent(r, engine, run.tokenizer, sampling))
-        return await _train_loop(run, backend, *agents)
+        position = RunState.restore(cfg.seed, run.resumed)
+        live = await _open_live_source(run, position) if r.source == "gateway" else None
+        if live is not None:
+            agents.append(live)  # closed with the agents on every exit path: the gateway stops
+        return await _train_loop(run, backend, *agents[:2], position, live)
     except asyncio.CancelledError:
         if not run.interrupt.caught():
             raise
@@ -192,9 +197,17 @@ async def _serve_starting_weights(run: Run) -> None:
             await policy.weight_sync.announce(version)
 
 
-async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) -> dict[str, Any]:
+async def _open_live_source(run: Run, position: RunState) -> LiveSource:
+    """``rollout.source=gateway``: the gateway serving the run's one policy, counting in the run's ledger."""
+    engine, g, r = run.policies[SHARED].engine, run.cfg.gateway, run.cfg.rollout
+    return await open_live_source(g, r, engine, run.tokenizer, position.ledger, run.run_dir, position.data.position)
+
+
+async def _train_loop(
+    run: Run, backend: EnvBackend, agent: Any, greedy: Any, position: RunState, live: LiveSource | None
+) -> dict[str, Any]:
+    """The steps, from ``position``, on batches from the controller or the gateway (``live``)."""
     cfg, r, policies, interrupt, main = run.cfg, run.cfg.rollout, run.policies, run.interrupt, run.main
-    position = RunState.restore(cfg.seed, run.resumed)
     if run.resumed:
         print(f"prompts {position.data.describe()}")  # the groups not consumed, in order: none twice, none skipped
     eval_seeds = await held_out_seeds(backend, cfg.eval)
@@ -202,7 +215,7 @@ async def _train_loop(run: Run, backend: EnvBackend, agent: Any, greedy: Any) ->
     metrics = MetricsWriter(run.run_dir / "tensorboard", purge_step=position.first_step if run.resumed else 0)
     failures = FailureLog(run.run_dir / "failures.log")  # failed episodes: rate-limited lines, a traceback per cause
     episodes_at = run.launcher.episode_runner(main)
-    controller = _controller(cfg, agent, backend, position, main.engine.get_version, episodes_at, failures)
+    controller = live or _controller(cfg, agent, backend, position, main.engine.get_version, episodes_at, failures)
     log = StepLog(metrics, controller, position.ledger, cfg.env.id, main.engine, cfg.timeline, run.run_dir)
     saver = _Saver(run, controller, metrics, saved=position.first_step - 1)
     interrupt.on_stop = saver.save_on_interrupt

@@ -28,6 +28,7 @@ from areal_agents.config import TimelineConfig
 from areal_agents.engines.base import InferenceEngine
 from areal_agents.rollout.controller import RolloutController
 from areal_agents.rollout.episodes import RolloutLedger
+from areal_agents.rollout.gateway.live import LiveSource
 from areal_agents.trainers.metrics_writer import MetricsWriter, prefixed
 from areal_agents.trainers.overlong import is_truncated, truncated_fraction
 from areal_agents.trainers.policy import SHARED
@@ -102,7 +103,7 @@ class StepLog:
     """Logs each step's metrics and keeps the run's `Totals`."""
 
     metrics: MetricsWriter
-    controller: RolloutController
+    controller: RolloutController | LiveSource
     ledger: RolloutLedger
     env_id: str
     engine: InferenceEngine
@@ -178,9 +179,10 @@ def train_stats(per_policy: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def rollout_stats(
-    trajectories: list[Trajectory], ledger: RolloutLedger, controller: RolloutController, env_id: str
+    trajectories: list[Trajectory], ledger: RolloutLedger, controller: RolloutController | LiveSource, env_id: str
 ) -> dict[str, float]:
-    """The batch's rewards, truncation and staleness, the ledger's counts and the controller's queue."""
+    """The batch's rewards, truncation and staleness, the ledger's counts and the controller's queue (the gateway's
+    session counts, when it is the source)."""
     rewards = [t.reward for t in trajectories]
     staleness = controller.stats.staleness[-len(trajectories) :] or [0]
     return {
@@ -201,6 +203,7 @@ def rollout_stats(
         "staleness_max": float(max(staleness)),
         **episode_shape(trajectories),
         **reward_breakdown(trajectories, env_id),
+        **(controller.live_stats() if isinstance(controller, LiveSource) else {}),
     }
 
 

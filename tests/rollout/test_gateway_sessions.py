@@ -11,9 +11,9 @@ import pytest
 from areal_agents.agents.capture import ChatCapture
 from areal_agents.config import GatewayConfig, TrainConfig, load_config
 from areal_agents.engines.base import InferenceEngine
-from areal_agents.errors import ConfigError
+from areal_agents.errors import ConfigError, EngineError
 from areal_agents.rollout.gateway.keys import ApiKeys, KeyPolicy, RateLimits
-from areal_agents.rollout.gateway.sessions import FinishedSession, RunningBaselines, SessionBook, SessionError
+from areal_agents.rollout.gateway.session_book import FinishedSession, RunningBaselines, SessionBook, SessionError
 from areal_agents.rollout.gateway.source import GatewaySource
 from areal_agents.rollout.gateway.store import TrajectoryStore, read_sessions
 from areal_agents.types import GenResponse, SamplingParams, Trajectory
@@ -209,7 +209,8 @@ def test_api_keys_from_a_file_and_their_per_minute_limits(tmp_path):
     clock.now += 1
     with pytest.raises(SessionError, match="tokens a minute"):
         limits.admit(bot)
-    for text, where in (("[1, 2]", "mapping"), ("short: {}", "16 characters"), ("sk-aaaaaaaaaaaaaaaa: {rpm: 3}", "entry")):
+    bad = (("[1, 2]", "mapping"), ("short: {}", "16 characters"), ("sk-aaaaaaaaaaaaaaaa: {rpm: 3}", "entry"))
+    for text, where in bad:
         keys_file.write_text(text)
         with pytest.raises(ConfigError, match=where):
             ApiKeys.load(str(keys_file))
@@ -228,3 +229,15 @@ def test_gateway_config_refuses_an_open_network_endpoint_and_mismatched_sources(
             load_config(TrainConfig, None, overrides)
     cfg = load_config(TrainConfig, None, ["rollout.source=gateway", "ppo.advantage=baseline"])
     assert cfg.gateway.port == 8400 and json.dumps(cfg.gateway.stale_sessions) == '"drop"'
+
+
+def test_an_aborted_call_is_an_engine_error_not_a_reply(tokenizer):
+    """An engine that stops mid-call answers ``abort``: no OpenAI finish_reason fits, so the gateway says 503."""
+
+    class Aborting(InferenceEngine):
+        async def agenerate(self, request):
+            return GenResponse([], [], [], "abort")
+
+    capture = ChatCapture(Aborting(), tokenizer, SamplingParams(max_new_tokens=4), episode_id="e")
+    with pytest.raises(EngineError, match="aborted"):
+        asyncio.run(capture.create(messages=[{"role": "user", "content": "hi"}]))

@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from areal_agents.errors import ConfigError
-from areal_agents.rollout.gateway.sessions import SessionError
+from areal_agents.rollout.gateway.session_book import SessionError
 
 _WINDOW_S = 60.0
 

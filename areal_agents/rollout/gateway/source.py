@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from areal_agents.rollout.controller import ControllerStats, DataCursor, Group
 from areal_agents.rollout.episodes import RolloutLedger
-from areal_agents.rollout.gateway.sessions import FinishedSession
+from areal_agents.rollout.gateway.session_book import FinishedSession
 
 
 @dataclass

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from areal_agents.errors import ConfigError
-from areal_agents.rollout.gateway.sessions import FinishedSession
+from areal_agents.rollout.gateway.session_book import FinishedSession
 from areal_agents.types import Trajectory
 
 _PATTERN = "sessions-*.jsonl"
