@@ -133,7 +133,7 @@ def test_client_mistakes_are_4xx_in_each_apis_shape(tiny_dir, tmp_path):
         out["not json"] = await post(chat, content=b"{nope")
         out["an array"] = await post(chat, json=[1])
         out["no messages"] = await post(chat, json={"model": "m"})
-        out["stream"] = await post(chat, json={"messages": [{"role": "user", "content": "x"}], "stream": True})
+        out["stream"] = await post(chat, json={"messages": [{"role": "user", "content": "x"}], "stream": "yes"})
         out["too large"] = await post(chat, content=b"x" * 5000)
         out["bad session id"] = await post(chat, json={"messages": []}, headers={"X-Session-Id": "a b"})
         no_budget = {"messages": [{"role": "user", "content": "x"}]}
@@ -168,3 +168,39 @@ def test_client_mistakes_are_4xx_in_each_apis_shape(tiny_dir, tmp_path):
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in body["error"]["message"]
     assert ready == [] and all(json.loads(r.content) for r in out.values() if r.status_code != 413)
+
+
+def test_streaming_clients_read_the_whole_reply_as_their_apis_events(tiny_dir):
+    """``stream: true`` on each API: the SDKs' own stream readers assemble the same reply that is trained."""
+
+    async def work(gateway, http):
+        client = AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused")
+        head = {"X-Session-Id": "streamed"}
+        messages = [{"role": "user", "content": "1+2="}]
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model="m", messages=messages, stream=True, stream_options={"include_usage": True}, extra_headers=head
+            )
+        ]
+        claude = anthropic.AsyncAnthropic(base_url=gateway.url, api_key="unused", default_headers=head)
+        async with claude.messages.stream(model="m", max_tokens=5, messages=messages) as stream:
+            message = await stream.get_final_message()
+        events = [
+            e async for e in await client.responses.create(model="m", input="1+2=", stream=True, extra_headers=head)
+        ]
+        response = events[-1].response  # response.completed, or response.incomplete at the token budget
+        await http.post("/rl/sessions/streamed/end")
+        await http.post("/rl/sessions/streamed/reward", json={"reward": 1.0})
+        return chunks, message, events
+
+    (chunks, message, events), ready = serve(tiny_dir, work)
+    response = events[-1].response
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length") and chunks[-1].usage.completion_tokens >= 1
+    assert isinstance(message, anthropic.types.Message) and message.stop_reason in ("end_turn", "max_tokens")
+    assert events[-1].type == f"response.{response.status}" and response.status in ("completed", "incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    (session,) = ready
+    generated = chunks[-1].usage.completion_tokens + message.usage.output_tokens + response.usage.output_tokens
+    assert loss_count(session) == generated and isinstance(text, str)

@@ -3,8 +3,9 @@ the `ChatCompletion` back as a ``Message``, and Anthropic's error body.
 
 Sampling comes from the rollout config, as in `ChatCapture`: ``temperature``, ``top_p``, ``top_k`` and
 ``metadata`` are accepted and ignored. The text blocks of one message are joined with newlines (as vLLM
-renders content parts). Images, documents, server tools, streaming and forced tool use are refused with
-the field's path (`OpenAIRequestError`, a 400).
+renders content parts). Images, documents, server tools and forced tool use are refused with the field's
+path (`OpenAIRequestError`, a 400); so is ``stream`` here: the server takes it off first and streams the reply
+itself (`streams.py`).
 """
 
 from __future__ import annotations

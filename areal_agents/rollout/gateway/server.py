@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types.chat import ChatCompletion
 from transformers import PreTrainedTokenizerBase
 
@@ -40,6 +40,7 @@ from areal_agents.rollout.gateway.anthropic_api import (
 from areal_agents.rollout.gateway.keys import ApiKeys, KeyPolicy, RateLimits
 from areal_agents.rollout.gateway.responses_api import chat_kwargs_from_responses, response_from_completion
 from areal_agents.rollout.gateway.session_book import FinishedSession, Session, SessionBook, SessionError
+from areal_agents.rollout.gateway.streams import chat_events, message_events, response_events
 from areal_agents.types import SamplingParams
 
 MODEL_NAME = "areal-agents-policy"
@@ -56,18 +57,30 @@ def _chat_reply(completion: ChatCompletion, kwargs: dict[str, Any], model: str) 
     return completion.model_dump(exclude_none=True) | {"model": model}
 
 
-# Each API: its request as ChatCapture.create kwargs, the ChatCompletion as its reply, its error shape.
-_APIS: dict[str, tuple[Callable, Callable, Callable]] = {
-    "chat": (_chat_kwargs, _chat_reply, openai_error),
-    "responses": (
+@dataclass(frozen=True)
+class _Api:
+    """One API: its request as ChatCapture.create kwargs, the ChatCompletion as its reply, its error shape, and
+    its reply as server-sent events (``stream: true``)."""
+
+    to_chat: Callable[[dict[str, Any]], dict[str, Any]]
+    reply: Callable[[ChatCompletion, dict[str, Any], str], dict[str, Any]]
+    error: Callable[..., JSONResponse]
+    events: Callable[[dict[str, Any], bool], Iterator[str]]
+
+
+_APIS = {
+    "chat": _Api(_chat_kwargs, _chat_reply, openai_error, chat_events),
+    "responses": _Api(
         chat_kwargs_from_responses,
         lambda completion, kwargs, model: response_from_completion(completion, model),
         openai_error,
+        lambda reply, usage: response_events(reply),
     ),
-    "messages": (
+    "messages": _Api(
         chat_kwargs_from_messages,
         lambda completion, kwargs, model: message_from_completion(completion, kwargs.get("stop"), model),
         anthropic_error,
+        lambda reply, usage: message_events(reply),
     ),
 }
 _ROUTES = {"chat": "chat/completions", "responses": "responses", "messages": "messages"}
@@ -149,14 +162,19 @@ class Gateway:
 
     async def _serve(self, api: str, request: Request, path_session: str | None) -> Response:
         """One model call of ``api``: authenticated, limited, converted, captured in its session, converted back."""
-        to_chat, from_chat, error = _APIS[api]
+        spec, error = _APIS[api], _APIS[api].error
         try:
             key = self.keys.identify(request.headers.get("authorization"), request.headers.get("x-api-key"))
             self.limits.admit(key)
             body = parse_body(await request.body(), required=True)
             if not isinstance(body, dict):
                 raise BodyError("expects a JSON object")
-            kwargs = to_chat(body)
+            stream = body.pop("stream", None)
+            if stream not in (None, True, False):
+                raise OpenAIRequestError("stream", f"expects true or false, got {stream!r}")
+            options = body.get("stream_options")
+            usage = bool(stream) and isinstance(options, dict) and options.get("include_usage") is True
+            kwargs = spec.to_chat(body)
             kwargs["chat_template_kwargs"] = self.template_kwargs | (kwargs.get("chat_template_kwargs") or {})
             sid = path_session or request.headers.get("x-session-id")
             session = self.book.session_for_call(sid, key.name) if sid else None
@@ -167,15 +185,21 @@ class Gateway:
         except OpenAIRequestError as e:
             return error(400, str(e), e.param)
         model = body["model"] if isinstance(body.get("model"), str) else MODEL_NAME
-        work = self._generate(session, key, kwargs, lambda c: from_chat(c, kwargs, model), error)
-        return await unless_gone(request.receive, work)
+
+        def respond(completion: ChatCompletion) -> Response:
+            reply = spec.reply(completion, kwargs, model)
+            if not stream:
+                return JSONResponse(reply)
+            return StreamingResponse(spec.events(reply, usage), media_type="text/event-stream")
+
+        return await unless_gone(request.receive, self._generate(session, key, kwargs, respond, error))
 
     async def _generate(
         self,
         session: Session | None,
         key: KeyPolicy,
         kwargs: dict[str, Any],
-        reply: Callable[[ChatCompletion], dict[str, Any]],
+        respond: Callable[[ChatCompletion], Response],
         error: Callable[..., JSONResponse],
     ) -> Response:
         if session is None:
@@ -195,7 +219,7 @@ class Gateway:
             if session is not None:
                 self.book.call_finished(session)
         self.limits.spent(key, completion.usage.total_tokens if completion.usage else 0)
-        return JSONResponse(reply(completion))
+        return respond(completion)
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="areal-agents gateway")
