@@ -25,6 +25,13 @@ from areal_agents.types import Trajectory
 SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 TASK_KEY = re.compile(r"[^\x00-\x1f]{0,256}")
 _REMEMBERED = 65536  # ids of sessions handed on or dropped, to answer 409/410 rather than 404
+_REPLY_IDS = ("resp_", "msg_")  # a Response's and an Anthropic Message's id: the call's "chatcmpl-" id renamed
+
+
+def call_id(seen: str) -> str:
+    """The capture's completion id of the call whose reply had id ``seen`` in any of the three APIs."""
+    prefix = next((p for p in _REPLY_IDS if seen.startswith(p)), None)
+    return "chatcmpl-" + seen.removeprefix(prefix) if prefix else seen
 
 
 class SessionError(Exception):
@@ -179,7 +186,8 @@ class SessionBook:
         return session
 
     def reward(self, sid: str, reward: Any, completion_id: Any = None, owner: str = "") -> Session:
-        """Set the session's reward, or one call's (``completion_id``); each may be set once."""
+        """Set the session's reward, or one call's (``completion_id``: its reply's id, ``chatcmpl-``, ``resp_`` or
+        ``msg_``); each may be set once."""
         session = self.get(sid, owner)
         if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
             raise SessionError(400, f"reward: expects a finite number, got {reward!r}")
@@ -191,12 +199,12 @@ class SessionBook:
         else:
             if not isinstance(completion_id, str):
                 raise SessionError(400, "completion_id: expects the id of one of the session's calls (a string)")
-            if completion_id in capture.call_rewards:
+            call = call_id(completion_id)
+            if call in capture.call_rewards:
                 raise SessionError(409, f"completion_id: call {completion_id!r} has its reward already")
-            try:
-                capture.set_reward(float(reward), completion_id)
-            except KeyError as e:
-                raise SessionError(404, f"completion_id: {e.args[0]}") from e
+            if not any(call in s.completion_ids for s in capture.segments):
+                raise SessionError(404, f"completion_id: no call of session {sid!r} has id {completion_id!r}")
+            capture.set_reward(float(reward), call)
         self._hand_on_if_ready(session)
         return session
 
