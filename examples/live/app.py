@@ -52,7 +52,17 @@ class App:
             try:
                 await self.one_session(rng, env)
             except (APIConnectionError, httpx.TransportError):
-                self.stopped.set()  # the run stopped serving
+                if not await self.serving():
+                    self.stopped.set()  # the run stopped serving
+
+    async def serving(self) -> bool:
+        """Whether the gateway still answers (a dropped keep-alive connection is no reason to stop)."""
+        for _ in range(3):
+            try:
+                return (await self.http.get("/health")).status_code == 200
+            except httpx.TransportError:
+                await asyncio.sleep(1)
+        return False
 
     async def one_session(self, rng: random.Random, env: ArithmeticEnv) -> None:
         problem, _ = env.reset(seed=rng.randrange(2**31))

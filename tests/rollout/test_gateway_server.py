@@ -189,13 +189,12 @@ def test_streaming_clients_read_the_whole_reply_as_their_apis_events(tiny_dir):
         events = [
             e async for e in await client.responses.create(model="m", input="1+2=", stream=True, extra_headers=head)
         ]
-        response = events[-1].response  # response.completed, or response.incomplete at the token budget
         await http.post("/rl/sessions/streamed/end")
         await http.post("/rl/sessions/streamed/reward", json={"reward": 1.0})
         return chunks, message, events
 
     (chunks, message, events), ready = serve(tiny_dir, work)
-    response = events[-1].response
+    response = events[-1].response  # response.completed, or response.incomplete at the token budget
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-2].choices[0].finish_reason in ("stop", "length") and chunks[-1].usage.completion_tokens >= 1
     assert isinstance(message, anthropic.types.Message) and message.stop_reason in ("end_turn", "max_tokens")

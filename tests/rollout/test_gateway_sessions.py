@@ -91,7 +91,7 @@ def test_per_call_rewards_make_a_session_ready_when_every_call_has_one(book):
     with pytest.raises(SessionError) as e:
         book.reward("s", 1.0, completion_id="chatcmpl-nope")
     assert e.value.status == 404 and "completion_id" in str(e.value)
-    book.reward("s", 1.0, completion_id=second)
+    book.reward("s", 1.0, completion_id="msg_" + second.removeprefix("chatcmpl-"))  # as an Anthropic client saw it
     (done,) = book.ready
     assert done.reward == 1.5 and done.trajectories[0].turn_rewards == [0.5, 1.0]
 
@@ -241,3 +241,18 @@ def test_an_aborted_call_is_an_engine_error_not_a_reply(tokenizer):
     capture = ChatCapture(Aborting(), tokenizer, SamplingParams(max_new_tokens=4), episode_id="e")
     with pytest.raises(EngineError, match="aborted"):
         asyncio.run(capture.create(messages=[{"role": "user", "content": "hi"}]))
+
+
+def test_a_source_without_traffic_says_it_waits_and_goes_on_waiting(capsys):
+    async def quiet():
+        source = GatewaySource(1, lambda: 0, max_staleness=0)
+        source.quiet_s = 0.05
+        batch = asyncio.ensure_future(source.get_batch())
+        await asyncio.sleep(0.2)
+        waiting = not batch.done()
+        source.put(session("late", 0))
+        return waiting, await asyncio.wait_for(batch, 5)
+
+    waiting, batch = asyncio.run(quiet())
+    assert waiting and [g.group_id for g in batch] == ["late"]
+    assert "waiting for rewarded sessions (0 of 1 for this step)" in capsys.readouterr().out

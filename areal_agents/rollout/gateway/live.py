@@ -63,6 +63,13 @@ class LiveSource(GatewaySource):
         extra = {"stale_dropped": self.stats.groups_stale, "replayed": self.replayed}
         return {f"gateway_{k}": float(v) for k, v in ({k: stats[k] for k in keys} | extra).items()}
 
+    def waiting_line(self, taken: int) -> str:
+        stats = self.gateway.stats()
+        return (
+            f"{super().waiting_line(taken)}: {stats['open_sessions']} sessions open or awaiting a reward, "
+            f"{stats['handed_on']} trained or queued, {stats['expired']} expired (clients: {self.gateway.url})"
+        )
+
     async def aclose(self) -> None:
         await super().aclose()
         if self._pruner is not None:

@@ -123,7 +123,11 @@ class Gateway:
 
     async def start(self) -> None:
         """Serve on ``cfg.host:port`` in this event loop; sweep idle and expired sessions while serving."""
-        config = uvicorn.Config(self.app, host=self.cfg.host, port=self.port, log_level="warning", lifespan="off")
+        # keep-alive past a training step's event-loop stalls: a client that reuses a connection the server just
+        # closed gets a transport error (httpx does not retry it)
+        config = uvicorn.Config(
+            self.app, host=self.cfg.host, port=self.port, log_level="warning", lifespan="off", timeout_keep_alive=60
+        )
         self._server = InLoopServer(config)
         serving = asyncio.create_task(self._server.serve())
         self._tasks = [serving, asyncio.create_task(self._sweep())]

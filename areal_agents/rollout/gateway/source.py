@@ -52,6 +52,7 @@ class GatewaySource:
         self.taken = taken_before
         self.replayed = 0
         self._ready: deque[FinishedSession] = deque()
+        self.quiet_s = 60.0  # a line is printed after this long without a rewarded session
         self._arrived: asyncio.Event | None = None
         for session in replay:
             self.put(session, replayed=True)
@@ -85,7 +86,10 @@ class GatewaySource:
         while taken < self.batch_size:
             while not self._ready:
                 self._arrived.clear()
-                await self._arrived.wait()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), self.quiet_s)
+                except TimeoutError:  # live traffic may pause: say so, and wait on
+                    print(self.waiting_line(taken), flush=True)
             session = self._ready.popleft()
             staleness = version - session.oldest_version if session.oldest_version >= 0 else 0
             if staleness > self.max_staleness and self.stale_sessions == "drop":
@@ -99,6 +103,9 @@ class GatewaySource:
             yield Group(
                 session.trajectories[0].group_id, self.taken, 0, session.trajectories, session.oldest_version, 1
             )
+
+    def waiting_line(self, taken: int) -> str:
+        return f"gateway: waiting for rewarded sessions ({taken} of {self.batch_size} for this step)"
 
     def pause(self) -> None:
         """Nothing to pause: live traffic keeps flowing (the gateway serves until the run stops)."""
