@@ -36,6 +36,9 @@ FREE_KEYS = (
     "rollout.dump_trajectories",
     "launcher",
     "ray",
+    *(f"gateway.{key}" for key in ("host", "port", "api_keys_file", "reward_timeout_s", "session_idle_s")),
+    *(f"gateway.{key}" for key in ("max_open_sessions", "max_calls_per_session", "max_body_bytes")),
+    *(f"gateway.{key}" for key in ("trajectory_dir", "retention_hours", "replay_dir")),  # serving, not training
 )
 # what `train` and `sft` write in a run directory (the run's engine servers, separate policies, plots too);
 # `--overwrite` removes these and nothing else, so no file of the old run mixes with the new one's
@@ -48,6 +51,7 @@ RUN_FILES = (
     "trajectories",
     "eval_samples",
     "timeline",
+    "gateway.json",
     "trace.json",
     "failures.log",
     "model",

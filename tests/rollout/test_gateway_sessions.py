@@ -256,3 +256,16 @@ def test_a_source_without_traffic_says_it_waits_and_goes_on_waiting(capsys):
     waiting, batch = asyncio.run(quiet())
     assert waiting and [g.group_id for g in batch] == ["late"]
     assert "waiting for rewarded sessions (0 of 1 for this step)" in capsys.readouterr().out
+
+
+def test_a_resumed_gateway_run_may_move_its_address_but_not_change_its_training(tmp_path):
+    from areal_agents.config import config_to_dict
+    from areal_agents.trainers.resume import check_resume_config
+
+    base = ["rollout.source=gateway", "ppo.advantage=baseline", f"run_dir={tmp_path}"]
+    (tmp_path / "config.json").write_text(json.dumps(config_to_dict(load_config(TrainConfig, None, base))))
+    moved = load_config(TrainConfig, None, [*base, "gateway.port=9001", "gateway.reward_timeout_s=60"])
+    assert check_resume_config(tmp_path, moved, allow_change=False) == []
+    changed = load_config(TrainConfig, None, [*base, "gateway.baseline_decay=0.5"])
+    with pytest.raises(ConfigError, match="baseline_decay"):
+        check_resume_config(tmp_path, changed, allow_change=False)
