@@ -5,7 +5,7 @@ delay), as a deployed agent's feedback would. Run beside `areal-agents train exa
     python examples/live/app.py --run-dir runs/live/rl --users 32 --reward-delay 0.5,3
 
 It waits for the run's gateway (run_dir/gateway.json), sends traffic until the run stops serving, and prints
-what it sent and how often the model was right, per minute of traffic.
+what it sent and how often the model was right, per 10 s of traffic (``--window``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class App:
         self.client = AsyncOpenAI(base_url=gateway["openai_base_url"], api_key="unused", max_retries=0, timeout=120)
         self.delay, self.stopped = args.reward_delay, asyncio.Event()
         self.pending: set[asyncio.Task] = set()
-        self.minutes: dict[int, list[float]] = {}  # minute of traffic -> rewards
+        self.window = args.window
+        self.rewards: dict[int, list[float]] = {}  # window of traffic -> rewards
         self.start = time.monotonic()
 
     async def user(self, seed: int) -> None:
@@ -73,7 +74,7 @@ class App:
         )
         await self.http.post(f"/rl/sessions/{sid}/end")
         _, reward, *_ = env.step(reply.choices[0].message.content or "")
-        self.minutes.setdefault(int((time.monotonic() - self.start) // 60), []).append(reward)
+        self.rewards.setdefault(int((time.monotonic() - self.start) // self.window), []).append(reward)
         task = asyncio.create_task(self.reward_later(sid, reward, rng.uniform(*self.delay)))
         self.pending.add(task)
         task.add_done_callback(self.pending.discard)
@@ -94,9 +95,9 @@ async def main(args: argparse.Namespace) -> None:
     await asyncio.gather(*users)
     for task in list(app.pending):
         task.cancel()
-    print("minute  sessions  reward_mean (the live traffic's, sampled at temperature 1)")
-    for minute, rewards in sorted(app.minutes.items()):
-        print(f"{minute:>6}  {len(rewards):>8}  {sum(rewards) / len(rewards):.3f}")
+    print("seconds  sessions  reward_mean (the live traffic's, sampled at temperature 1)")
+    for k, rewards in sorted(app.rewards.items()):
+        print(f"{k * app.window:>7.0f}  {len(rewards):>8}  {sum(rewards) / len(rewards):.3f}")
 
 
 if __name__ == "__main__":
@@ -108,5 +109,6 @@ if __name__ == "__main__":
         help="seconds between a session's end and its reward, uniform in LOW,HIGH",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--window", type=float, default=10, help="seconds of traffic per line of the summary")
     parser.add_argument("--wait-s", type=float, default=600, help="how long to wait for the run's gateway")
     asyncio.run(main(parser.parse_args()))
