@@ -1,5 +1,5 @@
 """Chaos: seeded malformed, oversized and out-of-range requests, interleaved with valid ones, against
-serve-model, serve-env and the chat proxy. Valid requests keep succeeding, no client error gets a 5xx,
+serve-model, serve-env, the chat proxy and the gateway. Valid requests keep succeeding, no client error gets a 5xx,
 memory stays flat after warm-up, and the servers still stop on SIGTERM.
 
 Replay a failure with the printed seed: ``CHAOS_SEED=N CHAOS_REQUESTS=M pytest tests/chaos``.
@@ -247,6 +247,73 @@ def test_chat_proxy_survives_chaos(tiny_dir, tokenizer):
 
     warm, tally, before, after = asyncio.run(scenario())
     report(f"{tally.summary('chat proxy', SEED + 2)} | RSS {before} -> {after} KiB | alive: True")
+    assert not warm.server_errors + tally.server_errors, tally.server_errors[:10]
+    assert not warm.valid_failed + tally.valid_failed, tally.valid_failed[:10]
+    assert after < 1.10 * before
+
+
+def test_gateway_survives_chaos(tiny_dir, tokenizer):
+    """The gateway's three APIs and its session routes: malformed bodies on each, junk rewards, other keys'
+    sessions; valid calls (sessions opened by header) keep succeeding and no client error is a 5xx."""
+    from areal_agents.config import GatewayConfig
+    from areal_agents.engines import HFEngine
+    from areal_agents.models import load_model
+    from areal_agents.rollout.gateway.server import Gateway
+    from areal_agents.types import SamplingParams
+
+    rng = random.Random(SEED + 3)
+    engine = HFEngine(load_model(tiny_dir))
+    user = [{"role": "user", "content": "3+4?"}]
+    chat, messages, responses = "/v1/chat/completions", "/v1/messages", "/v1/responses"
+    good = {chat: {"messages": user}, messages: {"messages": user, "max_tokens": 3}, responses: {"input": "3+4?"}}
+
+    def shots(n):
+        valid = [single(f"call {p}", "POST", p, True, body=b, headers={"X-Session-Id": f"s{rng.randrange(64)}"})
+                 for p, b in good.items()]  # fmt: skip
+        valid += [
+            single("open", "POST", "/rl/sessions", True, body={"task": "t"}),
+            single("stats", "GET", "/rl/stats", True),
+        ]
+        bad = {
+            chat: [{"messages": "hi"}, {"messages": [{"role": "wizard", "content": "x"}]}, {"messages": [1]},
+                   {"messages": user, "n": -1}, {"messages": user, "tool_choice": "required"},
+                   {"messages": user, "tools": 5},
+                   {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {"messages": user, "stop": 5}],
+            messages: [{"messages": user}, {"messages": user, "max_tokens": "3"}, {"messages": [{"role": "user",
+                       "content": [{"type": "image"}]}], "max_tokens": 3}, {"messages": user, "max_tokens": 3,
+                       "tools": [{"name": 5}]}, {"messages": user, "max_tokens": 3, "system": 7}, {"messages": 3}],
+            responses: [{"input": 5}, {"input": [{"type": "function_call_output"}]}, {"input": "x", "tools": [{"type":
+                        "web_search"}]}, {"input": "x", "previous_response_id": "r"}, {"input": [{"role": "x"}]}],
+        }  # fmt: skip
+        malformed = [single(f"bad {p}", "POST", p, body=b) for p, bodies in bad.items() for b in bodies]
+        malformed += [single(f"junk {p}", "POST", p, body={"messages": junk(rng), "input": junk(rng)}) for p in good]
+        malformed += [
+            single("not_json", "POST", chat, raw=b"{nope"),
+            single("session_id_bad", "POST", chat, body=good[chat], headers={"X-Session-Id": "no spaces"}),
+            single("reward_junk", "POST", "/rl/sessions/s1/reward", body={"reward": junk(rng)}),
+            single("reward_unknown", "POST", "/rl/sessions/nope/reward", body={"reward": 1}),
+            single("end_unknown", "POST", "/rl/sessions/nope/end"),
+            single("open_junk", "POST", "/rl/sessions", body={"task": junk(rng), "session_id": junk(rng)}),
+            single("oversized_body", "POST", chat, raw=b'{"m": "' + b"x" * (9 << 20) + b'"}'),
+        ]
+        return mix(rng, valid, malformed, n)
+
+    async def scenario():
+        cfg = GatewayConfig(port=0, max_open_sessions=100_000, max_calls_per_session=100_000)
+        gateway = Gateway(cfg, engine, tokenizer, SamplingParams(max_new_tokens=3), lambda session: None)
+        await gateway.start()
+        try:
+            warm = await fire(gateway.url, shots(600))
+            before = own_rss_kb()
+            tally = await fire(gateway.url, shots(REQUESTS))
+            after = own_rss_kb()
+        finally:
+            await asyncio.wait_for(gateway.stop(), 10)
+            await engine.aclose()
+        return warm, tally, before, after
+
+    warm, tally, before, after = asyncio.run(scenario())
+    report(f"{tally.summary('gateway', SEED + 3)} | RSS {before} -> {after} KiB | alive: True")
     assert not warm.server_errors + tally.server_errors, tally.server_errors[:10]
     assert not warm.valid_failed + tally.valid_failed, tally.valid_failed[:10]
     assert after < 1.10 * before
