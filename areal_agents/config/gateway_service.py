@@ -26,6 +26,6 @@ class ServeGatewayConfig:
         if not self.model.path:
             raise ValueError("model.path: serve-gateway needs the model to serve")
         if self.model.lora is not None:
-            raise ValueError("model.lora: serve-gateway serves whole models; merge an adapter first (export-lora --merge)")
+            raise ValueError("model.lora: serve-gateway serves whole models; merge the adapter first (export-lora)")
         if not self.gateway.trajectory_dir:
             raise ValueError("gateway.trajectory_dir: serve-gateway keeps the rewarded sessions there; set it")

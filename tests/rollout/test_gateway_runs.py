@@ -84,6 +84,12 @@ def test_a_run_trains_on_live_sessions_while_serving_them(tmp_path, tiny_dir):
     episodes = summary["episodes"]
     assert summary["engine_version"] == 3 and summary["steps"] == 3
     assert episodes["accepted"] + episodes["cancelled"] + episodes["rejected"] == episodes["submitted"] >= 24
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = EventAccumulator(str(run / "tensorboard")).Reload()
+    handed_on = [e.value for e in scalars.Scalars("rollout/gateway_handed_on")]
+    assert len(handed_on) == 3 and handed_on == sorted(handed_on) and handed_on[-1] >= 24
+    assert "rollout/gateway_stale_dropped" in scalars.Tags()["scalars"]
     with pytest.raises(httpx.TransportError):  # the gateway stopped with the run
         httpx.get(f"{url}/health", timeout=5)
 

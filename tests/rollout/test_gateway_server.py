@@ -77,7 +77,7 @@ def test_a_session_of_sdk_calls_is_trained_once_its_late_reward_comes(tiny_dir):
 def test_header_sessions_per_call_rewards_and_calls_without_a_session(tiny_dir):
     async def work(gateway, http):
         client = AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused")
-        header = {"X-Session-Id": "user-7:chat-1"}
+        header = {"X-Session-Id": "user-7:chat-1", "X-Session-Task": "greeting"}
         ask = lambda h: client.chat.completions.create(  # noqa: E731
             model="m", messages=[{"role": "user", "content": "hi"}], extra_headers=h
         )
@@ -92,7 +92,7 @@ def test_header_sessions_per_call_rewards_and_calls_without_a_session(tiny_dir):
     (stats, waiting), ready = serve(tiny_dir, work)
     assert waiting == 0
     (session,) = ready
-    assert session.reward == 1.5 and session.trajectories[0].turn_rewards == [0.5, 1.0]
+    assert session.reward == 1.5 and session.trajectories[0].turn_rewards == [0.5, 1.0] and session.task == "greeting"
     assert stats["unsessioned_calls"] == 1 and stats["calls"] == 2 and stats["handed_on"] == 1
 
 

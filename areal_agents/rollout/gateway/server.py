@@ -2,8 +2,9 @@
 ``/v1/messages`` in front of the run's engine, every call of a session captured token-in/token-out; the
 ``/rl/sessions`` routes open, end and reward sessions (docs/gateway.md).
 
-A call names its session by an ``X-Session-Id`` header (a new id opens it) or its path (``/s/SESSION/v1/...``:
-a client's ``base_url``); a call without one is served and not captured. The server runs in the current event
+A call names its session by an ``X-Session-Id`` header (a new id opens it, with the task key of an
+``X-Session-Task`` header) or its path (``/s/SESSION/v1/...``: a client's ``base_url``); a call without one is
+served and not captured. The server runs in the current event
 loop, beside the engine it serves, whose weight updates pause and resume its calls as any rollout's.
 """
 
@@ -181,7 +182,8 @@ class Gateway:
             kwargs = spec.to_chat(body)
             kwargs["chat_template_kwargs"] = self.template_kwargs | (kwargs.get("chat_template_kwargs") or {})
             sid = path_session or request.headers.get("x-session-id")
-            session = self.book.session_for_call(sid, key.name) if sid else None
+            task = request.headers.get("x-session-task", "")
+            session = self.book.session_for_call(sid, key.name, task) if sid else None
         except SessionError as e:
             return error(e.status, str(e), None)
         except BodyError as e:

@@ -165,10 +165,10 @@ class SessionBook:
             raise SessionError(403, f"session {sid!r} belongs to another API key")
         return session
 
-    def session_for_call(self, sid: str, owner: str) -> Session:
-        """The session a call names, opened now if new; refused once ended or at its call limit."""
+    def session_for_call(self, sid: str, owner: str, task: str = "") -> Session:
+        """The session a call names, opened now (with ``task``) if new; refused once ended or at its call limit."""
         known = sid in self.sessions or sid in self._gone
-        session = self.get(sid, owner) if known else self.open("", owner, sid)
+        session = self.get(sid, owner) if known else self.open(task, owner, sid)
         if session.ended is not None:
             raise SessionError(409, f"session {sid!r} has ended: open a new one")
         if session.calls >= self.cfg.max_calls_per_session:
