@@ -49,8 +49,7 @@ def cli(*args: object) -> list[str]:
 
 def subprocess_env() -> dict[str, str]:
     """This environment with this tree's package first on the path (what a worktree's run must import)."""
-    path = os.environ.get("PYTHONPATH", "")
-    return os.environ | {"PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)}
+    return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 @contextlib.contextmanager
@@ -71,6 +70,7 @@ def started(cmd: list[str], log: Path):
 
 
 def failed(what: str, log: Path) -> SystemExit:
+    """A bench failure naming the process's log, with its last lines."""
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
     return SystemExit(f"bench/gateway: {what}; the last lines of {log}:\n{tail}")
 
@@ -100,8 +100,7 @@ class Traffic:
 
     def measured(self, warmup_calls: int, warmup_s: float) -> Traffic:
         ordered = sorted(self.sessions)
-        start = ordered[0][0] + warmup_s if ordered else 0.0
-        kept = [s for i, s in enumerate(ordered) if i >= warmup_calls and s[0] >= start]
+        kept = [s for i, s in enumerate(ordered) if i >= warmup_calls and s[0] >= ordered[0][0] + warmup_s]
         return Traffic(kept, self.errors, self.client_cpu_s)
 
 
@@ -135,9 +134,16 @@ class Users:
             try:
                 await self.session(rng, env)
             except (APIConnectionError, httpx.TransportError):
-                self.stopped.set()  # the gateway stopped serving
+                if not await self.serving():
+                    self.stopped.set()  # the gateway stopped serving
+                self.traffic.errors += not self.stopped.is_set()  # e.g. a kept-alive connection the server closed
             except (APIStatusError, httpx.HTTPStatusError):
                 self.traffic.errors += 1  # e.g. a 503: the engine could not serve the call
+
+    async def serving(self) -> bool:
+        with contextlib.suppress(httpx.TransportError):
+            return self.proc.poll() is None and (await self.http.get("/health")).status_code == 200
+        return False
 
     async def session(self, rng: random.Random, env: ArithmeticEnv) -> None:
         problem, _ = env.reset(seed=rng.randrange(2**31))
@@ -220,20 +226,15 @@ def build_model(work: Path) -> Path:
     return sft / "model"
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in [0, 1])."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def describe(traffics: list[Traffic], args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     """p50, p99 and max latency and sessions/s of the measured calls (pooled over rounds)."""
     measured = [t.measured(args.warmup_calls, args.warmup_s) for t in traffics]
     seconds = [s[1] for t in measured for s in t.sessions]
-    if not seconds:
-        raise SystemExit("bench/gateway: no calls left after the warm-up; run longer or lower --warmup-*")
+    if len(seconds) < 2:
+        raise SystemExit("bench/gateway: under 2 calls left after the warm-up; run longer or lower --warmup-*")
     rate = sum(len(t.sessions) for t in measured) / sum(t.span() for t in measured)
-    fig = {"p50": percentile(seconds, 0.5), "p99": percentile(seconds, 0.99), "max": max(seconds), "rate": rate}
+    p99 = statistics.quantiles(seconds, n=100, method="inclusive")[98]
+    fig = {"p50": statistics.median(seconds), "p99": p99, "max": max(seconds), "rate": rate}
     errors, cpu = sum(t.errors for t in traffics), sum(t.client_cpu_s for t in traffics)
     line = (f"p50 {fig['p50']:.3f} s  p99 {fig['p99']:.3f} s  max {fig['max']:.2f} s  sessions/s {rate:.1f}  "
             f"({len(seconds)} calls measured, {errors} errors, client CPU "
@@ -246,9 +247,8 @@ def header(args: argparse.Namespace, model: Path) -> str:
                 if ln.startswith("model name")), platform.processor())  # fmt: skip
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return (f"== bench/gateway ({cpu}, {os.cpu_count()} cores, commit {commit.stdout.strip() or 'unknown'}; "
-            f"{args.users} users, model {model}, engine.cpu_threads {args.engine_threads}, {args.steps} steps "
-            f"x batch 128, rewards {args.reward_delay[0]:g}-{args.reward_delay[1]:g} s after; "
-            f"{args.rounds} round(s)) ==")  # fmt: skip
+            f"{args.users} users, model {model}, engine.cpu_threads {args.engine_threads}, {args.steps} steps x 128, "
+            f"rewards after {args.reward_delay[0]:g}-{args.reward_delay[1]:g} s, {args.rounds} rounds) ==")  # fmt: skip
 
 
 def run(args: argparse.Namespace, work: Path) -> None:
