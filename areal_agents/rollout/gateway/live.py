@@ -4,6 +4,7 @@ the server started on the run's engine, its rewarded sessions to the trainer and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +75,9 @@ class LiveSource(GatewaySource):
         await super().aclose()
         if self._pruner is not None:
             self._pruner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pruner
+            self._pruner = None
         await self.gateway.stop()
 
 
