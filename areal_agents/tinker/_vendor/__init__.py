@@ -1,0 +1,1 @@
+"""Third-party files copied unchanged, each with its origin and licence in SOURCES.md."""
