@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
+from areal_agents.errors import RequestError
 from areal_agents.tinker._vendor import tinker_public_pb2 as pb
 
 LossConfigValue = float | str
@@ -24,7 +25,7 @@ _DTYPES = {pb.DTYPE_FLOAT32: (np.float32, torch.float32), pb.DTYPE_INT64: (np.in
 _STOP = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 
 
-class WireError(ValueError):
+class WireError(RequestError):
     """A body the client got wrong, with the field named (the server answers 400 or a failed future)."""
 
     def __init__(self, field: str, message: str):
