@@ -6,7 +6,7 @@ import pytest
 
 from areal_agents.errors import RequestError
 from areal_agents.models.tiny import FAMILY_CHOICES
-from areal_agents.tinker.sessions import (
+from areal_agents.tinker.ownership import (
     BaseModels,
     CheckpointPaths,
     NotFound,
