@@ -24,7 +24,7 @@ LAYERS = [
     {"agents"},
     {"rollout"},
     {"eval", "trainers"},
-    {"cluster", "dashboard"},
+    {"cluster", "dashboard", "tinker"},
     {"cli"},
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}

@@ -1,0 +1,1 @@
+"""serve-tinker: the Tinker training API served locally (issue 49)."""
