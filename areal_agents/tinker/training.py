@@ -18,6 +18,7 @@ Samplers are `Snapshot`s of an adapter, served by an engine under a name of thei
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import warnings
@@ -104,7 +105,7 @@ class TinkerTrainer:
         self.dtype, self.device, self.micro_batch_tokens = dtype, torch.device(device), micro_batch_tokens
         self.bases: dict[str, LoraBase] = {}
         self.models: dict[str, TrainingModel] = {}
-        self._adapters = 0  # adapter names on a base are ours ("m0", "m1", ...), not the client's model ids
+        self._adapters = itertools.count()  # adapter names are ours ("m0", "m1", ...), not the client's model ids
         self._scratch: dict[tuple, Adapter] = {}  # per (base, LoRA shape): the adapter a sampler's snapshot scores in
 
     # ---- models ------------------------------------------------------------------------------
@@ -124,11 +125,18 @@ class TinkerTrainer:
         return self._add(model_id, spec, None)
 
     def drop_model(self, model_id: str) -> None:
-        """Forget a training model and free its adapter (its session finished)."""
+        """Forget a training model and free its adapter (its session finished); the base goes with its last."""
         model = self._model(model_id)
-        with model.adapter.base.lock:
+        base, name = model.adapter.base, model.adapter.name
+        with base.lock:
             del self.models[model_id]
-            model.adapter.peft.delete_adapter(model.adapter.name)
+            if list(base.peft.peft_config) == [name]:
+                del self.bases[model.spec.base_dir]
+                return
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # PEFT: "was active which is now deleted"
+                base.peft.delete_adapter(name)
+            base.peft.set_adapter(next(iter(base.peft.peft_config)))  # PEFT leaves a deleted one "active"
 
     def _add(self, model_id: str, spec: LoraSpec, adapter_dir: Path | None) -> TrainingModel:
         if not isinstance(model_id, str) or not model_id:
@@ -146,8 +154,7 @@ class TinkerTrainer:
             warnings.simplefilter("ignore", UserWarning)  # PEFT: the head is tied to the embedding (we never merge)
             if seed is not None:
                 torch.manual_seed(seed)  # PEFT's initialisation of A
-            name, self._adapters = f"m{self._adapters}", self._adapters + 1
-            adapter = base.add(name, cfg, adapter_dir)
+            adapter = base.add(f"m{next(self._adapters)}", cfg, adapter_dir)
             base.peft.to(self.device)
         return adapter
 

@@ -162,6 +162,23 @@ def test_two_adapters_on_one_base_train_independently(trainer, tiny_dir):
     assert all(p.grad is None for p in trainer.models[B].adapter.parameters())
 
 
+def test_a_dropped_model_frees_its_adapter_and_the_others_go_on(trainer, tiny_dir):
+    trainer.create_model(B, str(tiny_dir), rank=4, seed=2)
+    peft = trainer.models[A].adapter.peft
+    b_before = logprobs(trainer, B)
+    logprobs(trainer, A)
+    trainer.drop_model(A)  # the active adapter (its forward ran last)
+    assert list(peft.peft_config) == [trainer.models[B].adapter.name]
+    assert all(torch.equal(x, y) for x, y in zip(b_before, logprobs(trainer, B)))
+    with pytest.raises(TinkerUserError, match="model_id: unknown"):
+        logprobs(trainer, A)
+    trainer.drop_model(B)  # the last one: the base goes too
+    assert trainer.bases == {}
+    trainer.create_model(A, str(tiny_dir), rank=4, seed=1)
+    trainer.forward_backward(A, ce_datums(), "cross_entropy")
+    trainer.optim_step(A, learning_rate=1e-2)
+
+
 def test_save_and_load_give_the_same_model_and_optimizer(trainer, tmp_path):
     for _ in range(2):
         trainer.forward_backward(A, ce_datums(), "cross_entropy")
