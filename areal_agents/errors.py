@@ -31,6 +31,11 @@ class RequestError(EngineError, ValueError):
     the same answer: the episode runner never retries it, whichever engine refused it."""
 
 
+class TinkerUserError(ArealAgentsError, ValueError):
+    """A Tinker request the client got wrong (a field, a shape, a token, a loss): the message names the field;
+    serve-tinker answers 400 or fails the request's future with category ``user``."""
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """Return ' Did you mean X?' for the closest choice, or '' when nothing is close."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)

@@ -133,7 +133,9 @@ class Adapter:
         """Its weights keyed as PEFT saves them (``...q_proj.lora_A.weight``), detached full copies on the CPU
         (FSDP2-sharded: gathered, so every rank must call it)."""
         with self.base.lock:
-            state = get_peft_model_state_dict(self.peft, adapter_name=self.name)
+            # the frozen base's embedding and head stay out even when the adapter targets the head (lm_head):
+            # PEFT's "auto" would add them, and an engine takes LoRA matrices alone
+            state = get_peft_model_state_dict(self.peft, adapter_name=self.name, save_embedding_layers=False)
             return {k: _full(v).detach().to("cpu", copy=True) for k, v in state.items()}
 
     def config(self) -> dict[str, Any]:
