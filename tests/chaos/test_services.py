@@ -236,17 +236,26 @@ def test_chat_proxy_survives_chaos(tiny_dir, tokenizer):
         sessions = [proxy.open(c) for c in captures]
         base = f"http://{proxy.host}:{proxy.port}"
         try:
-            warm = await fire(base, shots(sessions, 600))  # this process's allocators grow for a while
-            before = own_rss_kb()
-            tally = await fire(base, shots(sessions, REQUESTS))
-            after = own_rss_kb()
+            return await fire_in_process(base, lambda n: shots(sessions, n))
         finally:
             await asyncio.wait_for(proxy.stop(), 10)
             await engine.aclose()
-        return warm, tally, before, after
 
-    warm, tally, before, after = asyncio.run(scenario())
-    report(f"{tally.summary('chat proxy', SEED + 2)} | RSS {before} -> {after} KiB | alive: True")
+    check_in_process("chat proxy", SEED + 2, *asyncio.run(scenario()))
+
+
+async def fire_in_process(base: str, shots) -> tuple:
+    """Warm-up shots (this process's allocators grow for a while), then ``REQUESTS`` measured, with the RSS
+    before and after them."""
+    warm = await fire(base, shots(600))
+    before = own_rss_kb()
+    tally = await fire(base, shots(REQUESTS))
+    return warm, tally, before, own_rss_kb()
+
+
+def check_in_process(name: str, seed: int, warm, tally, before: int, after: int) -> None:
+    """No client error answered 5xx, every valid request served, memory flat after the warm-up."""
+    report(f"{tally.summary(name, seed)} | RSS {before} -> {after} KiB | alive: True")
     assert not warm.server_errors + tally.server_errors, tally.server_errors[:10]
     assert not warm.valid_failed + tally.valid_failed, tally.valid_failed[:10]
     assert after < 1.10 * before
@@ -303,17 +312,9 @@ def test_gateway_survives_chaos(tiny_dir, tokenizer):
         gateway = Gateway(cfg, engine, tokenizer, SamplingParams(max_new_tokens=3), lambda session: None)
         await gateway.start()
         try:
-            warm = await fire(gateway.url, shots(600))
-            before = own_rss_kb()
-            tally = await fire(gateway.url, shots(REQUESTS))
-            after = own_rss_kb()
+            return await fire_in_process(gateway.url, shots)
         finally:
             await asyncio.wait_for(gateway.stop(), 10)
             await engine.aclose()
-        return warm, tally, before, after
 
-    warm, tally, before, after = asyncio.run(scenario())
-    report(f"{tally.summary('gateway', SEED + 3)} | RSS {before} -> {after} KiB | alive: True")
-    assert not warm.server_errors + tally.server_errors, tally.server_errors[:10]
-    assert not warm.valid_failed + tally.valid_failed, tally.valid_failed[:10]
-    assert after < 1.10 * before
+    check_in_process("gateway", SEED + 3, *asyncio.run(scenario()))
