@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from areal_agents.config.loading import config_help as _config_help  # light: every parser lists config keys
 from areal_agents.errors import ArealAgentsError
+from areal_agents.tinker.command import add_parser as _add_serve_tinker  # light: its parser, no torch
 
 
 def _quiet_transformers() -> None:
@@ -213,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in (_add_tiny_model, _add_recipes, _add_eval, _add_tools, _add_dashboard, _add_serve_env, _add_serve_model):
         add(sub)
+    _add_serve_tinker(sub)
     return parser
 
 
@@ -343,10 +345,8 @@ def _add_tools(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base", help="the base model's directory (default: the adapter config's)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
     p.set_defaults(fn=cmd_export_lora)
-
     p = sub.add_parser("datasets", help="list the bundled datasets (names for --dataset and env kwargs)")
     p.set_defaults(fn=cmd_datasets)
-
     p = sub.add_parser("envs", help="list registered env ids with a one-line description")
     p.add_argument("--module", action="append", default=[], help="import this module first (registers ids)")
     p.add_argument("--all", action="store_true", help="include gymnasium's own envs")

@@ -31,9 +31,9 @@ class RequestError(EngineError, ValueError):
     the same answer: the episode runner never retries it, whichever engine refused it."""
 
 
-class TinkerUserError(ArealAgentsError, ValueError):
+class TinkerUserError(RequestError):
     """A Tinker request the client got wrong (a field, a shape, a token, a loss): the message names the field;
-    serve-tinker answers 400 or fails the request's future with category ``user``."""
+    serve-tinker answers 400 or fails the request's future with category ``user`` (as any `RequestError`)."""
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
