@@ -1,0 +1,116 @@
+"""The unmodified ``tinker`` SDK (0.38) against a real ``areal-agents serve-tinker`` process on a tiny Qwen3:
+the basic loop (LoRA client, tokenizer, forward_backward + optim_step with the loss going down, a sampler
+from the trained weights, save_state and a resumed client scoring the same), and client mistakes that
+fail at once with the SDK's own errors (issue 49's acceptance line)."""
+
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+import tinker  # pyproject's dev extra
+from tinker import types
+
+from areal_agents.models.tiny import save_tiny_model
+from areal_agents.net import free_port
+
+pytestmark = pytest.mark.process  # ~6 s in all: in the default run, so CI runs the SDK's loop
+BASE = "tiny-q"
+TEXTS = ["hello world, this is a test", "the quick brown fox jumps"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, monkeypatch_module):
+    """``serve-tinker`` on a fresh tiny Qwen3 checkpoint; the SDK's env points at it."""
+    root = tmp_path_factory.mktemp("tinker")
+    base = save_tiny_model(root / "base", family="qwen3")
+    port = free_port()
+    cmd = [sys.executable, "-m", "areal_agents.cli", "serve-tinker", f"--base-model={BASE}={base}"]
+    cmd += ["--checkpoint-root", str(root / "ckpt"), "--port", str(port)]
+    log = root / "server.log"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    assert proc.poll() is None, log.read_text()
+    for key, value in {"TINKER_BASE_URL": url, "TINKER_API_KEY": "tml-test", "TINKER_TELEMETRY": "0"}.items():
+        monkeypatch_module.setenv(key, value)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="module")
+def service_client(server):
+    with tinker.ServiceClient() as client:  # its close finishes the session on the server
+        yield client
+
+
+def datums(tokenizer) -> list:
+    """Each text as next-token prediction: input tokens[:-1], targets tokens[1:], weight 1."""
+    out = []
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        inputs = {"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)}
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs=inputs))
+    return out
+
+
+def test_the_basic_loop_trains_samples_saves_and_resumes(service_client):
+    training = service_client.create_lora_training_client(base_model=BASE, rank=8).result()
+    tokenizer = training.get_tokenizer()
+    data = datums(tokenizer)
+    losses = []
+    for _ in range(5):
+        out = training.forward_backward(data, "cross_entropy").result(timeout=60)
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
+        losses.append(out.metrics["loss:sum"])
+        assert [len(o["logprobs"].tolist()) for o in out.loss_fn_outputs] == [
+            len(d.model_input.to_ints()) for d in data
+        ]
+    assert losses[-1] < losses[0] * 0.9, losses
+
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(tokenizer.encode("hello"))
+    params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=3)
+    result = sampler.sample(prompt, num_samples=2, sampling_params=params).result(timeout=60)
+    assert len(result.sequences) == 2
+    for seq in result.sequences:
+        assert 1 <= len(seq.tokens) <= 5 and len(seq.logprobs) == len(seq.tokens)
+        assert all(lp <= 0 for lp in seq.logprobs)
+
+    path = training.save_state("c1").result(timeout=60).path
+    assert path.startswith("tinker://") and path.endswith("/weights/c1")
+    resumed = service_client.create_training_client_from_state_with_optimizer(path).result()
+    before = training.forward(data, "cross_entropy").result(timeout=60).loss_fn_outputs
+    after = resumed.forward(data, "cross_entropy").result(timeout=60).loss_fn_outputs
+    for a, b in zip(before, after):
+        np.testing.assert_allclose(a["logprobs"].tolist(), b["logprobs"].tolist(), atol=1e-5)
+
+
+def test_a_loss_input_of_the_wrong_length_fails_its_future_at_once(service_client):
+    training = service_client.create_lora_training_client(base_model=BASE, rank=4).result()
+    bad = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={"target_tokens": [6, 7], "weights": [1.0, 1.0]},
+    )
+    with pytest.raises(tinker.RequestFailedError, match="target_tokens"):
+        training.forward_backward([bad], "cross_entropy").result(timeout=30)
+
+
+def test_an_unknown_base_model_is_a_bad_request(service_client):
+    with pytest.raises(tinker.BadRequestError, match="base_model"):
+        service_client.create_lora_training_client(base_model="nope", rank=8).result(timeout=30)
