@@ -57,9 +57,9 @@ def cmd_serve_tinker(args: argparse.Namespace) -> None:
     import uvicorn  # noqa: PLC0415
 
     from areal_agents.models.loading import quiet_transformers  # noqa: PLC0415
+    from areal_agents.tinker.backend import TinkerService  # noqa: PLC0415
     from areal_agents.tinker.ownership import BaseModels  # noqa: PLC0415
-    from areal_agents.tinker.routes import build_app  # noqa: PLC0415
-    from areal_agents.tinker.service import TinkerService  # noqa: PLC0415
+    from areal_agents.tinker.rest import build_app  # noqa: PLC0415
 
     quiet_transformers()
     service = TinkerService(BaseModels(dirs, allow_tiny=args.tiny_families), args.checkpoint_root)

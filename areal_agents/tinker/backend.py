@@ -54,7 +54,7 @@ class SamplerRecord:
 
 
 class TinkerService:
-    """The server's state and one method per route; routes.py maps them to HTTP.
+    """The server's state and one method per route; rest.py maps them to HTTP.
 
     Example:
         service = TinkerService(BaseModels({"my-model": Path("/ckpt")}), "/tmp/tinker-ckpts")

@@ -8,9 +8,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from areal_agents.tinker._vendor import tinker_public_pb2 as pb
+from areal_agents.tinker.backend import TinkerService
 from areal_agents.tinker.ownership import BaseModels
-from areal_agents.tinker.routes import build_app
-from areal_agents.tinker.service import TinkerService
+from areal_agents.tinker.rest import build_app
 
 KEY = {"X-API-Key": "tml-test"}
 
@@ -42,7 +42,12 @@ def create_body(sid, seq=0, rank=4):
 
 
 def result(client, reply):
-    return post(client, "retrieve_future", {"request_id": reply["request_id"], "allow_metadata_only": True})
+    """The future's outcome, polled as the SDK polls (again after each try_again: the app holds 0.2 s)."""
+    for _ in range(600):
+        out = post(client, "retrieve_future", {"request_id": reply["request_id"], "allow_metadata_only": True})
+        if out.get("type") != "try_again":
+            return out
+    raise AssertionError(f"{reply['request_id']} still pending after 120 s")
 
 
 def test_the_api_key_is_checked(app):
@@ -127,6 +132,8 @@ def test_sample_results_come_back_as_protobuf_and_failures_as_user_errors(client
     future = post(client, "asample", {**ask, "sampling_params": {"max_tokens": 3, "temperature": 0}})
     assert len(future["sample_sequence_ids"]) == 2
     reply = client.post("/api/v1/retrieve_future", json={"request_id": future["request_id"]})
+    while reply.headers["content-type"] == "application/json":  # try_again
+        reply = client.post("/api/v1/retrieve_future", json={"request_id": future["request_id"]})
     assert reply.headers["content-type"] == "application/x-protobuf"
     out = pb.SampleResponse.FromString(reply.content)
     assert len(out.sequences) == 2 and all(len(s.tokens) == 3 * 4 for s in out.sequences)  # int32 bytes

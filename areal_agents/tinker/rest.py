@@ -20,9 +20,9 @@ from fastapi.responses import JSONResponse, Response
 
 from areal_agents.errors import RequestError
 from areal_agents.tinker import schemas as s
+from areal_agents.tinker.backend import TinkerService
 from areal_agents.tinker.futures import TRY_AGAIN, FailedRequest, StoreFull
 from areal_agents.tinker.ownership import NotFound, SessionFinished
-from areal_agents.tinker.service import TinkerService
 from areal_agents.tinker.wire import decode_forward_backward
 
 log = logging.getLogger(__name__)
@@ -70,9 +70,16 @@ def build_app(
     async def full(_: Request, e: StoreFull) -> Response:
         return _detail(429, str(e))  # the server's limit, not the client's mistake: send it again later
 
-    def post(path: str, model: type | None = None) -> Any:
-        """A POST route whose handler gets the body parsed as ``model`` (a `SchemaError` is a 400)."""
+    for add in (_session_routes, _training_routes, _sampling_routes, _future_and_info_routes):
+        add(app, service, poll_s)
+    return app
 
+
+def _poster(app: FastAPI) -> Any:
+    """``@post(path, model)``: a POST route whose handler gets the body parsed as ``model`` (raw bytes when None;
+    a `SchemaError` is a 400) and returns a dict (JSON) or a `Response`."""
+
+    def post(path: str, model: type | None = None) -> Any:
         def register(handler: Any) -> Any:
             async def route(request: Request) -> Response:
                 body = await request.body()
@@ -84,6 +91,13 @@ def build_app(
             return handler
 
         return register
+
+    return post
+
+
+def _session_routes(app: FastAPI, service: TinkerService, poll_s: float) -> None:
+    """The handshake, heartbeats, telemetry and a session's finish."""
+    post = _poster(app)
 
     @post("/client/config", s.ClientConfigRequest)
     async def client_config(_: s.ClientConfigRequest) -> dict:
@@ -113,6 +127,11 @@ def build_app(
         await service.finish_session(session_id)
         return {}
 
+
+def _training_routes(app: FastAPI, service: TinkerService, poll_s: float) -> None:
+    """Training models: create, info, forward_backward, optim_step, saves and loads."""
+    post = _poster(app)
+
     @post("/create_model", s.CreateModelRequest)
     async def create_model(req: s.CreateModelRequest) -> dict:
         return await service.create_model(req)
@@ -141,6 +160,11 @@ def build_app(
     async def load_weights(req: s.LoadWeightsRequest) -> dict:
         return service.load_weights(req)
 
+
+def _sampling_routes(app: FastAPI, service: TinkerService, poll_s: float) -> None:
+    """Samplers: from a checkpoint or a base model, and samples."""
+    post = _poster(app)
+
     @post("/create_sampling_session", s.CreateSamplingSessionRequest)
     async def create_sampling_session(req: s.CreateSamplingSessionRequest) -> dict:
         return await service.create_sampling_session(req)
@@ -148,6 +172,11 @@ def build_app(
     @post("/asample", s.SampleRequest)
     async def asample(req: s.SampleRequest) -> dict:
         return service.sample(req)
+
+
+def _future_and_info_routes(app: FastAPI, service: TinkerService, poll_s: float) -> None:
+    """retrieve_future (long-polled) and the GET routes."""
+    post = _poster(app)
 
     @post("/retrieve_future", s.RetrieveFutureRequest)
     async def retrieve_future(req: s.RetrieveFutureRequest) -> Response:
@@ -177,8 +206,6 @@ def build_app(
     @app.get(PREFIX + "/healthz")
     async def healthz() -> dict:
         return {"status": "ok"}
-
-    return app
 
 
 def _detail(status: int, message: str) -> JSONResponse:
