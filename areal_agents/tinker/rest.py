@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from areal_agents.errors import RequestError
+from areal_agents.net import BodyLimit
 from areal_agents.tinker import schemas as s
 from areal_agents.tinker.backend import TinkerService
 from areal_agents.tinker.futures import TRY_AGAIN, FailedRequest, StoreFull
@@ -52,10 +53,11 @@ def build_app(
         ok = hmac.compare_digest(key.encode(), api_key.encode()) if api_key is not None else key.startswith("tml-")
         if not ok:
             return _detail(401, "X-API-Key: expects this server's key" if api_key else "X-API-Key: expects tml-...")
-        size = request.headers.get("content-length", "0")
-        if not size.isdigit() or int(size) > max_body_bytes:
-            return _detail(413, f"body: expects at most {max_body_bytes} bytes, got content-length {size!r}")
         return await call_next(request)
+
+    # every body capped while it is read, chunked ones too: no more than the limit is ever held
+    too_large = f"body: expects at most {max_body_bytes} bytes"
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refuse=lambda n: _detail(413, too_large))
 
     @app.exception_handler(NotFound)
     async def not_found(request: Request, e: NotFound) -> Response:

@@ -140,3 +140,13 @@ def test_sample_results_come_back_as_protobuf_and_failures_as_user_errors(client
     ask["prompt"] = {"chunks": [{"tokens": [10**6]}]}  # out of the vocabulary: found while running
     failed = result(client, post(client, "asample", {**ask, "sampling_params": {"max_tokens": 3}}))
     assert failed["category"] == "user" and "prompt" in failed["error"]
+
+
+def test_a_body_over_the_limit_is_413_however_it_is_sent(app):
+    """A declared length over the cap, and a chunked body with no length, are both refused while read."""
+    small = build_app(app[0], max_body_bytes=1000)
+    with TestClient(small, headers=KEY) as c:
+        declared = c.post("/api/v1/create_session", content=b"x" * 5000)
+        chunked = c.post("/api/v1/create_session", content=(b"x" * 500 for _ in range(10)))
+    assert declared.status_code == chunked.status_code == 413
+    assert "at most 1000 bytes" in chunked.json()["detail"]
