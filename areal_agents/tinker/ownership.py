@@ -122,23 +122,21 @@ class SessionBook:
 
     def new_model_id(self, session_id: str, model_seq_id: int) -> str:
         """Register ``{session}:train:{model_seq_id}``; `RequestError` when that seq id is taken or negative."""
-        session = self.get(session_id)
-        if not 0 <= model_seq_id < 10**9:
-            raise RequestError(f"model_seq_id: expects 0 <= id < 1e9, got {model_seq_id}")
-        if model_seq_id in session.models:
-            raise RequestError(f"model_seq_id: model {session.models[model_seq_id]!r} already exists")
-        session.models[model_seq_id] = model_id = f"{session_id}:train:{model_seq_id}"
-        return model_id
+        return self._register(session_id, "models", "train", "model_seq_id", model_seq_id, 10**9)
 
-    def new_sampler_id(self, session_id: str, sampling_session_seq_id: int) -> str:
+    def new_sampler_id(self, session_id: str, seq: int) -> str:
         """Register ``{session}:sample:{seq}``; `RequestError` when that seq id is taken or negative."""
-        session = self.get(session_id)
-        if not 0 <= sampling_session_seq_id < 10**12:
-            raise RequestError(f"sampling_session_seq_id: expects 0 <= id < 1e12, got {sampling_session_seq_id}")
-        if sampling_session_seq_id in session.samplers:
-            raise RequestError(f"sampling_session_seq_id: sampler {session.samplers[sampling_session_seq_id]!r} exists")
-        session.samplers[sampling_session_seq_id] = sampler_id = f"{session_id}:sample:{sampling_session_seq_id}"
-        return sampler_id
+        return self._register(session_id, "samplers", "sample", "sampling_session_seq_id", seq, 10**12)
+
+    def _register(self, session_id: str, table: str, kind: str, field: str, seq: int, limit: int) -> str:
+        """``{session}:{kind}:{seq}`` entered in the session's ``table``, once per seq id."""
+        taken = getattr(self.get(session_id), table)
+        if not 0 <= seq < limit:
+            raise RequestError(f"{field}: expects 0 <= id < {limit:.0e}, got {seq}")
+        if seq in taken:
+            raise RequestError(f"{field}: {table[:-1]} {taken[seq]!r} already exists")
+        taken[seq] = new_id = f"{session_id}:{kind}:{seq}"
+        return new_id
 
     def session_of_model(self, model_id: str) -> Session:
         """The open session that owns training model ``model_id``; `NotFound` otherwise."""
