@@ -78,6 +78,8 @@ OPTIONAL = {
     "h2": "httpcore2's HTTP/2 (the clients speak HTTP/1.1)",
     "hpack": "h2's",
     "hyperframe": "h2's",
+    "orjson": "fastapi's ORJSONResponse, imported when installed (the tinker SDK's, a dev dependency)",
+    "zstandard": "fsspec's zstd compression, imported when installed (the tinker SDK's, a dev dependency)",
     "httptools": "uvicorn[standard]'s parser (h11 otherwise)",
     "websockets": "uvicorn[standard]'s websockets",
     "python-dotenv": "uvicorn[standard]'s --env-file",
