@@ -7,11 +7,12 @@ request models refuse them; options this server does not implement are refused b
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from areal_agents.engines.model_server.guard import BodyError
+from areal_agents.engines.model_server.guard import parse_body as parse_json_body
 from areal_agents.errors import RequestError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -28,10 +29,11 @@ class _Body(BaseModel):
 
 def parse_body(model: type[ModelT], raw: bytes | str) -> ModelT:
     """``raw`` JSON as ``model``; `SchemaError` naming the first bad field."""
-    try:
-        data = json.loads(raw or b"null")
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SchemaError(f"body: expects a JSON object, got invalid JSON ({e})") from e
+    try:  # serve-model's parser: a body nested past Python's parser or holding a lone surrogate is a 400 too
+        raw = raw.encode() if isinstance(raw, str) else raw
+        data = parse_json_body(raw) if raw.strip() else None
+    except BodyError as e:
+        raise SchemaError(f"body: expects a JSON object, got invalid JSON ({e})") from None
     if not isinstance(data, dict):
         raise SchemaError(f"body: expects a JSON object, got {type(data).__name__}")
     try:

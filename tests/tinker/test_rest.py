@@ -150,3 +150,10 @@ def test_a_body_over_the_limit_is_413_however_it_is_sent(app):
         chunked = c.post("/api/v1/create_session", content=(b"x" * 500 for _ in range(10)))
     assert declared.status_code == chunked.status_code == 413
     assert "at most 1000 bytes" in chunked.json()["detail"]
+
+
+def test_a_body_nested_past_the_parser_or_with_a_lone_surrogate_is_a_400(client):
+    deep = b'{"a":' * 100_000 + b"1" + b"}" * 100_000
+    for body in (deep, b'{"tags": ["\\ud800"]}'):
+        reply = client.post("/api/v1/create_session", content=body)
+        assert reply.status_code == 400 and reply.json()["detail"].startswith("body:")
