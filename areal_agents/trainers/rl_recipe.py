@@ -168,11 +168,12 @@ async def _train(run: Run, sessions: RunSessions) -> dict[str, Any]:
             SamplingParams(r.max_new_tokens, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p),
         ):
             agents.append(make_rollout_agent(r, engine, run.tokenizer, sampling))
+        sampler, greedy = agents
         position = RunState.restore(cfg.seed, run.resumed)
         live = await _open_live_source(run, position) if r.source == "gateway" else None
         if live is not None:
             agents.append(live)  # closed with the agents on every exit path: the gateway stops
-        return await _train_loop(run, backend, *agents[:2], position, live)
+        return await _train_loop(run, backend, sampler, greedy, position, live)
     except asyncio.CancelledError:
         if not run.interrupt.caught():
             raise
