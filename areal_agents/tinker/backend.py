@@ -20,7 +20,7 @@ from areal_agents.errors import RequestError
 from areal_agents.tinker import schemas as s
 from areal_agents.tinker.futures import FutureStore
 from areal_agents.tinker.ownership import BaseModels, BaseModelSpec, CheckpointPaths, NotFound, SessionBook
-from areal_agents.tinker.sampler import SampleParams, Snapshot
+from areal_agents.tinker.sampler import SampleParams, ServedAdapters, Snapshot
 from areal_agents.tinker.training import TinkerTrainer, checkpoint_spec
 from areal_agents.tinker.wire import (
     ForwardBackwardBatch,
@@ -61,8 +61,15 @@ class TinkerService:
         app = build_app(service)
     """
 
-    def __init__(self, base_models: BaseModels, checkpoint_root: str | Path, trainer: TinkerTrainer | None = None):
+    def __init__(
+        self,
+        base_models: BaseModels,
+        checkpoint_root: str | Path,
+        trainer: TinkerTrainer | None = None,
+        engine_device: str = "cpu",
+    ):
         self.base_models = base_models
+        self.engine_device = engine_device
         self.paths = CheckpointPaths(checkpoint_root)
         self.paths.root.mkdir(parents=True, exist_ok=True)
         self.trainer = trainer or TinkerTrainer()
@@ -72,7 +79,7 @@ class TinkerService:
         self.samplers: dict[str, SamplerRecord] = {}
         self._engines: dict[str, Any] = {}  # base dir -> HFEngine
         self._engine_lock = asyncio.Lock()
-        self._served: dict[str, list[str]] = {}  # base dir -> sampler ids loaded on its engine, oldest first
+        self._adapters: dict[str, ServedAdapters] = {}  # base dir -> the sampler adapters its engine serves
         self._once: dict[tuple, tuple[str, dict[str, Any], Callable[[], dict[str, Any]]]] = {}
         self._sample_ids = itertools.count()
 
@@ -292,10 +299,10 @@ class TinkerService:
 
         async def run() -> bytes:
             engine = await self.engine(record.snapshot.base_dir)
-            name = await self._serve(engine, record)
-            out = await self.trainer.sample(
-                engine, name, record.snapshot, tokens, params, req.num_samples, bool(req.prompt_logprobs)
-            )
+            async with self._adapters[record.snapshot.base_dir].use(record.sampler_id, record.snapshot) as name:
+                out = await self.trainer.sample(
+                    engine, name, record.snapshot, tokens, params, req.num_samples, bool(req.prompt_logprobs)
+                )
             seqs = [SampledSequence(q.tokens, q.logprobs, q.stop_reason) for q in out.sequences]  # type: ignore[arg-type]
             return encode_sample_response(seqs, out.prompt_logprobs)
 
@@ -314,21 +321,9 @@ class TinkerService:
                 from areal_agents.models import load_model  # noqa: PLC0415
 
                 model = await asyncio.to_thread(load_model, base_dir)
-                self._engines[base_dir] = HFEngine(model)
+                self._engines[base_dir] = HFEngine(model, device=self.engine_device)
+                self._adapters[base_dir] = ServedAdapters(self._engines[base_dir], MAX_SERVED_SAMPLERS)
             return self._engines[base_dir]
-
-    async def _serve(self, engine: Any, record: SamplerRecord) -> str | None:
-        """The engine's adapter name for ``record`` (None: the bare base), loading it and letting the oldest go."""
-        if record.snapshot.tensors is None:
-            return None
-        served = self._served.setdefault(record.snapshot.base_dir, [])
-        if record.sampler_id in served:
-            return record.sampler_id
-        while len(served) >= MAX_SERVED_SAMPLERS:
-            await engine.unload_lora_adapter(served.pop(0))
-        await engine.set_lora_adapter(record.sampler_id, record.snapshot.tensors, record.snapshot.config)
-        served.append(record.sampler_id)
-        return record.sampler_id
 
     # ---- sessions ------------------------------------------------------------------------------
 
@@ -341,10 +336,8 @@ class TinkerService:
                 self.futures.submit(lambda m=model_id: self._drop(m), "_finished", model_id)
         for sampler_id in session.samplers.values():
             record = self.samplers.pop(sampler_id, None)
-            served = self._served.get(record.snapshot.base_dir, []) if record else []
-            if sampler_id in served:
-                served.remove(sampler_id)
-                await self._engines[record.snapshot.base_dir].unload_lora_adapter(sampler_id)
+            if record is not None and record.snapshot.base_dir in self._adapters:
+                await self._adapters[record.snapshot.base_dir].drop(sampler_id)
         self._once = {k: v for k, v in self._once.items() if k[0] != session_id}
 
     def _drop(self, model_id: str) -> None:

@@ -7,6 +7,11 @@ With lp_t = log π_θ(target_t | tokens ≤ t) (the current adapter) and q_t = t
 - ``importance_sampling`` (``logprobs`` q, ``advantages`` A):  L = Σ_t -r_t · A_t,  r_t = exp(lp_t - q_t)
 - ``ppo`` (the same, ``clip_low_threshold`` lo / ``clip_high_threshold`` hi, default 0.8 / 1.2):
   L = Σ_t -min(r_t · A_t, clip(r_t, lo, hi) · A_t)
+- ``cispo`` (the same, lo / hi default 0 / 4):  L = Σ_t -sg(clip(r_t, lo, hi)) · lp_t · A_t
+- ``dro`` (the same, ``beta`` required: Tinker documents no default):  L = Σ_t -(lp_t · A_t - β/2 · (lp_t - q_t)²)
+
+The formulas and defaults are Tinker's documentation's (tinker-docs.thinkingmachines.ai/tinker/losses). ``gspo``'s
+defaults and ``stable_reinforce``'s formula are not published: both are refused by name.
 
 Alignment (no shift here: the client shifted): a datum of T tokens has per-token inputs of length T, and
 position t of the tokens predicts ``target_tokens[t]``.
@@ -40,6 +45,15 @@ def ppo(lp: torch.Tensor, inputs: Inputs, cfg: Mapping[str, float]) -> torch.Ten
     return -torch.minimum(ratio * adv, clipped * adv)
 
 
+def cispo(lp: torch.Tensor, inputs: Inputs, cfg: Mapping[str, float]) -> torch.Tensor:
+    ratio = torch.exp(lp - inputs["logprobs"]).clamp(cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    return -ratio.detach() * lp * inputs["advantages"]
+
+
+def dro(lp: torch.Tensor, inputs: Inputs, cfg: Mapping[str, float]) -> torch.Tensor:
+    return -(lp * inputs["advantages"] - 0.5 * cfg["beta"] * (lp - inputs["logprobs"]) ** 2)
+
+
 @dataclass(frozen=True)
 class LossSpec:
     """A loss: its per-token inputs (besides ``target_tokens``), its config keys with defaults, its function."""
@@ -53,11 +67,24 @@ LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(("weights",), {}, cross_entropy),
     "importance_sampling": LossSpec(("logprobs", "advantages"), {}, importance_sampling),
     "ppo": LossSpec(("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, ppo),
+    "cispo": LossSpec(("logprobs", "advantages"), {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}, cispo),
+    "dro": LossSpec(("logprobs", "advantages"), {"beta": math.nan}, dro),  # NaN: the client must give it
 }
+UNPUBLISHED = {
+    "gspo": "Tinker has not published its clipping defaults",
+    "stable_reinforce": "it trains on stability records Tinker's sampler keeps, in a form Tinker has not published",
+}
+
+
+def not_served(loss_fn: str) -> str:
+    """Why ``loss_fn`` (one of `UNPUBLISHED`) is refused, and what to use instead."""
+    return f"{loss_fn} is not served ({UNPUBLISHED[loss_fn]}); use one of {', '.join(LOSSES)}"
 
 
 def loss_spec(loss_fn: Any) -> LossSpec:
     """The `LossSpec` of ``loss_fn``; `TinkerUserError` naming it when it is not one of `LOSSES`."""
+    if isinstance(loss_fn, str) and loss_fn in UNPUBLISHED:
+        raise TinkerUserError(f"loss_fn: {not_served(loss_fn)}")
     if not isinstance(loss_fn, str) or loss_fn not in LOSSES:
         hint = did_you_mean(loss_fn, LOSSES) if isinstance(loss_fn, str) else ""
         raise TinkerUserError(f"loss_fn: unsupported {loss_fn!r} (supported: {', '.join(LOSSES)}).{hint}")
@@ -74,7 +101,10 @@ def loss_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict[str, flo
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise TinkerUserError(f"loss_fn_config.{key}: expects a finite number, got {value!r}")
         out[key] = float(value)
-    if out and not 0 <= out["clip_low_threshold"] <= 1 <= out["clip_high_threshold"]:
+    for key, value in out.items():
+        if math.isnan(value):
+            raise TinkerUserError(f"loss_fn_config.{key}: {loss_fn} needs it (Tinker documents no default)")
+    if "clip_low_threshold" in out and not 0 <= out["clip_low_threshold"] <= 1 <= out["clip_high_threshold"]:
         raise TinkerUserError(
             "loss_fn_config: expects 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got "
             f"{out['clip_low_threshold']} and {out['clip_high_threshold']}"

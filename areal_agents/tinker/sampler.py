@@ -10,9 +10,10 @@ Prompt logprobs, when asked, come from a forward pass of the same snapshot (the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,49 @@ class Snapshot:
         except EngineError as e:
             raise TinkerUserError(f"model_path: {e}") from None
         return cls(base_dir, tensors, config)
+
+
+class ServedAdapters:
+    """The sampler adapters one engine serves: loaded when first sampled, the oldest idle ones let go past
+    ``limit``. Loads and unloads take turns (concurrent first samples load once), and an adapter is never let go
+    while a sample of it runs (the cap is exceeded instead, until one is idle)."""
+
+    def __init__(self, engine: LoraEngine, limit: int):
+        self.engine = engine
+        self.limit = limit
+        self._running: dict[str, int] = {}  # adapter name -> samples running now; oldest load first
+        self._lock = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str, snapshot: Snapshot) -> AsyncIterator[str | None]:
+        """The engine's adapter name for ``snapshot`` (None: the bare base) while the caller samples."""
+        if snapshot.tensors is None:
+            yield None
+            return
+        async with self._lock:
+            if name not in self._running:
+                idle = [n for n, running in self._running.items() if not running]
+                for old in idle[: max(0, len(self._running) + 1 - self.limit)]:
+                    del self._running[old]
+                    await self.engine.unload_lora_adapter(old)
+                await self.engine.set_lora_adapter(name, snapshot.tensors, snapshot.config)
+                self._running[name] = 0
+            self._running[name] += 1
+        try:
+            yield name
+        finally:
+            if name in self._running:  # not let go by `drop` meanwhile
+                self._running[name] -= 1
+
+    async def drop(self, name: str) -> None:
+        """Stop serving ``name`` (its running samples fail); nothing when it is not loaded."""
+        async with self._lock:
+            if self._running.pop(name, None) is not None:
+                await self.engine.unload_lora_adapter(name)
+
+    def names(self) -> list[str]:
+        """The adapters loaded now, oldest first."""
+        return list(self._running)
 
 
 @dataclass(frozen=True)

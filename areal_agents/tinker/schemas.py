@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from areal_agents.engines.model_server.guard import BodyError
 from areal_agents.engines.model_server.guard import parse_body as parse_json_body
 from areal_agents.errors import RequestError
+from areal_agents.tinker.losses import not_served
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 MAX_SAMPLES = 1024  # num_samples of one asample
@@ -236,8 +237,15 @@ class SampleRequest(_Body):
     target_prompt_logprobs: None = None
     prompt_alt_tokens_k: Literal[0] = 0
     prompt_logprobs_last_n: None = None
-    record_stability_info: Literal[False] | None = None
+    record_stability_info: bool | None = None
     type: Literal["sample"] = "sample"
+
+    @field_validator("record_stability_info")
+    @classmethod
+    def _no_stability_records(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError(f"not served: {not_served('stable_reinforce')}")
+        return v
 
 
 class RetrieveFutureRequest(_Body):

@@ -164,7 +164,11 @@ def test_both_forms_of_save_for_sampler_load_weights_and_create_sampling_session
         ),
         (SampleRequest, {**SAMPLE, "num_samples": 100000}, "num_samples: Input should be less than or equal to 1024"),
         (SampleRequest, {**SAMPLE, "topk_prompt_logprobs": 5}, "topk_prompt_logprobs: Input should be 0"),
-        (SampleRequest, {**SAMPLE, "record_stability_info": True}, "record_stability_info: Input should be False"),
+        (
+            SampleRequest,
+            {**SAMPLE, "record_stability_info": True},
+            "record_stability_info: Value error, not served: stable_reinforce",
+        ),
         (SampleRequest, {**SAMPLE, "sampling_session_id": None}, "sampling_session_id: Input should be a valid string"),
     ],
 )

@@ -11,7 +11,7 @@ import torch
 from areal_agents.engines.hf.engine import HFEngine
 from areal_agents.errors import TinkerUserError
 from areal_agents.models import load_model
-from areal_agents.tinker.sampler import SampleParams
+from areal_agents.tinker.sampler import SampleParams, ServedAdapters, Snapshot
 from areal_agents.tinker.training import TinkerTrainer
 
 A, B = "s:train:0", "s:train:1"
@@ -110,6 +110,64 @@ def test_ppo_clips_the_ratio_on_the_side_the_advantage_favours(trainer, tiny_dir
     )
     # first datum's first three: min(1.65, 1.1) -> -1.1; min(-0.61, -0.9) -> 0.9; r=1 -> -2
     torch.testing.assert_close(narrow.elementwise_loss[0][:3], torch.tensor([-1.1, 0.9, -2.0]), atol=1e-4, rtol=0)
+
+
+def grads_of(trainer, loss_fn, data, config=None) -> list[torch.Tensor]:
+    """The gradients one forward_backward adds, from zero (then zeroed again)."""
+    trainer.forward_backward(A, data, loss_fn, config)
+    out = grads(trainer, A)
+    trainer.models[A].adapter.peft.zero_grad(set_to_none=True)
+    return out
+
+
+def test_cispo_and_dro_are_tinkers_formulas_values_and_gradients(trainer, tiny_dir):
+    """cispo: -sg(clip(r, 0, 4)) lp A; dro: -(lp A - beta/2 (lp - q)^2). Their gradients equal cross_entropy's
+    with per-token weights clip(r) A and A - beta (lp - q): the clipped ratio carries no gradient of its own."""
+    trainer.forward_backward(A, ce_datums(), "cross_entropy")
+    trainer.optim_step(A, learning_rate=1e-2)  # B != 0: every adapter matrix gets a gradient
+    data = sampler_datums(tiny_dir)
+    lp = logprobs(trainer, A)  # the same tokens and targets as ``data``
+    q = [d[1]["logprobs"] for d in data]
+    adv = [d[1]["advantages"] for d in data]
+    ratio = [torch.exp(lp[i] - q[i]).clamp(0.0, 4.0) for i in range(2)]
+    cispo = trainer.forward_backward(A, data, "cispo", forward_only=True)
+    for i in range(2):
+        torch.testing.assert_close(cispo.elementwise_loss[i], -ratio[i] * lp[i] * adv[i], atol=1e-5, rtol=0)
+    dro = trainer.forward_backward(A, data, "dro", {"beta": 0.5}, forward_only=True)
+    for i in range(2):
+        hand = -(lp[i] * adv[i] - 0.25 * (lp[i] - q[i]) ** 2)
+        torch.testing.assert_close(dro.elementwise_loss[i], hand, atol=1e-5, rtol=0)
+
+    def as_ce(weights):
+        return [(tokens, {"target_tokens": x["target_tokens"], "weights": w}) for (tokens, x), w in zip(data, weights)]
+
+    pairs = [
+        (
+            grads_of(trainer, "cispo", data),
+            grads_of(trainer, "cross_entropy", as_ce([r * a for r, a in zip(ratio, adv)])),
+        ),
+        (
+            grads_of(trainer, "dro", data, {"beta": 0.5}),
+            grads_of(trainer, "cross_entropy", as_ce([a - 0.5 * (p - x) for a, p, x in zip(adv, lp, q)])),
+        ),
+    ]
+    for ours, reference in pairs:
+        for g, h in zip(ours, reference):
+            torch.testing.assert_close(g, h, atol=1e-5, rtol=1e-4)
+    narrow = trainer.forward_backward(A, data, "cispo", {"clip_high_threshold": 1.1}, forward_only=True)
+    torch.testing.assert_close(narrow.elementwise_loss[0][0], -1.1 * lp[0][0] * adv[0][0], atol=1e-5, rtol=0)
+
+
+def test_unpublished_losses_and_a_missing_beta_are_refused_by_name(trainer, tiny_dir):
+    for loss_fn, match in (("stable_reinforce", "stability records"), ("gspo", "clipping defaults")):
+        with pytest.raises(TinkerUserError, match=f"loss_fn: {loss_fn} is not served .*importance_sampling"):
+            trainer.forward_backward(A, sampler_datums(tiny_dir), loss_fn)
+        with pytest.raises(TinkerUserError, match=match):
+            trainer.forward_backward(A, sampler_datums(tiny_dir), loss_fn)
+    with pytest.raises(TinkerUserError, match="loss_fn_config.beta: dro needs it"):
+        trainer.forward_backward(A, sampler_datums(tiny_dir), "dro")
+    with pytest.raises(TinkerUserError, match="loss_fn: unsupported"):
+        trainer.forward_backward(A, sampler_datums(tiny_dir), ["ppo"])
 
 
 def test_gradients_add_up_over_calls_until_optim_step(trainer):
@@ -235,6 +293,42 @@ def test_a_snapshot_served_by_the_engine_samples_the_trainers_logprobs(trainer, 
     torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), ours[: len(prompt) - 1], atol=1e-5, rtol=0)
     trainer.optim_step(A, learning_rate=2e-2)  # the model moves on; the sampler's snapshot does not
     assert trainer.prompt_logprobs(snapshot, full) == pytest.approx([None, *ours.tolist()], abs=1e-5)
+
+
+def test_served_adapters_load_once_and_never_let_a_running_one_go(trainer, tiny_dir):
+    """Concurrent first samples of a sampler load its adapter once (they raced into loading it again, and the
+    evictions then unloaded a name twice); past the limit the oldest idle adapter goes, a running one stays."""
+    snapshot = trainer.sampler_snapshot(A)
+    params = SampleParams(max_tokens=3, temperature=1.0, stop=[])  # not even EOS: three tokens each
+
+    async def one(adapters, name, engine):
+        async with adapters.use(name, snapshot) as served:
+            return await trainer.sample(engine, served, snapshot, [5, 6, 7], params, 1)
+
+    async def run():
+        engine = HFEngine(load_model(tiny_dir))
+        adapters = ServedAdapters(engine, limit=2)
+        try:
+            outs = await asyncio.gather(*(one(adapters, "s0", engine) for _ in range(8)))
+            assert all(len(o.sequences[0].tokens) == 3 for o in outs) and engine.lora_adapters() == ["s0"]
+            async with adapters.use("s1", snapshot):  # s1 runs while s2 and s3 come
+                await one(adapters, "s2", engine)
+                assert adapters.names() == ["s1", "s2"], "s0 was idle: it went"
+                await one(adapters, "s3", engine)
+                assert adapters.names() == ["s1", "s3"], "s1 is running: the idle s2 went instead"
+            async with adapters.use("s4", snapshot), adapters.use("s5", snapshot):
+                assert adapters.names() == ["s4", "s5"]
+                async with adapters.use("s6", snapshot):  # both others running: the cap gives
+                    assert adapters.names() == ["s4", "s5", "s6"]
+            async with adapters.use("base", Snapshot(str(tiny_dir))) as bare:
+                assert bare is None
+            await adapters.drop("s5")
+            await adapters.drop("s5")  # not loaded: nothing
+            assert engine.lora_adapters() == sorted(adapters.names()) == ["s4", "s6"]
+        finally:
+            engine.close()
+
+    asyncio.run(run())
 
 
 def test_sampling_stops_at_token_ids_and_strings(trainer, tiny_dir):
