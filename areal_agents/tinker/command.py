@@ -31,6 +31,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--tiny-families", action="store_true", help="serve tiny-<family> bases too (built at first use)")
     p.add_argument("--checkpoint-root", required=True, help="where tinker:// checkpoints are saved and loaded")
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the adapters train and the samplers run; auto: cuda when torch sees a GPU",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="the X-API-Key clients must send (default: any tml-... key)")
@@ -56,14 +62,19 @@ def cmd_serve_tinker(args: argparse.Namespace) -> None:
         raise ArealAgentsError("--base-model: expects at least one NAME=DIR (or --tiny-families)")
     import uvicorn  # noqa: PLC0415
 
+    from areal_agents.models.device import resolve_device  # noqa: PLC0415
     from areal_agents.models.loading import quiet_transformers  # noqa: PLC0415
     from areal_agents.tinker.backend import TinkerService  # noqa: PLC0415
     from areal_agents.tinker.ownership import BaseModels  # noqa: PLC0415
     from areal_agents.tinker.rest import build_app  # noqa: PLC0415
+    from areal_agents.tinker.training import TinkerTrainer  # noqa: PLC0415
 
+    device = str(resolve_device(args.device))  # a cuda that torch cannot see: one line, before anything loads
     quiet_transformers()
-    service = TinkerService(BaseModels(dirs, allow_tiny=args.tiny_families), args.checkpoint_root)
+    bases = BaseModels(dirs, allow_tiny=args.tiny_families)
+    service = TinkerService(bases, args.checkpoint_root, TinkerTrainer(device=device), engine_device=device)
     app = build_app(service, api_key=args.api_key)
     names = ", ".join(service.base_models.names())
-    print(f"serve-tinker: http://{args.host}:{args.port} (TINKER_BASE_URL), base models: {names}", flush=True)
+    where = f"http://{args.host}:{args.port} (TINKER_BASE_URL) on {device}"
+    print(f"serve-tinker: {where}, base models: {names}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
