@@ -160,3 +160,14 @@ def test_a_cuda_trainer_broadcasting_to_colocated_sglang_is_refused_naming_engin
         cuda = [] if any(e.startswith("ppo.device") for e in extra) else ["ppo.device=cuda"]
         load_config(TrainConfig, None, [*BROADCAST_TO_COLOCATED_SGLANG, *cuda, *extra])
     load_config(TrainConfig, None, ["engine.backend=serve-model", "engine.weight_sync=broadcast", "ppo.device=cuda"])
+
+
+def test_eval_num_problems_zero_is_for_sft_alone():
+    """sft may skip its held-out evaluation; train measures held-out accuracy, so 0 is refused by name."""
+    from areal_agents.config import SFTConfig  # noqa: PLC0415
+
+    assert load_config(SFTConfig, None, ["eval.num_problems=0"]).eval.num_problems == 0
+    with pytest.raises(ConfigError, match="eval.num_problems: train measures held-out accuracy"):
+        load_config(TrainConfig, None, ["eval.num_problems=0"])
+    with pytest.raises(ConfigError, match="num_problems: expects a value >= 0"):
+        load_config(SFTConfig, None, ["eval.num_problems=-1"])

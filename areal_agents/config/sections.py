@@ -266,7 +266,9 @@ class PPOConfig:
 
 @dataclass
 class EvalConfig:
-    num_problems: int = config_field("held-out problems (distinct first observations)", default=200)
+    num_problems: int = config_field(
+        "held-out problems (distinct first observations); sft: 0 = no held-out evaluation", default=200
+    )
     seed: int = config_field("seed of the held-out set (fixed across runs)", default=0)
     every: int = config_field("evaluate every N steps; 0 = only before and after training", default=0)
     n_samples: int = config_field("train: episodes per problem; accuracy is avg@n, pass@n is logged too", default=1)
@@ -277,7 +279,8 @@ class EvalConfig:
     )
 
     def __post_init__(self) -> None:
-        check_positive(self, "num_problems", "n_samples")
+        check_positive(self, "num_problems", or_zero=True)
+        check_positive(self, "n_samples")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"temperature >= 0 and 0 < top_p <= 1 expected, got {self.temperature}, {self.top_p}")
 
@@ -363,6 +366,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_positive(self, "steps")
         check_positive(self, "max_train_minutes", or_zero=True)
+        if self.eval.num_problems == 0:
+            raise ValueError("eval.num_problems: train measures held-out accuracy; expects a value > 0, got 0")
         budget, buffer = self.rollout.max_new_tokens, self.ppo.overlong_buffer
         if buffer > budget:
             raise ValueError(f"ppo.overlong_buffer: expects at most rollout.max_new_tokens ({budget}), got {buffer}")

@@ -60,7 +60,7 @@ def qwq_dir(tmp_path_factory):
 
 def sft_config(model_dir, tmp_path, data, **kwargs):
     cfg = SFTConfig(run_dir=str(tmp_path / "run"), data=str(data), model=ModelConfig(path=str(model_dir)), **kwargs)
-    cfg.eval.num_problems = 0  # run_sft skips its held-out evaluation (the CLI refuses 0): the data path alone
+    cfg.eval.num_problems = 0  # run_sft skips its held-out evaluation: the data path alone
     return cfg
 
 
