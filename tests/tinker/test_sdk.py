@@ -3,18 +3,14 @@ the basic loop (LoRA client, tokenizer, forward_backward + optim_step with the l
 from the trained weights, save_state and a resumed client scoring the same), and client mistakes that
 fail at once with the SDK's own errors (issue 49's acceptance line)."""
 
-import subprocess
-import sys
-import time
-
-import httpx
 import numpy as np
 import pytest
-import tinker  # pyproject's dev extra
+import tinker
+import torch  # pyproject's dev extra
 from tinker import types
 
 from areal_agents.models.tiny import save_tiny_model
-from areal_agents.net import free_port
+from tests.tinker.tinker_process import CLIENT_ENV, serve_tinker
 
 pytestmark = pytest.mark.process  # ~6 s in all: in the default run, so CI runs the SDK's loop
 BASE = "tiny-q"
@@ -25,26 +21,10 @@ TEXTS = ["hello world, this is a test", "the quick brown fox jumps"]
 def server(tmp_path_factory, monkeypatch_module):
     """``serve-tinker`` on a fresh tiny Qwen3 checkpoint; the SDK's env points at it."""
     root = tmp_path_factory.mktemp("tinker")
-    base = save_tiny_model(root / "base", family="qwen3")
-    port = free_port()
-    cmd = [sys.executable, "-m", "areal_agents.cli", "serve-tinker", f"--base-model={BASE}={base}"]
-    cmd += ["--checkpoint-root", str(root / "ckpt"), "--port", str(port)]
-    log = root / "server.log"
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    assert proc.poll() is None, log.read_text()
-    for key, value in {"TINKER_BASE_URL": url, "TINKER_API_KEY": "tml-test", "TINKER_TELEMETRY": "0"}.items():
-        monkeypatch_module.setenv(key, value)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    with serve_tinker(root, {BASE: save_tiny_model(root / "base", family="qwen3")}) as url:
+        for key, value in {"TINKER_BASE_URL": url, **CLIENT_ENV}.items():
+            monkeypatch_module.setenv(key, value)
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +94,28 @@ def test_a_loss_input_of_the_wrong_length_fails_its_future_at_once(service_clien
 def test_an_unknown_base_model_is_a_bad_request(service_client):
     with pytest.raises(tinker.BadRequestError, match="base_model"):
         service_client.create_lora_training_client(base_model="nope", rank=8).result(timeout=30)
+
+
+def test_a_custom_loss_runs_on_the_client_over_the_servers_cross_entropy(service_client):
+    """forward_backward_custom: the SDK scores with forward, takes the loss's gradient on the client and sends it
+    back as cross_entropy weights (negative ones included); the gradient is the same as the built-in loss's."""
+    custom = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    builtin = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    data = datums(custom.get_tokenizer())
+
+    def minus_half_sum(data_, logprobs):  # = cross_entropy with weights 0.5, built from the logprobs
+        loss = -0.5 * sum(lp.sum() for lp in logprobs)
+        return loss, {"custom:sum": float(loss.detach())}
+
+    half = [types.Datum(model_input=d.model_input, loss_fn_inputs={**d.loss_fn_inputs, "weights": [0.5] * len(
+        d.loss_fn_inputs["weights"].tolist())}) for d in data]  # fmt: skip
+    out = custom.forward_backward_custom(data, minus_half_sum).result(timeout=60)
+    assert out.metrics["custom:sum"] > 0
+    builtin.forward_backward(half, "cross_entropy").result(timeout=60)
+    for client in (custom, builtin):
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
+    a, b = (c.forward(data, "cross_entropy").result(timeout=60).loss_fn_outputs for c in (custom, builtin))
+    for x, y in zip(a, b):
+        torch.testing.assert_close(
+            torch.tensor(x["logprobs"].tolist()), torch.tensor(y["logprobs"].tolist()), atol=1e-4, rtol=0
+        )
