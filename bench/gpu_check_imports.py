@@ -80,6 +80,7 @@ OPTIONAL = {
     "hyperframe": "h2's",
     "orjson": "fastapi's ORJSONResponse, imported when installed (the tinker SDK's, a dev dependency)",
     "zstandard": "fsspec's zstd compression, imported when installed (the tinker SDK's, a dev dependency)",
+    "dill": "torch.utils.data's datapipes, imported when installed (datasets', which tinker-cookbook brings)",
     "httptools": "uvicorn[standard]'s parser (h11 otherwise)",
     "websockets": "uvicorn[standard]'s websockets",
     "python-dotenv": "uvicorn[standard]'s --env-file",
