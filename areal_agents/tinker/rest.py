@@ -10,8 +10,9 @@ answers ``try_again`` (the SDK polls again at once), and answers forward_backwar
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -72,7 +73,7 @@ def build_app(
     async def full(_: Request, e: StoreFull) -> Response:
         return _detail(429, str(e))  # the server's limit, not the client's mistake: send it again later
 
-    for add in (_session_routes, _training_routes, _sampling_routes, _future_and_info_routes):
+    for add in (_session_routes, _service_routes, _future_and_info_routes):
         add(app, service, poll_s)
     return app
 
@@ -130,50 +131,33 @@ def _session_routes(app: FastAPI, service: TinkerService, poll_s: float) -> None
         return {}
 
 
-def _training_routes(app: FastAPI, service: TinkerService, poll_s: float) -> None:
-    """Training models: create, info, forward_backward, optim_step, saves and loads."""
+def _service_routes(app: FastAPI, service: TinkerService, poll_s: float) -> None:
+    """Training models and samplers: each route hands its parsed body to the service's method for it."""
     post = _poster(app)
-
-    @post("/create_model", s.CreateModelRequest)
-    async def create_model(req: s.CreateModelRequest) -> dict:
-        return await service.create_model(req)
-
-    @post("/get_info", s.GetInfoRequest)
-    async def get_info(req: s.GetInfoRequest) -> dict:
-        return service.get_info(req)
-
-    @post("/forward_backward")
-    async def forward_backward(body: bytes) -> dict:
-        return service.forward_backward(decode_forward_backward(body))
-
-    @post("/optim_step", s.OptimStepRequest)
-    async def optim_step(req: s.OptimStepRequest) -> dict:
-        return service.optim_step(req)
-
-    @post("/save_weights", s.SaveWeightsRequest)
-    async def save_weights(req: s.SaveWeightsRequest) -> dict:
-        return service.save_weights(req)
-
-    @post("/save_weights_for_sampler", s.SaveWeightsForSamplerRequest)
-    async def save_weights_for_sampler(req: s.SaveWeightsForSamplerRequest) -> dict:
-        return service.save_weights_for_sampler(req)
-
-    @post("/load_weights", s.LoadWeightsRequest)
-    async def load_weights(req: s.LoadWeightsRequest) -> dict:
-        return service.load_weights(req)
+    routes: dict[str, tuple[type | None, Callable[[Any], Any]]] = {
+        "/create_model": (s.CreateModelRequest, service.create_model),
+        "/get_info": (s.GetInfoRequest, service.get_info),
+        "/forward_backward": (None, lambda body: service.forward_backward(decode_forward_backward(body))),
+        "/optim_step": (s.OptimStepRequest, service.optim_step),
+        "/save_weights": (s.SaveWeightsRequest, service.save_weights),
+        "/save_weights_for_sampler": (s.SaveWeightsForSamplerRequest, service.save_weights_for_sampler),
+        "/load_weights": (s.LoadWeightsRequest, service.load_weights),
+        "/create_sampling_session": (s.CreateSamplingSessionRequest, service.create_sampling_session),
+        "/asample": (s.SampleRequest, service.sample),
+    }
+    for path, (model, method) in routes.items():
+        post(path, model)(_calling(method, path.strip("/")))
 
 
-def _sampling_routes(app: FastAPI, service: TinkerService, poll_s: float) -> None:
-    """Samplers: from a checkpoint or a base model, and samples."""
-    post = _poster(app)
+def _calling(method: Callable[[Any], Any], name: str) -> Callable[[Any], Any]:
+    """An async handler named ``name`` that answers ``method``'s reply (awaited when it is a coroutine)."""
 
-    @post("/create_sampling_session", s.CreateSamplingSessionRequest)
-    async def create_sampling_session(req: s.CreateSamplingSessionRequest) -> dict:
-        return await service.create_sampling_session(req)
+    async def handler(arg: Any) -> Any:
+        reply = method(arg)
+        return await reply if inspect.isawaitable(reply) else reply
 
-    @post("/asample", s.SampleRequest)
-    async def asample(req: s.SampleRequest) -> dict:
-        return service.sample(req)
+    handler.__name__ = name
+    return handler
 
 
 def _future_and_info_routes(app: FastAPI, service: TinkerService, poll_s: float) -> None:
