@@ -56,11 +56,13 @@ def dro(lp: torch.Tensor, inputs: Inputs, cfg: Mapping[str, float]) -> torch.Ten
 
 @dataclass(frozen=True)
 class LossSpec:
-    """A loss: its per-token inputs (besides ``target_tokens``), its config keys with defaults, its function."""
+    """A loss: its per-token inputs (besides ``target_tokens``), its config keys with defaults, its function, and
+    the config keys the client must give (no default)."""
 
     inputs: tuple[str, ...]
     defaults: Mapping[str, float]
     elementwise: Callable[[torch.Tensor, Inputs, Mapping[str, float]], torch.Tensor]
+    required: tuple[str, ...] = ()
 
 
 LOSSES: dict[str, LossSpec] = {
@@ -68,7 +70,7 @@ LOSSES: dict[str, LossSpec] = {
     "importance_sampling": LossSpec(("logprobs", "advantages"), {}, importance_sampling),
     "ppo": LossSpec(("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, ppo),
     "cispo": LossSpec(("logprobs", "advantages"), {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}, cispo),
-    "dro": LossSpec(("logprobs", "advantages"), {"beta": math.nan}, dro),  # NaN: the client must give it
+    "dro": LossSpec(("logprobs", "advantages"), {}, dro, required=("beta",)),
 }
 UNPUBLISHED = {
     "gspo": "Tinker has not published its clipping defaults",
@@ -95,14 +97,14 @@ def loss_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict[str, flo
     """The loss's config: its defaults updated by ``config`` (finite numbers, keys it takes, lo <= 1 <= hi)."""
     spec, out = loss_spec(loss_fn), dict(loss_spec(loss_fn).defaults)
     for key, value in (config or {}).items():
-        if key not in out:
-            takes = ", ".join(spec.defaults) or "none"
+        if key not in out and key not in spec.required:
+            takes = ", ".join([*spec.defaults, *spec.required]) or "none"
             raise TinkerUserError(f"loss_fn_config.{key}: not a parameter of {loss_fn} (it takes: {takes})")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise TinkerUserError(f"loss_fn_config.{key}: expects a finite number, got {value!r}")
         out[key] = float(value)
-    for key, value in out.items():
-        if math.isnan(value):
+    for key in spec.required:
+        if key not in out:
             raise TinkerUserError(f"loss_fn_config.{key}: {loss_fn} needs it (Tinker documents no default)")
     if "clip_low_threshold" in out and not 0 <= out["clip_low_threshold"] <= 1 <= out["clip_high_threshold"]:
         raise TinkerUserError(
