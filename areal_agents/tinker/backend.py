@@ -20,6 +20,7 @@ from areal_agents.errors import RequestError
 from areal_agents.tinker import schemas as s
 from areal_agents.tinker.futures import FutureStore
 from areal_agents.tinker.ownership import BaseModels, BaseModelSpec, CheckpointPaths, NotFound, SessionBook
+from areal_agents.tinker.ranks import RankedTinkerTrainer
 from areal_agents.tinker.sampler import SampleParams, ServedAdapters, Snapshot
 from areal_agents.tinker.training import TinkerTrainer, checkpoint_spec
 from areal_agents.tinker.wire import (
@@ -65,7 +66,7 @@ class TinkerService:
         self,
         base_models: BaseModels,
         checkpoint_root: str | Path,
-        trainer: TinkerTrainer | None = None,
+        trainer: TinkerTrainer | RankedTinkerTrainer | None = None,
         engine_device: str = "cpu",
     ):
         self.base_models = base_models
@@ -362,6 +363,7 @@ class TinkerService:
         await self.futures.close()
         for engine in self._engines.values():
             engine.close()
+        self.trainer.close()  # ranks: their processes stop
 
 
 def _arch(base_dir: str) -> str:

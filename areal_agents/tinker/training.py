@@ -35,10 +35,17 @@ from transformers import AutoTokenizer
 from areal_agents.config import LoraConfig
 from areal_agents.engines.base import LoraEngine
 from areal_agents.errors import TinkerUserError
-from areal_agents.models.logprobs import chunked_token_logprobs
 from areal_agents.tinker.losses import Inputs, check_datum, loss_config, loss_spec
 from areal_agents.tinker.sampler import SampleOutput, SampleParams, Snapshot, sample
-from areal_agents.trainers.batching import hidden_states, make_micro_batches
+from areal_agents.tinker.sharding import (
+    TargetScorer,
+    all_reduce_gradients,
+    broadcast_from_rank0,
+    shard_base,
+    target_logprobs,
+)
+from areal_agents.trainers.batching import make_micro_batches
+from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.lora import Adapter, LoraBase
 from areal_agents.trainers.optim import optimizer_step
 from areal_agents.types import Trajectory
@@ -99,11 +106,21 @@ class ForwardBackwardOutput:
 
 
 class TinkerTrainer:
-    """Training models (adapters) over shared bases, one `LoraBase` per base directory; ``device`` for them all."""
+    """Training models (adapters) over shared bases, one `LoraBase` per base directory; ``device`` for them all.
+    With ``dp`` (one rank of several, on its device) each base is FSDP2-sharded and every request runs on every
+    rank (`tinker.sharding`; the calls come through `tinker.ranks`)."""
 
-    def __init__(self, dtype: str = "float32", device: str = "cpu", micro_batch_tokens: int = MICRO_BATCH_TOKENS):
-        self.dtype, self.device, self.micro_batch_tokens = dtype, torch.device(device), micro_batch_tokens
+    def __init__(
+        self,
+        dtype: str = "float32",
+        device: str = "cpu",
+        micro_batch_tokens: int = MICRO_BATCH_TOKENS,
+        dp: DataParallel | None = None,
+    ):
+        self.dtype, self.micro_batch_tokens, self.dp = dtype, micro_batch_tokens, dp
+        self.device = dp.device if dp is not None else torch.device(device)
         self.bases: dict[str, LoraBase] = {}
+        self.roots: dict[str, TargetScorer] = {}  # with dp: each base's sharded root
         self.models: dict[str, TrainingModel] = {}
         self._adapters = itertools.count()  # adapter names are ours ("m0", "m1", ...), not the client's model ids
         self._scratch: dict[tuple, Adapter] = {}  # per (base, LoRA shape): the adapter a sampler's snapshot scores in
@@ -155,12 +172,19 @@ class TinkerTrainer:
             if seed is not None:
                 torch.manual_seed(seed)  # PEFT's initialisation of A
             adapter = base.add(f"m{next(self._adapters)}", cfg, adapter_dir)
-            base.peft.to(self.device)
+            if self.dp is None:
+                base.peft.to(self.device)
+            else:  # PEFT put it beside the sharded base's weights; rank 0's draw of A everywhere
+                broadcast_from_rank0(adapter.parameters())
         return adapter
 
     def _base(self, base_dir: str) -> LoraBase:
         if base_dir not in self.bases:
-            self.bases[base_dir] = LoraBase(base_dir, self.dtype)
+            base = LoraBase(base_dir, self.dtype)
+            if self.dp is not None:
+                targets = [*ATTN_MODULES, *MLP_MODULES, *UNEMBED_MODULES]  # any LoRA a spec may ask for
+                self.roots[base_dir] = shard_base(base, targets, self.device, self.dtype)
+            self.bases[base_dir] = base
         return self.bases[base_dir]
 
     def _model(self, model_id: str) -> TrainingModel:
@@ -195,22 +219,40 @@ class TinkerTrainer:
 
     def _score(self, adapter: Adapter, checked: list[tuple[list[int], Inputs]], loss: Any, backward: bool):
         """Per datum (lp [T], loss(lp, inputs) [T]) as float32 CPU tensors, in packed micro-batches; with
-        ``backward`` each micro-batch's summed loss is backpropagated (adding to the adapter's gradients)."""
+        ``backward`` each micro-batch's summed loss is backpropagated (adding to the adapter's gradients).
+        With ranks each scores its share and all get every datum's; a non-finite loss on any fails them all."""
         trajectories = [Trajectory(t, [1] * len(t), [0.0] * len(t), [-1] * len(t)) for t, _ in checked]
-        lm, out = adapter.peft.get_base_model(), {}
+        micro_batches = make_micro_batches(trajectories, self.micro_batch_tokens, pack=True)
+        if self.dp is not None:
+            micro_batches = self.dp.share(micro_batches)  # padded: every rank runs as many (FSDP2 collectives)
+        out, finite = {}, True
         with torch.set_grad_enabled(backward):
-            for mb in make_micro_batches(trajectories, self.micro_batch_tokens, pack=True):
-                inputs = {k: torch.cat([checked[i][1][k] for i in mb.index]).to(self.device) for k in checked[0][1]}
-                hidden = hidden_states(lm.get_decoder(), mb.to(self.device))[0]  # [T, H]: position t, then its target
-                lp = chunked_token_logprobs(hidden, lm.get_output_embeddings(), inputs["target_tokens"], 1.0)
-                elementwise = loss(lp, inputs)
-                if not torch.isfinite(elementwise).all():
-                    raise TinkerUserError("loss_fn_inputs: the loss is NaN or infinite (logprobs far from lp_t?)")
+            for mb in micro_batches:
+                lp, elementwise = self._score_micro_batch(adapter, mb, checked, loss)
+                finite = finite and bool(torch.isfinite(elementwise).all())
                 if backward:
-                    elementwise.sum().backward()
+                    elementwise.sum().backward()  # even when not finite: the ranks' collectives stay in step
                 for (_, a, b), i in zip(mb.slices, mb.index):
                     out[i] = (lp[a:b].detach().float().cpu(), elementwise[a:b].detach().float().cpu())
+        if self.dp is not None:
+            out, finite = self.dp.gather(out), self.dp.max(0.0 if finite else 1.0) == 0.0
+        if not finite:  # the caller puts the gradients back
+            raise TinkerUserError("loss_fn_inputs: the loss is NaN or infinite (logprobs far from lp_t?)")
         return [out[i] for i in range(len(checked))]
+
+    def _score_micro_batch(self, adapter: Adapter, mb: Any, checked: list[tuple[list[int], Inputs]], loss: Any):
+        """(lp, loss) of one packed micro-batch; a rank's padding micro-batch (no datums) scores zero loss."""
+        mb = mb.to(self.device)
+        if not mb.index:
+            targets = torch.zeros(mb.input_ids.shape[-1], dtype=torch.long, device=self.device)
+            lp = self.roots[adapter.base.path](mb, targets)
+            return lp, lp * 0.0
+        inputs = {k: torch.cat([checked[i][1][k] for i in mb.index]).to(self.device) for k in checked[0][1]}
+        if self.dp is not None:
+            lp = self.roots[adapter.base.path](mb, inputs["target_tokens"])
+        else:
+            lp = target_logprobs(adapter.peft.get_base_model(), mb, inputs["target_tokens"])
+        return lp, loss(lp, inputs)
 
     def optim_step(
         self,
@@ -233,16 +275,27 @@ class TinkerTrainer:
         for group in model.optimizer.param_groups:
             group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
         with model.adapter.base.lock:
+            if self.dp is not None:
+                all_reduce_gradients(model.adapter.parameters())  # each rank's share: their sum is the whole
             clip = grad_clip_norm if grad_clip_norm > 0 else math.inf
             norm = optimizer_step(model.adapter.peft, model.optimizer, clip)
             model.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm:mean": norm, "learning_rate:mean": float(learning_rate)}
+
+    def close(self) -> None:
+        """Forget every training model and base (their memory goes with them)."""
+        self.models.clear()
+        self.bases.clear()
+        self.roots.clear()
+        self._scratch.clear()
 
     # ---- checkpoints ------------------------------------------------------------------------
 
     def save_state(self, model_id: str, path: str | Path, optimizer: bool = True) -> None:
         """PEFT's adapter directory at ``path``, its Tinker LoRA config, and (``optimizer``) its AdamW state."""
         model, path = self._model(model_id), Path(path)
+        if self.dp is not None and self.dp.rank != 0:
+            return  # the ranks hold the same adapter and optimizer state: rank 0 writes
         model.adapter.save_pretrained(path)
         (path / MODEL_FILE).write_text(json.dumps(asdict(model.spec), indent=2))
         if optimizer:
@@ -282,9 +335,8 @@ class TinkerTrainer:
     ) -> SampleOutput:
         """``num_samples`` samples from ``snapshot``, served by ``engine`` as ``adapter_name`` (None: the bare
         base); with ``prompt_logprobs`` the prompt's logprobs under the same snapshot (None at position 0)."""
-        score = (lambda tokens: self.prompt_logprobs(snapshot, tokens)) if prompt_logprobs else None
-        decode = _tokenizer(snapshot.base_dir).decode if any(isinstance(s, str) for s in params.stops) else None
-        return await sample(engine, adapter_name, prompt_tokens, params, num_samples, decode, score)
+        score = self.prompt_logprobs if prompt_logprobs else None
+        return await sample_snapshot(engine, adapter_name, snapshot, prompt_tokens, params, num_samples, score)
 
     def prompt_logprobs(self, snapshot: Snapshot, tokens: list[int]) -> list[float | None]:
         """log π(tokens[t] | tokens[:t]) under ``snapshot`` for t >= 1, None at t = 0: a forward pass of the
@@ -322,6 +374,22 @@ class TinkerTrainer:
                     raise TinkerUserError(f"model_path: the adapter does not fit {snapshot.base_dir}")
             with adapter.active():
                 yield adapter
+
+
+async def sample_snapshot(
+    engine: LoraEngine,
+    adapter_name: str | None,
+    snapshot: Snapshot,
+    prompt_tokens: list[int],
+    params: SampleParams,
+    num_samples: int,
+    score: Any | None,
+) -> SampleOutput:
+    """`TinkerTrainer.sample` given the trainer's ``score(snapshot, tokens)`` for prompt logprobs (None: not
+    asked), wherever that trainer runs (this process or its ranks)."""
+    scores = (lambda tokens: score(snapshot, tokens)) if score is not None else None
+    decode = _tokenizer(snapshot.base_dir).decode if any(isinstance(s, str) for s in params.stops) else None
+    return await sample(engine, adapter_name, prompt_tokens, params, num_samples, decode, scores)
 
 
 def checkpoint_spec(path: Path) -> LoraSpec:

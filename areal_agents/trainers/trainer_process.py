@@ -10,7 +10,7 @@ GIL, as with one process) and spawns N rank processes with torchrun's environmen
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so a rank runs what torchrun would run:
 gloo on CPU, NCCL on CUDA, rank r on the r-th visible GPU not set aside for servers (``engine.gpus``).
 Every call goes to every rank's `TrainerEndpoint`; rank 0 answers and publishes the gathered weights into
-the shared copy.
+the shared copy. `PipeTransport.start` spawns any endpoint the same way (serve-tinker's ranks).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import os
 import signal
 import threading
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,44 +48,62 @@ class TrainerProcessError(ArealAgentsError):
     """The trainer process raised (its traceback is in the message) or died."""
 
 
-def _serve(
-    conn: Any, spec: TrainSpec, name: str, model_path: str, init_path: str, env: dict[str, str] | None = None
-) -> None:
-    """The child: load the trainable policy (with ``env``, torchrun's, as one FSDP2 rank), then answer
-    calls as its `TrainerEndpoint` until ``close`` (or the pipe closes)."""
+@dataclass(frozen=True)
+class RankOptions:
+    """How each spawned endpoint process runs: intra-op ``threads`` (0: auto), torch's ``seed``, the
+    ``device`` of its rank (``auto``/``cpu``/``cuda``) and a ``label`` for its timeline."""
+
+    threads: int = 0
+    seed: int = 0
+    device: str = "cpu"
+    label: str = "trainer"
+
+
+def _serve(conn: Any, build: Callable[..., tuple[Any, Any]], args: tuple, how: RankOptions, env: dict | None) -> None:
+    """The child: ``build(dp, *args)`` (with ``env``, torchrun's, as one rank of a process group: ``dp``; else
+    None) gives an endpoint and its first answer; then the endpoint answers ``(method, args)`` calls on the
+    pipe (``endpoint.call``) until ``close`` (or the pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes this process
-    torch.set_num_threads(spec.cpu_threads or team_threads())  # 0: auto (a launcher fills in the run's)
+    torch.set_num_threads(how.threads or team_threads())  # 0: auto (a launcher fills in the run's)
     quiet_transformers()
-    seed_everything(spec.seed)
-    timeline_from_env(f"trainer-{name}" + (f"-rank{env['RANK']}" if env else ""))  # the run's timeline
+    seed_everything(how.seed)
+    timeline_from_env(how.label + (f"-rank{env['RANK']}" if env else ""))  # the run's timeline
     try:
         dp = None
         if env is not None:
             os.environ.update(env)
-            dp = DataParallel.from_env(resolve_device(spec.ppo.device))
-        policy = load_trainable(name, spec, model_path, init_path, dp)
-        full = policy.weights()  # every rank gathers; rank 0 holds the shared copy
-        shared = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in full.items()}
-        endpoint = TrainerEndpoint(policy, shared)
+            dp = DataParallel.from_env(resolve_device(how.device))
+        endpoint, first = build(dp, *args)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
-    conn.send(("ok", shared or None))
+    conn.send(("ok", first))
     try:
         while True:
             try:
-                method, args = conn.recv()
+                method, call_args = conn.recv()
             except EOFError:  # the parent went away
                 return
             if method == "close":
                 return
             try:
-                conn.send(("ok", endpoint.call(method, args)))
+                conn.send(("ok", endpoint.call(method, call_args)))
             except BaseException:
                 conn.send(("error", traceback.format_exc()))
     finally:
         if dp is not None:
             dp.close()
+
+
+def policy_endpoint(
+    dp: DataParallel | None, spec: TrainSpec, name: str, model_path: str, init_path: str
+) -> tuple[TrainerEndpoint, dict[str, torch.Tensor] | None]:
+    """A rank's `TrainerEndpoint` over its policy (`load_trainable`), and rank 0's shared-memory copy of the
+    weights (every rank gathers them; rank 0 holds the copy)."""
+    policy = load_trainable(name, spec, model_path, init_path, dp)
+    full = policy.weights()
+    shared = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in full.items()}
+    return TrainerEndpoint(policy, shared), shared or None
 
 
 def rank_environments(nproc: int, engine_gpus: list[int]) -> list[dict[str, str]]:
@@ -110,7 +129,9 @@ class PipeTransport:
         policy = RemotePolicy("policy", spec, Serving(engine, InProcessSync([engine]), None), transport)
     """
 
-    def __init__(self, name: str, processes: list[Any], conns: list[Any], shared: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, name: str, processes: list[Any], conns: list[Any], shared: dict[str, torch.Tensor] | None
+    ) -> None:
         self.name, self.processes, self._conns, self._shared = name, processes, conns, shared
         self.streams = len(processes) == 1  # ranks take a batch only whole
         self._caller = ThreadPoolExecutor(1, f"trainer-{name}-pipe")  # waits on the pipe, off the event loop
@@ -128,19 +149,38 @@ class PipeTransport:
     ) -> PipeTransport:
         """Start the trainer's processes, each loading its policy (`load_trainable`); `TrainerProcessError` if
         one fails (all are stopped)."""
+        threads = spec.cpu_threads or team_threads()
+        if nproc > 1:
+            spec = replace(spec, cpu_threads=max(1, threads // nproc))  # one team each
+        how = RankOptions(spec.cpu_threads, spec.seed, spec.ppo.device, f"trainer-{name}")
+        return cls.start(name, policy_endpoint, (spec, name, model_path, init_path), how, nproc, engine_gpus)
+
+    @classmethod
+    def start(
+        cls,
+        name: str,
+        build: Callable[..., tuple[Any, Any]],
+        args: tuple,
+        how: RankOptions,
+        nproc: int = 1,
+        engine_gpus: list[int] | None = None,
+    ) -> PipeTransport:
+        """``nproc`` processes (one, or the ranks of a process group), each answering calls with the endpoint
+        ``build(dp, *args)`` gives it (module-level: the processes are spawned); `TrainerProcessError` if one
+        fails to start (all are stopped). Its shared weights: rank 0's first answer."""
         if nproc == 1:
             process, conn, shared = start_child(
                 _serve,
-                (spec, name, model_path, init_path),
+                (build, args, how, None),
                 f"trainer-{name}",
                 TrainerProcessError,
                 f"trainer process {name!r} failed in start",
                 _START_TIMEOUT_S,
             )
             return cls(name, [process], [conn], shared)
-        spec = replace(spec, cpu_threads=max(1, (spec.cpu_threads or team_threads()) // nproc))  # one team each
+        how = replace(how, threads=max(1, (how.threads or team_threads()) // nproc))
         envs = rank_environments(nproc, engine_gpus or [])
-        return cls(name, *_start_ranks(spec, name, model_path, init_path, envs))
+        return cls(name, *_start_ranks(name, build, args, how, envs))
 
     def _who(self, rank: int) -> str:
         return f"trainer process {self.name!r}" + (f" (rank {rank})" if len(self.processes) > 1 else "")
@@ -204,13 +244,11 @@ class PipeTransport:
 
 
 def _start_ranks(
-    spec: TrainSpec, name: str, model_path: str, init_path: str, envs: list[dict[str, str]]
-) -> tuple[list[Any], list[Any], dict[str, torch.Tensor]]:
+    name: str, build: Callable[..., tuple[Any, Any]], args: tuple, how: RankOptions, envs: list[dict[str, str]]
+) -> tuple[list[Any], list[Any], Any]:
     """Spawn one `_serve` per environment, all before waiting (each joins the process group in its start);
-    their processes, pipes and rank 0's shared weights. `TrainerProcessError` if any fails: all are stopped."""
-    started = [
-        spawn_child(_serve, (spec, name, model_path, init_path, env), f"trainer-{name}-{env['RANK']}") for env in envs
-    ]
+    their processes, pipes and rank 0's first answer. `TrainerProcessError` if any fails: all are stopped."""
+    started = [spawn_child(_serve, (build, args, how, env), f"trainer-{name}-{env['RANK']}") for env in envs]
     processes, conns = [p for p, _ in started], [c for _, c in started]
     answers, failure = [], None
     for rank, (process, conn) in enumerate(started):

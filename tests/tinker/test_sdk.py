@@ -1,7 +1,7 @@
-"""The unmodified ``tinker`` SDK (0.38) against a real ``areal-agents serve-tinker`` process on a tiny Qwen3:
-the basic loop (LoRA client, tokenizer, forward_backward + optim_step with the loss going down, a sampler
-from the trained weights, save_state and a resumed client scoring the same), and client mistakes that
-fail at once with the SDK's own errors (issue 49's acceptance line)."""
+"""The unmodified ``tinker`` SDK (0.38) against a real ``areal-agents serve-tinker`` process on a tiny Qwen3,
+training in its own process and on two FSDP2 ranks: the basic loop (LoRA client, tokenizer, forward_backward +
+optim_step with the loss going down, a sampler from the trained weights, save_state and a resumed client
+scoring the same), and client mistakes that fail at once with the SDK's own errors (issue 49's acceptance)."""
 
 import numpy as np
 import pytest
@@ -12,16 +12,17 @@ from tinker import types
 from areal_agents.models.tiny import save_tiny_model
 from tests.tinker.tinker_process import CLIENT_ENV, serve_tinker
 
-pytestmark = pytest.mark.process  # ~6 s in all: in the default run, so CI runs the SDK's loop
+pytestmark = pytest.mark.process  # ~6 s a server: in the default run, so CI runs the SDK's loop
 BASE = "tiny-q"
 TEXTS = ["hello world, this is a test", "the quick brown fox jumps"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, monkeypatch_module):
-    """``serve-tinker`` on a fresh tiny Qwen3 checkpoint; the SDK's env points at it."""
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "two-fsdp2-ranks"])
+def server(request, tmp_path_factory, monkeypatch_module):
+    """``serve-tinker`` on a fresh tiny Qwen3 checkpoint, training in its own process or on two FSDP2 ranks
+    (gloo); the SDK's env points at it."""
     root = tmp_path_factory.mktemp("tinker")
-    with serve_tinker(root, {BASE: save_tiny_model(root / "base", family="qwen3")}) as url:
+    with serve_tinker(root, {BASE: save_tiny_model(root / "base", family="qwen3")}, request.param) as url:
         for key, value in {"TINKER_BASE_URL": url, **CLIENT_ENV}.items():
             monkeypatch_module.setenv(key, value)
         yield url

@@ -15,10 +15,12 @@ CLIENT_ENV = {"TINKER_API_KEY": "tml-test", "TINKER_TELEMETRY": "0"}  # the SDK 
 
 
 @contextlib.contextmanager
-def serve_tinker(root: Path, base_models: dict[str, Path]) -> Iterator[str]:
-    """``serve-tinker`` serving ``base_models`` (name -> checkpoint dir) with checkpoints under ``root``; its URL."""
+def serve_tinker(root: Path, base_models: dict[str, Path], nproc: int = 1) -> Iterator[str]:
+    """``serve-tinker`` serving ``base_models`` (name -> checkpoint dir) with checkpoints under ``root``, training
+    on ``nproc`` FSDP2 ranks (1: in its own process); its URL."""
     port = free_port()
     cmd = [sys.executable, "-m", "areal_agents.cli", "serve-tinker", "--checkpoint-root", str(root / "ckpt")]
+    cmd += ["--nproc-per-node", str(nproc)]
     cmd += [f"--base-model={name}={path}" for name, path in base_models.items()] + ["--port", str(port)]
     log = root / "server.log"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"))
