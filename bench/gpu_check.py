@@ -1,9 +1,9 @@
-"""The device check of issue 30 (item 8): five capped parts on one GPU, PASS/FAIL lines, a JSON file kept as it goes.
+"""The device check of issue 30 (item 8): six capped parts on one GPU, PASS/FAIL lines, a JSON file kept as it goes.
 
     bash scripts/gpu_check.sh                   # on the GPU machine: the carried wheels, then this driver
     bash scripts/gpu_check.sh --cpu-rehearsal   # here: a small model, the same code paths on the CPU
 
-Parts (one function each, run in the order a, b, d, e, c, each under its own cap in seconds: past it the rest of
+Parts (one function each, run in the order a, b, d, e, t, c, each under its own cap in seconds: past it the rest of
 the part is skipped, and said so; a part stuck past its cap by `HARD_GRACE_S` is interrupted; a part cut short
 is closed and its threads joined before the next starts; the caps' sum bounds them all, so an overrun comes
 out of the later parts' caps):
@@ -15,6 +15,8 @@ c. the single-GPU recipe (examples/gpu): a quick SFT, then RL steps; the slope o
    problems, with a 95% interval (bench/gpu_check_stats.py), and held-out accuracy before and after
 d. weight sync seconds for the 0.44B model: in_process (the hf engine) against disk (a serve-model server)
 e. ``mismatch_kl`` of the update: the GPU engine's behavior logprobs against the trainer's, same weights
+t. serve-tinker on the GPU (bench/gpu_check_tinker.py): a LoRA training model's loss falls, and its sampler's
+   logprobs on the service's engine match the trainer's forward
 
 Every result is appended to ``OUT/gpu_check.json`` (``$OUT``, else ``--out``) the moment it is known, so a
 run killed by its time limit still leaves what it measured. Exit code 0 only when no line FAILed.
@@ -41,7 +43,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "gpu"
-PARTS = "abdec"  # c, the longest and the most likely to hit its cap, last
+PARTS = "abdetc"  # c, the longest and the most likely to hit its cap, last
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ GPU = Sizes(
     rl_overrides=(),
     eval_problems=200,
     sync_repeats=3,
-    caps={"a": 55, "b": 40, "d": 40, "e": 20, "c": 115},  # 270 s: with start-up, inside gpu_check.sh's 300
+    caps={"a": 55, "b": 40, "d": 35, "e": 20, "t": 20, "c": 100},  # 270 s: with start-up, inside gpu_check.sh's 300
     min_mfu=0.30,
     max_in_process_sync_s=0.5,
 )
@@ -110,7 +112,7 @@ CPU = Sizes(
     rl_overrides=("ppo.lr=1e-4",),
     eval_problems=100,
     sync_repeats=2,
-    caps={"a": 60, "b": 60, "c": 300, "d": 90, "e": 30},
+    caps={"a": 60, "b": 60, "c": 300, "d": 90, "e": 30, "t": 60},
     min_mfu=0.0,  # a CPU has no bf16 tensor-core peak to reach: the figures must exist, that is all
     max_in_process_sync_s=5.0,
 )

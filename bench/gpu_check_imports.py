@@ -27,6 +27,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 CHECK_MODULES = (
     "gpu_check",
     "gpu_check_parts",
+    "gpu_check_tinker",
     "areal_agents.cli",
     "areal_agents.engines.model_server.server",
     "areal_agents.envs",

@@ -1,4 +1,4 @@
-"""The five parts of the device check (bench/gpu_check.py runs them): one function each, `PART[letter](ctx, cap)`.
+"""The six parts of the device check (bench/gpu_check.py runs them): one function each, `PART[letter](ctx, cap)`.
 
 Each opens what it measures the way a run opens it (`open_policy`, `open_policy_engine`, `run_sft`,
 `run_train` on examples/gpu's configs), so the check exercises the code users run, not a copy of it.
@@ -450,4 +450,11 @@ def finish(ctx) -> None:
         close_policy(ctx, policy)
 
 
-PART = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e}
+def part_t(ctx, cap) -> None:
+    """serve-tinker on the GPU: in a module of its own (bench/gpu_check_tinker.py), which imports this one."""
+    from gpu_check_tinker import part_t as tinker_part  # noqa: PLC0415
+
+    tinker_part(ctx, cap)
+
+
+PART = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "t": part_t}

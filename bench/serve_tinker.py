@@ -1,6 +1,7 @@
 """serve-tinker against the project's own loop on the same work: LoRA training tokens/s and sampling samples/s.
 
     .venv/bin/python bench/serve_tinker.py [--rounds 2] [--steps 8] [--batch 64] [--tokens 64] [--rank 16]
+                                           [--nproc-per-node 2]
 
 Training: each step is ``--batch`` sequences of ``--tokens`` tokens (the second half sampled, advantages +-1 in
 groups of 8) on the tiny model with a rank ``--rank`` LoRA adapter. serve-tinker: the ``tinker`` SDK's
@@ -9,6 +10,7 @@ groups of 8) on the tiny model with a rank ``--rank`` LoRA adapter. serve-tinker
 as many threads as serve-tinker's (a run gives its trainer the cores less the event loop's).
 Sampling: ``--batch`` prompts x 4 samples of ``--tokens // 2`` tokens (EOS ignored); serve-tinker: the SDK's
 ``sample`` on a sampler of the adapter; ours: `HFEngine.agenerate` with the same adapter in this process.
+``--nproc-per-node N`` adds serve-tinker training on N FSDP2 ranks (its samplers are the same engine's).
 Modes alternate ``--rounds`` times; each figure is the median of its rounds, after one warm-up step.
 """
 
@@ -88,12 +90,15 @@ def time_steps(step, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def tinker_modes(base: Path, args, trajectories) -> tuple[float, float]:
-    """(train s/step, sample s/round) through the SDK against a serve-tinker process."""
+def tinker_modes(base: Path, args, trajectories, nproc: int = 1) -> tuple[float, float]:
+    """(train s/step, sample s/round) through the SDK against a serve-tinker process training on ``nproc`` ranks."""
     import tinker
     from tinker import types
 
-    with tempfile.TemporaryDirectory(prefix="bench-tinker-") as root, serve_tinker(Path(root), {"bench": base}) as url:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-tinker-") as root,
+        serve_tinker(Path(root), {"bench": base}, nproc) as url,
+    ):
         os.environ.update({"TINKER_BASE_URL": url, **CLIENT_ENV})
         with tinker.ServiceClient() as service:
             training = service.create_lora_training_client(  # every linear layer but the head, as ours
@@ -159,14 +164,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="also serve-tinker on this many FSDP2 ranks")
     args = parser.parse_args()
     trajectories = work(args.batch, args.tokens, vocab=100)
+    ranked = f"{args.nproc_per_node} ranks"
     figures: dict[str, list[tuple[float, float]]] = {"serve-tinker": [], "ours": []}
+    if args.nproc_per_node > 1:
+        figures[ranked] = []
     with tempfile.TemporaryDirectory(prefix="bench-tinker-base-") as tmp:
         base = save_tiny_model(Path(tmp) / "tiny")
         for _ in range(args.rounds):
             figures["serve-tinker"].append(tinker_modes(base, args, trajectories))
             figures["ours"].append(our_modes(base, args, trajectories))
+            if args.nproc_per_node > 1:
+                figures[ranked].append(tinker_modes(base, args, trajectories, args.nproc_per_node))
     tokens, samples = args.batch * args.tokens, args.batch * SAMPLES
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.machine())  # fmt: skip
@@ -186,6 +197,8 @@ def main() -> None:
         f"serve-tinker / ours: train {rate['serve-tinker'][0] / rate['ours'][0]:.2f}x  "
         f"sample {rate['serve-tinker'][1] / rate['ours'][1]:.2f}x"
     )
+    if ranked in rate:
+        print(f"serve-tinker {ranked} / one process: train {rate[ranked][0] / rate['serve-tinker'][0]:.2f}x")
 
 
 if __name__ == "__main__":

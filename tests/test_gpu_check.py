@@ -27,12 +27,12 @@ def gpu_check(monkeypatch):
 def test_arguments_default_out_to_dollar_out_and_reject_bad_parts(gpu_check, monkeypatch, capsys):
     monkeypatch.setenv("OUT", "/tmp/device-out")
     args = gpu_check.parse_args([])
-    assert (args.out, args.parts, args.cpu_rehearsal) == ("/tmp/device-out", "abdec", False)
+    assert (args.out, args.parts, args.cpu_rehearsal) == ("/tmp/device-out", "abdetc", False)
     for bad in (["--parts", "az"], ["--parts", ""], ["--parts", "aa"], ["--cap-scale", "0"]):
         with pytest.raises(SystemExit) as e:
             gpu_check.parse_args(bad)
         assert e.value.code == 2
-    assert "--parts: expects distinct letters of 'abdec', got 'az'" in capsys.readouterr().err
+    assert "--parts: expects distinct letters of 'abdetc', got 'az'" in capsys.readouterr().err
 
 
 def test_every_record_is_in_the_json_file_when_it_is_printed(gpu_check, tmp_path, capsys):

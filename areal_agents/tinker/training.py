@@ -222,7 +222,7 @@ class TinkerTrainer:
         ``backward`` each micro-batch's summed loss is backpropagated (adding to the adapter's gradients).
         With ranks each scores its share and all get every datum's; a non-finite loss on any fails them all."""
         trajectories = [Trajectory(t, [1] * len(t), [0.0] * len(t), [-1] * len(t)) for t, _ in checked]
-        micro_batches = make_micro_batches(trajectories, self.micro_batch_tokens, pack=True)
+        micro_batches = make_micro_batches(trajectories, self._budget([len(t) for t, _ in checked]), pack=True)
         if self.dp is not None:
             micro_batches = self.dp.share(micro_batches)  # padded: every rank runs as many (FSDP2 collectives)
         out, finite = {}, True
@@ -239,6 +239,14 @@ class TinkerTrainer:
         if not finite:  # the caller puts the gradients back
             raise TinkerUserError("loss_fn_inputs: the loss is NaN or infinite (logprobs far from lp_t?)")
         return [out[i] for i in range(len(checked))]
+
+    def _budget(self, lengths: list[int]) -> int:
+        """Tokens per micro-batch: ``micro_batch_tokens``; with ranks at most a rank's share of the request (so a
+        request smaller than one micro-batch still gives every rank some), never below its longest datum."""
+        if self.dp is None:
+            return self.micro_batch_tokens
+        share = -(-sum(lengths) // self.dp.world_size)
+        return min(self.micro_batch_tokens, max(share, max(lengths)))
 
     def _score_micro_batch(self, adapter: Adapter, mb: Any, checked: list[tuple[list[int], Inputs]], loss: Any):
         """(lp, loss) of one packed micro-batch; a rank's padding micro-batch (no datums) scores zero loss."""

@@ -13,9 +13,10 @@ from areal_agents.cli import main
         (["--base-model", "nodir"], "--base-model: expects NAME=DIR, got 'nodir'"),
         (["--base-model", "m=/no/such/dir"], "--base-model m: /no/such/dir is not a checkpoint directory"),
         ([], "--base-model: expects at least one NAME=DIR (or --tiny-families)"),
+        (["--tiny-families", "--nproc-per-node", "0"], "--nproc-per-node: expects an integer >= 1, got 0"),
     ],
 )
-def test_a_bad_base_model_flag_is_one_line_naming_it(flags, message, tmp_path, capsys):
+def test_a_bad_flag_is_one_line_naming_it(flags, message, tmp_path, capsys):
     assert main(["serve-tinker", "--checkpoint-root", str(tmp_path), *flags]) == 2
     assert message in capsys.readouterr().err
 
