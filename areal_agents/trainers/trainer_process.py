@@ -19,10 +19,12 @@ import asyncio
 import os
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from multiprocessing.connection import wait as connection_wait
 from typing import Any
 
 import torch
@@ -42,6 +44,9 @@ from areal_agents.trainers.trainer_endpoint import TrainerEndpoint
 from areal_agents.workers import first_answer, spawn_child, start_child, stop_child
 
 _START_TIMEOUT_S = 600.0
+# after a rank's error, how long the others may take to answer: past it they are waiting in a collective for
+# the rank that failed (a rank's share of a call runs collectives every layer, so seconds apart)
+STUCK_AFTER_ERROR_S = 120.0
 
 
 class TrainerProcessError(ArealAgentsError):
@@ -136,6 +141,7 @@ class PipeTransport:
         self.streams = len(processes) == 1  # ranks take a batch only whole
         self._caller = ThreadPoolExecutor(1, f"trainer-{name}-pipe")  # waits on the pipe, off the event loop
         self._lock = threading.Lock()
+        self.stuck_after_s = STUCK_AFTER_ERROR_S
 
     @classmethod
     def spawn(
@@ -200,24 +206,60 @@ class PipeTransport:
 
     def call(self, method: str, *args: Any) -> Any:
         """``method`` on every rank (one call on the pipes at a time: the event loop's and a checkpoint's);
-        rank 0's answer, or the first rank's error once all have answered."""
+        rank 0's answer, or the first rank's error once all have answered. Ranks meet in collectives, so one
+        that dies leaves the others waiting for good: the trainer is stopped, every rank, and the error says
+        which died; one that fails while the others do not answer within `stuck_after_s` stops it too."""
         with self._lock:
             for rank, conn in enumerate(self._conns):
                 try:
                     conn.send((method, args))
                 except (BrokenPipeError, ConnectionError, OSError):
+                    exitcode = self.processes[rank].exitcode
+                    self._stop_ranks()  # those that took the call would wait for this one in a collective
                     raise TrainerProcessError(
-                        f"{self._who(rank)} is gone (exit code {self.processes[rank].exitcode}); cannot {method}"
+                        f"{self._who(rank)} is gone (exit code {exitcode}); cannot {method}"
                     ) from None
-            answers, error = [], None
-            for rank in range(len(self._conns)):
-                try:
-                    answers.append(self._receive(method, rank))
-                except TrainerProcessError as e:
-                    error = error or e
+            answers, error = self._answers(method)
             if error is not None:
                 raise error
             return answers[0]
+
+    def _answers(self, method: str) -> tuple[dict[int, Any], TrainerProcessError | None]:
+        """Every rank's answer to ``method`` as it comes (a rank that died: at once, by its process sentinel),
+        and the first error; the ranks stopped when one died or the rest hang after an error."""
+        pending = {conn: rank for rank, conn in enumerate(self._conns)}
+        answers: dict[int, Any] = {}
+        error, deadline = None, None
+        while pending:
+            sentinels = {self.processes[rank].sentinel: conn for conn, rank in pending.items()}
+            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = connection_wait([*pending, *sentinels], wait_s)
+            if not ready:  # a rank failed and the others never answered: waiting in a collective for it
+                self._stop_ranks()
+                stuck = ", ".join(str(rank) for rank in sorted(pending.values()))
+                return answers, TrainerProcessError(
+                    f"{error}\nranks {stuck} of trainer {self.name!r} did not answer within {self.stuck_after_s:.0f}s "
+                    "after it (waiting in a collective for it): the trainer is stopped"
+                )
+            for conn in {sentinels.get(obj, obj) for obj in ready}:
+                rank = pending.pop(conn)
+                try:
+                    answers[rank] = self._receive(method, rank)
+                except TrainerProcessError as e:
+                    if not self.processes[rank].is_alive() and len(self.processes) > 1:
+                        self._stop_ranks()  # a dead rank: no collective completes again
+                        return answers, e
+                    error = error or e
+                    deadline = deadline or time.monotonic() + self.stuck_after_s
+        return answers, error
+
+    def _stop_ranks(self) -> None:
+        """Kill every trainer process (a broken process group): later calls find them gone."""
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        for process in self.processes:
+            process.join(5)
 
     async def acall(self, method: str, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._caller, self.call, method, *args)
