@@ -16,10 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from areal_agents.engines.base import LoraEngine
 from areal_agents.errors import TinkerUserError
-from areal_agents.tinker.sampler import SampleOutput, SampleParams, Snapshot
-from areal_agents.tinker.training import MICRO_BATCH_TOKENS, ForwardBackwardOutput, TinkerTrainer, sample_snapshot
+from areal_agents.tinker.sampler import Snapshot
+from areal_agents.tinker.training import MICRO_BATCH_TOKENS, ForwardBackwardOutput, SnapshotSampling, TinkerTrainer
 from areal_agents.trainers.distributed import DataParallel
 from areal_agents.trainers.trainer_endpoint import UnknownTrainerCall
 from areal_agents.trainers.trainer_process import PipeTransport, RankOptions
@@ -60,8 +59,9 @@ def tinker_endpoint(dp: DataParallel | None, dtype: str, micro_batch_tokens: int
     return TinkerEndpoint(TinkerTrainer(dtype, micro_batch_tokens=micro_batch_tokens, dp=dp)), None
 
 
-class RankedTinkerTrainer:
-    """`TinkerTrainer`'s methods, run on every rank of ``transport``; ``models`` holds the ids that exist."""
+class RankedTinkerTrainer(SnapshotSampling):
+    """`TinkerTrainer`'s methods, run on every rank of ``transport``; ``models`` holds the ids that exist.
+    Samples run on this process's engine, their prompt logprobs on the ranks."""
 
     def __init__(self, transport: PipeTransport) -> None:
         self.transport = transport
@@ -128,20 +128,6 @@ class RankedTinkerTrainer:
 
     def prompt_logprobs(self, snapshot: Snapshot, tokens: list[int]) -> list[float | None]:
         return self._call("prompt_logprobs", snapshot, list(tokens))
-
-    async def sample(
-        self,
-        engine: LoraEngine,
-        adapter_name: str | None,
-        snapshot: Snapshot,
-        prompt_tokens: list[int],
-        params: SampleParams,
-        num_samples: int = 1,
-        prompt_logprobs: bool = False,
-    ) -> SampleOutput:
-        """As `TinkerTrainer.sample`: the engine is this process's, prompt logprobs come from the ranks."""
-        score = self.prompt_logprobs if prompt_logprobs else None
-        return await sample_snapshot(engine, adapter_name, snapshot, prompt_tokens, params, num_samples, score)
 
     def close(self) -> None:
         """Stop the rank processes (once: the server's shutdown and the command's both close it)."""

@@ -22,6 +22,7 @@ import itertools
 import json
 import math
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import cache
@@ -105,7 +106,32 @@ class ForwardBackwardOutput:
     metrics: dict[str, float]
 
 
-class TinkerTrainer:
+class SnapshotSampling(ABC):
+    """`sample` for a trainer that scores prompts with ``prompt_logprobs(snapshot, tokens)``, wherever that
+    trainer runs (this process, or its ranks: `tinker.ranks`)."""
+
+    @abstractmethod
+    def prompt_logprobs(self, snapshot: Snapshot, tokens: list[int]) -> list[float | None]:
+        """log π(tokens[t] | tokens[:t]) under ``snapshot`` for t >= 1, None at t = 0."""
+
+    async def sample(
+        self,
+        engine: LoraEngine,
+        adapter_name: str | None,
+        snapshot: Snapshot,
+        prompt_tokens: list[int],
+        params: SampleParams,
+        num_samples: int = 1,
+        prompt_logprobs: bool = False,
+    ) -> SampleOutput:
+        """``num_samples`` samples from ``snapshot``, served by ``engine`` as ``adapter_name`` (None: the bare
+        base); with ``prompt_logprobs`` the prompt's logprobs under the same snapshot (None at position 0)."""
+        score = (lambda tokens: self.prompt_logprobs(snapshot, tokens)) if prompt_logprobs else None
+        decode = _tokenizer(snapshot.base_dir).decode if any(isinstance(s, str) for s in params.stops) else None
+        return await sample(engine, adapter_name, prompt_tokens, params, num_samples, decode, score)
+
+
+class TinkerTrainer(SnapshotSampling):
     """Training models (adapters) over shared bases, one `LoraBase` per base directory; ``device`` for them all.
     With ``dp`` (one rank of several, on its device) each base is FSDP2-sharded and every request runs on every
     rank (`tinker.sharding`; the calls come through `tinker.ranks`)."""
@@ -331,21 +357,6 @@ class TinkerTrainer:
         model = self._model(model_id)
         return Snapshot(model.spec.base_dir, model.adapter.tensors(), model.adapter.config())
 
-    async def sample(
-        self,
-        engine: LoraEngine,
-        adapter_name: str | None,
-        snapshot: Snapshot,
-        prompt_tokens: list[int],
-        params: SampleParams,
-        num_samples: int = 1,
-        prompt_logprobs: bool = False,
-    ) -> SampleOutput:
-        """``num_samples`` samples from ``snapshot``, served by ``engine`` as ``adapter_name`` (None: the bare
-        base); with ``prompt_logprobs`` the prompt's logprobs under the same snapshot (None at position 0)."""
-        score = self.prompt_logprobs if prompt_logprobs else None
-        return await sample_snapshot(engine, adapter_name, snapshot, prompt_tokens, params, num_samples, score)
-
     def prompt_logprobs(self, snapshot: Snapshot, tokens: list[int]) -> list[float | None]:
         """log π(tokens[t] | tokens[:t]) under ``snapshot`` for t >= 1, None at t = 0: a forward pass of the
         snapshot's weights, loaded into a scratch adapter of the same shape on the shared base."""
@@ -382,22 +393,6 @@ class TinkerTrainer:
                     raise TinkerUserError(f"model_path: the adapter does not fit {snapshot.base_dir}")
             with adapter.active():
                 yield adapter
-
-
-async def sample_snapshot(
-    engine: LoraEngine,
-    adapter_name: str | None,
-    snapshot: Snapshot,
-    prompt_tokens: list[int],
-    params: SampleParams,
-    num_samples: int,
-    score: Any | None,
-) -> SampleOutput:
-    """`TinkerTrainer.sample` given the trainer's ``score(snapshot, tokens)`` for prompt logprobs (None: not
-    asked), wherever that trainer runs (this process or its ranks)."""
-    scores = (lambda tokens: score(snapshot, tokens)) if score is not None else None
-    decode = _tokenizer(snapshot.base_dir).decode if any(isinstance(s, str) for s in params.stops) else None
-    return await sample(engine, adapter_name, prompt_tokens, params, num_samples, decode, scores)
 
 
 def checkpoint_spec(path: Path) -> LoraSpec:
