@@ -13,6 +13,7 @@ a non-finite loss is agreed on), and comes back as the `TinkerUserError` it was.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,7 @@ class RankedTinkerTrainer(SnapshotSampling):
         return value
 
     def create_model(self, model_id: str, base_model_dir: str, rank: int, **options: Any) -> None:
-        self._call("create_model", model_id, base_model_dir, rank, *_options(**options))
+        self._call("create_model", *_positional(TinkerTrainer.create_model, model_id, base_model_dir, rank, **options))
         self.models[model_id] = None
 
     def drop_model(self, model_id: str) -> None:
@@ -108,12 +109,7 @@ class RankedTinkerTrainer(SnapshotSampling):
         return self._call("forward_backward", model_id, list(datums), loss_fn, config, forward_only)
 
     def optim_step(self, model_id: str, **params: float) -> dict[str, float]:
-        order = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
-        defaults = (1e-4, 0.9, 0.95, 1e-12, 0.0, 0.0)
-        unknown = set(params) - set(order)
-        if unknown:
-            raise TypeError(f"optim_step: unknown parameters {sorted(unknown)}")
-        return self._call("optim_step", model_id, *(params.get(k, d) for k, d in zip(order, defaults)))
+        return self._call("optim_step", *_positional(TinkerTrainer.optim_step, model_id, **params))
 
     def save_state(self, model_id: str, path: str | Path, optimizer: bool = True) -> None:
         self._call("save_state", model_id, str(path), optimizer)
@@ -136,8 +132,9 @@ class RankedTinkerTrainer(SnapshotSampling):
             self.transport.close()
 
 
-def _options(
-    seed: int | None = None, train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True
-) -> tuple[Any, ...]:
-    """`TinkerTrainer.create_model`'s keyword options, in its order (a pipe carries positional arguments)."""
-    return seed, train_attn, train_mlp, train_unembed
+def _positional(method: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+    """``method``'s arguments (after self) all positional, its defaults filled in (a pipe carries positional
+    arguments); `TypeError` for a keyword it does not take."""
+    bound = inspect.signature(method).bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    return bound.args[1:]
